@@ -1,0 +1,1 @@
+"""loraplex prefix cache (Redis-backed KV reuse). Never imports torch."""

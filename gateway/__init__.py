@@ -1,0 +1,1 @@
+"""loraplex gateway: the HTTP front door (tenants, routing). Never imports torch."""

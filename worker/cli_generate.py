@@ -1,0 +1,119 @@
+"""`loraplex generate`: one prompt through the base model and adapters."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+
+from worker.adapter import AdapterError
+from worker.alora import MultipleALoRAError
+from worker.chat_template import ChatTemplate, ChatTemplateError
+from worker.default_model import ModelNotFoundError, resolve_model_path
+from worker.generate import GenerationResult, RequestError, TokenLogprob, generate
+from worker.gguf_file import GGUFFormatError
+from worker.hparams import UnsupportedModelError
+from worker.loader import DeviceConfig
+from worker.runner import ModelRunner
+from worker.sampling import SamplingParams
+from worker.tokenizer import GGUFTokenizer, TokenizerError
+
+EXIT_INVALID = 2
+
+
+def build_prompt(args: argparse.Namespace, tokenizer: GGUFTokenizer | None) -> list[int]:
+    if args.prompt_tokens is not None:
+        return list(args.prompt_tokens)
+    if tokenizer is None:
+        raise RequestError("this model's tokenizer is not supported: pass --prompt-tokens")
+    if args.prompt is not None:
+        return tokenizer.encode(args.prompt, add_special=True, parse_special=True)
+    if not tokenizer.chat_template:
+        raise RequestError("this model has no chat template (tokenizer.chat_template): use --prompt")
+    bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+    eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+    text = ChatTemplate(tokenizer.chat_template, bos, eos).render([{"role": "user", "content": args.chat}])
+    # a template that writes the BOS itself must not get a second one
+    add_special = not (tokenizer.add_bos and bos and text.startswith(bos))
+    return tokenizer.encode(text, add_special=add_special, parse_special=True)
+
+
+def _logprob_json(entry: TokenLogprob | None) -> dict[str, Any] | None:
+    if entry is None:
+        return None
+    return {"id": entry.token_id, "logprob": entry.logprob, "top": [[i, lp] for i, lp in entry.top]}
+
+
+def result_json(result: GenerationResult, load_time_s: float) -> dict[str, Any]:
+    num_generated = len(result.token_ids)
+    out: dict[str, Any] = {
+        "prompt_tokens": result.prompt_ids,
+        "tokens": result.token_ids,
+        "text": result.text,
+        "finish_reason": result.finish_reason,
+        "timings": {
+            "load_s": load_time_s,
+            "prompt_s": result.prompt_time_s,
+            "decode_s": result.decode_time_s,
+            "decode_tokens_per_s": num_generated / result.decode_time_s if result.decode_time_s > 0 else None,
+        },
+    }
+    if result.alora_activation is not None:
+        out["alora_activation"] = result.alora_activation
+    if result.logprobs is not None:
+        out["logprobs"] = [_logprob_json(e) for e in result.logprobs]
+    if result.prompt_logprobs is not None:
+        out["prompt_logprobs"] = [_logprob_json(e) for e in result.prompt_logprobs]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+        config = DeviceConfig(device=args.device, dtype=dtype)
+        params = SamplingParams(
+            max_tokens=args.n_predict, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs, echo=args.echo,
+        )
+        model_path = resolve_model_path(args.model)
+        print(f"loading {model_path.name} with {len(args.lora)} adapter(s) on {config.device} ({config.dtype})...", file=sys.stderr)
+        runner = ModelRunner.from_paths(model_path, [path for path, _ in args.lora], config)
+        try:
+            tokenizer: GGUFTokenizer | None = GGUFTokenizer(runner.base)
+        except TokenizerError:
+            if args.prompt_tokens is None:
+                raise
+            tokenizer = None
+        prompt_ids = build_prompt(args, tokenizer)
+        scales = {slot: scale for slot, (_, scale) in enumerate(args.lora)}
+        stream = None if args.json else (lambda text: print(text, end="", flush=True))
+        if stream is not None and args.echo and tokenizer is not None:
+            stream(tokenizer.decode(prompt_ids))
+        result = generate(runner, prompt_ids, params, scales, tokenizer, on_text=stream)
+    except ModelNotFoundError as e:
+        print(f"loraplex generate: {e}", file=sys.stderr)
+        return 1
+    except AdapterError as e:
+        print(f"loraplex generate: invalid adapter {e.path}: {e.message}", file=sys.stderr)
+        return EXIT_INVALID
+    except (RequestError, MultipleALoRAError, ChatTemplateError, TokenizerError, GGUFFormatError, UnsupportedModelError, ValueError) as e:
+        print(f"loraplex generate: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    load_time_s = runner.loaded.load_time_s
+    if args.json:
+        json.dump(result_json(result, load_time_s), sys.stdout)
+        print()
+    else:
+        print()
+        rate = len(result.token_ids) / result.decode_time_s if result.decode_time_s > 0 else 0.0
+        print(
+            f"[load {load_time_s:.2f} s | prompt {len(prompt_ids)} tokens in {result.prompt_time_s:.3f} s | "
+            f"{len(result.token_ids)} tokens in {result.decode_time_s:.2f} s ({rate:.1f} tokens/s) | finish: {result.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0

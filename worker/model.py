@@ -1,0 +1,136 @@
+"""Decoder-only transformer for llama and qwen2 GGUF models.
+
+Modules are named after GGUF tensors (`blk.3.attn_q` holds `blk.3.attn_q.weight`)
+so weights and adapters map by name. Knows nothing of LoRA: adapters wrap the
+linear layers from outside (worker/lora.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.hparams import ModelHParams, RopeStyle
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE tables for every position up to the context length."""
+
+    def __init__(self, hp: ModelHParams, freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.style = hp.rope_style
+        self.rope_dim = hp.rope_dim
+        exponents = torch.arange(0, hp.rope_dim, 2, dtype=torch.float64) / hp.rope_dim
+        inv_freq = hp.rope_freq_scale / (hp.rope_base**exponents)  # [rope_dim/2]
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.to(inv_freq.device, torch.float64)
+        angles = torch.outer(torch.arange(hp.context_length, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)  # [ctx, rope_dim/2]
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, H, D]; positions: [B, T]
+        cos = self.cos[positions].unsqueeze(2)  # [B, T, 1, rope_dim/2]
+        sin = self.sin[positions].unsqueeze(2)
+        rot, rest = x[..., : self.rope_dim].float(), x[..., self.rope_dim :]
+        if self.style == RopeStyle.ADJACENT_PAIRS:
+            pairs = rot.unflatten(-1, (-1, 2))
+            x0, x1 = pairs[..., 0], pairs[..., 1]
+            rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+        else:
+            x0, x1 = rot.chunk(2, dim=-1)
+            rotated = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+        return torch.cat((rotated.to(x.dtype), rest), dim=-1)
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys and values: [num_layers, B, num_kv_heads, max_len, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(cls, hp: ModelHParams, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        shape = (hp.num_layers, batch, hp.num_kv_heads, max_len, hp.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+
+class Block(nn.Module):
+    def __init__(self, hp: ModelHParams, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.num_heads, self.num_kv_heads, self.head_dim = hp.num_heads, hp.num_kv_heads, hp.head_dim
+        q_dim, kv_dim = hp.num_heads * hp.head_dim, hp.num_kv_heads * hp.head_dim
+        self.attn_norm = RMSNorm(hp.embed_dim, hp.rms_norm_eps)
+        self.attn_q = nn.Linear(hp.embed_dim, q_dim, bias=hp.has_qkv_bias)
+        self.attn_k = nn.Linear(hp.embed_dim, kv_dim, bias=hp.has_qkv_bias)
+        self.attn_v = nn.Linear(hp.embed_dim, kv_dim, bias=hp.has_qkv_bias)
+        self.attn_output = nn.Linear(q_dim, hp.embed_dim, bias=False)
+        self.ffn_norm = RMSNorm(hp.embed_dim, hp.rms_norm_eps)
+        self.ffn_gate = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
+        self.ffn_up = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
+        self.ffn_down = nn.Linear(hp.ffn_dim, hp.embed_dim, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rotary, cache: KVCache, mask: torch.Tensor | None) -> torch.Tensor:
+        batch, num_new, _ = x.shape
+        h = self.attn_norm(x)
+        q = rope(self.attn_q(h).view(batch, num_new, self.num_heads, self.head_dim), positions)
+        k = rope(self.attn_k(h).view(batch, num_new, self.num_kv_heads, self.head_dim), positions)
+        v = self.attn_v(h).view(batch, num_new, self.num_kv_heads, self.head_dim)
+        # positions are contiguous per row: write the new keys/values in place
+        start = int(positions[0, 0])
+        end = start + num_new
+        cache.k[self.index, :, :, start:end] = k.transpose(1, 2)
+        cache.v[self.index, :, :, start:end] = v.transpose(1, 2)
+        keys, values = cache.k[self.index, :, :, :end], cache.v[self.index, :, :, :end]  # [B, Hkv, S, D]
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        x = x + self.attn_output(attn.transpose(1, 2).reshape(batch, num_new, -1))
+        h = self.ffn_norm(x)
+        return x + self.ffn_down(F.silu(self.ffn_gate(h)) * self.ffn_up(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, hp: ModelHParams) -> None:
+        super().__init__()
+        self.hp = hp
+        self.token_embd = nn.Embedding(hp.vocab_size, hp.embed_dim)
+        self.blk = nn.ModuleList(Block(hp, i) for i in range(hp.num_layers))
+        self.output_norm = RMSNorm(hp.embed_dim, hp.rms_norm_eps)
+        self.output = nn.Linear(hp.embed_dim, hp.vocab_size, bias=False)
+        self.rope = Rotary(hp)
+
+    def tie_output(self) -> None:
+        """Use the token embedding as output projection (GGUF without output.weight)."""
+        self.output.weight = self.token_embd.weight
+
+    def forward(self, input_ids: torch.Tensor, start_pos: int, cache: KVCache) -> torch.Tensor:
+        """input_ids [B, T] at positions start_pos.. -> final hidden states [B, T, embed_dim]."""
+        batch, num_new = input_ids.shape
+        positions = torch.arange(start_pos, start_pos + num_new, device=input_ids.device).expand(batch, num_new)
+        mask = None
+        if num_new > 1:  # causal over the cached prefix plus the new tokens
+            key_pos = torch.arange(start_pos + num_new, device=input_ids.device)
+            mask = key_pos[None, :] <= positions[0, :, None]  # [T, S]
+        x = self.token_embd(input_ids)
+        for block in self.blk:
+            x = block(x, positions, self.rope, cache, mask)
+        return self.output_norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output(hidden).float()

@@ -1,0 +1,102 @@
+"""A base model on one device with a fixed adapter set, run with per-token adapter scales."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from worker.adapter import LoRAAdapter, load_adapter
+from worker.alora import MultipleALoRAError, activation_index
+from worker.gguf_file import GGUFFile
+from worker.lora import LoRABackend, attach_lora
+from worker.loader import DeviceConfig, load_model
+from worker.model import KVCache
+
+
+@dataclass(frozen=True)
+class AdapterScales:
+    """Per-token slot scales for a prompt, and for every token generated after it."""
+
+    prompt: torch.Tensor  # [T, num_slots]
+    generated: torch.Tensor  # [1, num_slots]
+    active_slots: frozenset[int]
+    alora_activation: int | None  # index where the request's aLoRA turns on
+
+
+class ModelRunner:
+    def __init__(self, base: GGUFFile, adapters: Sequence[LoRAAdapter], config: DeviceConfig, backend: LoRABackend | None = None) -> None:
+        self.config = config
+        self.base = base
+        self.loaded = load_model(base, config)
+        self.model = self.loaded.model
+        self.hparams = self.loaded.hparams
+        self.adapters = list(adapters)
+        self.lora = attach_lora(self.model, self.adapters, config, backend)
+
+    @classmethod
+    def from_paths(cls, model_path: str | os.PathLike[str], adapter_paths: Sequence[str | os.PathLike[str]], config: DeviceConfig) -> ModelRunner:
+        base = GGUFFile(model_path)
+        return cls(base, [load_adapter(p, base) for p in adapter_paths], config)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.adapters)
+
+    def adapter_scales(self, prompt_ids: Sequence[int], scales: Mapping[int, float]) -> AdapterScales:
+        """Slot scales per token for a request enabling `scales` (slot -> runtime scale).
+
+        Scale-0 slots are not applied. An aLoRA applies from its activation index on,
+        and not at all when the prompt lacks its invocation sequence.
+        """
+        device, num_tokens = self.config.torch_device, len(prompt_ids)
+        prompt = torch.zeros(num_tokens, self.num_slots, dtype=torch.float32)
+        generated = torch.zeros(1, self.num_slots, dtype=torch.float32)
+        active = set()
+        alora_slots = [s for s, v in scales.items() if v != 0 and self.adapters[s].is_alora]
+        if len(alora_slots) > 1:
+            raise MultipleALoRAError()
+        activation = None
+        for slot, scale in scales.items():
+            if not 0 <= slot < self.num_slots:
+                raise ValueError(f"adapter slot {slot} does not exist (this worker has {self.num_slots})")
+            if scale == 0:
+                continue
+            start = 0
+            if slot in alora_slots:
+                activation = activation_index(prompt_ids, self.adapters[slot].invocation_tokens)
+                if activation is None:
+                    continue
+                start = activation
+            prompt[start:, slot] = scale
+            generated[0, slot] = scale
+            active.add(slot)
+        return AdapterScales(prompt.to(device), generated.to(device), frozenset(active), activation)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        return KVCache.allocate(self.hparams, 1, max_len, self.config.torch_dtype, self.config.torch_device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: Sequence[int],
+        start_pos: int,
+        cache: KVCache,
+        slot_scales: torch.Tensor,
+        active_slots: frozenset[int],
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run `token_ids` at positions start_pos.. -> logits [T, V] (or [1, V] for the last)."""
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.config.torch_device)
+        batch = self.lora.batch
+        batch.set(slot_scales, active_slots)
+        try:
+            hidden = self.model(ids, start_pos, cache)[0]  # [T, d]
+            if not all_logits:
+                hidden = hidden[-1:]
+                batch.set(slot_scales[-1:], active_slots)
+            return self.model.logits(hidden)
+        finally:
+            batch.clear()
