@@ -23,7 +23,7 @@ CHATML = (
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED = ["<tool>"]
-MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "l l", "e ll", "h ell", "hell o"]
+MERGES = ["Ġ t", "l l", "e ll", "h ell", "hell o", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s"]
 
 
 def _bytes_to_unicode() -> list[str]:

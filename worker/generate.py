@@ -107,7 +107,7 @@ def generate(
     need_prompt_logprobs = params.echo and want_logprobs
     logits = runner.forward(prompt_ids, 0, cache, scales.prompt, scales.active_slots, all_logits=need_prompt_logprobs)
     if need_prompt_logprobs:
-        lp = torch.log_softmax(mask_eog(logits[:-1]), dim=-1)
+        lp = torch.log_softmax(logits[:-1], dim=-1)  # reported from the model's own distribution
         result.prompt_logprobs = [None] + [_logprob_entry(lp[i], prompt_ids[i + 1], params.logprobs) for i in range(len(prompt_ids) - 1)]
         logits = logits[-1:]
     result.prompt_time_s = time.perf_counter() - started
@@ -116,14 +116,13 @@ def generate(
     position = len(prompt_ids)
     budget = max_len - len(prompt_ids)
     while len(result.token_ids) < budget:
-        row = mask_eog(logits[0])
-        token = sample(row, params, generator)
+        token = sample(mask_eog(logits[0]), params, generator)
         if token in eog_ids:  # never sampled with ignore_eos: masked
             result.finish_reason = "stop"
             break
         result.token_ids.append(token)
         if want_logprobs:
-            result.logprobs.append(_logprob_entry(torch.log_softmax(row, dim=-1), token, params.logprobs))
+            result.logprobs.append(_logprob_entry(torch.log_softmax(logits[0], dim=-1), token, params.logprobs))
         if decoder is not None:
             emit(decoder.push(token))
         if len(result.token_ids) == budget:

@@ -107,6 +107,8 @@ def _collect_pairs(tensors: dict[str, StoredTensor]) -> dict[str, dict[str, Stor
     pairs: dict[str, dict[str, StoredTensor]] = {}
     unsupported = []
     for key, tensor in tensors.items():
+        if key.endswith(".base_layer.weight"):
+            continue  # copies of base weights (PEFT's save_embedding_layers), not part of the delta
         match = _KEY.match(key)
         if match is None:
             unsupported.append(key)

@@ -1,0 +1,24 @@
+"""The gateway side (and everything it uses from worker/) never imports torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CODE = """
+import sys
+import cache, gateway, gateway.cli
+import worker, worker.adapter, worker.alora, worker.chat_template, worker.fingerprint
+import worker.gguf_file, worker.hparams, worker.peft_convert, worker.tokenizer, worker.default_model
+from worker.cli_inspect import describe
+describe(sys.argv[1], sys.argv[2])
+describe(sys.argv[2], None)
+assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
+print("ok")
+"""
+
+
+def test_gateway_and_torch_free_worker_modules_do_not_load_torch(small_adapter_path, real_model_path) -> None:
+    done = subprocess.run([sys.executable, "-c", CODE, str(small_adapter_path), str(real_model_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
