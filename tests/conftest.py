@@ -47,10 +47,10 @@ def real_model_path() -> Path:
 @pytest.fixture(scope="session")
 def real_runner(real_model_path: Path, small_adapter_path: Path):
     """The default model on CPU with llama.cpp's reference adapter in slot 0, loaded once."""
-    from worker.loader import DeviceConfig
+    from tests.helpers import TEST_DEVICE
     from worker.runner import ModelRunner
 
-    return ModelRunner.from_paths(real_model_path, [small_adapter_path], DeviceConfig())
+    return ModelRunner.from_paths(real_model_path, [small_adapter_path], TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")

@@ -87,17 +87,18 @@ class Block(nn.Module):
         self.ffn_up = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
         self.ffn_down = nn.Linear(hp.ffn_dim, hp.embed_dim, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rotary, cache: KVCache, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, start_pos: int, positions: torch.Tensor, rope: Rotary, cache: KVCache, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         batch, num_new, _ = x.shape
         h = self.attn_norm(x)
         q = rope(self.attn_q(h).view(batch, num_new, self.num_heads, self.head_dim), positions)
         k = rope(self.attn_k(h).view(batch, num_new, self.num_kv_heads, self.head_dim), positions)
         v = self.attn_v(h).view(batch, num_new, self.num_kv_heads, self.head_dim)
-        # positions are contiguous per row: write the new keys/values in place
-        start = int(positions[0, 0])
-        end = start + num_new
-        cache.k[self.index, :, :, start:end] = k.transpose(1, 2)
-        cache.v[self.index, :, :, start:end] = v.transpose(1, 2)
+        # every row holds positions start_pos..end-1: write the new keys/values in place
+        end = start_pos + num_new
+        cache.k[self.index, :, :, start_pos:end] = k.transpose(1, 2)
+        cache.v[self.index, :, :, start_pos:end] = v.transpose(1, 2)
         keys, values = cache.k[self.index, :, :, :end], cache.v[self.index, :, :, :end]  # [B, Hkv, S, D]
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
         x = x + self.attn_output(attn.transpose(1, 2).reshape(batch, num_new, -1))
@@ -129,7 +130,7 @@ class Transformer(nn.Module):
             mask = key_pos[None, :] <= positions[0, :, None]  # [T, S]
         x = self.token_embd(input_ids)
         for block in self.blk:
-            x = block(x, positions, self.rope, cache, mask)
+            x = block(x, start_pos, positions, self.rope, cache, mask)
         return self.output_norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import prompt_logits
+from tests.helpers import TEST_DEVICE, prompt_logits
 from tests.tinymodels import invocation_metadata, random_lora, write_adapter
 from worker.generate import RequestError, generate
 from worker.gguf_file import GGUFFile
-from worker.loader import DeviceConfig
 from worker.runner import ModelRunner
 from worker.sampling import SamplingParams
 from worker.tokenizer import GGUFTokenizer
@@ -22,7 +21,7 @@ def runner(tiny_llama, tmp_path_factory) -> ModelRunner:
     d = tmp_path_factory.mktemp("gen")
     lora = write_adapter(d / "l.gguf", random_lora(tiny_llama, ["blk.0.attn_v.weight", "blk.1.ffn_up.weight"], 4, seed=1))
     alora = write_adapter(d / "a.gguf", random_lora(tiny_llama, ["blk.0.attn_q.weight"], 4, seed=2), metadata=invocation_metadata([31]))
-    return ModelRunner.from_paths(tiny_llama.path, [lora, alora], DeviceConfig())
+    return ModelRunner.from_paths(tiny_llama.path, [lora, alora], TEST_DEVICE)
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from tests.helpers import prompt_logits
+from tests.helpers import TEST_DEVICE, prompt_logits
 from tests.tinymodels import TinyModel, invocation_metadata, random_lora, write_adapter, write_base
 from worker.alora import MultipleALoRAError
-from worker.loader import DeviceConfig
 from worker.lora import LoRAEmbedding, LoRALinear
 from worker.runner import ModelRunner
 
@@ -37,14 +36,14 @@ def merged(tiny: TinyModel, tmp_path, name: str, adapters: list[tuple[dict, floa
                 changes[target] = (base + scale * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
     spec = replace(tiny.spec, tied=False) if "output.weight" in changes else tiny.spec
     path = write_base(tmp_path / f"{name}.gguf", spec, {**tiny.tensors, **changes})
-    return ModelRunner.from_paths(path, [], DeviceConfig())
+    return ModelRunner.from_paths(path, [], TEST_DEVICE)
 
 
 @pytest.mark.parametrize("alpha", [8.0, None])
 def test_branch_equals_merged_weights(tiny_llama, tmp_path, alpha) -> None:
     pairs = random_lora(tiny_llama, LINEAR_TARGETS, rank=4, seed=1)
     path = write_adapter(tmp_path / "a.gguf", pairs, alpha=alpha)
-    runner = ModelRunner.from_paths(tiny_llama.path, [path], DeviceConfig())
+    runner = ModelRunner.from_paths(tiny_llama.path, [path], TEST_DEVICE)
     scale = 0.7
     effective = scale * alpha / 4 if alpha else scale  # alpha missing: the scale alone
     expected = prompt_logits(merged(tiny_llama, tmp_path, "m", [(pairs, effective)]), IDS)
@@ -55,7 +54,7 @@ def test_branch_equals_merged_weights(tiny_llama, tmp_path, alpha) -> None:
 
 def test_zero_b_adapter_equals_base(tiny_llama, tmp_path) -> None:
     pairs = {t: (a, np.zeros_like(b)) for t, (a, b) in random_lora(tiny_llama, LINEAR_TARGETS, 4, seed=2).items()}
-    runner = ModelRunner.from_paths(tiny_llama.path, [write_adapter(tmp_path / "z.gguf", pairs)], DeviceConfig())
+    runner = ModelRunner.from_paths(tiny_llama.path, [write_adapter(tmp_path / "z.gguf", pairs)], TEST_DEVICE)
     torch.testing.assert_close(prompt_logits(runner, IDS, {0: 1.0}), prompt_logits(runner, IDS), atol=0, rtol=0)
 
 
@@ -64,7 +63,7 @@ def test_scale_zero_is_not_applied_at_all(tiny_llama, tmp_path) -> None:
     a, b = pairs["blk.0.attn_q.weight"]
     b = b.copy()
     b[0, 0] = np.nan  # would poison every output if it were multiplied by 0
-    runner = ModelRunner.from_paths(tiny_llama.path, [write_adapter(tmp_path / "nan.gguf", {"blk.0.attn_q.weight": (a, b)})], DeviceConfig())
+    runner = ModelRunner.from_paths(tiny_llama.path, [write_adapter(tmp_path / "nan.gguf", {"blk.0.attn_q.weight": (a, b)})], TEST_DEVICE)
     out = prompt_logits(runner, IDS, {0: 0.0})
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, prompt_logits(runner, IDS), atol=0, rtol=0)
@@ -75,7 +74,7 @@ def test_token_embedding_adapter(fixture, tmp_path, request) -> None:
     """Delta on the input lookup only; on a tied model the output projection is unchanged."""
     tiny = request.getfixturevalue(fixture)
     pairs = random_lora(tiny, ["token_embd.weight", "blk.1.ffn_down.weight"], 4, seed=4)
-    runner = ModelRunner.from_paths(tiny.path, [write_adapter(tmp_path / "emb.gguf", pairs, alpha=4.0)], DeviceConfig())
+    runner = ModelRunner.from_paths(tiny.path, [write_adapter(tmp_path / "emb.gguf", pairs, alpha=4.0)], TEST_DEVICE)
     assert isinstance(runner.model.token_embd, LoRAEmbedding)
     assert not isinstance(runner.model.output, LoRALinear)
     expected = prompt_logits(merged(tiny, tmp_path, "m", [(pairs, 0.5 * 4.0 / 4)]), IDS)
@@ -84,7 +83,7 @@ def test_token_embedding_adapter(fixture, tmp_path, request) -> None:
 
 def test_output_adapter_on_untied_model(tiny_llama, tmp_path) -> None:
     pairs = random_lora(tiny_llama, ["output.weight"], 2, seed=5)
-    runner = ModelRunner.from_paths(tiny_llama.path, [write_adapter(tmp_path / "out.gguf", pairs, alpha=2.0)], DeviceConfig())
+    runner = ModelRunner.from_paths(tiny_llama.path, [write_adapter(tmp_path / "out.gguf", pairs, alpha=2.0)], TEST_DEVICE)
     assert isinstance(runner.model.output, LoRALinear)
     expected = prompt_logits(merged(tiny_llama, tmp_path, "m", [(pairs, 1.0)]), IDS)
     torch.testing.assert_close(prompt_logits(runner, IDS, {0: 1.0}), expected, atol=1e-4, rtol=1e-4)
@@ -94,7 +93,7 @@ def test_two_stacked_adapters_equal_merged_sum(tiny_llama, tmp_path) -> None:
     first = random_lora(tiny_llama, LINEAR_TARGETS[:5], rank=4, seed=6)
     second = random_lora(tiny_llama, LINEAR_TARGETS[2:] + ["token_embd.weight"], rank=8, seed=7)  # mixed ranks, overlap
     paths = [write_adapter(tmp_path / "1.gguf", first, alpha=8.0), write_adapter(tmp_path / "2.gguf", second, alpha=None, tensor_type=GGMLQuantizationType.F16)]
-    runner = ModelRunner.from_paths(tiny_llama.path, paths, DeviceConfig())
+    runner = ModelRunner.from_paths(tiny_llama.path, paths, TEST_DEVICE)
     second_f16 = {t: (a.astype(np.float16).astype(np.float32), b.astype(np.float16).astype(np.float32)) for t, (a, b) in second.items()}
     expected = prompt_logits(merged(tiny_llama, tmp_path, "m", [(first, 0.5 * 8 / 4), (second_f16, -0.3)]), IDS)
     torch.testing.assert_close(prompt_logits(runner, IDS, {0: 0.5, 1: -0.3}), expected, atol=1e-4, rtol=1e-4)
@@ -107,7 +106,7 @@ def test_adapter_on_non_matmul_tensor_is_accepted_and_ignored(tiny_qwen2, tmp_pa
     rng = np.random.default_rng(0)
     pairs = {"blk.0.attn_q.bias": (rng.normal(size=(2, 64)).astype(np.float32), rng.normal(size=(1, 2)).astype(np.float32))}
     path = write_adapter(tmp_path / "bias.gguf", pairs, arch="qwen2")
-    runner = ModelRunner.from_paths(tiny_qwen2.path, [path], DeviceConfig())
+    runner = ModelRunner.from_paths(tiny_qwen2.path, [path], TEST_DEVICE)
     assert runner.lora.ignored[0] == ["blk.0.attn_q.bias"]
     torch.testing.assert_close(prompt_logits(runner, IDS, {0: 1.0}), prompt_logits(runner, IDS), atol=0, rtol=0)
 
@@ -116,7 +115,7 @@ def test_alora_activates_from_the_token_before_the_invocation(tiny_llama, tmp_pa
     invocation = [150, 151]
     pairs = random_lora(tiny_llama, LINEAR_TARGETS, rank=4, seed=8)
     path = write_adapter(tmp_path / "alora.gguf", pairs, metadata=invocation_metadata(invocation))
-    runner = ModelRunner.from_paths(tiny_llama.path, [path], DeviceConfig())
+    runner = ModelRunner.from_paths(tiny_llama.path, [path], TEST_DEVICE)
     ids = IDS[:6] + invocation + IDS[6:10]  # invocation starts at 6 -> activation at 5
     scales = runner.adapter_scales(ids, {0: 1.0})
     assert scales.alora_activation == 5
@@ -129,13 +128,13 @@ def test_alora_activates_from_the_token_before_the_invocation(tiny_llama, tmp_pa
     none = runner.adapter_scales(ids, {})
     runner.forward(ids[:5], 0, cache, none.prompt[:5], none.active_slots)
     rest = full.forward(ids[5:], 5, cache, none.prompt[5:], none.active_slots, all_logits=True)
-    torch.testing.assert_close(ours[5:], rest, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours[5:], rest.cpu(), atol=1e-4, rtol=1e-4)
 
 
 def test_alora_without_invocation_is_disabled(tiny_llama, tmp_path) -> None:
     pairs = random_lora(tiny_llama, LINEAR_TARGETS, rank=4, seed=9)
     path = write_adapter(tmp_path / "alora.gguf", pairs, metadata=invocation_metadata([150, 151]))
-    runner = ModelRunner.from_paths(tiny_llama.path, [path], DeviceConfig())
+    runner = ModelRunner.from_paths(tiny_llama.path, [path], TEST_DEVICE)
     scales = runner.adapter_scales(IDS, {0: 1.0})
     assert scales.alora_activation is None and scales.active_slots == frozenset()
     torch.testing.assert_close(prompt_logits(runner, IDS, {0: 1.0}), prompt_logits(runner, IDS), atol=0, rtol=0)
@@ -144,7 +143,7 @@ def test_alora_without_invocation_is_disabled(tiny_llama, tmp_path) -> None:
 def test_two_aloras_in_one_request_is_an_error(tiny_llama, tmp_path) -> None:
     pairs = random_lora(tiny_llama, LINEAR_TARGETS[:2], rank=2, seed=10)
     paths = [write_adapter(tmp_path / f"{i}.gguf", pairs, metadata=invocation_metadata([150 + i])) for i in range(2)]
-    runner = ModelRunner.from_paths(tiny_llama.path, paths, DeviceConfig())
+    runner = ModelRunner.from_paths(tiny_llama.path, paths, TEST_DEVICE)
     with pytest.raises(MultipleALoRAError, match="^Cannot run multiple aLoRAs in a single request$"):
         runner.adapter_scales(IDS, {0: 1.0, 1: 1.0})
     runner.adapter_scales(IDS, {0: 1.0, 1: 0.0})  # scale 0 does not count

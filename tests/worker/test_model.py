@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from tests.helpers import prompt_logits
+from tests.helpers import TEST_DEVICE, prompt_logits
 from tests.tinymodels import TinySpec, make_tiny_model, write_base
 from worker.gguf_file import GGUFFile
 from worker.hparams import ModelHParams, RopeStyle, UnsupportedModelError
@@ -26,7 +26,7 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama_tied", "tiny_qwen2"])
 def test_logits_match_transformers(fixture: str, request: pytest.FixtureRequest) -> None:
     tiny = request.getfixturevalue(fixture)
-    runner = ModelRunner.from_paths(tiny.path, [], DeviceConfig())
+    runner = ModelRunner.from_paths(tiny.path, [], TEST_DEVICE)
     ours = prompt_logits(runner, IDS)
     ref = hf_logits(tiny.hf, IDS)
     assert ours.shape == ref.shape
@@ -42,30 +42,30 @@ def test_hparams_from_metadata(tiny_llama, tiny_qwen2) -> None:
 
 
 def test_untied_model_has_separate_output(tiny_llama, tiny_llama_tied) -> None:
-    untied = ModelRunner.from_paths(tiny_llama.path, [], DeviceConfig()).model
-    tied = ModelRunner.from_paths(tiny_llama_tied.path, [], DeviceConfig()).model
+    untied = ModelRunner.from_paths(tiny_llama.path, [], TEST_DEVICE).model
+    tied = ModelRunner.from_paths(tiny_llama_tied.path, [], TEST_DEVICE).model
     assert untied.output.weight.data_ptr() != untied.token_embd.weight.data_ptr()
     assert tied.output.weight.data_ptr() == tied.token_embd.weight.data_ptr()
 
 
 def test_incremental_decode_matches_full_forward(tiny_llama) -> None:
-    runner = ModelRunner.from_paths(tiny_llama.path, [], DeviceConfig())
+    runner = ModelRunner.from_paths(tiny_llama.path, [], TEST_DEVICE)
     full = prompt_logits(runner, IDS)
     scales = runner.adapter_scales(IDS, {})
     cache = runner.new_cache(len(IDS))
     steps = [runner.forward(IDS[:8], 0, cache, scales.prompt[:8], scales.active_slots, all_logits=True)]
     for pos in range(8, len(IDS)):
         steps.append(runner.forward(IDS[pos : pos + 1], pos, cache, scales.generated, scales.active_slots))
-    torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps).cpu(), full, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.F16])
 def test_quantized_base_loads_dequantized_weights(tmp_path, qtype) -> None:
     tiny = make_tiny_model(tmp_path, TinySpec(weight_type=qtype))
-    runner = ModelRunner.from_paths(tiny.path, [], DeviceConfig())
+    runner = ModelRunner.from_paths(tiny.path, [], TEST_DEVICE)
     w = tiny.tensors["blk.1.ffn_up.weight"]
     expected = w.astype(np.float16).astype(np.float32) if qtype == GGMLQuantizationType.F16 else dequantize(quantize(w, qtype), qtype)
-    np.testing.assert_array_equal(runner.model.blk[1].ffn_up.weight.numpy(), expected)
+    np.testing.assert_array_equal(runner.model.blk[1].ffn_up.weight.cpu().numpy(), expected)
     assert not np.array_equal(expected, w)
     # the whole model computes exactly what the float model with those values computes
     rounded = {
@@ -75,7 +75,7 @@ def test_quantized_base_loads_dequantized_weights(tmp_path, qtype) -> None:
     }
     float_spec = TinySpec(weight_type=GGMLQuantizationType.F32)
     float_path = write_base(tmp_path / "float.gguf", float_spec, rounded)
-    float_runner = ModelRunner.from_paths(float_path, [], DeviceConfig())
+    float_runner = ModelRunner.from_paths(float_path, [], TEST_DEVICE)
     torch.testing.assert_close(prompt_logits(runner, IDS), prompt_logits(float_runner, IDS), atol=1e-5, rtol=1e-5)
 
 
@@ -95,7 +95,7 @@ def test_llama3_rope_frequency_factors_match_transformers(tmp_path) -> None:
     factors = (default_inv_freq / scaled.model.rotary_emb.inv_freq).numpy().astype(np.float32)
     assert not np.allclose(factors, 1.0)
     path = tiny.with_tensors(tmp_path / "llama3.gguf", {"rope_freqs.weight": factors})
-    runner = ModelRunner.from_paths(path, [], DeviceConfig())
+    runner = ModelRunner.from_paths(path, [], TEST_DEVICE)
     torch.testing.assert_close(prompt_logits(runner, IDS), hf_logits(scaled, IDS), atol=2e-4, rtol=1e-4)
 
 

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from gateway.cli import main as cli_main
-from tests.helpers import prompt_logits
+from tests.helpers import TEST_DEVICE, prompt_logits
 from worker.adapter import load_adapter
 from worker.gguf_file import GGUFFile
-from worker.loader import DeviceConfig
 from worker.peft_convert import ConversionError, ConvertOptions, convert_peft_to_gguf
 from worker.runner import ModelRunner
 
@@ -46,7 +45,7 @@ def peft_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 
 
 def ours(tiny, gguf_path: Path, scale: float = 1.0) -> torch.Tensor:
-    runner = ModelRunner.from_paths(tiny.path, [gguf_path], DeviceConfig())
+    runner = ModelRunner.from_paths(tiny.path, [gguf_path], TEST_DEVICE)
     return prompt_logits(runner, IDS, {0: scale})
 
 
