@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
-EXIT_INVALID = 2
 
 
 def _token_ids(text: str) -> list[int]:
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logprobs", type=int, metavar="K", help="report the top-K log-probabilities per position")
     p.add_argument("--json", action="store_true", help="print token ids, text and logprobs as JSON")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="compute dtype (default float32, as llama.cpp's activations)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     p.set_defaults(handler="worker.cli_generate:run")
 
@@ -76,7 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module_name, _, func = args.handler.partition(":")
-    return int(getattr(importlib.import_module(module_name), func)(args) or 0)
+    try:
+        return int(getattr(importlib.import_module(module_name), func)(args) or 0)
+    except BrokenPipeError:  # `loraplex inspect ... | head`: the reader left, which is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -74,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-        config = DeviceConfig(device=args.device, dtype=dtype)
+        config = DeviceConfig(device=args.device, dtype=args.dtype)
         params = SamplingParams(
             max_tokens=args.n_predict, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs, echo=args.echo,

@@ -25,6 +25,9 @@ from worker.adapter import LoRAAdapter
 from worker.loader import DeviceConfig, to_torch
 
 
+_MAX_CACHED_COLUMN_SETS = 256
+
+
 class LoRABatch:
     """Per forward pass: the scale of every slot for every token (row)."""
 
@@ -68,16 +71,33 @@ class StackedLoRA:
     col_slot: torch.Tensor  # [R] slot of each rank column, on the compute device
     col_slot_cpu: list[int]
     slots: frozenset[int] = field(init=False)
+    _columns: dict[frozenset[int], torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.slots = frozenset(self.col_slot_cpu)
 
     def active_columns(self, active_slots: frozenset[int]) -> torch.Tensor | None:
-        """Indices of the rank columns in use, None when all are; empty when none."""
-        if self.slots <= active_slots:
+        """Indices of the rank columns in use (cached per set, so no host->device copy
+        per layer call); None when all are."""
+        used = self.slots & active_slots
+        if used == self.slots:
             return None
-        cols = [i for i, s in enumerate(self.col_slot_cpu) if s in active_slots]
-        return torch.tensor(cols, dtype=torch.long, device=self.b.device)
+        cols = self._columns.get(used)
+        if cols is None:
+            if len(self._columns) >= _MAX_CACHED_COLUMN_SETS:
+                self._columns.clear()
+            index = [i for i, s in enumerate(self.col_slot_cpu) if s in used]
+            cols = self._columns[used] = torch.tensor(index, dtype=torch.long, device=self.b.device)
+        return cols
+
+    def select(self, batch: LoRABatch, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+        """(active column index or None for all, B's active columns, per-token scales [N, R]),
+        or None when no adapter of this target is active in the batch."""
+        if not (self.slots & batch.active_slots):
+            return None
+        cols = self.active_columns(batch.active_slots)
+        b, col_slot = (self.b, self.col_slot) if cols is None else (self.b.index_select(1, cols), self.col_slot.index_select(0, cols))
+        return cols, b, batch.slot_scales.index_select(1, col_slot).to(dtype)
 
 
 class LoRALinear(nn.Module):
@@ -87,13 +107,11 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if not (self.stacked.slots & self.batch.active_slots):
+        selected = self.stacked.select(self.batch, x.dtype)
+        if selected is None:
             return y
-        a, b, col_slot = self.stacked.a, self.stacked.b, self.stacked.col_slot
-        cols = self.stacked.active_columns(self.batch.active_slots)
-        if cols is not None:
-            a, b, col_slot = a.index_select(0, cols), b.index_select(1, cols), col_slot.index_select(0, cols)
-        scales = self.batch.slot_scales.index_select(1, col_slot).to(x.dtype)
+        cols, b, scales = selected
+        a = self.stacked.a if cols is None else self.stacked.a.index_select(0, cols)
         self.backend.add_linear(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), a, b, scales)
         return y
 
@@ -108,14 +126,13 @@ class LoRAEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         y = self.base(ids)
-        if not (self.stacked.slots & self.batch.active_slots):
+        selected = self.stacked.select(self.batch, y.dtype)
+        if selected is None:
             return y
+        cols, b, scales = selected
         a_rows = self.stacked.a.index_select(0, ids.reshape(-1))  # [N, R]
-        b, col_slot = self.stacked.b, self.stacked.col_slot
-        cols = self.stacked.active_columns(self.batch.active_slots)
         if cols is not None:
-            a_rows, b, col_slot = a_rows.index_select(1, cols), b.index_select(1, cols), col_slot.index_select(0, cols)
-        scales = self.batch.slot_scales.index_select(1, col_slot).to(y.dtype)
+            a_rows = a_rows.index_select(1, cols)
         self.backend.add_embedding(y.view(-1, y.shape[-1]), a_rows, b, scales)
         return y
 
