@@ -55,13 +55,14 @@ class ModelRunner:
         prompt = torch.zeros(num_tokens, self.num_slots, dtype=torch.float32)
         generated = torch.zeros(1, self.num_slots, dtype=torch.float32)
         active = set()
+        bad = [slot for slot in scales if not 0 <= slot < self.num_slots]
+        if bad:
+            raise ValueError(f"adapter slot {bad[0]} does not exist (this worker has {self.num_slots})")
         alora_slots = [s for s, v in scales.items() if v != 0 and self.adapters[s].is_alora]
         if len(alora_slots) > 1:
             raise MultipleALoRAError()
         activation = None
         for slot, scale in scales.items():
-            if not 0 <= slot < self.num_slots:
-                raise ValueError(f"adapter slot {slot} does not exist (this worker has {self.num_slots})")
             if scale == 0:
                 continue
             start = 0

@@ -96,6 +96,11 @@ def test_bad_requests_fail_before_any_work(runner, prompt, params, message) -> N
         generate(runner, prompt, params)
 
 
+def test_unknown_adapter_slot_is_an_error(runner) -> None:
+    with pytest.raises(ValueError, match="adapter slot 5 does not exist"):
+        runner.adapter_scales(PROMPT, {5: 1.0})
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"logprobs": 50}, "logprobs")],
