@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -12,19 +13,32 @@ from collections.abc import Sequence
 
 def _token_ids(text: str) -> list[int]:
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from e
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"token ids must not be negative, got {text!r}")
+    return ids
 
 
 def _lora_spec(text: str) -> tuple[str, float]:
-    path, sep, scale = text.rpartition(":")
-    if sep:
-        try:
-            return path, float(scale)
-        except ValueError:
-            pass
-    return text, 1.0
+    path, sep, scale_text = text.rpartition(":")
+    if not sep:
+        return text, 1.0
+    try:
+        scale = float(scale_text)
+    except ValueError:
+        return text, 1.0  # a ':' that belongs to the path
+    if not math.isfinite(scale):
+        raise argparse.ArgumentTypeError(f"adapter scale must be a finite number, got {scale_text!r}")
+    return path, scale
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print token ids, text and logprobs as JSON")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="compute dtype (default float32, as llama.cpp's activations)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, help="CPU threads for torch (default: torch's choice)")
     p.set_defaults(handler="worker.cli_generate:run")
 
     p = sub.add_parser("convert-lora", help="convert a PEFT LoRA adapter to a llama.cpp GGUF adapter")

@@ -132,7 +132,7 @@ def _pair_tensors(gguf: GGUFFile) -> tuple[dict[str, dict[str, TensorInfo]], lis
 def _check_shape(target: str, base: TensorInfo, a: TensorInfo, b: TensorInfo) -> None:
     if target.endswith("token_embd.weight"):
         # A and B are flipped for the embedding: A.ne = [r, V], B.ne = [r, d].
-        if base.ne(0) != b.ne(1) or base.ne(1) != a.ne(1):
+        if base.ne(0) != b.ne(1) or base.ne(1) != a.ne(1) or a.ne(0) != b.ne(0):
             raise AdapterError(f"tensor '{target}' has incorrect shape")
         return
     if base.ne(0) != a.ne(0) or base.ne(1) != b.ne(1):
@@ -179,6 +179,8 @@ def _validate(path: Path, gguf: GGUFFile, base: GGUFFile | None) -> LoRAAdapter:
             if base_tensor is None:
                 raise AdapterError(f"LoRA tensor '{target}' does not exist in base model")
             _check_shape(target, base_tensor, a, b)
+        elif target.endswith("token_embd.weight") and a.ne(0) != b.ne(0):
+            raise AdapterError(f"tensor '{target}' has incorrect shape")
         elif not target.endswith("token_embd.weight") and a.ne(1) != b.ne(0):
             raise AdapterError("lora_a tensor is not transposed")
         pairs[target] = LoRAPair(target, a, b)

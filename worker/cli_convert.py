@@ -10,6 +10,7 @@ from worker.gguf_file import GGUFFile, GGUFFormatError
 from worker.hparams import UnsupportedModelError
 from worker.peft_convert import ConversionError, ConvertOptions, convert_peft_to_gguf
 from worker.safetensors_file import SafetensorsError
+from worker.tokenizer import TokenizerError
 
 EXIT_INVALID = 2
 
@@ -26,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         targets = convert_peft_to_gguf(args.peft_dir, args.base, args.output, options)
         adapter = load_adapter(args.output, GGUFFile(args.base))  # what we wrote must load
-    except (ConversionError, SafetensorsError, GGUFFormatError, UnsupportedModelError, AdapterError) as e:
+    except (ConversionError, SafetensorsError, GGUFFormatError, UnsupportedModelError, AdapterError, TokenizerError, OSError) as e:
         print(f"loraplex convert-lora: {e}", file=sys.stderr)
         return EXIT_INVALID
     ranks = sorted({p.rank for p in adapter.pairs.values()})

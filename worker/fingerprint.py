@@ -21,6 +21,12 @@ from worker.gguf_file import GGUFFile, MetadataValue
 FINGERPRINT_VERSION = 1
 
 
+def _jsonable(value: object) -> object:
+    if isinstance(value, np.ndarray):  # arrays nested in arrays
+        return value.tolist()
+    raise TypeError(f"cannot hash metadata value of type {type(value).__name__}")
+
+
 class TaggedHasher:
     """BLAKE2b over tagged, length-prefixed fields."""
 
@@ -51,7 +57,7 @@ class TaggedHasher:
         if isinstance(value.value, np.ndarray):
             payload = value.value.tobytes()
         else:
-            payload = json.dumps(value.value, ensure_ascii=False).encode("utf-8")
+            payload = json.dumps(value.value, ensure_ascii=False, default=_jsonable).encode("utf-8")
         self._field(f"{tag}:{int(value.type)}:{value.element_type}", b"m", payload)
 
     def hexdigest(self) -> str:

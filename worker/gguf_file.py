@@ -209,6 +209,8 @@ class GGUFFile:
                 raise GGUFFormatError(f"tensor '{name}' has unknown type {raw_type}") from e
             infos.append((name, shape, ggml_type, offset))
         alignment = int(self.get("general.alignment", DEFAULT_ALIGNMENT))
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFFormatError(f"general.alignment must be a power of two, got {alignment}")
         data_start = (cur.pos + alignment - 1) // alignment * alignment
         for name, shape, ggml_type, offset in infos:
             if name in self.tensors:
@@ -225,14 +227,14 @@ class GGUFFile:
         return info.offset + info.num_bytes <= self.file_size
 
     def raw_bytes(self, info: TensorInfo) -> memoryview:
-        """The tensor's bytes as stored; the caller checks bounds first."""
+        """The tensor's bytes as stored."""
+        if not self.is_in_bounds(info):
+            raise GGUFFormatError(f"{self.path}: tensor '{info.name}' data is not within the file bounds")
         return memoryview(self._mmap)[info.offset : info.offset + info.num_bytes]
 
     def load(self, name: str) -> np.ndarray:
         """The tensor dequantized to float32, numpy axes reversed from ggml's."""
         info = self.tensors[name]
-        if not self.is_in_bounds(info):
-            raise GGUFFormatError(f"{self.path}: tensor '{name}' data is not within the file bounds")
         raw = np.frombuffer(self.raw_bytes(info), dtype=np.uint8)
         shape = tuple(reversed(info.shape))
         if info.type == GGMLQuantizationType.F32:

@@ -71,14 +71,13 @@ class ModelHParams:
         if scaling_type not in ("none", "linear"):
             raise UnsupportedModelError(f"{gguf.path}: rope scaling type {scaling_type!r} is not supported")
         scaling_factor = float(key("rope.scaling.factor", 0.0))
-        tokens = gguf.get("tokenizer.ggml.tokens")
         embd = gguf.tensors.get("token_embd.weight")
         if embd is None:
             raise UnsupportedModelError(f"{gguf.path}: tensor token_embd.weight is missing")
         return cls(
             arch=arch,
             name=str(gguf.get("general.name", gguf.path.stem)),
-            vocab_size=int(key("vocab_size", len(tokens) if tokens is not None else embd.ne(1))),
+            vocab_size=embd.ne(1),  # the embedding's rows; the tokenizer's list may be shorter (padding)
             context_length=int(key("context_length")),
             num_layers=int(key("block_count")),
             embed_dim=embed_dim,

@@ -25,7 +25,13 @@ class DeviceConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        torch.device(self.device)  # raises on a malformed device string
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"invalid device {self.device!r} (expected e.g. cpu, cuda, cuda:1)") from e
+        if device.type == "cuda" and not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device {self.device!r} requested but {why}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

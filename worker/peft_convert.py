@@ -37,7 +37,7 @@ _LAYER_MODULES = {
 }
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?P<module>.+?)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"
-    r"(?:\.(?!weight$)[^.]+)?(?:\.weight)?$"
+    r"(?:\.(?!weight$|bias$)[^.]+)?(?:\.weight)?$"
 )
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 OUTTYPES = ("auto", "f32", "f16", "bf16")
@@ -98,6 +98,8 @@ def _read_config(peft_dir: Path) -> dict:
         raise ConversionError("DoRA adapters (use_dora) are not supported by llama.cpp's LoRA format")
     if config.get("bias", "none") != "none":
         raise ConversionError(f"bias={config['bias']!r}: trained biases are not supported by llama.cpp's LoRA format")
+    if config.get("lora_bias"):
+        raise ConversionError("lora_bias=True: LoRA B biases are not supported by llama.cpp's LoRA format")
     if config.get("modules_to_save"):
         raise ConversionError(f"modules_to_save {config['modules_to_save']} (fully trained modules) cannot be converted")
     return config
@@ -128,9 +130,16 @@ def _encode(values: np.ndarray, outtype: str) -> tuple[np.ndarray, GGMLQuantizat
     return quantize(np.ascontiguousarray(values, dtype=np.float32), ggml_type), ggml_type
 
 
-def _write_tensor(writer: GGUFWriter, name: str, tensor: StoredTensor, values: np.ndarray | None, outtype: str) -> None:
-    """Write `values` (float32) or, when None and the type is kept, the stored bits unchanged."""
+def _write_tensor(
+    writer: GGUFWriter, name: str, tensor: StoredTensor, values: np.ndarray | None, outtype: str, is_rescaled: bool = False
+) -> None:
+    """Write `values` (float32) or, when None and the type is kept, the stored bits unchanged.
+
+    A rescaled tensor is no longer exactly representable in its 16-bit source type,
+    so `auto` writes it as F32."""
     chosen = _SOURCE_OUTTYPE[tensor.dtype] if outtype == "auto" else outtype
+    if is_rescaled and outtype == "auto":
+        chosen = "f32"
     if values is None and chosen == "bf16" and tensor.dtype == "BF16":
         writer.add_tensor(name, np.ascontiguousarray(tensor.data), raw_shape=tensor.data.shape, raw_dtype=GGMLQuantizationType.BF16)
         return
@@ -153,6 +162,9 @@ def convert_peft_to_gguf(peft_dir: str | os.PathLike[str], base_path: str | os.P
     if alpha <= 0:
         raise ConversionError(f"lora_alpha must be positive, got {alpha}")
     invocation = _invocation_tokens(options, config, base)
+    bad = [t for t in invocation or () if not 0 <= t < hp.vocab_size]
+    if bad:
+        raise ConversionError(f"invocation token {bad[0]} is out of range (vocabulary size {hp.vocab_size})")
 
     pairs = _collect_pairs(read_safetensors(weights_path))
     unsupported = sorted(m for m in pairs if gguf_target(m) is None)
@@ -185,7 +197,8 @@ def convert_peft_to_gguf(peft_dir: str | os.PathLike[str], base_path: str | os.P
         peft_scale = module_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         fold = peft_scale / (alpha / rank)
         b_values = None
-        if not math.isclose(fold, 1.0, rel_tol=1e-6):
+        is_rescaled = not math.isclose(fold, 1.0, rel_tol=1e-6)
+        if is_rescaled:
             b_values = b.to_float32() * fold
         if hp.rope_style == RopeStyle.ADJACENT_PAIRS and target.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = hp.num_heads if ".attn_q." in target else hp.num_kv_heads
@@ -193,7 +206,7 @@ def convert_peft_to_gguf(peft_dir: str | os.PathLike[str], base_path: str | os.P
         if is_embedding:  # A is stored [V, r] for ggml's get_rows
             a = StoredTensor(a.dtype, np.ascontiguousarray(a.data.T))
         _write_tensor(writer, f"{target}.lora_a", a, None, options.outtype)
-        _write_tensor(writer, f"{target}.lora_b", b, b_values, options.outtype)
+        _write_tensor(writer, f"{target}.lora_b", b, b_values, options.outtype, is_rescaled)
         targets.append(target)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

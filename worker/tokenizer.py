@@ -97,6 +97,8 @@ class GGUFTokenizer:
         self.special_ids = frozenset(
             i for i, t in enumerate(self.token_types) if t in (TOKEN_CONTROL, TOKEN_UNKNOWN)
         )
+        # what decoding leaves out unless asked (llama.cpp prints no piece for these)
+        self._hidden_ids = self.special_ids | {i for i, t in enumerate(self.token_types) if t == TOKEN_UNUSED}
         eog = {i for i in self.special_ids if tokens[i] in _EOG_TEXTS}
         eog.update(i for i in (self.eos_id, gguf.get("tokenizer.ggml.eot_token_id")) if i is not None)
         self.eog_ids = frozenset(eog)
@@ -145,7 +147,7 @@ class GGUFTokenizer:
                 raise TokenizerError(f"token id {i} is out of range (vocabulary size {self.vocab_size})")
 
     def token_bytes(self, token_id: int, skip_special: bool = True) -> bytes:
-        if skip_special and token_id in self.special_ids:
+        if skip_special and token_id in self._hidden_ids:
             return b""
         return self._token_bytes[token_id]
 

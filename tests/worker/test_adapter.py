@@ -129,6 +129,19 @@ def test_token_embedding_shape_rule(tmp_path, base, good_pairs) -> None:
     assert rejected(write_adapter(tmp_path / "e2.gguf", linear_layout), base) == "tensor 'token_embd.weight' has incorrect shape"
 
 
+@pytest.mark.parametrize("with_base", [True, False])
+def test_token_embedding_ranks_must_agree(tmp_path, base, good_pairs, with_base) -> None:
+    a, b = good_pairs["token_embd.weight"]  # rank 4
+    path = write_adapter(tmp_path / "r.gguf", {"token_embd.weight": (a, b[:, :3].copy())})
+    assert rejected(path, base if with_base else None) == "tensor 'token_embd.weight' has incorrect shape"
+
+
+def test_bad_alignment_is_a_format_error(tmp_path, good_pairs) -> None:
+    path = write_adapter(tmp_path / "al.gguf", good_pairs, metadata={"general.alignment": (GGUFValueType.UINT32, 0, None)})
+    with pytest.raises(GGUFFormatError, match="alignment must be a power of two"):
+        load_adapter(path)
+
+
 def test_pairs_are_checked_in_name_order(tmp_path, base, good_pairs) -> None:
     a, b = good_pairs[Q]
     pairs = {"blk.1.ffn_down.weight": (None, good_pairs["blk.1.ffn_down.weight"][1]), Q: (a, np.zeros((b.shape[0], 5), np.float32))}

@@ -51,6 +51,26 @@ def test_generate_rejects_bad_adapter_and_bad_request(tiny_llama, tiny_qwen2, tm
     assert code == 2 and "exceeds the model's context length" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--lora", "a.gguf:nan"], "adapter scale must be a finite number"),
+        (["--threads", "0"], "expected a positive integer"),
+        (["--prompt-tokens", "1,-2"], "token ids must not be negative"),
+    ],
+)
+def test_generate_argument_errors_exit_2(args, message, capsys) -> None:
+    argv = ["generate", *args] + ([] if "--prompt-tokens" in args else ["--prompt", "hi"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_generate_bad_device_exits_2(tiny_llama, capsys) -> None:
+    assert cli_main(["generate", "--model", str(tiny_llama.path), "--prompt", "hi", "--device", "bogus"]) == 2
+    assert "invalid device 'bogus'" in capsys.readouterr().err
+
+
 def test_missing_default_model_explains_how_to_install(monkeypatch, capsys) -> None:
     import worker.default_model as default_model
 

@@ -112,6 +112,13 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path) -> None:
         ModelHParams.from_gguf(GGUFFile(path))
 
 
-def test_device_config_rejects_unknown_dtype() -> None:
+def test_device_config_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match="dtype must be one of"):
         DeviceConfig(dtype="float8")
+    with pytest.raises(ValueError, match="invalid device 'bogus'"):
+        DeviceConfig(device="bogus")
+    if torch.cuda.is_available():
+        assert DeviceConfig(device="cuda").torch_device.type == "cuda"
+    else:
+        with pytest.raises(ValueError, match="requested but"):
+            DeviceConfig(device="cuda")

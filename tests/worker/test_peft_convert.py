@@ -89,6 +89,23 @@ def test_bf16_adapter_keeps_its_type_and_values(tiny_llama, tmp_path) -> None:
     torch.testing.assert_close(ours(tiny_llama, out), peft_logits(model, IDS), atol=2e-4, rtol=1e-4)
 
 
+def test_rescaled_16_bit_b_is_written_as_f32(tiny_llama, tmp_path) -> None:
+    """rsLoRA at rank 8 folds sqrt(8) into B: not representable in BF16, so auto keeps F32."""
+    model = make_peft(tiny_llama, tmp_path / "peft", seed=6, dtype=torch.bfloat16, r=8, use_rslora=True)
+    out = tmp_path / "rs.gguf"
+    convert_peft_to_gguf(tmp_path / "peft", tiny_llama.path, out, ConvertOptions())
+    tensors = GGUFFile(out).tensors
+    assert tensors["blk.0.attn_v.weight.lora_a"].type.name == "BF16"
+    assert tensors["blk.0.attn_v.weight.lora_b"].type.name == "F32"
+    torch.testing.assert_close(ours(tiny_llama, out), peft_logits(model, IDS), atol=2e-4, rtol=1e-4)
+
+
+def test_invocation_tokens_must_be_in_the_vocabulary(tiny_llama, tmp_path) -> None:
+    make_peft(tiny_llama, tmp_path / "peft", seed=7)
+    with pytest.raises(ConversionError, match="invocation token 99999 is out of range"):
+        convert_peft_to_gguf(tmp_path / "peft", tiny_llama.path, tmp_path / "x.gguf", ConvertOptions(invocation_tokens=(5, 99999)))
+
+
 def test_outtype_f16_and_alpha_override(tiny_llama, tmp_path) -> None:
     make_peft(tiny_llama, tmp_path / "peft", seed=4)
     out = tmp_path / "f16.gguf"
@@ -135,7 +152,7 @@ def test_unsupported_targets_are_an_error(tiny_llama, tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize(
     ("config", "message"),
-    [({"peft_type": "LORA", "use_dora": True}, "DoRA"), ({"peft_type": "IA3"}, "not LoRA"), ({"peft_type": "LORA", "modules_to_save": ["lm_head"]}, "modules_to_save")],
+    [({"peft_type": "LORA", "use_dora": True}, "DoRA"), ({"peft_type": "LORA", "lora_bias": True}, "lora_bias"), ({"peft_type": "IA3"}, "not LoRA"), ({"peft_type": "LORA", "modules_to_save": ["lm_head"]}, "modules_to_save")],
 )
 def test_unrepresentable_configs_are_an_error(tiny_llama, tmp_path, config, message) -> None:
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
