@@ -10,7 +10,6 @@ import sys
 from collections.abc import Sequence
 
 
-
 def _token_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]

@@ -129,13 +129,15 @@ def _pair_tensors(gguf: GGUFFile) -> tuple[dict[str, dict[str, TensorInfo]], lis
     return dict(sorted(halves.items())), skipped
 
 
-def _check_shape(target: str, base: TensorInfo, a: TensorInfo, b: TensorInfo) -> None:
+def _check_shape(target: str, a: TensorInfo, b: TensorInfo, base: TensorInfo | None) -> None:
+    """Against the base tensor when there is one, then A's rank against B's."""
     if target.endswith("token_embd.weight"):
         # A and B are flipped for the embedding: A.ne = [r, V], B.ne = [r, d].
-        if base.ne(0) != b.ne(1) or base.ne(1) != a.ne(1) or a.ne(0) != b.ne(0):
+        fits_base = base is None or (base.ne(0) == b.ne(1) and base.ne(1) == a.ne(1))
+        if not fits_base or a.ne(0) != b.ne(0):  # llama.cpp skips the rank check and aborts later
             raise AdapterError(f"tensor '{target}' has incorrect shape")
         return
-    if base.ne(0) != a.ne(0) or base.ne(1) != b.ne(1):
+    if base is not None and (base.ne(0) != a.ne(0) or base.ne(1) != b.ne(1)):
         raise AdapterError(f"tensor '{target}' has incorrect shape")
     if a.ne(1) != b.ne(0):
         raise AdapterError("lora_a tensor is not transposed")
@@ -174,15 +176,12 @@ def _validate(path: Path, gguf: GGUFFile, base: GGUFFile | None) -> LoRAAdapter:
         if "a" not in half or "b" not in half:
             raise AdapterError(f"LoRA tensor pair for '{target}' is missing one component")
         a, b = half["a"], half["b"]
+        base_tensor = None
         if base is not None:
             base_tensor = base.tensors.get(target)
             if base_tensor is None:
                 raise AdapterError(f"LoRA tensor '{target}' does not exist in base model")
-            _check_shape(target, base_tensor, a, b)
-        elif target.endswith("token_embd.weight") and a.ne(0) != b.ne(0):
-            raise AdapterError(f"tensor '{target}' has incorrect shape")
-        elif not target.endswith("token_embd.weight") and a.ne(1) != b.ne(0):
-            raise AdapterError("lora_a tensor is not transposed")
+        _check_shape(target, a, b, base_tensor)
         pairs[target] = LoRAPair(target, a, b)
     for pair in pairs.values():
         for info in (pair.a, pair.b):

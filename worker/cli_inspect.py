@@ -66,18 +66,21 @@ def describe(path: str, base_path: str | None) -> dict[str, Any]:
     return info
 
 
+def _row(label: str, value: Any) -> None:
+    print(f"{label + ':':<26}{value}")
+
+
 def _print_text(info: dict[str, Any]) -> None:
-    print(f"file:                     {info['file']}  (GGUF v{info['gguf_version']})")
-    print(f"type:                     {info['type']}   architecture: {info['architecture']}")
-    print(f"fingerprint:              {info['fingerprint']}")
-    if "adapter" in info:
-        for key, value in info["adapter"].items():
-            if key != "targets":
-                print(f"{key + ':':<26}{value}")
+    _row("file", f"{info['file']}  (GGUF v{info['gguf_version']})")
+    _row("type", f"{info['type']}   architecture: {info['architecture']}")
+    _row("fingerprint", info["fingerprint"])
+    for key, value in info.get("adapter", {}).items():
+        if key != "targets":
+            _row(key, value)
     if info.get("hparams"):
-        print("hparams:                  " + ", ".join(f"{k}={v}" for k, v in info["hparams"].items()))
+        _row("hparams", ", ".join(f"{k}={v}" for k, v in info["hparams"].items()))
     if info.get("unsupported"):
-        print(f"unsupported:              {info['unsupported']}")
+        _row("unsupported", info["unsupported"])
     print("metadata:")
     for key, value in info["metadata"].items():
         print(f"  {key} = {value}")
@@ -85,7 +88,7 @@ def _print_text(info: dict[str, Any]) -> None:
     for t in info["tensors"]:
         print(f"  {t['name']:<40} {t['type']:<6} {t['shape']}")
     if "validation" in info:
-        print(f"validation:               {info['validation']}")
+        _row("validation", info["validation"])
 
 
 def run(args: argparse.Namespace) -> int:
