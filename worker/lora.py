@@ -35,13 +35,25 @@ class LoRABatch:
         self.num_slots = num_slots
         self.slot_scales: torch.Tensor | None = None  # [N, num_slots]
         self.active_slots: frozenset[int] = frozenset()  # slots with a nonzero scale somewhere
+        self._column_scales: dict[tuple[int, frozenset[int]], torch.Tensor] = {}
 
     def set(self, slot_scales: torch.Tensor, active_slots: frozenset[int]) -> None:
         self.slot_scales = slot_scales
         self.active_slots = active_slots
+        self._column_scales.clear()
 
     def clear(self) -> None:
         self.slot_scales, self.active_slots = None, frozenset()
+        self._column_scales.clear()
+
+    def column_scales(self, col_slot: torch.Tensor, used: frozenset[int], dtype: torch.dtype) -> torch.Tensor:
+        """Per-token scale of each rank column [N, R], gathered once per pass for every
+        target sharing this column layout (targets with equal layouts share `col_slot`)."""
+        key = (id(col_slot), used)
+        scales = self._column_scales.get(key)
+        if scales is None:
+            scales = self._column_scales[key] = self.slot_scales.index_select(1, col_slot).to(dtype)
+        return scales
 
 
 class LoRABackend(Protocol):
@@ -72,6 +84,7 @@ class StackedLoRA:
     col_slot_cpu: list[int]
     slots: frozenset[int] = field(init=False)
     _columns: dict[frozenset[int], torch.Tensor] = field(init=False, default_factory=dict)
+    _active_col_slot: dict[frozenset[int], torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.slots = frozenset(self.col_slot_cpu)
@@ -86,6 +99,7 @@ class StackedLoRA:
         if cols is None:
             if len(self._columns) >= _MAX_CACHED_COLUMN_SETS:
                 self._columns.clear()
+                self._active_col_slot.clear()
             index = [i for i, s in enumerate(self.col_slot_cpu) if s in used]
             cols = self._columns[used] = torch.tensor(index, dtype=torch.long, device=self.b.device)
         return cols
@@ -95,9 +109,14 @@ class StackedLoRA:
         or None when no adapter of this target is active in the batch."""
         if not (self.slots & batch.active_slots):
             return None
+        used = self.slots & batch.active_slots
         cols = self.active_columns(batch.active_slots)
-        b, col_slot = (self.b, self.col_slot) if cols is None else (self.b.index_select(1, cols), self.col_slot.index_select(0, cols))
-        return cols, b, batch.slot_scales.index_select(1, col_slot).to(dtype)
+        if cols is None:
+            return None, self.b, batch.column_scales(self.col_slot, used, dtype)
+        col_slot = self._active_col_slot.get(used)
+        if col_slot is None:
+            col_slot = self._active_col_slot[used] = self.col_slot.index_select(0, cols)
+        return cols, self.b.index_select(1, cols), batch.column_scales(col_slot, used, dtype)
 
 
 class LoRALinear(nn.Module):
@@ -147,7 +166,9 @@ class LoRAState:
     ignored: dict[int, list[str]]  # slot -> targets that are not matmuls here (llama.cpp ignores them too)
 
 
-def _stack(adapters: list[LoRAAdapter], target: str, is_embedding: bool, config: DeviceConfig) -> StackedLoRA:
+def _stack(
+    adapters: list[LoRAAdapter], target: str, is_embedding: bool, config: DeviceConfig, layouts: dict[tuple[int, ...], StackedLoRA]
+) -> StackedLoRA:
     a_parts, b_parts, col_slot = [], [], []
     for slot, adapter in enumerate(adapters):
         pair = adapter.pairs.get(target)
@@ -160,8 +181,14 @@ def _stack(adapters: list[LoRAAdapter], target: str, is_embedding: bool, config:
         col_slot += [slot] * pair.rank
     a_cat = to_torch(np.concatenate(a_parts, axis=1 if is_embedding else 0), config)
     b_cat = to_torch(np.concatenate(b_parts, axis=1), config)
+    shared = layouts.get(tuple(col_slot))
+    if shared is not None:  # same layout: share the column tensors and their per-pass scales
+        stacked = StackedLoRA(a_cat, b_cat, shared.col_slot, col_slot)
+        stacked._columns, stacked._active_col_slot = shared._columns, shared._active_col_slot
+        return stacked
     col = torch.tensor(col_slot, dtype=torch.long, device=config.torch_device)
-    return StackedLoRA(a_cat, b_cat, col, col_slot)
+    stacked = layouts[tuple(col_slot)] = StackedLoRA(a_cat, b_cat, col, col_slot)
+    return stacked
 
 
 def attach_lora(
@@ -172,6 +199,7 @@ def attach_lora(
     batch = LoRABatch(len(adapters))
     state = LoRAState(adapters, batch, {i: [] for i in range(len(adapters))}, {i: [] for i in range(len(adapters))})
     targets = sorted({t for adapter in adapters for t in adapter.pairs})
+    layouts: dict[tuple[int, ...], StackedLoRA] = {}
     for target in targets:
         users = [i for i, adapter in enumerate(adapters) if target in adapter.pairs]
         path = target.removesuffix(".weight")
@@ -180,9 +208,9 @@ def attach_lora(
         except AttributeError:
             module = None
         if isinstance(module, nn.Linear) and module.weight.dim() == 2:
-            wrapper: nn.Module = LoRALinear(module, _stack(adapters, target, False, config), batch, backend)
+            wrapper: nn.Module = LoRALinear(module, _stack(adapters, target, False, config, layouts), batch, backend)
         elif isinstance(module, nn.Embedding):
-            wrapper = LoRAEmbedding(module, _stack(adapters, target, True, config), batch, backend)
+            wrapper = LoRAEmbedding(module, _stack(adapters, target, True, config, layouts), batch, backend)
         else:
             for i in users:
                 state.ignored[i].append(target)

@@ -7,12 +7,11 @@ linear layers from outside (worker/lora.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.attention import AttentionPlan, KVCache, attention
 from worker.hparams import ModelHParams, RopeStyle
 
 
@@ -44,9 +43,9 @@ class Rotary(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [B, T, H, D]; positions: [B, T]
-        cos = self.cos[positions].unsqueeze(2)  # [B, T, 1, rope_dim/2]
-        sin = self.sin[positions].unsqueeze(2)
+        # x: [N, H, D]; positions: [N]
+        cos = self.cos[positions].unsqueeze(1)  # [N, 1, rope_dim/2]
+        sin = self.sin[positions].unsqueeze(1)
         rot, rest = x[..., : self.rope_dim].float(), x[..., self.rope_dim :]
         if self.style == RopeStyle.ADJACENT_PAIRS:
             pairs = rot.unflatten(-1, (-1, 2))
@@ -56,19 +55,6 @@ class Rotary(nn.Module):
             x0, x1 = rot.chunk(2, dim=-1)
             rotated = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
         return torch.cat((rotated.to(x.dtype), rest), dim=-1)
-
-
-@dataclass
-class KVCache:
-    """Preallocated keys and values: [num_layers, B, num_kv_heads, max_len, head_dim]."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @classmethod
-    def allocate(cls, hp: ModelHParams, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
-        shape = (hp.num_layers, batch, hp.num_kv_heads, max_len, hp.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
 
 class Block(nn.Module):
@@ -87,21 +73,14 @@ class Block(nn.Module):
         self.ffn_up = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
         self.ffn_down = nn.Linear(hp.ffn_dim, hp.embed_dim, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, start_pos: int, positions: torch.Tensor, rope: Rotary, cache: KVCache, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        batch, num_new, _ = x.shape
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rotary, cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
+        # x: [N, d] new tokens of every sequence in the batch
+        num_tokens = x.shape[0]
         h = self.attn_norm(x)
-        q = rope(self.attn_q(h).view(batch, num_new, self.num_heads, self.head_dim), positions)
-        k = rope(self.attn_k(h).view(batch, num_new, self.num_kv_heads, self.head_dim), positions)
-        v = self.attn_v(h).view(batch, num_new, self.num_kv_heads, self.head_dim)
-        # every row holds positions start_pos..end-1: write the new keys/values in place
-        end = start_pos + num_new
-        cache.k[self.index, :, :, start_pos:end] = k.transpose(1, 2)
-        cache.v[self.index, :, :, start_pos:end] = v.transpose(1, 2)
-        keys, values = cache.k[self.index, :, :, :end], cache.v[self.index, :, :, :end]  # [B, Hkv, S, D]
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
-        x = x + self.attn_output(attn.transpose(1, 2).reshape(batch, num_new, -1))
+        q = rope(self.attn_q(h).view(num_tokens, self.num_heads, self.head_dim), positions)
+        k = rope(self.attn_k(h).view(num_tokens, self.num_kv_heads, self.head_dim), positions)
+        v = self.attn_v(h).view(num_tokens, self.num_kv_heads, self.head_dim)
+        x = x + self.attn_output(attention(self.index, q, k, v, cache, plan))
         h = self.ffn_norm(x)
         return x + self.ffn_down(F.silu(self.ffn_gate(h)) * self.ffn_up(h))
 
@@ -120,17 +99,11 @@ class Transformer(nn.Module):
         """Use the token embedding as output projection (GGUF without output.weight)."""
         self.output.weight = self.token_embd.weight
 
-    def forward(self, input_ids: torch.Tensor, start_pos: int, cache: KVCache) -> torch.Tensor:
-        """input_ids [B, T] at positions start_pos.. -> final hidden states [B, T, embed_dim]."""
-        batch, num_new = input_ids.shape
-        positions = torch.arange(start_pos, start_pos + num_new, device=input_ids.device).expand(batch, num_new)
-        mask = None
-        if num_new > 1:  # causal over the cached prefix plus the new tokens
-            key_pos = torch.arange(start_pos + num_new, device=input_ids.device)
-            mask = key_pos[None, :] <= positions[0, :, None]  # [T, S]
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
+        """input_ids [N] (flattened over sequences, see AttentionPlan) -> final hidden states [N, embed_dim]."""
         x = self.token_embd(input_ids)
         for block in self.blk:
-            x = block(x, start_pos, positions, self.rope, cache, mask)
+            x = block(x, plan.positions, self.rope, cache, plan)
         return self.output_norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

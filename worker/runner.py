@@ -1,4 +1,5 @@
-"""A base model on one device with a fixed adapter set, run with per-token adapter scales."""
+"""A base model on one device with a fixed adapter set, run on flattened batches of
+sequences with per-token adapter scales."""
 
 from __future__ import annotations
 
@@ -10,15 +11,15 @@ import torch
 
 from worker.adapter import LoRAAdapter, load_adapter
 from worker.alora import MultipleALoRAError, activation_index
+from worker.attention import AttentionPlan, KVCache, Segment
 from worker.gguf_file import GGUFFile
 from worker.lora import LoRABackend, attach_lora
 from worker.loader import DeviceConfig, load_model
-from worker.model import KVCache
 
 
 @dataclass(frozen=True)
 class AdapterScales:
-    """Per-token slot scales for a prompt, and for every token generated after it."""
+    """Per-token slot scales (on the host) for a prompt, and for every token generated after it."""
 
     prompt: torch.Tensor  # [T, num_slots]
     generated: torch.Tensor  # [1, num_slots]
@@ -51,7 +52,7 @@ class ModelRunner:
         Scale-0 slots are not applied. An aLoRA applies from its activation index on,
         and not at all when the prompt lacks its invocation sequence.
         """
-        device, num_tokens = self.config.torch_device, len(prompt_ids)
+        num_tokens = len(prompt_ids)
         prompt = torch.zeros(num_tokens, self.num_slots, dtype=torch.float32)
         generated = torch.zeros(1, self.num_slots, dtype=torch.float32)
         active = set()
@@ -74,12 +75,46 @@ class ModelRunner:
             prompt[start:, slot] = scale
             generated[0, slot] = scale
             active.add(slot)
-        return AdapterScales(prompt.to(device), generated.to(device), frozenset(active), activation)
+        return AdapterScales(prompt, generated, frozenset(active), activation)
 
-    def new_cache(self, max_len: int) -> KVCache:
-        return KVCache.allocate(self.hparams, 1, max_len, self.config.torch_dtype, self.config.torch_device)
+    def allocate_cache(self, num_slots: int, slot_len: int) -> KVCache:
+        hp = self.hparams
+        return KVCache.allocate(hp.num_layers, num_slots, hp.num_kv_heads, slot_len, hp.head_dim, self.config.torch_dtype, self.config.torch_device)
 
     @torch.inference_mode()
+    def run(
+        self,
+        token_ids: Sequence[int],
+        segments: Sequence[Segment],
+        cache: KVCache,
+        slot_scales: torch.Tensor,
+        active_slots: frozenset[int],
+        logit_rows: Sequence[int],
+    ) -> torch.Tensor:
+        """One forward pass over every segment's new tokens (flattened in segment order)
+        -> float32 logits [len(logit_rows), V] for the requested rows."""
+        device = self.config.torch_device
+        ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+        plan = AttentionPlan.build(segments, device)
+        batch = self.lora.batch
+        slot_scales = slot_scales.to(device, non_blocking=True)
+        batch.set(slot_scales, active_slots)
+        try:
+            hidden = self.model(ids, cache, plan)  # [N, d]
+            rows = list(logit_rows)
+            if rows != list(range(len(token_ids))):
+                index = torch.tensor(rows, dtype=torch.long, device=device)
+                hidden = hidden.index_select(0, index)
+                batch.set(slot_scales.index_select(0, index), active_slots)  # an adapter may target `output`
+            return self.model.logits(hidden)
+        finally:
+            batch.clear()
+
+    # Single-sequence conveniences (tests, tools): the sequence lives in slot 0.
+
+    def new_cache(self, max_len: int) -> KVCache:
+        return self.allocate_cache(1, max_len)
+
     def forward(
         self,
         token_ids: Sequence[int],
@@ -89,15 +124,7 @@ class ModelRunner:
         active_slots: frozenset[int],
         all_logits: bool = False,
     ) -> torch.Tensor:
-        """Run `token_ids` at positions start_pos.. -> logits [T, V] (or [1, V] for the last)."""
-        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.config.torch_device)
-        batch = self.lora.batch
-        batch.set(slot_scales, active_slots)
-        try:
-            hidden = self.model(ids, start_pos, cache)[0]  # [T, d]
-            if not all_logits:
-                hidden = hidden[-1:]
-                batch.set(slot_scales[-1:], active_slots)
-            return self.model.logits(hidden)
-        finally:
-            batch.clear()
+        """Run `token_ids` at positions start_pos.. of slot 0 -> logits [T, V] (or [1, V] for the last)."""
+        num_tokens = len(token_ids)
+        rows = range(num_tokens) if all_logits else [num_tokens - 1]
+        return self.run(token_ids, [Segment(0, 0, num_tokens, start_pos)], cache, slot_scales, active_slots, rows)

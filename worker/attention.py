@@ -1,0 +1,141 @@
+"""KV slots and attention over a flattened batch of sequences.
+
+The cache is a slab of `num_slots` sequence slots, each `slot_len` tokens long
+(llama.cpp's server splits its context the same way). A step's tokens are
+flattened: token `i` belongs to slot `slots[i]` at position `positions[i]`.
+Sequences with one new token (decoding) share one batched attention over the
+slot range they span; a sequence with a chunk of new tokens (prefill) attends
+on its own with a causal mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys and values: [num_layers, num_slots, num_kv_heads, slot_len, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls, num_layers: int, num_slots: int, num_kv_heads: int, slot_len: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> KVCache:
+        shape = (num_layers, num_slots, num_kv_heads, slot_len, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def slot_len(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """New tokens [row, row + length) of the flattened batch: one sequence's positions start.."""
+
+    slot: int
+    row: int
+    length: int
+    start: int
+
+
+@dataclass
+class AttentionPlan:
+    """Host-built indices for one forward pass (tensors on the compute device)."""
+
+    slots: torch.Tensor  # [N] slot of each new token
+    positions: torch.Tensor  # [N] its position in the sequence
+    chunks: list[Segment]  # sequences with several new tokens: attend one by one
+    decode_rows: torch.Tensor | None  # [Bd] rows of single-token sequences
+    decode_first_slot: int  # they span slots [first, first + span)
+    decode_index: torch.Tensor | None  # [Bd] slot - first
+    decode_mask: torch.Tensor | None  # [span, 1, 1, kv_len] True where a key is visible
+    is_all_decode_span: bool  # every slot in the span decodes, in row order
+
+    @classmethod
+    def build(cls, segments: Sequence[Segment], device: torch.device) -> AttentionPlan:
+        slots, positions = [], []
+        for seg in segments:
+            slots += [seg.slot] * seg.length
+            positions += range(seg.start, seg.start + seg.length)
+        chunks = [s for s in segments if s.length > 1]
+        decodes = [s for s in segments if s.length == 1]
+        decode_rows = decode_index = decode_mask = None
+        first = 0
+        is_all = False
+        if decodes:
+            first = min(s.slot for s in decodes)
+            span = max(s.slot for s in decodes) - first + 1
+            kv_len = max(s.start for s in decodes) + 1
+            visible = torch.zeros(span, kv_len, dtype=torch.bool)
+            visible[:, 0] = True  # slots in the span that do not decode: harmless, discarded rows
+            for s in decodes:
+                visible[s.slot - first, : s.start + 1] = True
+            index = [s.slot - first for s in decodes]
+            is_all = index == list(range(span))
+            decode_rows = torch.tensor([s.row for s in decodes], dtype=torch.long, device=device)
+            decode_index = torch.tensor(index, dtype=torch.long, device=device)
+            decode_mask = visible.view(span, 1, 1, kv_len).to(device)
+        return cls(
+            torch.tensor(slots, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            chunks, decode_rows, first, decode_index, decode_mask, is_all,
+        )
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """q [B, Hkv, G*T, D] (heads grouped by their kv head), keys/values [B, Hkv, S, D],
+    visible broadcastable to [B, Hkv, G*T, S] -> [B, Hkv, G*T, D]."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)
+    scores.masked_fill_(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype), values)
+
+
+def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
+    """q [N, H, D], k/v [N, Hkv, D] for the new tokens -> attention output [N, H*D].
+
+    Writes the new keys and values into their slots first.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    k_layer, v_layer = cache.k[layer], cache.v[layer]  # [slots, Hkv, S, D]
+    k_layer.transpose(1, 2)[plan.slots, plan.positions] = k.to(k_layer.dtype)
+    v_layer.transpose(1, 2)[plan.slots, plan.positions] = v.to(v_layer.dtype)
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    for seg in plan.chunks:
+        end = seg.start + seg.length
+        qs = q[seg.row : seg.row + seg.length].view(seg.length, num_kv_heads, group, head_dim)
+        qs = qs.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * seg.length, head_dim)
+        key_pos = torch.arange(end, device=q.device)
+        query_pos = torch.arange(seg.start, end, device=q.device).repeat(group)
+        visible = key_pos[None, :] <= query_pos[:, None]  # [G*T, S], heads major
+        o = _attend(qs, k_layer[seg.slot : seg.slot + 1, :, :end], v_layer[seg.slot : seg.slot + 1, :, :end], visible)
+        out[seg.row : seg.row + seg.length] = o.view(num_kv_heads, group, seg.length, head_dim).permute(2, 0, 1, 3).reshape(seg.length, num_heads, head_dim)
+    if plan.decode_rows is not None:
+        span, kv_len = plan.decode_mask.shape[0], plan.decode_mask.shape[-1]
+        first = plan.decode_first_slot
+        qd = q.index_select(0, plan.decode_rows)
+        if not plan.is_all_decode_span:
+            qd = qd.new_zeros(span, num_heads, head_dim).index_copy_(0, plan.decode_index, qd)
+        qd = qd.view(span, num_kv_heads, group, head_dim)
+        o = _attend(qd, k_layer[first : first + span, :, :kv_len], v_layer[first : first + span, :, :kv_len], plan.decode_mask)
+        o = o.view(span, num_heads, head_dim)
+        if not plan.is_all_decode_span:
+            o = o.index_select(0, plan.decode_index)
+        out.index_copy_(0, plan.decode_rows, o)
+    return out.view(num_tokens, num_heads * head_dim)
