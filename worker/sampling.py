@@ -3,33 +3,10 @@
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 128  # -1: until end of generation or the context is full
-    temperature: float = 0.8  # 0: greedy
-    top_p: float = 0.95
-    top_k: int = 40  # 0: no limit
-    seed: int | None = None
-    ignore_eos: bool = False  # mask end-of-generation tokens so generation runs to max_tokens
-    logprobs: int | None = None  # report the top-K log-probabilities of each generated position
-    echo: bool = False  # also report the prompt (and its log-probabilities with `logprobs`)
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_tokens < -1:
-            raise ValueError(f"max_tokens must be >= 0 or -1, got {self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+from worker.params import SamplingParams  # noqa: F401  (re-exported)
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:

@@ -1,0 +1,42 @@
+"""What a request produces (torch-free plain data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the K most likely tokens at this position
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # stop | length | cancelled | error
+    error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first prompt token has none
+    alora_activation: int | None = None
+    prompt_time_s: float = 0.0  # arrival to first token
+    decode_time_s: float = 0.0  # first token to finish
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one engine step added to a request (streaming delta)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # set on the last delta
+    error: str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,114 @@
+"""Which tokens of which sequences run in the next forward pass (torch-free).
+
+Iteration-level batching: every step, each decoding sequence gets its one new
+token; prompts are prefilled in chunks from what remains of the step's token
+budget, so a long prompt never stalls the others' decoding; waiting sequences
+are admitted in arrival order while a KV slot is free (a slot holds prompt +
+max_tokens, so an admitted sequence never runs out of KV memory).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt, then generated tokens
+    num_prompt_tokens: int
+    max_len: int  # KV positions it may use: prompt + max_tokens
+    status: Status = Status.WAITING
+    slot: int | None = None
+    num_computed: int = 0  # tokens whose keys and values are in the slot
+    arrival: int = 0
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """`length` new tokens of `seq` starting at position `start`; `samples` when the chunk
+    reaches the sequence's last known token (its logits choose the next token)."""
+
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.length == len(self.seq.token_ids)
+
+
+@dataclass
+class Scheduler:
+    num_slots: int
+    slot_len: int
+    max_step_tokens: int
+    waiting: deque[Sequence] = field(default_factory=deque)
+    running: list[Sequence] = field(default_factory=list)
+    _free_slots: list[int] = field(init=False)
+    _arrivals: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 1 or self.slot_len < 2 or self.max_step_tokens < 1:
+            raise ValueError("num_slots and max_step_tokens must be >= 1 and slot_len >= 2")
+        self._free_slots = list(range(self.num_slots))
+
+    def add(self, seq: Sequence) -> None:
+        seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Chunk]:
+        chunks: list[Chunk] = []
+        budget = self.max_step_tokens
+        for seq in self.running:  # decoding first: one token each, always
+            if not seq.is_prefilling:
+                chunks.append(Chunk(seq, seq.num_computed, seq.num_pending))
+                budget -= seq.num_pending
+        for seq in self.running:
+            if seq.is_prefilling and budget > 0:
+                chunks.append(self._prefill_chunk(seq, budget))
+                budget -= chunks[-1].length
+        while self.waiting and self._free_slots and budget > 0:
+            seq = self.waiting.popleft()
+            self._free_slots.sort()  # lowest first: busy slots stay packed for batched attention
+            seq.slot, seq.status = self._free_slots.pop(0), Status.RUNNING
+            self.running.append(seq)
+            chunks.append(self._prefill_chunk(seq, budget))
+            budget -= chunks[-1].length
+        return chunks
+
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> Chunk:
+        return Chunk(seq, seq.num_computed, min(seq.num_pending, budget))
+
+    def finish(self, seq: Sequence) -> None:
+        """Free its slot at once (completed, cancelled or failed)."""
+        if seq.status == Status.RUNNING:
+            self.running.remove(seq)
+            self._free_slots.append(seq.slot)
+        elif seq.status == Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status, seq.slot = Status.FINISHED, None
