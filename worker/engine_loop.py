@@ -1,0 +1,113 @@
+"""The engine on its own thread: submit from anywhere, stream deltas back, cancel.
+
+Submissions and cancellations are queued and applied between steps, so the
+engine itself stays single-threaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+
+from worker.engine import Engine, EngineRequest
+from worker.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """Deltas of one request, in order; iteration ends after the finishing delta."""
+
+    def __init__(self, loop: EngineLoop, request_id: str) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: queue.Queue[RequestOutput] = queue.Queue()
+
+    def put(self, output: RequestOutput) -> None:
+        self._queue.put(output)
+
+    def get(self, timeout_s: float | None = None) -> RequestOutput:
+        return self._queue.get(timeout=timeout_s)
+
+    def cancel(self) -> None:
+        self._loop.cancel(self.request_id)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            out = self._queue.get()
+            yield out
+            if out.is_finished:
+                return
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: list[tuple[str, EngineRequest | str]] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: EngineRequest) -> RequestStream:
+        """Queue a request; a bad one raises here (RequestError, ValueError) and changes nothing."""
+        self.engine.check(request)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the engine loop is closed")
+            if request.request_id in self._streams:
+                raise ValueError(f"request id {request.request_id!r} is already running")
+            stream = self._streams[request.request_id] = RequestStream(self, request.request_id)
+            self._inbox.append(("add", request))
+            self._wake.notify()
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        with self._wake:
+            self._inbox.append(("cancel", request_id))
+            self._wake.notify()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.is_finished:
+            with self._wake:
+                self._streams.pop(out.request_id, None)
+        stream.put(out)
+
+    def _apply(self, commands: list[tuple[str, EngineRequest | str]]) -> None:
+        for kind, item in commands:
+            if kind == "add":
+                try:
+                    self.engine.add_request(item)
+                except Exception as e:  # validated at submit; anything left fails this request only
+                    self._deliver(RequestOutput(item.request_id, [], "", finish_reason="error", error=str(e)))
+            else:
+                out = self.engine.cancel(item)
+                if out is not None:
+                    self._deliver(out)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._inbox and not self.engine.has_work() and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    break
+                commands, self._inbox = self._inbox, []
+            self._apply(commands)
+            for out in self.engine.step():
+                self._deliver(out)
+        for request_id in list(self._streams):  # closing: whatever is left is cancelled
+            out = self.engine.cancel(request_id)
+            self._deliver(out or RequestOutput(request_id, [], "", finish_reason="cancelled"))
