@@ -12,6 +12,7 @@ import torch
 from worker.adapter import AdapterError
 from worker.alora import MultipleALoRAError
 from worker.chat_template import ChatTemplate, ChatTemplateError
+from worker.cli_batch import BatchFileError, run_batch
 from worker.default_model import ModelNotFoundError, resolve_model_path
 from worker.generate import GenerationResult, RequestError, TokenLogprob, generate
 from worker.gguf_file import GGUFFormatError
@@ -74,12 +75,16 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        config = DeviceConfig(device=args.device, dtype=args.dtype)
+        config = DeviceConfig(device=args.device, dtype=args.dtype, weights=args.weights)
         params = SamplingParams(
             max_tokens=args.n_predict, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs, echo=args.echo,
         )
         model_path = resolve_model_path(args.model)
+        if args.batch_file:
+            extra = [path for path, _ in args.lora]
+            print(f"loading {model_path.name} on {config.device} ({config.dtype})...", file=sys.stderr)
+            return run_batch(args, lambda paths: ModelRunner.from_paths(model_path, extra + [p for p in paths if p not in extra], config))
         print(f"loading {model_path.name} with {len(args.lora)} adapter(s) on {config.device} ({config.dtype})...", file=sys.stderr)
         runner = ModelRunner.from_paths(model_path, [path for path, _ in args.lora], config)
         try:
@@ -100,7 +105,10 @@ def run(args: argparse.Namespace) -> int:
     except AdapterError as e:
         print(f"loraplex generate: invalid adapter {e.path}: {e.message}", file=sys.stderr)
         return EXIT_INVALID
-    except (RequestError, MultipleALoRAError, ChatTemplateError, TokenizerError, GGUFFormatError, UnsupportedModelError, ValueError) as e:
+    except OSError as e:
+        print(f"loraplex generate: {e}", file=sys.stderr)
+        return 1
+    except (BatchFileError, RequestError, MultipleALoRAError, ChatTemplateError, TokenizerError, GGUFFormatError, UnsupportedModelError, ValueError) as e:
         print(f"loraplex generate: {e}", file=sys.stderr)
         return EXIT_INVALID
     load_time_s = runner.loaded.load_time_s

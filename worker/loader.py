@@ -8,11 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from worker import quant
 from worker.gguf_file import GGUFFile
 from worker.hparams import ModelHParams, UnsupportedModelError
 from worker.model import Rotary, Transformer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+WEIGHT_FORMATS = ("dense", "packed")
 
 
 @dataclass(frozen=True)
@@ -21,8 +23,11 @@ class DeviceConfig:
 
     device: str = "cpu"
     dtype: str = "float32"
+    weights: str = "dense"  # dense | packed (CPU only: exact Q4 weights, bfloat16 activations into the matmuls)
 
     def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         try:
@@ -32,6 +37,12 @@ class DeviceConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
             raise ValueError(f"device {self.device!r} requested but {why}")
+        if self.weights == "packed" and (device.type != "cpu" or not quant.is_available()):
+            raise ValueError(f"packed weights need a CPU device and a torch with int4/int8 CPU kernels; use weights='dense' on {self.device!r}")
+
+    @property
+    def is_packed(self) -> bool:
+        return self.weights == "packed"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -81,4 +92,6 @@ def load_model(gguf: GGUFFile, config: DeviceConfig) -> LoadedModel:
     with torch.device(config.torch_device):
         model.rope = Rotary(hp, freq_factors)
     model.eval().requires_grad_(False)
+    if config.is_packed:
+        quant.pack_model(model, gguf)
     return LoadedModel(model, hp, gguf, time.perf_counter() - started)

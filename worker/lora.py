@@ -207,7 +207,7 @@ def attach_lora(
             module = model.get_submodule(path) if target.endswith(".weight") else None
         except AttributeError:
             module = None
-        if isinstance(module, nn.Linear) and module.weight.dim() == 2:
+        if (isinstance(module, nn.Linear) and module.weight.dim() == 2) or getattr(module, "is_packed_linear", False):
             wrapper: nn.Module = LoRALinear(module, _stack(adapters, target, False, config, layouts), batch, backend)
         elif isinstance(module, nn.Embedding):
             wrapper = LoRAEmbedding(module, _stack(adapters, target, True, config, layouts), batch, backend)

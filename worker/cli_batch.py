@@ -1,0 +1,113 @@
+"""`loraplex generate --batch-file`: many requests, with their own adapters, run together."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from worker.engine import Engine, EngineConfig, EngineRequest, RequestError
+from worker.params import SamplingParams
+from worker.runner import ModelRunner
+from worker.tokenizer import GGUFTokenizer
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+FIELDS = {"prompt", "prompt_tokens", "lora", "stop", *SAMPLING_FIELDS}
+
+
+class BatchFileError(ValueError):
+    pass
+
+
+def read_batch_file(path: str) -> list[dict[str, Any]]:
+    lines = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise BatchFileError(f"{path}:{number}: not valid JSON: {e.msg}") from e
+            if not isinstance(item, dict):
+                raise BatchFileError(f"{path}:{number}: expected a JSON object")
+            unknown = sorted(set(item) - FIELDS)
+            if unknown:
+                raise BatchFileError(f"{path}:{number}: unknown field {unknown[0]!r} (known: {', '.join(sorted(FIELDS))})")
+            if ("prompt" in item) == ("prompt_tokens" in item):
+                raise BatchFileError(f"{path}:{number}: give exactly one of 'prompt' and 'prompt_tokens'")
+            lora = item.get("lora", [])
+            if not isinstance(lora, list) or not all(isinstance(x, dict) and isinstance(x.get("path"), str) for x in lora):
+                raise BatchFileError(f"{path}:{number}: 'lora' must be a list of {{\"path\": ..., \"scale\": ...}}")
+            item["_line"] = number
+            lines.append(item)
+    if not lines:
+        raise BatchFileError(f"{path}: no requests")
+    return lines
+
+
+def adapter_paths(lines: list[dict[str, Any]], base_dir: str) -> list[str]:
+    """Every adapter any line names, once, in order of first use (relative to the batch file)."""
+    seen: dict[str, None] = {}
+    for item in lines:
+        for entry in item.get("lora", []):
+            seen.setdefault(os.path.normpath(os.path.join(base_dir, entry["path"])), None)
+    return list(seen)
+
+
+def build_requests(lines, args: argparse.Namespace, tokenizer: GGUFTokenizer | None, slots: dict[str, int], base_dir: str, where: str) -> list[EngineRequest]:
+    requests = []
+    for index, item in enumerate(lines):
+        at = f"{where}:{item['_line']}"
+        defaults = {"max_tokens": args.n_predict, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                    "seed": args.seed, "ignore_eos": args.ignore_eos}
+        try:
+            stop = item.get("stop", [])
+            stop = (stop,) if isinstance(stop, str) else tuple(stop)
+            params = SamplingParams(**{k: item.get(k, v) for k, v in defaults.items()}, stop=stop)
+            if "prompt_tokens" in item:
+                prompt = [int(t) for t in item["prompt_tokens"]]
+            elif tokenizer is None:
+                raise RequestError("this model's tokenizer is not supported: use prompt_tokens")
+            else:
+                prompt = tokenizer.encode(item["prompt"], add_special=True, parse_special=True)
+            scales: dict[int, float] = {}
+            for entry in item.get("lora", []):
+                slot = slots[os.path.normpath(os.path.join(base_dir, entry["path"]))]
+                scales[slot] = scales.get(slot, 0.0) + float(entry.get("scale", 1.0))
+        except (TypeError, ValueError) as e:
+            raise BatchFileError(f"{at}: {e}") from e
+        requests.append(EngineRequest(str(index), prompt, params, scales))
+    return requests
+
+
+def run_batch(args: argparse.Namespace, runner_from_paths) -> int:
+    lines = read_batch_file(args.batch_file)
+    base_dir = os.path.dirname(os.path.abspath(args.batch_file))
+    paths = adapter_paths(lines, base_dir)
+    runner: ModelRunner = runner_from_paths(paths)
+    tokenizer = GGUFTokenizer(runner.base) if any("prompt" in item for item in lines) else None
+    requests = build_requests(lines, args, tokenizer, {p: i for i, p in enumerate(paths)}, base_dir, args.batch_file)
+    slot_len = min(runner.hparams.context_length, max(len(r.prompt_ids) + max(r.params.max_tokens, 1) for r in requests))
+    if any(r.params.max_tokens == -1 for r in requests):
+        slot_len = runner.hparams.context_length
+    engine = Engine(runner, tokenizer, EngineConfig(num_slots=len(requests), slot_len=slot_len, max_step_tokens=args.step_tokens))
+    for request, item in zip(requests, lines):
+        try:
+            engine.check(request)
+            runner.adapter_scales(request.prompt_ids, request.adapters)
+        except ValueError as e:
+            raise BatchFileError(f"{args.batch_file}:{item['_line']}: {e}") from e
+    results = engine.run_all(requests)
+    for request in requests:
+        result = results[request.request_id]
+        out = {"index": int(request.request_id), "text": result.text, "tokens": result.token_ids,
+               "finish_reason": result.finish_reason, "prompt_tokens": len(result.prompt_ids)}
+        if result.error:
+            out["error"] = result.error
+        if result.alora_activation is not None:
+            out["alora_activation"] = result.alora_activation
+        print(json.dumps(out, ensure_ascii=False))
+    return 0

@@ -1,0 +1,105 @@
+"""Packed weights for CPU decoding: a transform applied to a loaded model (module replacement).
+
+On the CPU, a batch of 16 decode tokens spends most of its time in fp32 GEMMs.
+torch's int4 CPU kernel holds a GGUF Q4_0/Q4_1 matrix exactly (group 32, a
+scale and an offset per group) and multiplies it with bfloat16 activations,
+accumulating in fp32; its result for a row does not depend on the other rows
+(batch invariant). The Q8_0 output projection goes to torch's int8 kernel with
+one scale per row. Norms, attention, softmax, LoRA and the residual stream stay
+in fp32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from worker.gguf_file import GGUFFile
+
+Q4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+GROUP = 32
+
+
+def is_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def _q4_blocks(gguf: GGUFFile, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q [N, K] in 0..15, scale [N, K/32], offset [N, K/32]) with w = scale * q + offset."""
+    info = gguf.tensors[name]
+    rows, cols = info.ne(1), info.ne(0)
+    raw = np.frombuffer(gguf.raw_bytes(info), dtype=np.uint8)
+    if info.type == GGMLQuantizationType.Q4_1:
+        blocks = raw.reshape(rows, cols // GROUP, 20)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 4:]
+    else:
+        blocks = raw.reshape(rows, cols // GROUP, 18)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = -8.0 * d
+        qs = blocks[..., 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)  # low nibbles: first 16 of a block
+    return q, d, m
+
+
+class PackedQ4Linear(nn.Module):
+    is_packed_linear = True
+
+    def __init__(self, q: np.ndarray, scale: np.ndarray, offset: np.ndarray, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
+        # kernel: w = (q - 8) * scale + zero  ->  zero = offset + 8 * scale
+        sz = np.stack([scale, offset + 8.0 * scale], axis=-1).transpose(1, 0, 2)  # [K/32, N, 2]
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", torch.from_numpy(np.ascontiguousarray(sz)).to(torch.bfloat16))
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class PackedQ8Linear(nn.Module):
+    """int8 weights, one scale per output row (from a dense or Q8_0 matrix)."""
+
+    is_packed_linear = True
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).to(torch.int8))
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scale).to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def pack_model(model: nn.Module, gguf: GGUFFile) -> int:
+    """Replace the Q4 linears with exact packed ones and the output projection with int8;
+    returns how many modules were replaced. Call before adapters are attached."""
+    replaced = 0
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        name = f"{path}.weight"
+        info = gguf.tensors.get(name)
+        if info is not None and info.type in Q4_TYPES and info.ne(0) % GROUP == 0:
+            new: nn.Module = PackedQ4Linear(*_q4_blocks(gguf, name), module.bias)
+        elif path == "output":
+            new = PackedQ8Linear(module.weight.detach().float())
+        else:
+            continue
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        replaced += 1
+    return replaced
