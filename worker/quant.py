@@ -1,10 +1,11 @@
 """Packed weights for CPU decoding: a transform applied to a loaded model (module replacement).
 
 On the CPU, a batch of 16 decode tokens spends most of its time in fp32 GEMMs.
-torch's int4 CPU kernel holds a GGUF Q4_0/Q4_1 matrix exactly (group 32, a
-scale and an offset per group) and multiplies it with bfloat16 activations,
-accumulating in fp32; its result for a row does not depend on the other rows
-(batch invariant). The Q8_0 output projection goes to torch's int8 kernel with
+torch's int4 CPU kernel keeps a GGUF Q4_0/Q4_1 matrix's 4-bit codes and
+groups of 32 (the kernel wants each group's scale and offset in bfloat16, so
+those are rounded) and multiplies with bfloat16 activations, accumulating in
+fp32; its result for a row does not depend on the other rows (batch
+invariant). Not llama.cpp-exact, so it is opt-in (`weights="packed"`). The Q8_0 output projection goes to torch's int8 kernel with
 one scale per row. Norms, attention, softmax, LoRA and the residual stream stay
 in fp32.
 """
@@ -85,7 +86,7 @@ class PackedQ8Linear(nn.Module):
 
 
 def pack_model(model: nn.Module, gguf: GGUFFile) -> int:
-    """Replace the Q4 linears with exact packed ones and the output projection with int8;
+    """Replace the Q4 linears with packed ones and the output projection with int8;
     returns how many modules were replaced. Call before adapters are attached."""
     replaced = 0
     for path, module in list(model.named_modules()):
