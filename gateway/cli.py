@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="compute dtype (default float32, as llama.cpp's activations)")
     p.add_argument("--threads", type=_positive_int, help="CPU threads for torch (default: torch's choice)")
-    p.add_argument("--weights", default="dense", choices=["dense", "packed"], help="packed: CPU int4/int8 kernels, bfloat16 activations (faster, not llama.cpp-exact)")
+    p.add_argument("--weights", default="auto", choices=["auto", "dense", "f16", "q4"], help="weight format: auto = f16 on CPU (quantized GGUF weights as float16, fp32 math), dense elsewhere; q4 = CPU int4 kernel with bfloat16 activations (fastest, not llama.cpp-exact)")
     p.add_argument("--step-tokens", type=_positive_int, default=256, metavar="N", help="tokens per forward pass with --batch-file (prefill chunk budget)")
     p.set_defaults(handler="worker.cli_generate:run")
 
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--threads", type=_positive_int)
-    p.add_argument("--weights", default="dense", choices=["dense", "packed"], help="packed: CPU int4/int8 kernels, bfloat16 activations (faster, not llama.cpp-exact)")
+    p.add_argument("--weights", default="auto", choices=["auto", "dense", "f16", "q4"], help="weight format: auto = f16 on CPU (quantized GGUF weights as float16, fp32 math), dense elsewhere; q4 = CPU int4 kernel with bfloat16 activations (fastest, not llama.cpp-exact)")
     p.set_defaults(handler="worker.bench_engine:run")
 
     p = sub.add_parser("convert-lora", help="convert a PEFT LoRA adapter to a llama.cpp GGUF adapter")

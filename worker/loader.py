@@ -14,7 +14,7 @@ from worker.hparams import ModelHParams, UnsupportedModelError
 from worker.model import Rotary, Transformer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-WEIGHT_FORMATS = ("dense", "packed")
+WEIGHT_FORMATS = ("auto", "dense", "f16", "q4")
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,8 @@ class DeviceConfig:
 
     device: str = "cpu"
     dtype: str = "float32"
-    weights: str = "dense"  # dense | packed (CPU only: exact Q4 weights, bfloat16 activations into the matmuls)
+    # auto: f16 on the CPU in float32, else dense | dense: the compute dtype | f16, q4: CPU formats (worker/quant.py)
+    weights: str = "auto"
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -37,12 +38,15 @@ class DeviceConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
             raise ValueError(f"device {self.device!r} requested but {why}")
-        if self.weights == "packed" and (device.type != "cpu" or not quant.is_available()):
-            raise ValueError(f"packed weights need a CPU device and a torch with int4/int8 CPU kernels; use weights='dense' on {self.device!r}")
+        if self.weights in ("f16", "q4") and (device.type != "cpu" or self.dtype != "float32" or not quant.is_available(self.weights)):
+            raise ValueError(f"weights={self.weights!r} needs device 'cpu', dtype float32 and torch's {self.weights} CPU kernels; use 'dense'")
 
     @property
-    def is_packed(self) -> bool:
-        return self.weights == "packed"
+    def weight_format(self) -> str:
+        if self.weights != "auto":
+            return self.weights
+        is_cpu_fp32 = self.torch_device.type == "cpu" and self.dtype == "float32"
+        return "f16" if is_cpu_fp32 and quant.is_available("f16") else "dense"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -92,6 +96,8 @@ def load_model(gguf: GGUFFile, config: DeviceConfig) -> LoadedModel:
     with torch.device(config.torch_device):
         model.rope = Rotary(hp, freq_factors)
     model.eval().requires_grad_(False)
-    if config.is_packed:
-        quant.pack_model(model, gguf)
+    if config.weight_format == "f16":
+        quant.pack_f16(model, gguf)
+    elif config.weight_format == "q4":
+        quant.pack_q4(model, gguf)
     return LoadedModel(model, hp, gguf, time.perf_counter() - started)

@@ -41,8 +41,8 @@ def test_default_model_request_is_the_same_alone_and_in_a_mixed_batch(real_runne
 def test_packed_weights_keep_the_q4_codes_and_are_batch_invariant(tmp_path) -> None:
     tiny = make_tiny_model(tmp_path, TinySpec(arch="llama", weight_type=GGMLQuantizationType.Q4_1, seed=4))
     adapter = write_adapter(tmp_path / "a.gguf", random_lora(tiny, ["blk.0.attn_q.weight", "blk.1.ffn_down.weight"], 4, seed=3))
-    dense = ModelRunner.from_paths(tiny.path, [adapter], DeviceConfig())
-    packed = ModelRunner.from_paths(tiny.path, [adapter], DeviceConfig(weights="packed"))
+    dense = ModelRunner.from_paths(tiny.path, [adapter], DeviceConfig(weights="dense"))
+    packed = ModelRunner.from_paths(tiny.path, [adapter], DeviceConfig(weights="q4"))
     layer = packed.model.blk[0].ffn_up
     assert isinstance(layer, PackedQ4Linear)
     # the 4-bit codes are kept; scale and offset per group of 32 are rounded to bfloat16
