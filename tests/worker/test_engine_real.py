@@ -7,13 +7,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from tests.helpers import TEST_DEVICE
+from tests.helpers import TEST_DEVICE, prompt_logits
 from tests.tinymodels import TinySpec, make_tiny_model, random_lora, write_adapter
 from worker.engine import Engine, EngineConfig, EngineRequest
 from worker.loader import DeviceConfig
 from worker.params import SamplingParams
 from worker.gguf_file import GGUFFile
-from worker.quant import PackedQ4Linear, _q4_blocks
+from worker.quant import F16Linear, PackedQ4Linear, _q4_blocks
 from worker.runner import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
@@ -37,7 +37,21 @@ def test_default_model_request_is_the_same_alone_and_in_a_mixed_batch(real_runne
         [EngineRequest("b", requests[1].prompt_ids, GREEDY)])["b"].token_ids  # the adapter changes the answer
 
 
-@pytest.mark.skipif(TEST_DEVICE.torch_device.type != "cpu", reason="packed weights are a CPU format")
+@pytest.mark.skipif(TEST_DEVICE.torch_device.type != "cpu", reason="f16 weights are a CPU format")
+def test_f16_weights_are_the_cpu_default_for_quantized_gguf(tmp_path) -> None:
+    quantized = make_tiny_model(tmp_path, TinySpec(arch="llama", weight_type=GGMLQuantizationType.Q4_1, seed=5), name="q")
+    dense = ModelRunner.from_paths(quantized.path, [], DeviceConfig(weights="dense"))
+    auto = ModelRunner.from_paths(quantized.path, [], DeviceConfig())
+    assert isinstance(auto.model.blk[0].attn_q, F16Linear) and isinstance(auto.model.output, F16Linear)
+    ids = [5, 77, 140, 3, 200, 9, 31, 250]
+    ours, reference = prompt_logits(auto, ids), prompt_logits(dense, ids)
+    torch.testing.assert_close(ours, reference, atol=1e-2, rtol=1e-2)  # weights rounded to float16: 2^-11 relative
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+    float_model = ModelRunner.from_paths(make_tiny_model(tmp_path, TinySpec(arch="llama", seed=5), name="f").path, [], DeviceConfig())
+    assert isinstance(float_model.model.blk[0].attn_q, torch.nn.Linear)  # F32 GGUF weights stay fp32
+
+
+@pytest.mark.skipif(TEST_DEVICE.torch_device.type != "cpu", reason="q4 weights are a CPU format")
 def test_packed_weights_keep_the_q4_codes_and_are_batch_invariant(tmp_path) -> None:
     tiny = make_tiny_model(tmp_path, TinySpec(arch="llama", weight_type=GGMLQuantizationType.Q4_1, seed=4))
     adapter = write_adapter(tmp_path / "a.gguf", random_lora(tiny, ["blk.0.attn_q.weight", "blk.1.ffn_down.weight"], 4, seed=3))

@@ -62,7 +62,7 @@ def test_incremental_decode_matches_full_forward(tiny_llama) -> None:
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.F16])
 def test_quantized_base_loads_dequantized_weights(tmp_path, qtype) -> None:
     tiny = make_tiny_model(tmp_path, TinySpec(weight_type=qtype))
-    runner = ModelRunner.from_paths(tiny.path, [], TEST_DEVICE)
+    runner = ModelRunner.from_paths(tiny.path, [], DeviceConfig(device=TEST_DEVICE.device, weights="dense"))
     w = tiny.tensors["blk.1.ffn_up.weight"]
     expected = w.astype(np.float16).astype(np.float32) if qtype == GGMLQuantizationType.F16 else dequantize(quantize(w, qtype), qtype)
     np.testing.assert_array_equal(runner.model.blk[1].ffn_up.weight.cpu().numpy(), expected)
