@@ -22,9 +22,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -41,20 +39,26 @@ class Rotary(nn.Module):
         angles = torch.outer(torch.arange(hp.context_length, dtype=torch.float64), inv_freq)
         self.register_buffer("cos", angles.cos().float(), persistent=False)  # [ctx, rope_dim/2]
         self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.register_buffer("turns", torch.polar(torch.ones_like(angles), angles).to(torch.complex64), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [N, H, D]; positions: [N]
-        cos = self.cos[positions].unsqueeze(1)  # [N, 1, rope_dim/2]
-        sin = self.sin[positions].unsqueeze(1)
-        rot, rest = x[..., : self.rope_dim].float(), x[..., self.rope_dim :]
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per forward pass, shared by every layer: rotations for positions [N]."""
         if self.style == RopeStyle.ADJACENT_PAIRS:
-            pairs = rot.unflatten(-1, (-1, 2))
-            x0, x1 = pairs[..., 0], pairs[..., 1]
-            rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+            return (self.turns[positions].unsqueeze(1),)  # [N, 1, rope_dim/2] complex
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def forward(self, x: torch.Tensor, tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        # x: [N, H, D]
+        rot = x[..., : self.rope_dim].float()
+        if self.style == RopeStyle.ADJACENT_PAIRS:  # (x0, x1) pairs as complex numbers, turned
+            rotated = torch.view_as_real(torch.view_as_complex(rot.unflatten(-1, (-1, 2)).contiguous()) * tables[0]).flatten(-2)
         else:
+            cos, sin = tables
             x0, x1 = rot.chunk(2, dim=-1)
             rotated = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-        return torch.cat((rotated.to(x.dtype), rest), dim=-1)
+        if self.rope_dim == x.shape[-1]:
+            return rotated.to(x.dtype)
+        return torch.cat((rotated.to(x.dtype), x[..., self.rope_dim :]), dim=-1)
 
 
 class Block(nn.Module):
@@ -73,12 +77,12 @@ class Block(nn.Module):
         self.ffn_up = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
         self.ffn_down = nn.Linear(hp.ffn_dim, hp.embed_dim, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rotary, cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, ...], rope: Rotary, cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
         # x: [N, d] new tokens of every sequence in the batch
         num_tokens = x.shape[0]
         h = self.attn_norm(x)
-        q = rope(self.attn_q(h).view(num_tokens, self.num_heads, self.head_dim), positions)
-        k = rope(self.attn_k(h).view(num_tokens, self.num_kv_heads, self.head_dim), positions)
+        q = rope(self.attn_q(h).view(num_tokens, self.num_heads, self.head_dim), rope_tables)
+        k = rope(self.attn_k(h).view(num_tokens, self.num_kv_heads, self.head_dim), rope_tables)
         v = self.attn_v(h).view(num_tokens, self.num_kv_heads, self.head_dim)
         x = x + self.attn_output(attention(self.index, q, k, v, cache, plan))
         h = self.ffn_norm(x)
@@ -102,8 +106,9 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
         """input_ids [N] (flattened over sequences, see AttentionPlan) -> final hidden states [N, embed_dim]."""
         x = self.token_embd(input_ids)
+        rope_tables = self.rope.tables(plan.positions)
         for block in self.blk:
-            x = block(x, plan.positions, self.rope, cache, plan)
+            x = block(x, rope_tables, self.rope, cache, plan)
         return self.output_norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
