@@ -57,23 +57,23 @@ def write_random_adapters(base: GGUFFile, directory: Path, num: int, rank: int, 
 
 
 def step_bytes(runner: ModelRunner, num_adapters: int) -> int:
-    """Bytes one decode step reads: every base matrix but the embedding table (only rows
-    are looked up, unless it is also the output), plus the stacked adapters in use."""
+    """Bytes one decode step reads: every base matrix as the engine stores it, but not
+    the embedding table (only rows are looked up), plus the stacked adapters in use."""
     model = runner.model
-    seen, total = set(), 0
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if tensor.data_ptr() in seen or name.startswith("rope."):
+    seen = {model.token_embd.weight.data_ptr()} if isinstance(model.token_embd, torch.nn.Embedding) else set()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) or getattr(module, "stacked", None) is not None:
             continue
-        seen.add(tensor.data_ptr())
-        if name.startswith("token_embd.") and not runner.hparams.is_output_tied:
-            continue
-        if "stacked" in name:
-            continue
-        total += tensor.numel() * tensor.element_size()
+        total += getattr(module, "weight_bytes", 0)  # fbgemm-packed weights live outside parameters
+        for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            if tensor.data_ptr() not in seen or module is model.output:
+                seen.add(tensor.data_ptr())
+                total += 0 if tensor.is_complex() or module is model.rope else tensor.numel() * tensor.element_size()
     adapter_bytes = 0
     for module in model.modules():
         stacked = getattr(module, "stacked", None)
-        if stacked is not None and not isinstance(module, torch.nn.Embedding):
+        if stacked is not None and not isinstance(module.base, torch.nn.Embedding):
             per_slot = (stacked.a.numel() * stacked.a.element_size() + stacked.b.numel() * stacked.b.element_size()) / len(stacked.slots)
             adapter_bytes += per_slot * min(num_adapters, len(stacked.slots))
     return int(total + adapter_bytes)

@@ -51,6 +51,7 @@ class F16Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), None if bias is None else bias.detach().float())
+        self.weight_bytes = 2 * weight.numel()  # held inside fbgemm's packed object, not a buffer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, self.in_features), self.packed)
