@@ -93,7 +93,7 @@ def run_batch(args: argparse.Namespace, runner_from_paths) -> int:
     slot_len = min(runner.hparams.context_length, max(len(r.prompt_ids) + max(r.params.max_tokens, 1) for r in requests))
     if any(r.params.max_tokens == -1 for r in requests):
         slot_len = runner.hparams.context_length
-    engine = Engine(runner, tokenizer, EngineConfig(num_slots=len(requests), slot_len=slot_len, max_step_tokens=args.step_tokens))
+    engine = Engine(runner, tokenizer, EngineConfig(num_slots=len(requests), slot_len=slot_len, max_step_tokens=max(args.step_tokens, len(requests))))
     for request, item in zip(requests, lines):
         try:
             engine.check(request)

@@ -43,8 +43,8 @@ class EngineConfig:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
         if self.slot_len is not None and self.slot_len < 2:
             raise ValueError(f"slot_len must be >= 2, got {self.slot_len}")
-        if self.max_step_tokens < 1:
-            raise ValueError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
+        if self.max_step_tokens < self.num_slots:  # else decoding alone can use up every step
+            raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must be at least num_slots ({self.num_slots})")
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class Engine:
         if params.logprobs is not None:
             result.logprobs = []
         state = _State(
-            request, seq, scales, make_generator(params.seed, torch.device("cpu")),
+            request, seq, scales, make_generator(params.seed, self.runner.config.torch_device),
             IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None,
             StopMatcher(params.stop), result, self._clock(),
         )

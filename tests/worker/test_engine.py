@@ -59,7 +59,7 @@ def test_request_alone_equals_inside_mixed_batch(runner, tokenizer) -> None:
     requests = mixed_requests()
     alone = [run_alone(runner, tokenizer, r) for r in requests]
     # small step budget: prefill chunks interleave with other requests' decoding
-    engine = Engine(runner, tokenizer, EngineConfig(num_slots=6, slot_len=64, max_step_tokens=5))
+    engine = Engine(runner, tokenizer, EngineConfig(num_slots=6, slot_len=64, max_step_tokens=7))
     together = engine.run_all(requests)
     for request, single in zip(requests, alone):
         batched = together[request.request_id]
@@ -70,6 +70,8 @@ def test_request_alone_equals_inside_mixed_batch(runner, tokenizer) -> None:
     assert len({tuple(r.token_ids) for r in together.values()}) > 3  # the adapters do change the output
     assert together["r4"].alora_activation == 3 and together["r5"].alora_activation is None
     assert engine.scheduler.num_free_slots == 6
+    with pytest.raises(ValueError, match="at least num_slots"):
+        EngineConfig(num_slots=8, max_step_tokens=4)
 
 
 def test_alora_without_invocation_equals_base_in_a_batch(runner, tokenizer) -> None:
@@ -77,6 +79,19 @@ def test_alora_without_invocation_equals_base_in_a_batch(runner, tokenizer) -> N
     base, alora = EngineRequest("base", prompt, GREEDY), EngineRequest("alora", prompt, GREEDY, {3: 1.0})
     results = Engine(runner, tokenizer, EngineConfig(num_slots=2, slot_len=64)).run_all([base, alora])
     assert results["base"].token_ids == results["alora"].token_ids
+
+
+def test_alora_in_a_batch_matches_base_before_activation_and_differs_after(runner, tokenizer) -> None:
+    prompt = [40, 41, 42, 43, 44, 250, 12, 45, 46, 47]  # invocation at 5 -> active from 4
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, echo=True, logprobs=1)
+    requests = [EngineRequest("base", prompt, params), EngineRequest("alora", prompt, params, {3: 1.0}), mixed_requests()[1]]
+    results = Engine(runner, tokenizer, EngineConfig(num_slots=3, slot_len=64, max_step_tokens=4)).run_all(requests)
+    base, alora = results["base"].prompt_logprobs, results["alora"].prompt_logprobs
+    assert results["alora"].alora_activation == 4
+    # entry i is the log-probability of token i given tokens < i: rows up to position 3 see no adapter
+    for i in range(1, 5):
+        assert abs(base[i].logprob - alora[i].logprob) < 1e-5
+    assert all(abs(base[i].logprob - alora[i].logprob) > 1e-4 for i in range(5, len(prompt)))
 
 
 def test_batched_forward_logits_match_each_sequence_alone(runner) -> None:

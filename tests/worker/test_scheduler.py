@@ -1,0 +1,57 @@
+"""Scheduling decisions over plain data (no model)."""
+
+from __future__ import annotations
+
+from worker.scheduler import Scheduler, Sequence, Status
+
+
+def seq(name: str, num_prompt: int, max_new: int = 4) -> Sequence:
+    return Sequence(name, list(range(num_prompt)), num_prompt, num_prompt + max_new)
+
+
+def advance(chunks) -> None:
+    """What the engine does after a pass: the chunk is computed; a sampling chunk adds a token."""
+    for c in chunks:
+        c.seq.num_computed += c.length
+        if c.samples:
+            c.seq.token_ids.append(0)
+
+
+def test_decoding_first_then_prefill_chunks_within_the_budget() -> None:
+    s = Scheduler(num_slots=3, slot_len=64, max_step_tokens=8)
+    a, b = seq("a", 3), seq("b", 20)
+    s.add(a)
+    advance(s.schedule())  # a prefilled whole, sampled its first token
+    s.add(b)
+    chunks = s.schedule()
+    assert [(c.seq.request_id, c.start, c.length) for c in chunks] == [("a", 3, 1), ("b", 0, 7)]
+    assert chunks[0].samples and not chunks[1].samples
+    advance(chunks)
+    chunks = s.schedule()
+    assert [(c.seq.request_id, c.start, c.length) for c in chunks] == [("a", 4, 1), ("b", 7, 7)]
+
+
+def test_admission_in_arrival_order_into_the_lowest_free_slot() -> None:
+    s = Scheduler(num_slots=2, slot_len=64, max_step_tokens=100)
+    seqs = [seq(n, 2) for n in "abcd"]
+    for x in seqs:
+        s.add(x)
+    s.schedule()
+    assert [(x.request_id, x.slot) for x in s.running] == [("a", 0), ("b", 1)]
+    assert [x.request_id for x in s.waiting] == ["c", "d"]
+    s.finish(seqs[0])
+    assert seqs[0].status == Status.FINISHED and s.num_free_slots == 1
+    s.schedule()
+    assert seqs[2].slot == 0 and seqs[3].status == Status.WAITING
+
+
+def test_finishing_a_waiting_sequence_removes_it() -> None:
+    s = Scheduler(num_slots=1, slot_len=64, max_step_tokens=10)
+    a, b = seq("a", 2), seq("b", 2)
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    s.finish(b)  # cancelled while queued
+    assert not s.waiting and s.num_free_slots == 0
+    s.finish(a)
+    assert not s.has_work() and s.num_free_slots == 1
