@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -65,6 +66,7 @@ class AttentionPlan:
     decode_index: torch.Tensor | None  # [Bd] slot - first
     decode_mask: torch.Tensor | None  # [span, 1, 1, kv_len] True where a key is visible
     is_all_decode_span: bool  # every slot in the span decodes, in row order
+    is_decode_only: bool  # ... and nothing else runs: rows are the span's slots in order
 
     @classmethod
     def build(cls, segments: Sequence[Segment], device: torch.device) -> AttentionPlan:
@@ -94,6 +96,7 @@ class AttentionPlan:
             torch.tensor(slots, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
             chunks, decode_rows, first, decode_index, decode_mask, is_all,
+            is_all and not chunks and [s.row for s in decodes] == list(range(len(decodes))),
         )
 
 
@@ -129,12 +132,14 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cac
     if plan.decode_rows is not None:
         span, kv_len = plan.decode_mask.shape[0], plan.decode_mask.shape[-1]
         first = plan.decode_first_slot
-        qd = q.index_select(0, plan.decode_rows)
+        qd = q if plan.is_decode_only else q.index_select(0, plan.decode_rows)
         if not plan.is_all_decode_span:
             qd = qd.new_zeros(span, num_heads, head_dim).index_copy_(0, plan.decode_index, qd)
-        qd = qd.view(span, num_kv_heads, group, head_dim)
-        o = _attend(qd, k_layer[first : first + span, :, :kv_len], v_layer[first : first + span, :, :kv_len], plan.decode_mask)
+        keys, values = k_layer[first : first + span, :, :kv_len], v_layer[first : first + span, :, :kv_len]
+        o = F.scaled_dot_product_attention(qd.unsqueeze(2), keys, values, attn_mask=plan.decode_mask, enable_gqa=True)
         o = o.view(span, num_heads, head_dim)
+        if plan.is_decode_only:
+            return o.reshape(num_tokens, num_heads * head_dim)
         if not plan.is_all_decode_span:
             o = o.index_select(0, plan.decode_index)
         out.index_copy_(0, plan.decode_rows, o)
