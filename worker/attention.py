@@ -103,7 +103,7 @@ class AttentionPlan:
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """q [B, Hkv, G*T, D] (heads grouped by their kv head), keys/values [B, Hkv, S, D],
     visible broadcastable to [B, Hkv, G*T, S] -> [B, Hkv, G*T, D]."""
-    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)
+    scores = torch.matmul(q * q.shape[-1] ** -0.5, keys.transpose(-1, -2))  # scaled first: no fp16 overflow
     scores.masked_fill_(~visible, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype), values)
 

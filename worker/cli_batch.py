@@ -8,11 +8,12 @@ import os
 import sys
 from typing import Any
 
-from worker.engine import Engine, EngineConfig, EngineRequest, RequestError
+from worker.engine import DEFAULT_SLOT_LEN, Engine, EngineConfig, EngineRequest, RequestError
 from worker.params import SamplingParams
 from worker.runner import ModelRunner
-from worker.tokenizer import GGUFTokenizer
+from worker.tokenizer import GGUFTokenizer, TokenizerError
 
+MAX_SLOTS = 64  # lines beyond this wait for a free KV slot
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
 FIELDS = {"prompt", "prompt_tokens", "lora", "stop", *SAMPLING_FIELDS}
 
@@ -88,16 +89,23 @@ def run_batch(args: argparse.Namespace, runner_from_paths) -> int:
     base_dir = os.path.dirname(os.path.abspath(args.batch_file))
     paths = adapter_paths(lines, base_dir)
     runner: ModelRunner = runner_from_paths(paths)
-    tokenizer = GGUFTokenizer(runner.base) if any("prompt" in item for item in lines) else None
+    try:
+        tokenizer: GGUFTokenizer | None = GGUFTokenizer(runner.base)
+    except TokenizerError:
+        if any("prompt" in item for item in lines):
+            raise
+        tokenizer = None
     requests = build_requests(lines, args, tokenizer, {p: i for i, p in enumerate(paths)}, base_dir, args.batch_file)
-    slot_len = min(runner.hparams.context_length, max(len(r.prompt_ids) + max(r.params.max_tokens, 1) for r in requests))
-    if any(r.params.max_tokens == -1 for r in requests):
-        slot_len = runner.hparams.context_length
-    engine = Engine(runner, tokenizer, EngineConfig(num_slots=len(requests), slot_len=slot_len, max_step_tokens=max(args.step_tokens, len(requests))))
+    context = runner.hparams.context_length
+    if any(r.params.max_tokens == -1 for r in requests):  # until the end of generation: a default-sized slot
+        slot_len = min(context, max(DEFAULT_SLOT_LEN, *(len(r.prompt_ids) + 1 for r in requests)))
+    else:
+        slot_len = min(context, max(len(r.prompt_ids) + max(r.params.max_tokens, 1) for r in requests))
+    num_slots = min(len(requests), MAX_SLOTS)
+    engine = Engine(runner, tokenizer, EngineConfig(num_slots=num_slots, slot_len=slot_len, max_step_tokens=max(args.step_tokens, num_slots)))
     for request, item in zip(requests, lines):
         try:
             engine.check(request)
-            runner.adapter_scales(request.prompt_ids, request.adapters)
         except ValueError as e:
             raise BatchFileError(f"{args.batch_file}:{item['_line']}: {e}") from e
     results = engine.run_all(requests)

@@ -82,9 +82,10 @@ def run(args: argparse.Namespace) -> int:
         )
         model_path = resolve_model_path(args.model)
         if args.batch_file:
-            extra = [path for path, _ in args.lora]
+            if args.lora:
+                raise RequestError("--lora does not apply to --batch-file: name each line's adapters in its 'lora' field")
             print(f"loading {model_path.name} on {config.device} ({config.dtype})...", file=sys.stderr)
-            return run_batch(args, lambda paths: ModelRunner.from_paths(model_path, extra + [p for p in paths if p not in extra], config))
+            return run_batch(args, lambda paths: ModelRunner.from_paths(model_path, paths, config))
         print(f"loading {model_path.name} with {len(args.lora)} adapter(s) on {config.device} ({config.dtype})...", file=sys.stderr)
         runner = ModelRunner.from_paths(model_path, [path for path, _ in args.lora], config)
         try:

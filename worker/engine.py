@@ -106,6 +106,9 @@ class Engine:
         prompt, params = request.prompt_ids, request.params
         if not prompt:
             raise RequestError("the prompt is empty")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need the model's tokenizer, which is not supported here: use stop_token_ids")
+        self.runner.adapter_scales(prompt, request.adapters)  # adapter slots exist, at most one aLoRA
         vocab = self.runner.hparams.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -248,14 +251,16 @@ class Engine:
             tail = state.stop.feed(state.decoder.flush()) + state.stop.flush()
             text += tail
             state.result.text += tail
+            if state.stop.is_stopped:  # the last character completed a stop string
+                reason = "stop"
         result = state.result
         result.finish_reason, result.error = reason, error
         now = self._clock()
-        first = state.first_token_s or now
+        first = now if state.first_token_s is None else state.first_token_s
         result.prompt_time_s, result.decode_time_s = first - state.arrived_s, now - first
         self.scheduler.finish(state.seq)
         del self._states[state.seq.request_id]
-        return RequestOutput(state.seq.request_id, token_ids, text, [entry] if entry else None, reason, error)
+        return RequestOutput(state.seq.request_id, token_ids, text, [entry] if entry else None, reason, error, result)
 
     # convenience
 

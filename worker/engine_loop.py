@@ -32,7 +32,7 @@ class RequestStream:
         return self._queue.get(timeout=timeout_s)
 
     def cancel(self) -> None:
-        self._loop.cancel(self.request_id)
+        self._loop.cancel(self.request_id, self)
 
     def __iter__(self) -> Iterator[RequestOutput]:
         while True:
@@ -45,7 +45,7 @@ class RequestStream:
 class EngineLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._inbox: list[tuple[str, EngineRequest | str]] = []
+        self._inbox: list[tuple[str, object]] = []
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Condition()
         self._closed = False
@@ -65,9 +65,10 @@ class EngineLoop:
             self._wake.notify()
         return stream
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str, stream: RequestStream | None = None) -> None:
+        """Cancel a running or queued request (only `stream`'s, when given: an id may be reused)."""
         with self._wake:
-            self._inbox.append(("cancel", request_id))
+            self._inbox.append(("cancel", (request_id, stream)))
             self._wake.notify()
 
     def close(self) -> None:
@@ -85,29 +86,40 @@ class EngineLoop:
                 self._streams.pop(out.request_id, None)
         stream.put(out)
 
-    def _apply(self, commands: list[tuple[str, EngineRequest | str]]) -> None:
+    def _apply(self, commands: list[tuple[str, object]]) -> None:
         for kind, item in commands:
             if kind == "add":
                 try:
                     self.engine.add_request(item)
                 except Exception as e:  # validated at submit; anything left fails this request only
                     self._deliver(RequestOutput(item.request_id, [], "", finish_reason="error", error=str(e)))
-            else:
-                out = self.engine.cancel(item)
-                if out is not None:
-                    self._deliver(out)
+                continue
+            request_id, stream = item
+            if stream is not None and self._streams.get(request_id) is not stream:
+                continue  # that request already finished; the id now belongs to another
+            out = self.engine.cancel(request_id)
+            if out is not None:
+                self._deliver(out)
 
     def _run(self) -> None:
-        while True:
-            with self._wake:
-                while not self._inbox and not self.engine.has_work() and not self._closed:
-                    self._wake.wait()
-                if self._closed:
-                    break
-                commands, self._inbox = self._inbox, []
-            self._apply(commands)
-            for out in self.engine.step():
-                self._deliver(out)
-        for request_id in list(self._streams):  # closing: whatever is left is cancelled
-            out = self.engine.cancel(request_id)
-            self._deliver(out or RequestOutput(request_id, [], "", finish_reason="cancelled"))
+        reason, error = "cancelled", None
+        try:
+            while True:
+                with self._wake:
+                    while not self._inbox and not self.engine.has_work() and not self._closed:
+                        self._wake.wait()
+                    if self._closed:
+                        break
+                    commands, self._inbox = self._inbox, []
+                self._apply(commands)
+                for out in self.engine.step():
+                    self._deliver(out)
+        except Exception as e:  # a bug, not a request: stop taking work, end every stream
+            log.exception("engine loop failed")
+            reason, error = "error", f"internal error: {e}"
+        with self._wake:
+            self._closed = True
+            left = list(self._streams)
+        for request_id in left:  # closing: whatever is left ends now
+            out = self.engine.cancel(request_id) if reason == "cancelled" else None
+            self._deliver(out or RequestOutput(request_id, [], "", finish_reason=reason, error=error))

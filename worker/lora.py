@@ -35,7 +35,7 @@ class LoRABatch:
         self.num_slots = num_slots
         self.slot_scales: torch.Tensor | None = None  # [N, num_slots]
         self.active_slots: frozenset[int] = frozenset()  # slots with a nonzero scale somewhere
-        self._column_scales: dict[tuple[int, frozenset[int]], torch.Tensor] = {}
+        self._column_scales: dict[tuple[int, frozenset[int], torch.dtype], torch.Tensor] = {}
 
     def set(self, slot_scales: torch.Tensor, active_slots: frozenset[int]) -> None:
         self.slot_scales = slot_scales
@@ -49,7 +49,7 @@ class LoRABatch:
     def column_scales(self, col_slot: torch.Tensor, used: frozenset[int], dtype: torch.dtype) -> torch.Tensor:
         """Per-token scale of each rank column [N, R], gathered once per pass for every
         target sharing this column layout (targets with equal layouts share `col_slot`)."""
-        key = (id(col_slot), used)
+        key = (id(col_slot), used, dtype)
         scales = self._column_scales.get(key)
         if scales is None:
             scales = self._column_scales[key] = self.slot_scales.index_select(1, col_slot).to(dtype)

@@ -36,6 +36,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # set on the last delta
     error: str | None = None
+    result: GenerationResult | None = None  # the whole result, on the last delta (prompt logprobs, timings, ...)
 
     @property
     def is_finished(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -19,6 +20,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # finish on these tokens too (not returned), like end of generation
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and math.isfinite(self.top_p)):
+            raise ValueError(f"temperature and top_p must be finite numbers, got {self.temperature} and {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be between 0 and 2**63 - 1, got {self.seed}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

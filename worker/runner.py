@@ -102,6 +102,8 @@ class ModelRunner:
         try:
             hidden = self.model(ids, cache, plan)  # [N, d]
             rows = list(logit_rows)
+            if not rows:  # a pass that only prefills
+                return hidden.new_empty(0, self.hparams.vocab_size, dtype=torch.float32)
             if rows != list(range(len(token_ids))):
                 index = torch.tensor(rows, dtype=torch.long, device=device)
                 hidden = hidden.index_select(0, index)

@@ -17,7 +17,7 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """logits: [V] float32, already masked."""
-    if params.temperature == 0:
+    if params.temperature < 1e-5:  # 0, or so small that logits / T overflows: greedy
         return int(torch.argmax(logits))
     scaled = logits / params.temperature
     if 0 < params.top_k < scaled.shape[-1]:

@@ -41,6 +41,8 @@ def test_batch_file_errors_name_the_line(tiny_llama, tmp_path, capsys) -> None:
     assert cli_main(["generate", "--model", str(tiny_llama.path), "--batch-file", str(batch)]) == 2
     err = capsys.readouterr().err
     assert "bad.jsonl:2" in err and "exceeds the context length" in err
+    assert cli_main(["generate", "--model", str(tiny_llama.path), "--batch-file", str(batch), "--lora", "x.gguf"]) == 2
+    assert "--lora does not apply to --batch-file" in capsys.readouterr().err
     batch.write_text('{"prompt_tokens": [1], "colour": 1}\n')
     assert cli_main(["generate", "--model", str(tiny_llama.path), "--batch-file", str(batch)]) == 2
     assert "unknown field 'colour'" in capsys.readouterr().err

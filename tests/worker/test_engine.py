@@ -237,3 +237,29 @@ def test_stream_and_cancel_mid_stream(runner, tokenizer) -> None:
         assert loop.engine.scheduler.num_free_slots == 2
     finally:
         loop.close()
+
+
+def test_stream_ends_with_the_whole_result_and_a_stale_cancel_is_ignored(runner, tokenizer) -> None:
+    loop = EngineLoop(Engine(runner, tokenizer, EngineConfig(num_slots=2, slot_len=64)))
+    try:
+        echo = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, echo=True, logprobs=1)
+        first = loop.submit(EngineRequest("same-id", [5, 6, 7, 8], echo))
+        last = list(first)[-1]
+        assert last.finish_reason == "length" and len(last.result.prompt_logprobs) == 4
+        second = loop.submit(EngineRequest("same-id", [5, 6, 7], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
+        first.cancel()  # the first request is over: this must not cancel the second
+        assert list(second)[-1].finish_reason == "length"
+    finally:
+        loop.close()
+
+
+def test_requests_the_engine_cannot_honour_are_refused(runner) -> None:
+    engine = Engine(runner, None, EngineConfig(num_slots=1, slot_len=16))
+    with pytest.raises(RequestError, match="stop strings need the model's tokenizer"):
+        engine.check(EngineRequest("x", [1, 2], SamplingParams(max_tokens=2, stop=("a",))))
+    with pytest.raises(ValueError, match="slot 7 does not exist"):
+        engine.check(EngineRequest("x", [1, 2], SamplingParams(max_tokens=2), {7: 1.0}))
+    with pytest.raises(ValueError, match="finite"):
+        SamplingParams(temperature=float("nan"))
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=-1)
