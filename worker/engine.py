@@ -103,12 +103,15 @@ class Engine:
 
     def check(self, request: EngineRequest) -> int:
         """Validate before any work; returns the KV positions the request needs."""
+        return self._prepare(request)[0]
+
+    def _prepare(self, request: EngineRequest) -> tuple[int, AdapterScales]:
         prompt, params = request.prompt_ids, request.params
         if not prompt:
             raise RequestError("the prompt is empty")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the model's tokenizer, which is not supported here: use stop_token_ids")
-        self.runner.adapter_scales(prompt, request.adapters)  # adapter slots exist, at most one aLoRA
+        scales = self.runner.adapter_scales(prompt, request.adapters)  # slots exist, at most one aLoRA
         vocab = self.runner.hparams.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -116,19 +119,18 @@ class Engine:
         if params.max_tokens == -1:
             if len(prompt) >= self.slot_len:
                 raise RequestError(f"the prompt ({len(prompt)} tokens) does not fit the context length ({self.slot_len})")
-            return self.slot_len
+            return self.slot_len, scales
         if len(prompt) + params.max_tokens > self.slot_len:
             raise RequestError(
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) "
                 f"exceeds the context length ({self.slot_len})"
             )
-        return len(prompt) + params.max_tokens
+        return len(prompt) + params.max_tokens, scales
 
     def add_request(self, request: EngineRequest) -> None:
         if request.request_id in self._states:
             raise RequestError(f"request id {request.request_id!r} is already running")
-        max_len = self.check(request)
-        scales = self.runner.adapter_scales(request.prompt_ids, request.adapters)
+        max_len, scales = self._prepare(request)
         params = request.params
         seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), max_len)
         result = GenerationResult(list(request.prompt_ids), alora_activation=scales.alora_activation)
