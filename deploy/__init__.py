@@ -1,0 +1,1 @@
+"""Deployment files: example adapters and the script that trains them."""
