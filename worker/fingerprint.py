@@ -60,6 +60,9 @@ class TaggedHasher:
             payload = json.dumps(value.value, ensure_ascii=False, default=_jsonable).encode("utf-8")
         self._field(f"{tag}:{int(value.type)}:{value.element_type}", b"m", payload)
 
+    def digest_bytes(self) -> bytes:
+        return self._h.digest()
+
     def hexdigest(self) -> str:
         return self._h.hexdigest()
 

@@ -7,7 +7,8 @@ import sys
 
 CODE = """
 import sys
-import cache, gateway, gateway.cli
+import cache, cache.keys, cache.codec, gateway, gateway.cli
+import worker.params, worker.scheduler, worker.stop, worker.outputs
 import worker, worker.adapter, worker.alora, worker.chat_template, worker.fingerprint
 import worker.gguf_file, worker.hparams, worker.peft_convert, worker.tokenizer, worker.default_model
 from worker.cli_inspect import describe

@@ -1,0 +1,53 @@
+"""Prefix-cache keys (SPEC §5), torch-free.
+
+Chunk `i` of a prompt is keyed by a chain: `h_-1 = H(version, base fp,
+adapter-set fp, tenant salt)`, `h_i = H(h_{i-1}, tokens[iC:(i+1)C])`. A key
+therefore names the whole prefix up to its chunk, under exactly one model,
+adapter set (scales included) and tenant. Only whole chunks are keyed; for an
+aLoRA request only chunks wholly before its activation index, under the set
+without the aLoRA (SPEC §4), so base requests share them.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+from worker.fingerprint import TaggedHasher
+
+CACHE_FORMAT_VERSION = 1
+DEFAULT_CHUNK_TOKENS = 32
+
+
+def root_key(base_fingerprint: str, adapter_set_fingerprint: str, salt: str) -> bytes:
+    h = TaggedHasher("loraplex.cache.root")
+    h.integer("format", CACHE_FORMAT_VERSION)
+    h.text("base", base_fingerprint)
+    h.text("adapter_set", adapter_set_fingerprint)
+    h.text("salt", salt)
+    return h.digest_bytes()
+
+
+def cacheable_tokens(num_tokens: int, chunk_tokens: int, alora_activation: int | None = None) -> int:
+    """Tokens covered by whole chunks, stopping before an aLoRA's activation index."""
+    limit = num_tokens if alora_activation is None else min(num_tokens, alora_activation)
+    return limit - limit % chunk_tokens
+
+
+def chunk_keys(root: bytes, tokens: Sequence[int], chunk_tokens: int = DEFAULT_CHUNK_TOKENS, limit: int | None = None) -> list[bytes]:
+    """Keys of the whole chunks of `tokens[:limit]`, in order."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    end = len(tokens) if limit is None else min(limit, len(tokens))
+    keys, previous = [], root
+    for start in range(0, end - end % chunk_tokens, chunk_tokens):
+        h = TaggedHasher("loraplex.cache.chunk")
+        h.raw("previous", previous)
+        h.raw("tokens", struct.pack(f"<{chunk_tokens}I", *tokens[start : start + chunk_tokens]))
+        previous = h.digest_bytes()
+        keys.append(previous)
+    return keys
+
+
+def redis_key(prefix: str, key: bytes) -> str:
+    return f"{prefix}:kv:{key.hex()}"
