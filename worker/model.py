@@ -37,9 +37,11 @@ class Rotary(nn.Module):
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.to(inv_freq.device, torch.float64)
         angles = torch.outer(torch.arange(hp.context_length, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)  # [ctx, rope_dim/2]
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
-        self.register_buffer("turns", torch.polar(torch.ones_like(angles), angles).to(torch.complex64), persistent=False)
+        if self.style == RopeStyle.ADJACENT_PAIRS:  # [ctx, rope_dim/2] complex: cos + i sin
+            self.register_buffer("turns", torch.polar(torch.ones_like(angles), angles).to(torch.complex64), persistent=False)
+        else:  # [ctx, rope_dim/2] each
+            self.register_buffer("cos", angles.cos().float(), persistent=False)
+            self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Per forward pass, shared by every layer: rotations for positions [N]."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from tests.helpers import TEST_DEVICE, prompt_logits
+from tests.helpers import prompt_logits
 from tests.tinymodels import TinySpec, make_tiny_model, random_lora, write_adapter
 from worker.engine import Engine, EngineConfig, EngineRequest
 from worker.loader import DeviceConfig
@@ -37,8 +37,8 @@ def test_default_model_request_is_the_same_alone_and_in_a_mixed_batch(real_runne
         [EngineRequest("b", requests[1].prompt_ids, GREEDY)])["b"].token_ids  # the adapter changes the answer
 
 
-@pytest.mark.skipif(TEST_DEVICE.torch_device.type != "cpu", reason="f16 weights are a CPU format")
 def test_f16_weights_are_the_cpu_default_for_quantized_gguf(tmp_path) -> None:
+    """CPU formats: these runners are on the CPU whatever LORAPLEX_TEST_DEVICE says."""
     quantized = make_tiny_model(tmp_path, TinySpec(arch="llama", weight_type=GGMLQuantizationType.Q4_1, seed=5), name="q")
     dense = ModelRunner.from_paths(quantized.path, [], DeviceConfig(weights="dense"))
     auto = ModelRunner.from_paths(quantized.path, [], DeviceConfig())
@@ -51,7 +51,6 @@ def test_f16_weights_are_the_cpu_default_for_quantized_gguf(tmp_path) -> None:
     assert isinstance(float_model.model.blk[0].attn_q, torch.nn.Linear)  # F32 GGUF weights stay fp32
 
 
-@pytest.mark.skipif(TEST_DEVICE.torch_device.type != "cpu", reason="q4 weights are a CPU format")
 def test_packed_weights_keep_the_q4_codes_and_are_batch_invariant(tmp_path) -> None:
     tiny = make_tiny_model(tmp_path, TinySpec(arch="llama", weight_type=GGMLQuantizationType.Q4_1, seed=4))
     adapter = write_adapter(tmp_path / "a.gguf", random_lora(tiny, ["blk.0.attn_q.weight", "blk.1.ffn_down.weight"], 4, seed=3))
