@@ -41,12 +41,17 @@ def chunk_keys(root: bytes, tokens: Sequence[int], chunk_tokens: int = DEFAULT_C
     end = len(tokens) if limit is None else min(limit, len(tokens))
     keys, previous = [], root
     for start in range(0, end - end % chunk_tokens, chunk_tokens):
-        h = TaggedHasher("loraplex.cache.chunk")
-        h.raw("previous", previous)
-        h.raw("tokens", struct.pack(f"<{chunk_tokens}I", *tokens[start : start + chunk_tokens]))
-        previous = h.digest_bytes()
+        previous = next_key(previous, tokens[start : start + chunk_tokens])
         keys.append(previous)
     return keys
+
+
+def next_key(previous: bytes, chunk: Sequence[int]) -> bytes:
+    """The key of the chunk after `previous` (the root, or the key of the chunk before)."""
+    h = TaggedHasher("loraplex.cache.chunk")
+    h.raw("previous", previous)
+    h.raw("tokens", struct.pack(f"<{len(chunk)}I", *chunk))
+    return h.digest_bytes()
 
 
 def redis_key(prefix: str, key: bytes) -> str:

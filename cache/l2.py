@@ -9,6 +9,7 @@ succeed, uncached. The Redis client is a constructor argument.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,12 +19,31 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RedisConfig:
-    url: str = "redis://127.0.0.1:6379/0"  # rediss:// for TLS; a password goes in the URL
+    url: str = "redis://127.0.0.1:6379/0"  # rediss:// for TLS; redis://:PASSWORD@host:port/db
     key_prefix: str = "loraplex"
     ttl_s: int = 3600
-    timeout_s: float = 0.05
+    timeout_s: float = 0.25  # per connect, send and receive: nothing waits on Redis longer
     breaker_failures: int = 3  # consecutive failures that open the breaker
     breaker_cooldown_s: float = 5.0
+    password: str | None = None  # overrides the URL's (e.g. from a Kubernetes Secret)
+    tls_ca_file: str | None = None  # CA bundle for rediss:// servers with a private CA
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {self.url!r}")
+        if not self.key_prefix or any(c.isspace() for c in self.key_prefix):
+            raise ValueError(f"key_prefix must be a non-empty word, got {self.key_prefix!r}")
+        if self.ttl_s < 1:
+            raise ValueError(f"ttl_s must be >= 1, got {self.ttl_s}")
+        if self.timeout_s <= 0 or self.breaker_cooldown_s < 0 or self.breaker_failures < 1:
+            raise ValueError("timeout_s must be > 0, breaker_cooldown_s >= 0 and breaker_failures >= 1")
+
+    @property
+    def safe_url(self) -> str:
+        """The URL without its password, for logs and health output."""
+        scheme, sep, rest = self.url.partition("://")
+        credentials, at, host = rest.rpartition("@")
+        return f"{scheme}{sep}{'***@' if at else ''}{host}"
 
 
 class CircuitBreaker:
@@ -52,7 +72,12 @@ class CircuitBreaker:
 def connect(config: RedisConfig):
     import redis  # only the shared tier needs the client library
 
-    return redis.Redis.from_url(config.url, socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s)
+    options: dict[str, object] = {"socket_timeout": config.timeout_s, "socket_connect_timeout": config.timeout_s}
+    if config.password is not None:
+        options["password"] = config.password
+    if config.tls_ca_file is not None:
+        options["ssl_ca_certs"] = config.tls_ca_file
+    return redis.Redis.from_url(config.url, **options)
 
 
 class RedisTier:
@@ -60,6 +85,8 @@ class RedisTier:
         self.client, self.config = client, config
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s, clock)
         self.num_errors = 0
+        self.num_round_trips = 0
+        self._lock = threading.Lock()  # lookups and the background writer share the breaker
 
     @property
     def is_degraded(self) -> bool:
@@ -69,16 +96,20 @@ class RedisTier:
         return f"{self.config.key_prefix}:kv:{key.hex()}"
 
     def _call(self, action: Callable[[], object]) -> object | None:
-        if not self.breaker.allow():
-            return None
+        with self._lock:
+            if not self.breaker.allow():
+                return None
+            self.num_round_trips += 1
         try:
             result = action()
         except Exception as e:  # any client error (timeout, refused, reset): a miss, counted
-            self.num_errors += 1
-            self.breaker.record_failure()
+            with self._lock:
+                self.num_errors += 1
+                self.breaker.record_failure()
             log.warning("redis unavailable (%s: %s); continuing uncached", type(e).__name__, e)
             return None
-        self.breaker.record_success()
+        with self._lock:
+            self.breaker.record_success()
         return result
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -101,5 +132,9 @@ class RedisTier:
 
         return self._call(write) is not None
 
+    def delete_many(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._call(lambda: self.client.delete(*(self.key(k) for k in keys)))
+
     def delete(self, key: bytes) -> None:
-        self._call(lambda: self.client.delete(self.key(key)))
+        self.delete_many([key])

@@ -7,7 +7,7 @@ import sys
 
 CODE = """
 import sys
-import cache, cache.keys, cache.codec, cache.l1, cache.l2, gateway, gateway.cli
+import cache, cache.keys, cache.codec, cache.l1, cache.l2, cache.stats, cache.prefix, gateway, gateway.cli
 import worker.params, worker.scheduler, worker.stop, worker.outputs
 import worker, worker.adapter, worker.alora, worker.chat_template, worker.fingerprint
 import worker.gguf_file, worker.hparams, worker.peft_convert, worker.tokenizer, worker.default_model
