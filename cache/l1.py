@@ -33,6 +33,11 @@ class LRUBytes:
         self._items.move_to_end(key)
         return item[0]
 
+    def peek(self, key: bytes) -> Any | None:
+        """The value, without making it the most recent."""
+        item = self._items.get(key)
+        return None if item is None else item[0]
+
     def get_many(self, keys: Iterable[bytes]) -> list[Any | None]:
         return [self.get(k) for k in keys]
 

@@ -86,6 +86,7 @@ class RedisTier:
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s, clock)
         self.num_errors = 0
         self.num_round_trips = 0
+        self.num_recoveries = 0  # times the breaker closed again: Redis may have lost data meanwhile
         self._lock = threading.Lock()  # lookups and the background writer share the breaker
 
     @property
@@ -109,6 +110,7 @@ class RedisTier:
             log.warning("redis unavailable (%s: %s); continuing uncached", type(e).__name__, e)
             return None
         with self._lock:
+            self.num_recoveries += self.breaker.is_open
             self.breaker.record_success()
         return result
 

@@ -11,6 +11,13 @@ stops at the first miss.
 encodes them and writes them to Redis, so neither the engine's step nor a
 lookup ever waits on a write; when the writer falls behind, writes are
 dropped and counted, never queued without bound.
+
+An L1 entry remembers whether Redis has it. One that could not be written
+(Redis down, writer behind), that predates a Redis outage (the server may have
+restarted empty), or that was last written more than half a TTL ago is
+written again, in the background, the next time this worker serves it: what
+one worker keeps serving stays shared, and hot prefixes never expire in Redis
+while they are in use.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cache.codec import ChunkKV, CorruptValue, decode, encode
 from cache.keys import DEFAULT_CHUNK_TOKENS
@@ -54,6 +61,18 @@ class ChunkGeometry:
     shape: tuple[int, int, int, int]  # [layers, kv_heads, chunk_tokens, head_dim]
 
 
+@dataclass(eq=False)
+class _Entry:
+    chunk: ChunkKV
+    nbytes: int = field(init=False)
+    shared_epoch: int | None = None  # the tier's recovery count when Redis last got it; None: not known to
+    shared_s: float = 0.0
+    is_queued: bool = False  # a write of it is waiting for the writer
+
+    def __post_init__(self) -> None:
+        self.nbytes = self.chunk.k.nbytes + self.chunk.v.nbytes
+
+
 class PrefixCache:
     def __init__(self, config: PrefixCacheConfig, geometry: ChunkGeometry, client=None, clock: Callable[[], float] = time.perf_counter) -> None:
         if geometry.shape[2] != config.chunk_tokens:
@@ -81,12 +100,16 @@ class PrefixCache:
         """The cached chunks for `keys[0], keys[1], ...` up to the first one missing."""
         started = self._clock()
         found: list[ChunkKV] = []
+        reshare: list[tuple[bytes, ChunkKV]] = []
         with self._lock:
             for key in keys:
-                chunk = self.l1.get(key)
-                if chunk is None:
+                entry = self.l1.get(key)
+                if entry is None:
                     break
-                found.append(chunk)
+                found.append(entry.chunk)
+                if self._needs_sharing(entry, started):
+                    entry.is_queued = True
+                    reshare.append((key, entry.chunk))
         num_l1, num_bytes, corrupt, from_l2 = len(found), 0, [], []
         rest = keys[num_l1:]
         if rest and self.tier is not None:
@@ -103,8 +126,9 @@ class PrefixCache:
                 from_l2.append((key, chunk))
                 num_bytes += len(blob)
         with self._lock:
+            epoch = self.tier.num_recoveries if self.tier is not None else None
             for key, chunk in from_l2:
-                self.l1.put(key, chunk, chunk.k.nbytes + chunk.v.nbytes)
+                self._put_l1(key, _Entry(chunk, shared_epoch=epoch, shared_s=started))
             s = self.stats
             s.num_lookups += 1
             s.num_lookups_hit += bool(found)
@@ -117,7 +141,18 @@ class PrefixCache:
             s.lookup_s.observe(self._clock() - started)
         if corrupt:
             self._enqueue("delete", corrupt)
+        if reshare:
+            self._enqueue("put", reshare)
         return found
+
+    def _needs_sharing(self, entry: _Entry, now_s: float) -> bool:
+        tier = self.tier
+        if tier is None or entry.is_queued or tier.is_degraded:
+            return False
+        return entry.shared_epoch != tier.num_recoveries or now_s - entry.shared_s > tier.config.ttl_s / 2
+
+    def _put_l1(self, key: bytes, entry: _Entry) -> None:
+        self.l1.put(key, entry, entry.nbytes)
 
     def _verify(self, blob: bytes, index: int) -> ChunkKV:
         g = self.geometry
@@ -136,7 +171,7 @@ class PrefixCache:
             return
         with self._lock:
             for key, chunk in items:
-                self.l1.put(key, chunk, chunk.k.nbytes + chunk.v.nbytes)
+                self._put_l1(key, _Entry(chunk, is_queued=self.tier is not None))
             self.stats.num_chunks_stored += len(items)
         if self.tier is not None:
             self._enqueue("put", list(items))
@@ -145,9 +180,19 @@ class PrefixCache:
         with self._lock:
             if self._num_pending + len(payload) > self.config.max_pending_writes:
                 self.stats.num_writes_dropped += len(payload)
+                if kind == "put":
+                    self._mark_written(payload, None)
                 return
             self._num_pending += len(payload)
         self._writes.put((kind, payload))
+
+    def _mark_written(self, items: list[tuple[bytes, ChunkKV]], epoch: int | None) -> None:
+        """Record (under the lock) whether Redis got these chunks; only entries still holding them."""
+        now = self._clock()
+        for key, chunk in items:
+            entry = self.l1.peek(key)
+            if entry is not None and entry.chunk is chunk:
+                entry.is_queued, entry.shared_epoch, entry.shared_s = False, epoch, now
 
     def _write_loop(self) -> None:
         assert self.tier is not None
@@ -165,6 +210,8 @@ class PrefixCache:
                 log.exception("prefix cache: could not write %d chunk(s)", len(payload))
                 failed = len(payload)
             with self._lock:
+                if kind == "put":
+                    self._mark_written(payload, self.tier.num_recoveries if written else None)
                 self.stats.num_bytes_written_l2 += written
                 self.stats.num_store_errors += failed
                 self._num_pending -= len(payload)

@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive_int, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--weights", default="auto", choices=["auto", "dense", "f16", "q4"], help="weight format: auto = f16 on CPU (quantized GGUF weights as float16, fp32 math), dense elsewhere; q4 = CPU int4 kernel with bfloat16 activations (fastest, not llama.cpp-exact)")
     p.add_argument("--step-tokens", type=_positive_int, default=256, metavar="N", help="tokens per forward pass with --batch-file (prefill chunk budget)")
+    cache = p.add_argument_group("prefix cache", "reuse and share prompt KV through Redis (SPEC §5)")
+    cache.add_argument("--redis", metavar="URL", help="Redis for the shared prefix cache, e.g. redis://127.0.0.1:6379/0 (rediss:// for TLS, redis://:PASSWORD@host)")
+    cache.add_argument("--cache-salt", metavar="S", default="", help="cache namespace (a tenant id): only runs with the same salt share KV")
+    cache.add_argument("--cache-chunk-tokens", type=_positive_int, default=32, metavar="C", help="tokens per cached chunk (default 32)")
+    cache.add_argument("--cache-prefix", default="loraplex", metavar="P", help="Redis key prefix (default loraplex)")
     p.set_defaults(handler="worker.cli_generate:run")
 
     p = sub.add_parser("bench-engine", help="decode speed: one adapter vs mixed adapters vs llama.cpp's same-adapter batching")

@@ -58,3 +58,22 @@ def real_tokenizer(real_runner):
     from worker.tokenizer import GGUFTokenizer
 
     return GGUFTokenizer(real_runner.base)
+
+
+@pytest.fixture
+def redis_prefix():
+    """A key prefix of its own in the machine's Redis; its keys are deleted afterwards (nothing else is touched)."""
+    import uuid
+
+    import redis
+
+    prefix = f"loraplex-test-{uuid.uuid4().hex}"
+    client = redis.Redis(socket_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        pytest.fail(f"these tests need the local Redis at 127.0.0.1:6379: {e}")
+    yield prefix
+    keys = list(client.scan_iter(f"{prefix}:*"))
+    if keys:
+        client.delete(*keys)

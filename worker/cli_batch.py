@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Any
 
+from cache.l2 import RedisConfig
+from cache.prefix import PrefixCache, PrefixCacheConfig
 from worker.engine import DEFAULT_SLOT_LEN, Engine, EngineConfig, EngineRequest, RequestError
 from worker.params import SamplingParams
 from worker.runner import ModelRunner
@@ -15,11 +17,32 @@ from worker.tokenizer import GGUFTokenizer, TokenizerError
 
 MAX_SLOTS = 64  # lines beyond this wait for a free KV slot
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
-FIELDS = {"prompt", "prompt_tokens", "lora", "stop", *SAMPLING_FIELDS}
+FIELDS = {"prompt", "prompt_tokens", "lora", "stop", "cache_salt", *SAMPLING_FIELDS}
 
 
 class BatchFileError(ValueError):
     pass
+
+
+def open_cli_cache(args: argparse.Namespace, runner: ModelRunner) -> PrefixCache | None:
+    """The prefix cache `--redis` asks for (None without it)."""
+    if args.redis is None:
+        if args.cache_salt:
+            raise RequestError("--cache-salt needs --redis")
+        return None
+    from worker.prefix_kv import open_prefix_cache
+
+    config = PrefixCacheConfig(chunk_tokens=args.cache_chunk_tokens, redis=RedisConfig(url=args.redis, key_prefix=args.cache_prefix))
+    return open_prefix_cache(runner, config)
+
+
+def close_cli_cache(cache: PrefixCache | None) -> None:
+    """Let queued writes reach Redis before the process exits; say so when Redis was not there."""
+    if cache is None:
+        return
+    cache.close()
+    if cache.redis_state == "degraded":
+        print(f"loraplex: Redis at {cache.config.redis.safe_url} was unavailable: ran uncached", file=sys.stderr)
 
 
 def read_batch_file(path: str) -> list[dict[str, Any]]:
@@ -42,6 +65,8 @@ def read_batch_file(path: str) -> list[dict[str, Any]]:
             lora = item.get("lora", [])
             if not isinstance(lora, list) or not all(isinstance(x, dict) and isinstance(x.get("path"), str) for x in lora):
                 raise BatchFileError(f"{path}:{number}: 'lora' must be a list of {{\"path\": ..., \"scale\": ...}}")
+            if not isinstance(item.get("cache_salt", ""), str):
+                raise BatchFileError(f"{path}:{number}: 'cache_salt' must be a string")
             item["_line"] = number
             lines.append(item)
     if not lines:
@@ -80,7 +105,7 @@ def build_requests(lines, args: argparse.Namespace, tokenizer: GGUFTokenizer | N
                 scales[slot] = scales.get(slot, 0.0) + float(entry.get("scale", 1.0))
         except (TypeError, ValueError) as e:
             raise BatchFileError(f"{at}: {e}") from e
-        requests.append(EngineRequest(str(index), prompt, params, scales))
+        requests.append(EngineRequest(str(index), prompt, params, scales, cache_salt=item.get("cache_salt", args.cache_salt)))
     return requests
 
 
@@ -102,17 +127,19 @@ def run_batch(args: argparse.Namespace, runner_from_paths) -> int:
     else:
         slot_len = min(context, max(len(r.prompt_ids) + max(r.params.max_tokens, 1) for r in requests))
     num_slots = min(len(requests), MAX_SLOTS)
-    engine = Engine(runner, tokenizer, EngineConfig(num_slots=num_slots, slot_len=slot_len, max_step_tokens=max(args.step_tokens, num_slots)))
+    cache = open_cli_cache(args, runner)
+    engine = Engine(runner, tokenizer, EngineConfig(num_slots=num_slots, slot_len=slot_len, max_step_tokens=max(args.step_tokens, num_slots)), prefix_cache=cache)
     for request, item in zip(requests, lines):
         try:
             engine.check(request)
         except ValueError as e:
             raise BatchFileError(f"{args.batch_file}:{item['_line']}: {e}") from e
     results = engine.run_all(requests)
+    close_cli_cache(cache)
     for request in requests:
         result = results[request.request_id]
         out = {"index": int(request.request_id), "text": result.text, "tokens": result.token_ids,
-               "finish_reason": result.finish_reason, "prompt_tokens": len(result.prompt_ids)}
+               "finish_reason": result.finish_reason, "prompt_tokens": len(result.prompt_ids), "cached_tokens": result.cached_tokens}
         if result.error:
             out["error"] = result.error
         if result.alora_activation is not None:

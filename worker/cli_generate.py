@@ -12,7 +12,7 @@ import torch
 from worker.adapter import AdapterError
 from worker.alora import MultipleALoRAError
 from worker.chat_template import ChatTemplate, ChatTemplateError
-from worker.cli_batch import BatchFileError, run_batch
+from worker.cli_batch import BatchFileError, close_cli_cache, open_cli_cache, run_batch
 from worker.default_model import ModelNotFoundError, resolve_model_path
 from worker.generate import GenerationResult, RequestError, TokenLogprob, generate
 from worker.gguf_file import GGUFFormatError
@@ -55,6 +55,7 @@ def result_json(result: GenerationResult, load_time_s: float) -> dict[str, Any]:
         "tokens": result.token_ids,
         "text": result.text,
         "finish_reason": result.finish_reason,
+        "cached_tokens": result.cached_tokens,
         "timings": {
             "load_s": load_time_s,
             "prompt_s": result.prompt_time_s,
@@ -99,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
         stream = None if args.json else (lambda text: print(text, end="", flush=True))
         if stream is not None and args.echo and tokenizer is not None:
             stream(tokenizer.decode(prompt_ids))
-        result = generate(runner, prompt_ids, params, scales, tokenizer, on_text=stream)
+        cache = open_cli_cache(args, runner)
+        result = generate(runner, prompt_ids, params, scales, tokenizer, on_text=stream, prefix_cache=cache, cache_salt=args.cache_salt)
+        close_cli_cache(cache)
     except ModelNotFoundError as e:
         print(f"loraplex generate: {e}", file=sys.stderr)
         return 1
@@ -120,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         print()
         rate = len(result.token_ids) / result.decode_time_s if result.decode_time_s > 0 else 0.0
         print(
-            f"[load {load_time_s:.2f} s | prompt {len(prompt_ids)} tokens in {result.prompt_time_s:.3f} s | "
+            f"[load {load_time_s:.2f} s | prompt {len(prompt_ids)} tokens ({result.cached_tokens} cached) in {result.prompt_time_s:.3f} s | "
             f"{len(result.token_ids)} tokens in {result.decode_time_s:.2f} s ({rate:.1f} tokens/s) | finish: {result.finish_reason}]",
             file=sys.stderr,
         )

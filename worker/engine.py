@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cache.prefix import PrefixCache
+from worker import prefix_kv
 from worker.attention import KVCache, Segment
 from worker.outputs import GenerationResult, RequestOutput, TokenLogprob
 from worker.params import SamplingParams
@@ -53,6 +55,8 @@ class EngineRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     adapters: Mapping[int, float] = field(default_factory=dict)  # worker adapter slot -> scale
+    cache_salt: str = ""  # the tenant's prefix-cache namespace (SPEC §5)
+    cache_prompt: bool = True  # False: neither reuse nor store this request's KV
 
 
 @dataclass(eq=False)
@@ -66,6 +70,7 @@ class _State:
     result: GenerationResult
     arrived_s: float
     first_token_s: float | None = None
+    cache: prefix_kv.CacheHit | None = None  # chunks still to load into the slot, and the store cursor
 
     def scale_rows(self, start: int, length: int) -> torch.Tensor:
         prompt = self.scales.prompt
@@ -89,15 +94,21 @@ def _logprob_entry(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogpro
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer: GGUFTokenizer | None, config: EngineConfig | None = None, clock=time.perf_counter) -> None:
+    def __init__(
+        self, runner: ModelRunner, tokenizer: GGUFTokenizer | None, config: EngineConfig | None = None,
+        clock=time.perf_counter, prefix_cache: PrefixCache | None = None,
+    ) -> None:
         self.runner, self.tokenizer = runner, tokenizer
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None and prefix_cache.geometry != prefix_kv.chunk_geometry(runner, prefix_cache.chunk_tokens):
+            raise ValueError("the prefix cache was opened for another model, weight format or dtype")
         self.config = config = config or EngineConfig()
         self.slot_len = min(config.slot_len or DEFAULT_SLOT_LEN, runner.hparams.context_length)
         self.cache: KVCache = runner.allocate_cache(config.num_slots, self.slot_len)
         self.scheduler = Scheduler(config.num_slots, self.slot_len, config.max_step_tokens)
         self.eog_ids = tokenizer.eog_ids if tokenizer is not None else frozenset()
         self._states: dict[str, _State] = {}
-        self._clock = clock
+        self.clock = clock
 
     # requests in
 
@@ -127,19 +138,41 @@ class Engine:
             )
         return len(prompt) + params.max_tokens, scales
 
-    def add_request(self, request: EngineRequest) -> None:
+    def lookup(self, request: EngineRequest) -> prefix_kv.CacheHit | None:
+        """The request's cached prefix (thread-safe, never raises: the cache only ever saves work).
+
+        Call it off the engine's thread and pass the hit to `add_request`, so a
+        Redis round trip never holds up the step loop.
+        """
+        if self.prefix_cache is None or not request.cache_prompt:
+            return None
+        try:
+            scales = self.runner.adapter_scales(request.prompt_ids, request.adapters)
+            root = prefix_kv.request_root(self.runner, self.prefix_cache.geometry.model_id, request.adapters, request.cache_salt)
+            wants_prompt_logprobs = request.params.echo and request.params.logprobs is not None  # every position is computed
+            return prefix_kv.lookup(self.prefix_cache, root, request.prompt_ids, scales.alora_activation, reuse=not wants_prompt_logprobs)
+        except Exception:
+            log.exception("prefix cache lookup failed; running uncached")
+            return None
+
+    def add_request(self, request: EngineRequest, hit: prefix_kv.CacheHit | None = None, arrived_s: float | None = None) -> None:
+        """Queue a request; `hit` from `lookup` (done here when not given), `arrived_s` on `clock`."""
+        arrived_s = self.clock() if arrived_s is None else arrived_s
         if request.request_id in self._states:
             raise RequestError(f"request id {request.request_id!r} is already running")
         max_len, scales = self._prepare(request)
+        if hit is None:
+            hit = self.lookup(request)
         params = request.params
         seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), max_len)
-        result = GenerationResult(list(request.prompt_ids), alora_activation=scales.alora_activation)
+        seq.num_cached = hit.num_tokens if hit is not None else 0
+        result = GenerationResult(list(request.prompt_ids), alora_activation=scales.alora_activation, cached_tokens=seq.num_cached)
         if params.logprobs is not None:
             result.logprobs = []
         state = _State(
             request, seq, scales, make_generator(params.seed, self.runner.config.torch_device),
             IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None,
-            StopMatcher(params.stop), result, self._clock(),
+            StopMatcher(params.stop), result, arrived_s, cache=hit,
         )
         self._states[request.request_id] = state
         self.scheduler.add(seq)
@@ -163,21 +196,49 @@ class Engine:
         if not chunks:
             return []
         try:
+            self._load_cached(chunks)
             logits, rows = self._run(chunks)
         except Exception as e:  # the whole pass failed: fail its requests, keep serving
             log.exception("forward pass failed")
             return [self._finish(self._states[c.seq.request_id], "error", f"internal error: {e}") for c in chunks]
         outputs = []
         for chunk in chunks:
-            state = self._states[chunk.seq.request_id]
+            state, slot = self._states[chunk.seq.request_id], chunk.seq.slot
             try:
                 out = self._postprocess(state, chunk, logits, rows[chunk.seq.request_id])
             except Exception as e:  # one request's failure stays its own
                 log.exception("request %s failed", chunk.seq.request_id)
                 out = self._finish(state, "error", f"internal error: {e}")
+            if out is None or out.finish_reason != "error":
+                self._store_cached(state, slot)  # the slot still holds its KV, even if the request just finished
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _load_cached(self, chunks: list[Chunk]) -> None:
+        """Copy newly admitted sequences' cached prefixes into their slots."""
+        for chunk in chunks:
+            state = self._states[chunk.seq.request_id]
+            if state.cache is not None and state.cache.chunks:
+                prefix_kv.load_chunks(self.cache, chunk.seq.slot, state.cache.chunks)
+                state.cache.chunks = []
+
+    def _store_cached(self, state: _State, slot: int) -> None:
+        """Hand the request's newly computed whole chunks to the prefix cache (never fails the request)."""
+        if state.cache is None or self.prefix_cache is None:
+            return
+        cursor, seq = state.cache.cursor, state.seq
+        first = cursor.num_chunks
+        keys = prefix_kv.new_chunk_keys(cursor, seq.token_ids, seq.num_computed, self.prefix_cache.chunk_tokens)
+        if not keys:
+            return
+        try:
+            values = prefix_kv.extract_chunks(self.cache, slot, first, len(keys), self.prefix_cache.geometry)
+            self.prefix_cache.store(list(zip(keys, values)))
+        except Exception:
+            log.exception("request %s: could not store its KV in the prefix cache", seq.request_id)
+            self.prefix_cache.count_store_error(len(keys))
+            state.cache = None
 
     def _run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, dict[str, list[int]]]:
         token_ids: list[int] = []
@@ -213,7 +274,7 @@ class Engine:
             return self._finish(state, "length")
         row = logits[rows[-1]]
         if state.first_token_s is None:
-            state.first_token_s = self._clock()
+            state.first_token_s = self.clock()
         masked = row
         if params.ignore_eos and self.eog_ids:
             masked = row.clone()
@@ -257,7 +318,7 @@ class Engine:
                 reason = "stop"
         result = state.result
         result.finish_reason, result.error = reason, error
-        now = self._clock()
+        now = self.clock()
         first = now if state.first_token_s is None else state.first_token_s
         result.prompt_time_s, result.decode_time_s = first - state.arrived_s, now - first
         self.scheduler.finish(state.seq)

@@ -53,15 +53,21 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, request: EngineRequest) -> RequestStream:
-        """Queue a request; a bad one raises here (RequestError, ValueError) and changes nothing."""
+        """Queue a request; a bad one raises here (RequestError, ValueError) and changes nothing.
+
+        The prefix-cache lookup (a Redis round trip at most) runs here, in the
+        caller's thread, not in the engine's step loop.
+        """
+        arrived_s = self.engine.clock()
         self.engine.check(request)
+        hit = self.engine.lookup(request)
         with self._wake:
             if self._closed:
                 raise RuntimeError("the engine loop is closed")
             if request.request_id in self._streams:
                 raise ValueError(f"request id {request.request_id!r} is already running")
             stream = self._streams[request.request_id] = RequestStream(self, request.request_id)
-            self._inbox.append(("add", request))
+            self._inbox.append(("add", (request, hit, arrived_s)))
             self._wake.notify()
         return stream
 
@@ -89,10 +95,11 @@ class EngineLoop:
     def _apply(self, commands: list[tuple[str, object]]) -> None:
         for kind, item in commands:
             if kind == "add":
+                request, hit, arrived_s = item
                 try:
-                    self.engine.add_request(item)
+                    self.engine.add_request(request, hit, arrived_s)
                 except Exception as e:  # validated at submit; anything left fails this request only
-                    self._deliver(RequestOutput(item.request_id, [], "", finish_reason="error", error=str(e)))
+                    self._deliver(RequestOutput(request.request_id, [], "", finish_reason="error", error=str(e)))
                 continue
             request_id, stream = item
             if stream is not None and self._streams.get(request_id) is not stream:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from cache.prefix import PrefixCache
 from worker.engine import Engine, EngineConfig, EngineRequest, RequestError
 from worker.outputs import GenerationResult, TokenLogprob
 from worker.params import SamplingParams
@@ -33,14 +34,16 @@ def generate(
     tokenizer: GGUFTokenizer | None = None,
     on_text: Callable[[str], None] | None = None,
     max_step_tokens: int = 512,
+    prefix_cache: PrefixCache | None = None,
+    cache_salt: str = "",
 ) -> GenerationResult:
     """Generate for one prompt with the given adapter slots and scales.
 
     `on_text` receives text as it is produced, whole UTF-8 characters only.
     """
     slot_len = validate_request(runner, prompt_ids, params)
-    engine = Engine(runner, tokenizer, EngineConfig(num_slots=1, slot_len=slot_len, max_step_tokens=max_step_tokens))
-    engine.add_request(EngineRequest("0", list(prompt_ids), params, dict(adapter_scales or {})))
+    engine = Engine(runner, tokenizer, EngineConfig(num_slots=1, slot_len=slot_len, max_step_tokens=max_step_tokens), prefix_cache=prefix_cache)
+    engine.add_request(EngineRequest("0", list(prompt_ids), params, dict(adapter_scales or {}), cache_salt=cache_salt))
     result = engine.result("0")
     while engine.has_work():
         for out in engine.step():

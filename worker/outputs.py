@@ -22,6 +22,7 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first prompt token has none
     alora_activation: int | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prompt_time_s: float = 0.0  # arrival to first token
     decode_time_s: float = 0.0  # first token to finish
 

@@ -29,6 +29,7 @@ class Sequence:
     status: Status = Status.WAITING
     slot: int | None = None
     num_computed: int = 0  # tokens whose keys and values are in the slot
+    num_cached: int = 0  # leading prompt tokens whose keys and values come from the prefix cache
     arrival: int = 0
 
     @property
@@ -96,6 +97,7 @@ class Scheduler:
             seq = self.waiting.popleft()
             self._free_slots.sort()  # lowest first: busy slots stay packed for batched attention
             seq.slot, seq.status = self._free_slots.pop(0), Status.RUNNING
+            seq.num_computed = seq.num_cached  # the engine loads those into the slot before the pass
             self.running.append(seq)
             chunks.append(self._prefill_chunk(seq, budget))
             budget -= chunks[-1].length
