@@ -10,6 +10,7 @@ token's logits pick the first output token, so it is always computed).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ from cache.prefix import ChunkGeometry, PrefixCache, PrefixCacheConfig
 from worker.attention import KVCache
 from worker.fingerprint import TaggedHasher, adapter_set_fingerprint, base_fingerprint
 from worker.runner import ModelRunner
+
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning, module=__name__)
 
 
 def cache_model_id(runner: ModelRunner) -> str:
@@ -107,19 +110,16 @@ def extract_chunks(kv: KVCache, slot: int, first_chunk: int, num_chunks: int, ge
     ]
 
 
-def _to_device(parts: list[np.ndarray], like: torch.Tensor) -> torch.Tensor:
-    host = np.concatenate(parts, axis=2)  # [layers, kv_heads, T, head_dim]
-    if host.dtype == np.uint16:
-        t = torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
-    else:
-        t = torch.from_numpy(host)
-    return t.to(device=like.device, dtype=like.dtype)
+def _as_tensor(array: np.ndarray) -> torch.Tensor:
+    """A view (no copy) of a host array (values from Redis are read-only; they are only read)."""
+    if array.dtype == np.uint16:  # bfloat16 bits
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def load_chunks(kv: KVCache, slot: int, chunks: Sequence[ChunkKV]) -> None:
-    """Write cached chunks (positions 0..) into a slot (one copy onto the device per K and V)."""
-    if not chunks:
-        return
-    num_tokens = sum(c.k.shape[2] for c in chunks)
-    kv.k[:, slot, :, :num_tokens] = _to_device([c.k for c in chunks], kv.k)
-    kv.v[:, slot, :, :num_tokens] = _to_device([c.v for c in chunks], kv.v)
+    """Write cached chunks (positions 0..) into a slot: one copy per chunk, straight from the cached arrays."""
+    for chunk in chunks:
+        start, end = chunk.first_position, chunk.first_position + chunk.k.shape[2]
+        kv.k[:, slot, :, start:end].copy_(_as_tensor(chunk.k))
+        kv.v[:, slot, :, start:end].copy_(_as_tensor(chunk.v))

@@ -151,7 +151,7 @@ def _rewrite_header(blob: bytes, **changes) -> bytes:
     header = json.loads(blob[8 : 8 + header_len]) | changes
     new_header = json.dumps(header, sort_keys=True).encode()
     body = blob[:4] + struct.pack("<I", len(new_header)) + new_header + blob[8 + header_len : -CHECKSUM_BYTES]
-    return body + hashlib.blake2b(body, digest_size=CHECKSUM_BYTES).digest()
+    return body + hashlib.sha256(body).digest()
 
 
 BAD_VALUES = {
