@@ -72,3 +72,17 @@ def test_the_default_model_chat_twice_prints_cached_tokens(redis_prefix) -> None
     first, second = (generate(*args).communicate(timeout=180) for _ in range(2))
     assert "(0 cached)" in first[1] and "(32 cached)" in second[1], second[1]
     assert first[0] == second[0] and first[0].strip()
+
+
+def test_bench_cache_runs_on_a_tiny_model_and_cleans_up(tiny_llama, capsys) -> None:
+    from gateway.cli import main as cli_main
+
+    before = sum(1 for _ in redis.Redis().scan_iter("loraplex-bench-*"))
+    code = cli_main(["bench-cache", "--model", str(tiny_llama.path), "--prompt-tokens", "40", "--cached-tokens", "32",
+                     "--chunk-tokens", "8", "--rounds", "1"])
+    assert code == 0
+    lines = dict(line.split("=", 1) for line in capsys.readouterr().out.splitlines() if "=" in line and " " not in line.split("=")[0])
+    assert float(lines["l2/miss"]) > 0 and float(lines["l1/miss"]) > 0
+    assert int(lines["bytes_per_cached_token"]) > 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads, 16 dims, float32, plus header
+    assert lines["redis_round_trips_per_request"].startswith("miss:")
+    assert sum(1 for _ in redis.Redis().scan_iter("loraplex-bench-*")) == before
