@@ -75,3 +75,15 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as e:  # includes the sandbox's SecurityError
             raise ChatTemplateError(f"chat template failed: {e}") from e
+
+
+def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Render `messages` with the model's template and tokenize (a `GGUFTokenizer`), as llama-server does."""
+    if not tokenizer.chat_template:
+        raise ChatTemplateError("this model has no chat template (tokenizer.chat_template)")
+    bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+    eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+    text = ChatTemplate(tokenizer.chat_template, bos, eos).render(messages)
+    # a template that writes the BOS itself must not get a second one
+    add_special = not (tokenizer.add_bos and bos and text.startswith(bos))
+    return tokenizer.encode(text, add_special=add_special, parse_special=True)

@@ -10,8 +10,8 @@ from typing import Any
 
 from cache.l2 import RedisConfig
 from cache.prefix import PrefixCache, PrefixCacheConfig
-from worker.engine import DEFAULT_SLOT_LEN, Engine, EngineConfig, EngineRequest, RequestError
-from worker.params import SamplingParams
+from worker.engine import Engine, EngineConfig, EngineRequest, RequestError
+from worker.params import DEFAULT_SLOT_LEN, SamplingParams
 from worker.runner import ModelRunner
 from worker.tokenizer import GGUFTokenizer, TokenizerError
 

@@ -11,7 +11,7 @@ import torch
 
 from worker.adapter import AdapterError
 from worker.alora import MultipleALoRAError
-from worker.chat_template import ChatTemplate, ChatTemplateError
+from worker.chat_template import ChatTemplateError, encode_chat
 from worker.cli_batch import BatchFileError, close_cli_cache, open_cli_cache, run_batch
 from worker.default_model import ModelNotFoundError, resolve_model_path
 from worker.generate import GenerationResult, RequestError, TokenLogprob, generate
@@ -34,12 +34,7 @@ def build_prompt(args: argparse.Namespace, tokenizer: GGUFTokenizer | None) -> l
         return tokenizer.encode(args.prompt, add_special=True, parse_special=True)
     if not tokenizer.chat_template:
         raise RequestError("this model has no chat template (tokenizer.chat_template): use --prompt")
-    bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
-    eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-    text = ChatTemplate(tokenizer.chat_template, bos, eos).render([{"role": "user", "content": args.chat}])
-    # a template that writes the BOS itself must not get a second one
-    add_special = not (tokenizer.add_bos and bos and text.startswith(bos))
-    return tokenizer.encode(text, add_special=add_special, parse_special=True)
+    return encode_chat(tokenizer, [{"role": "user", "content": args.chat}])
 
 
 def _logprob_json(entry: TokenLogprob | None) -> dict[str, Any] | None:

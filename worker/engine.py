@@ -18,7 +18,7 @@ from cache.prefix import PrefixCache
 from worker import prefix_kv
 from worker.attention import KVCache, Segment
 from worker.outputs import GenerationResult, RequestOutput, TokenLogprob
-from worker.params import SamplingParams
+from worker.params import SamplingParams, slot_length
 from worker.runner import AdapterScales, ModelRunner
 from worker.sampling import make_generator, sample
 from worker.scheduler import Chunk, Scheduler, Sequence
@@ -27,7 +27,6 @@ from worker.tokenizer import GGUFTokenizer, IncrementalDecoder
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SLOT_LEN = 2048
 
 
 class RequestError(ValueError):
@@ -103,7 +102,7 @@ class Engine:
         if prefix_cache is not None and prefix_cache.geometry != prefix_kv.chunk_geometry(runner, prefix_cache.chunk_tokens):
             raise ValueError("the prefix cache was opened for another model, weight format or dtype")
         self.config = config = config or EngineConfig()
-        self.slot_len = min(config.slot_len or DEFAULT_SLOT_LEN, runner.hparams.context_length)
+        self.slot_len = slot_length(config.slot_len, runner.hparams.context_length)
         self.cache: KVCache = runner.allocate_cache(config.num_slots, self.slot_len)
         self.scheduler = Scheduler(config.num_slots, self.slot_len, config.max_step_tokens)
         self.eog_ids = tokenizer.eog_ids if tokenizer is not None else frozenset()

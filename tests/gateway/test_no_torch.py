@@ -8,6 +8,11 @@ import sys
 CODE = """
 import sys
 import cache, cache.keys, cache.codec, cache.l1, cache.l2, cache.stats, cache.prefix, gateway, gateway.cli
+import gateway.config, gateway.catalog, gateway.protocol, gateway.tenants, gateway.routing, gateway.ratelimit
+import gateway.metrics, gateway.formats, gateway.core, gateway.app
+from gateway.catalog import Catalog
+from gateway.config import load_config
+Catalog(load_config())  # the default deployment's model and adapters, as the gateway reads them
 import worker.params, worker.scheduler, worker.stop, worker.outputs
 import worker, worker.adapter, worker.alora, worker.chat_template, worker.fingerprint
 import worker.gguf_file, worker.hparams, worker.peft_convert, worker.tokenizer, worker.default_model

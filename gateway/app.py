@@ -1,0 +1,240 @@
+"""The HTTP API (SPEC §6) as a FastAPI app over a `Gateway` (torch-free).
+
+The app is built once per process; `app.state.gateway` is set by whoever runs
+it (the Ray Serve ingress, or a test). Every error is the OpenAI error shape
+with its status; a bad request never reaches a worker.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from gateway.core import Gateway, Prepared
+from gateway.formats import ChatFormatter, CompletionFormatter, llama_completion, sse, token_str
+from gateway.metrics import adapter_label
+from gateway.protocol import APIError, ChatRequest, CompletionRequest, LlamaCompletionRequest, LoraScale, parse
+from gateway.tenants import Tenant
+from worker.chat_template import ChatTemplateError, encode_chat
+from worker.params import SamplingParams
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+async def _json_body(request: Request, gateway: Gateway) -> Any:
+    limit = gateway.config.http.max_body_bytes
+    if int(request.headers.get("content-length") or 0) > limit:
+        raise APIError(413, f"request body over {limit} bytes", "body_too_large")
+    body = await request.body()
+    if len(body) > limit:
+        raise APIError(413, f"request body over {limit} bytes", "body_too_large")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}", "invalid_json") from e
+
+
+def _sampling(max_tokens: int | None, body, logprobs: int | None = None, echo: bool = False) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=-1 if max_tokens is None else max_tokens, temperature=body.temperature, top_p=body.top_p,
+            top_k=max(body.top_k, 0), seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, echo=echo, stop=tuple(body.stop_list),
+        )
+    except ValueError as e:
+        raise APIError(400, str(e), "invalid_value") from e
+
+
+def _headers(prepared: Prepared) -> dict[str, str]:
+    return {"x-loraplex-shard": prepared.route.get("shard", ""), "x-loraplex-replica": prepared.route.get("replica", "")}
+
+
+class _Timing:
+    def __init__(self, gateway: Gateway, tenant: Tenant, prepared: Prepared | None, endpoint: str) -> None:
+        self.gateway, self.tenant, self.endpoint = gateway, tenant, endpoint
+        self.adapter = adapter_label(prepared.scales) if prepared else "base"
+        self.started, self.first = time.perf_counter(), None
+
+    def token(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+
+    def done(self, status: int, final: dict[str, Any] | None) -> None:
+        now = time.perf_counter()
+        self.gateway.metrics.finished(self.tenant.id, self.adapter, self.endpoint, status, now - self.started,
+                                      None if self.first is None else self.first - self.started, (final or {}).get("usage"))
+
+
+async def _respond(gateway: Gateway, prepared: Prepared, stream: bool, endpoint: str, whole, chunk, usage_chunk=None,
+                   include_usage: bool = False, done_marker: bool = True) -> Response:
+    timing = _Timing(gateway, prepared.tenant, prepared, endpoint)
+    gateway.metrics.in_flight.labels(prepared.tenant.id).inc()
+    if not stream:
+        try:
+            deltas = await gateway.collect(prepared)
+        finally:
+            gateway.metrics.in_flight.labels(prepared.tenant.id).dec()
+        final = deltas[-1]
+        timing.token()
+        if final["finish_reason"] == "error":
+            timing.done(500, final)
+            raise APIError(500, final.get("error") or "the worker failed", "worker_error")
+        timing.done(200, final)
+        return JSONResponse(whole(deltas), headers=_headers(prepared))
+    deltas = gateway.stream(prepared)
+    try:
+        first = await anext(deltas)  # errors before the first token are still HTTP errors
+    except BaseException:
+        gateway.metrics.in_flight.labels(prepared.tenant.id).dec()
+        raise
+
+    async def events() -> AsyncIterator[bytes]:
+        final, status = None, 200
+        try:
+            index, delta = 0, first
+            while True:
+                timing.token()
+                if delta["finish_reason"] == "error":
+                    status = 500
+                    yield sse(APIError(500, delta.get("error") or "the worker failed", "worker_error").body())
+                    break
+                yield sse(chunk(delta, index == 0))
+                if delta["finish_reason"] is not None:
+                    final = delta
+                    if include_usage and usage_chunk is not None:
+                        yield sse(usage_chunk(delta))
+                    break
+                index += 1
+                delta = await anext(deltas)
+            if done_marker:
+                yield sse("[DONE]")
+        finally:
+            await deltas.aclose()  # a client that went away cancels the worker's request
+            gateway.metrics.in_flight.labels(prepared.tenant.id).dec()
+            timing.done(status, final)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=_headers(prepared))
+
+
+def create_app() -> FastAPI:
+    app = FastAPI(title="loraplex", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:  # never a stack trace to a client
+        return JSONResponse(APIError(500, f"internal error ({type(e).__name__})", "internal_error").body(), status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        gateway = _gateway(request)
+        tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
+        body: CompletionRequest = parse(CompletionRequest, await _json_body(request, gateway))
+        scales = gateway.resolve_scales(tenant, body.model, body.lora)
+        tokenizer = gateway.catalog.tokenizer
+        prompt = body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt, add_special=True, parse_special=True)
+        params = _sampling(body.max_tokens, body, body.logprobs, body.echo)
+        prepared = gateway.prepare(tenant, prompt, params, scales, body.cache_salt)
+        fmt = CompletionFormatter(tokenizer, body.model or gateway.catalog.model_name, prompt, body.echo, body.logprobs)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await _respond(gateway, prepared, body.stream, "completions", fmt.whole, fmt.chunk, fmt.usage_chunk, include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        gateway = _gateway(request)
+        tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
+        body: ChatRequest = parse(ChatRequest, await _json_body(request, gateway))
+        scales = gateway.resolve_scales(tenant, body.model, body.lora)
+        try:
+            prompt = encode_chat(gateway.catalog.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "invalid_messages") from e
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        prepared = gateway.prepare(tenant, prompt, _sampling(body.token_limit, body, k), scales, body.cache_salt)
+        fmt = ChatFormatter(gateway.catalog.tokenizer, body.model or gateway.catalog.model_name, k)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await _respond(gateway, prepared, body.stream, "chat", fmt.whole, fmt.chunk, fmt.usage_chunk, include_usage)
+
+    @app.post("/completion")
+    async def llama_complete(request: Request) -> Response:
+        gateway = _gateway(request)
+        tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
+        body: LlamaCompletionRequest = parse(LlamaCompletionRequest, await _json_body(request, gateway))
+        scales = gateway.resolve_scales(tenant, None, body.lora)
+        tokenizer, model = gateway.catalog.tokenizer, gateway.catalog.model_name
+        prompt = body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt, add_special=True, parse_special=True)
+        try:
+            params = SamplingParams(max_tokens=body.n_predict, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                    seed=None if body.seed in (None, -1) else body.seed, ignore_eos=body.ignore_eos,
+                                    logprobs=body.n_probs or None, stop=tuple(body.stop))
+        except ValueError as e:
+            raise APIError(400, str(e), "invalid_value") from e
+        prepared = gateway.prepare(tenant, prompt, params, scales, body.cache_salt, body.cache_prompt)
+
+        def chunk(delta: dict[str, Any], first: bool) -> dict[str, Any]:
+            return llama_completion([delta], model) if delta["finish_reason"] else {"content": delta["text"], "tokens": delta["token_ids"], "stop": False}
+
+        return await _respond(gateway, prepared, body.stream, "completion", lambda d: llama_completion(d, model), chunk, done_marker=False)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        gateway = _gateway(request)
+        tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
+        base = gateway.catalog.model_name
+        data = [{"id": base, "object": "model", "created": 0, "owned_by": "loraplex"}]
+        data += [{"id": n, "object": "model", "created": 0, "owned_by": "loraplex", "parent": base} for n in gateway.adapter_names(tenant)]
+        return {"object": "list", "data": data}
+
+    @app.get("/lora-adapters")
+    async def list_adapters(request: Request) -> list[dict[str, Any]]:
+        gateway = _gateway(request)
+        tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
+        out = []
+        for i, name in enumerate(gateway.adapter_names(tenant)):
+            info = gateway.catalog.adapters[name]
+            entry = {"id": i, "name": name, "path": info.path.name, "scale": tenant.default_scales.get(name, 0.0),
+                     "task_name": info.task_name, "prompt_prefix": info.prompt_prefix}
+            if info.is_alora:
+                entry["alora_invocation_tokens"] = list(info.invocation_tokens)
+                entry["alora_invocation_string"] = "".join(token_str(gateway.catalog.tokenizer, t) for t in info.invocation_tokens)
+            out.append(entry)
+        return out
+
+    @app.post("/lora-adapters")
+    async def set_adapters(request: Request) -> list[dict[str, Any]]:
+        gateway = _gateway(request)
+        tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
+        data = await _json_body(request, gateway)
+        if not isinstance(data, list):
+            raise APIError(400, "expected a JSON list of {\"id\": N, \"scale\": S}", "invalid_value")
+        entries = [parse(LoraScale, item) for item in data]
+        names = gateway.adapter_names(tenant)
+        for entry in entries:
+            if entry.id >= len(names):
+                raise APIError(404, f"adapter id {entry.id} not found (this key has {len(names)} adapters)", "adapter_not_found")
+        scales = {names[e.id]: e.scale for e in entries}
+        if sum(gateway.catalog.adapters[n].is_alora for n, s in scales.items() if s) > 1:
+            raise APIError(400, "Cannot run multiple aLoRAs in a single request", "multiple_aloras")
+        tenant.default_scales = {n: s for n, s in scales.items() if s != 0.0}
+        return await list_adapters(request)
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        gateway = _gateway(request)
+        report = await gateway.full_health()
+        return JSONResponse(report, status_code=200 if report["status"] != "down" else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> PlainTextResponse:
+        gateway = _gateway(request)
+        return PlainTextResponse(await gateway.full_metrics(), media_type="text/plain; version=0.0.4")
+
+    return app

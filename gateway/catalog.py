@@ -1,0 +1,53 @@
+"""What a deployment serves, as the gateway sees it (torch-free): the base model's
+name, tokenizer, chat template and context, and every adapter's metadata and
+content fingerprint. Read from the GGUF files' metadata; no weights are loaded
+beyond the adapters' own small tensors (for their fingerprints)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.config import ServeConfig
+from worker.adapter import load_adapter
+from worker.default_model import resolve_model_path
+from worker.fingerprint import adapter_set_fingerprint, base_fingerprint
+from worker.gguf_file import GGUFFile
+from worker.hparams import ModelHParams
+from worker.params import slot_length
+from worker.tokenizer import GGUFTokenizer
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    path: Path
+    fingerprint: str
+    task_name: str | None
+    prompt_prefix: str | None
+    invocation_tokens: tuple[int, ...] | None
+
+    @property
+    def is_alora(self) -> bool:
+        return self.invocation_tokens is not None
+
+
+class Catalog:
+    def __init__(self, config: ServeConfig) -> None:
+        self.model_path = resolve_model_path(str(config.resolve(config.model)) if config.model else None)
+        self.base = GGUFFile(self.model_path)
+        self.model_name = config.model_name or self.model_path.name.removesuffix(".gguf")
+        self.hparams = ModelHParams.from_gguf(self.base)
+        self.tokenizer = GGUFTokenizer(self.base)
+        self.max_positions = slot_length(config.engine.slot_len, self.hparams.context_length)
+        self.base_fingerprint = base_fingerprint(self.base)
+        self.adapters: dict[str, AdapterInfo] = {}
+        for entry in config.adapters:
+            path = config.resolve(entry.path)
+            adapter = load_adapter(path, self.base)  # AdapterError: the deployment does not start
+            self.adapters[entry.name] = AdapterInfo(
+                entry.name, path, adapter.fingerprint, adapter.task_name, adapter.prompt_prefix, adapter.invocation_tokens,
+            )
+
+    def adapter_set_fingerprint(self, scales: dict[str, float]) -> str:
+        return adapter_set_fingerprint(self.base_fingerprint, [(self.adapters[n].fingerprint, s) for n, s in scales.items()])

@@ -1,0 +1,71 @@
+"""The gateway's Prometheus metrics (`loraplex_gateway_*`), per tenant and adapter set.
+
+Each gateway keeps its own registry, so several in one process (tests) do not
+collide; `/metrics` renders it with the workers' cache metrics appended.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+def adapter_label(scales: dict[str, float]) -> str:
+    return "+".join(sorted(scales)) or "base"
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ("tenant", "adapter", "endpoint")
+        self.requests = Counter("loraplex_gateway_requests", "requests answered, by status", (*labels, "status"), registry=r)
+        self.latency = Histogram("loraplex_gateway_request_seconds", "arrival to last byte", labels, buckets=LATENCY_BUCKETS_S, registry=r)
+        self.ttft = Histogram("loraplex_gateway_ttft_seconds", "arrival to first token", labels, buckets=LATENCY_BUCKETS_S, registry=r)
+        self.tokens_in = Counter("loraplex_gateway_prompt_tokens", "prompt tokens", labels, registry=r)
+        self.tokens_out = Counter("loraplex_gateway_completion_tokens", "generated tokens", labels, registry=r)
+        self.cached = Counter("loraplex_gateway_cached_tokens", "prompt tokens served from the prefix cache", labels, registry=r)
+        self.in_flight = Gauge("loraplex_gateway_in_flight", "requests in progress (queue depth)", ("tenant",), registry=r)
+        self.routes = Counter("loraplex_gateway_route_decisions", "requests sent to a replica", ("shard", "replica", "policy"), registry=r)
+        self.failures = Counter("loraplex_gateway_replica_failures", "replicas that failed a request", ("replica",), registry=r)
+
+    def route(self, shard: str, replica: str, policy: str) -> None:
+        self.routes.labels(shard, replica, policy).inc()
+
+    def replica_failure(self, replica: str) -> None:
+        self.failures.labels(replica).inc()
+
+    def finished(self, tenant: str, adapter: str, endpoint: str, status: int, latency_s: float, ttft_s: float | None,
+                 usage: dict[str, int] | None) -> None:
+        self.requests.labels(tenant, adapter, endpoint, str(status)).inc()
+        self.latency.labels(tenant, adapter, endpoint).observe(latency_s)
+        if ttft_s is not None:
+            self.ttft.labels(tenant, adapter, endpoint).observe(ttft_s)
+        if usage:
+            self.tokens_in.labels(tenant, adapter, endpoint).inc(usage.get("prompt_tokens", 0))
+            self.tokens_out.labels(tenant, adapter, endpoint).inc(usage.get("completion_tokens", 0))
+            self.cached.labels(tenant, adapter, endpoint).inc(usage.get("cached_tokens", 0))
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+def merge_worker_metrics(texts: dict[str, str]) -> str:
+    """Workers' Prometheus text as one exposition: each family's HELP/TYPE once, then
+    every replica's samples of it, each with a `replica` label."""
+    families: dict[str, tuple[list[str], list[str]]] = {}
+    for replica, text in sorted(texts.items()):
+        family = None
+        for line in text.splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                family = line.split()[2]
+                comments, _ = families.setdefault(family, ([], []))
+                if line not in comments:
+                    comments.append(line)
+            elif line.strip() and not line.startswith("#") and family is not None:
+                name, _, value = line.rpartition(" ")
+                label = f'replica="{replica}"'
+                name = f"{name[:-1]},{label}}}" if name.endswith("}") else f"{name}{{{label}}}"
+                families[family][1].append(f"{name} {value}")
+    lines = [line for comments, samples in families.values() for line in (*comments, *samples)]
+    return "\n".join(lines) + ("\n" if lines else "")

@@ -1,0 +1,75 @@
+"""Which replica serves a request (SPEC §7): pure functions over a snapshot.
+
+Candidates are the healthy replicas whose shard holds every adapter the request
+enables. Among them, `affinity` ranks replicas by rendezvous hashing of the
+request's affinity key (adapter-set fingerprint + first prefix chunk), so the
+same prefix under the same adapters goes to the same replica and finds its KV
+in that worker's memory, and takes the first whose load stays within
+`(1 + eps)` times the mean load after adding this request (consistent hashing
+with bounded loads). `random` and `least_loaded` are there to compare against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random as random_module
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+POLICIES = ("affinity", "random", "least_loaded")
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    replica_id: str
+    shard: str
+    adapters: frozenset[str]
+    in_flight: int = 0
+    is_healthy: bool = True
+
+
+class NoCandidateError(LookupError):
+    """No healthy replica holds every adapter the request needs."""
+
+
+def candidates(replicas: Sequence[ReplicaView], adapters: Collection[str], exclude: Collection[str] = ()) -> list[ReplicaView]:
+    needed = frozenset(adapters)
+    holding = [r for r in replicas if needed <= r.adapters]
+    if not holding:
+        raise NoCandidateError(f"no shard holds all of the adapters {', '.join(sorted(needed))} together")
+    healthy = [r for r in holding if r.is_healthy and r.replica_id not in exclude]
+    if not healthy:
+        raise NoCandidateError(f"no healthy replica for adapters {', '.join(sorted(needed)) or '(base model)'}: all {len(holding)} are down or failed")
+    return healthy
+
+
+def affinity_key(adapter_set_fingerprint: str, prompt_ids: Sequence[int], chunk_tokens: int) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(adapter_set_fingerprint.encode())
+    h.update(b"\0")
+    h.update(",".join(map(str, prompt_ids[:chunk_tokens])).encode())
+    return h.digest()
+
+
+def _rank(key: bytes, replica_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key + replica_id.encode(), digest_size=8).digest(), "big")
+
+
+def choose(pool: Sequence[ReplicaView], key: bytes, policy: str = "affinity", eps: float = 0.25, rng: random_module.Random | None = None) -> ReplicaView:
+    """One replica of `pool` (non-empty candidates) for a request with affinity `key`."""
+    if not pool:
+        raise NoCandidateError("no candidate replicas")
+    if policy == "random":
+        return (rng or random_module).choice(list(pool))
+    if policy == "least_loaded":
+        return min(pool, key=lambda r: (r.in_flight, _rank(key, r.replica_id)))
+    if policy != "affinity":
+        raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
+    total = sum(r.in_flight for r in pool) + 1
+    bound = max(1, math.ceil((1 + eps) * total / len(pool)))
+    ranked = sorted(pool, key=lambda r: _rank(key, r.replica_id), reverse=True)
+    for replica in ranked:
+        if replica.in_flight + 1 <= bound:
+            return replica
+    return min(ranked, key=lambda r: r.in_flight)  # unreachable while bound >= mean; kept for safety

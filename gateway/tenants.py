@@ -1,0 +1,71 @@
+"""Who is calling, and what they may use (torch-free).
+
+API keys map to tenants through their SHA-256 digests (compared in constant
+time); a tenant sees only the adapters its policy allows, and an adapter it
+may not use answers exactly as an unknown one. Each tenant's prefix cache is
+its own (salt = tenant id) unless it opts into the shared salt; a request's
+`cache_salt` narrows that further, never widens it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass, field
+
+from gateway.config import ServeConfig, TenantConfig
+from gateway.protocol import APIError
+
+ANONYMOUS = "anonymous"
+SHARED_SALT = "shared"
+
+
+@dataclass
+class Tenant:
+    id: str
+    allowed: frozenset[str] | None  # None: every adapter
+    requests_per_min: int | None = None
+    tokens_per_min: int | None = None
+    shared_cache: bool = False
+    default_scales: dict[str, float] = field(default_factory=dict)  # set by POST /lora-adapters
+
+    def may_use(self, adapter: str) -> bool:
+        return self.allowed is None or adapter in self.allowed
+
+    def visible(self, names: list[str]) -> list[str]:
+        return [n for n in names if self.may_use(n)]
+
+    def cache_salt(self, request_salt: str | None) -> str:
+        base = SHARED_SALT if self.shared_cache else f"tenant:{self.id}"
+        return base if not request_salt else f"{base}/{request_salt}"
+
+    @classmethod
+    def from_config(cls, t: TenantConfig) -> Tenant:
+        allowed = None if t.adapters == "*" else frozenset(t.adapters)
+        return cls(t.id, allowed, t.requests_per_min, t.tokens_per_min, t.shared_cache)
+
+
+class Tenants:
+    def __init__(self, config: ServeConfig) -> None:
+        self.by_id = {t.id: Tenant.from_config(t) for t in config.tenants}
+        self._digests = [(bytes.fromhex(d), t.id) for t in config.tenants for d in t.key_sha256]
+        self.is_open = not config.tenants  # no tenants configured: no auth, one anonymous tenant
+        if self.is_open:
+            self.by_id[ANONYMOUS] = Tenant(ANONYMOUS, None)
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        if self.is_open:
+            return self.by_id[ANONYMOUS]
+        if not authorization:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer YOUR_KEY'", "missing_api_key")
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise APIError(401, "malformed Authorization header: expected 'Bearer YOUR_KEY'", "invalid_api_key")
+        digest = hashlib.sha256(key.strip().encode()).digest()
+        found = None
+        for known, tenant_id in self._digests:  # every digest compared, in constant time
+            if hmac.compare_digest(known, digest):
+                found = tenant_id
+        if found is None:
+            raise APIError(401, "invalid API key", "invalid_api_key")
+        return self.by_id[found]

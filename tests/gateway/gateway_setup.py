@@ -1,0 +1,54 @@
+"""A gateway over in-process workers on a tiny model: the config and helpers the gateway tests share."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import redis
+
+from gateway.app import create_app
+from gateway.catalog import Catalog
+from gateway.config import parse_config
+from gateway.core import Gateway
+from gateway.ratelimit import RateLimiter
+from tests.tinymodels import TinyModel, invocation_metadata, random_lora, write_adapter
+
+ATTN = ["blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.1.attn_output.weight"]
+INVOCATION = [250, 12]
+KEYS = {"t1": "key-one", "t2": "key-two", "shared": "key-shared", "limited": "key-limited"}
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def tiny_config(model: TinyModel, directory: Path, prefix: str, **overrides):
+    for name, seed, meta in (("a", 1, None), ("b", 2, None), ("alo", 3, invocation_metadata(INVOCATION)), ("alo2", 4, invocation_metadata(INVOCATION))):
+        write_adapter(directory / f"{name}.gguf", random_lora(model, ATTN, 4, seed=seed), metadata=meta)
+    data = {
+        "model": str(model.path), "model_name": "tiny",
+        "adapters": [{"name": n, "path": f"{n}.gguf"} for n in ("a", "b", "alo", "alo2")],
+        "shards": [{"name": "s1", "adapters": ["a", "alo", "alo2"], "replicas": 2}, {"name": "s2", "adapters": ["b", "a"]}],
+        "tenants": [
+            {"id": "t1", "key_sha256": [digest(KEYS["t1"])]},
+            {"id": "t2", "key_sha256": [digest(KEYS["t2"])], "adapters": ["b"]},
+            {"id": "limited", "key_sha256": [digest(KEYS["limited"])], "requests_per_min": 2, "tokens_per_min": 100},
+            {"id": "shared", "key_sha256": [digest(KEYS["shared"])], "shared_cache": True},
+        ],
+        "cache": {"key_prefix": prefix, "chunk_tokens": 8},
+        "engine": {"num_slots": 4, "max_step_tokens": 64},
+        "http": {"max_body_bytes": 4096},
+        **overrides,
+    }
+    return parse_config(data, directory)
+
+
+def local_app(config):
+    from worker.shard import LocalShardPool
+
+    pool = LocalShardPool(config)
+    limiter = RateLimiter(redis.Redis(socket_timeout=1), config.cache.key_prefix)
+    app = create_app()
+    app.state.gateway = Gateway(config, Catalog(config), pool, limiter)
+    return app, pool

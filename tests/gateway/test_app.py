@@ -1,0 +1,224 @@
+"""The HTTP API over in-process workers on a tiny model (the gateway's logic, fast);
+the same API on a real Ray Serve deployment is in test_serve.py."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import openai
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from tests.gateway.gateway_setup import INVOCATION, KEYS, local_app, tiny_config
+
+PROMPT = [(5 * i + 7) % 240 for i in range(30)]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama, tmp_path_factory):
+    prefix = f"loraplex-test-{uuid.uuid4().hex}"
+    config = tiny_config(tiny_llama, tmp_path_factory.mktemp("gw"), prefix)
+    app, pool = local_app(config)
+    with TestClient(app) as client:
+        yield client, pool
+    pool.close()
+    r = redis.Redis()
+    for key in r.scan_iter(f"{prefix}:*"):
+        r.delete(key)
+
+
+@pytest.fixture
+def client(served):
+    return served[0]
+
+
+def api(client, key="t1") -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key=KEYS[key], http_client=client, max_retries=0)
+
+
+def auth(key="t1") -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[key]}"}
+
+
+def test_completion_whole_and_streamed_agree_and_report_usage(client) -> None:
+    oa = api(client)
+    whole = oa.completions.create(model="a", prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
+    assert whole.usage.prompt_tokens == len(PROMPT)
+    chunks = list(oa.completions.create(model="a", prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_chat_whole_and_streamed(client) -> None:
+    oa = api(client)
+    messages = [{"role": "user", "content": "hello there"}]
+    whole = oa.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.role == "assistant" and len(whole.choices[0].logprobs.content) == 5
+    assert all(len(e.top_logprobs) == 2 for e in whole.choices[0].logprobs.content)
+    streamed = list(oa.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == whole.choices[0].message.content
+
+
+def test_adapters_by_model_and_by_lora_stack_with_scales(client) -> None:
+    oa = api(client)
+
+    def tokens(**kw):
+        out = oa.completions.create(prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1, extra_body={"ignore_eos": True, **kw.pop("extra", {})}, **kw)
+        return out.choices[0].logprobs.token_logprobs
+
+    by_model = tokens(model="a")
+    by_lora = tokens(model="tiny", extra={"lora": [{"name": "a", "scale": 1.0}]})
+    assert by_model == pytest.approx(by_lora, abs=1e-4)
+    base, zero = tokens(model="tiny"), tokens(model="tiny", extra={"lora": [{"name": "a", "scale": 0.0}]})
+    assert base == pytest.approx(zero, abs=1e-4) and base != pytest.approx(by_model, abs=1e-3)
+    stacked = tokens(model="tiny", extra={"lora": [{"name": "a", "scale": 0.5}, {"name": "b", "scale": 0.7}]})
+    assert stacked != pytest.approx(by_model, abs=1e-3)
+
+
+def test_routing_follows_the_adapters(client) -> None:
+    def shard(model):
+        r = client.post("/v1/completions", headers=auth(), json={"model": model, "prompt": PROMPT, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return r.headers["x-loraplex-shard"]
+
+    assert shard("b") == "s2"
+    assert shard("alo") == "s1"
+    r = client.post("/v1/completions", headers=auth(), json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1,
+                                                             "lora": [{"name": "b"}, {"name": "alo"}]})
+    assert r.status_code == 503 and "no shard holds all of the adapters alo, b" in r.json()["error"]["message"]
+
+
+def test_cached_tokens_on_a_repeat_and_never_across_tenants(client) -> None:
+    prompt = [(3 * i + 1) % 240 for i in range(41)]
+    body = {"model": "b", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = client.post("/v1/completions", headers=auth("t1"), json=body).json()
+    again = client.post("/v1/completions", headers=auth("t1"), json=body).json()
+    other = client.post("/v1/completions", headers=auth("t2"), json=body).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["choices"][0]["text"] == first["choices"][0]["text"] == other["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(("headers", "code"), [({}, "missing_api_key"), ({"Authorization": "Bearer nope"}, "invalid_api_key"),
+                                               ({"Authorization": "Basic x"}, "invalid_api_key")])
+def test_no_or_bad_key_is_401(client, headers, code) -> None:
+    r = client.post("/v1/completions", headers=headers, json={"prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == code and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_unknown_and_forbidden_adapters_look_the_same(client) -> None:
+    unknown = client.post("/v1/completions", headers=auth("t2"), json={"model": "nope", "prompt": "hi"})
+    forbidden = client.post("/v1/completions", headers=auth("t2"), json={"model": "a", "prompt": "hi"})
+    assert unknown.status_code == forbidden.status_code == 404
+    assert unknown.json()["error"]["message"] == "model 'nope' not found" and forbidden.json()["error"]["message"] == "model 'a' not found"
+    by_lora = client.post("/v1/completions", headers=auth("t2"), json={"prompt": "hi", "lora": [{"name": "a"}]})
+    assert by_lora.status_code == 404 and by_lora.json()["error"]["message"] == "adapter 'a' not found"
+    models = [m["id"] for m in client.get("/v1/models", headers=auth("t2")).json()["data"]]
+    assert models == ["tiny", "b"]
+    assert [m["id"] for m in client.get("/v1/models", headers=auth("t1")).json()["data"]] == ["tiny", "a", "b", "alo", "alo2"]
+    assert client.get("/v1/models").status_code == 401
+
+
+@pytest.mark.parametrize(("body", "fragment"), [
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "hi", "n": 2}, "only n=1"),
+    ({"prompt": ""}, "the prompt is empty"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": [5, 99999]}, "out of range"),
+    ({"prompt": "hi", "max_tokens": 500}, "maximum context length is 128 tokens"),
+    ({"prompt": list(range(128))}, "maximum context length"),
+    ({"prompt": "hi", "lora": [{"name": "alo"}, {"name": "alo2"}]}, "Cannot run multiple aLoRAs in a single request"),
+    ({"prompt": "hi", "lora": [{"id": 0, "name": "a"}]}, "exactly one of 'id' and 'name'"),
+    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"max_tokens": 3}, "prompt"),
+])
+def test_bad_fields_are_400_and_name_the_problem(client, body, fragment) -> None:
+    r = client.post("/v1/completions", headers=auth(), json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_malformed_and_oversized_bodies(client) -> None:
+    r = client.post("/v1/completions", headers={**auth(), "content-type": "application/json"}, content=b"{not json")
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", headers=auth(), json={"messages": [{"role": "user", "content": "x" * 5000}]})
+    assert r.status_code == 413
+    r = client.post("/v1/chat/completions", headers=auth(), json={"messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400 and "messages.0.role" in r.json()["error"]["message"]
+
+
+def test_rate_limits_are_429_with_retry_after(client) -> None:
+    def call(max_tokens: int = 1):
+        return client.post("/v1/completions", headers=auth("limited"), json={"model": "b", "prompt": [1, 2], "max_tokens": max_tokens})
+
+    too_many_tokens = call(max_tokens=120)  # 122 tokens > 100 per minute, alone
+    assert too_many_tokens.status_code == 429 and "100 tokens per minute" in too_many_tokens.json()["error"]["message"]
+    codes = [call() for _ in range(5)]  # 2 per minute (a window may turn over once meanwhile)
+    assert codes[0].status_code == 200
+    limited = [r for r in codes if r.status_code == 429]
+    assert limited and 1 <= int(limited[0].headers["retry-after"]) <= 60
+    assert "2 requests per minute" in limited[0].json()["error"]["message"]
+    assert {r.status_code for r in codes} == {200, 429}
+
+
+def test_llama_server_completion_and_lora_adapters(client) -> None:
+    listing = client.get("/lora-adapters", headers=auth()).json()
+    assert [(e["id"], e["name"], e["scale"]) for e in listing] == [(0, "a", 0.0), (1, "b", 0.0), (2, "alo", 0.0), (3, "alo2", 0.0)]
+    assert listing[2]["alora_invocation_tokens"] == INVOCATION
+
+    def complete(**kw):
+        r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 5, "temperature": 0, "ignore_eos": True, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    base = complete()
+    assert base["tokens_predicted"] == 5 and base["stop_type"] == "limit" and base["timings"]["predicted_n"] == 5
+    assert complete(lora=[{"id": 0, "scale": 0.0}])["tokens"] == base["tokens"]
+    with_a = complete(lora=[{"id": 0, "scale": 1.0}])
+    assert with_a["tokens"] != base["tokens"]
+    set_scales = client.post("/lora-adapters", headers=auth(), json=[{"id": 0, "scale": 1.0}])
+    assert set_scales.status_code == 200 and set_scales.json()[0]["scale"] == 1.0
+    try:
+        assert complete()["tokens"] == with_a["tokens"]  # the tenant's default scales apply without a `lora` field
+        assert complete(lora=[])["tokens"] == base["tokens"]  # an explicit list replaces them
+        assert client.get("/lora-adapters", headers=auth("t2")).json()[0]["scale"] == 0.0  # another tenant's defaults are its own
+    finally:
+        client.post("/lora-adapters", headers=auth(), json=[{"id": 0, "scale": 0.0}])
+    streamed = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 5, "temperature": 0, "ignore_eos": True, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["stop"] is True and "".join(e["content"] for e in events) == base["content"]
+
+
+def test_a_dead_replica_loses_no_request_and_health_says_so(served) -> None:
+    client, pool = served
+    pool.killed.add("s1-0")
+    try:
+        for i in range(4):  # whichever replica affinity picks, the request lands on the live one
+            r = client.post("/v1/completions", headers=auth(), json={"model": "alo", "prompt": [i, 1, 2, 3], "max_tokens": 2})
+            assert r.status_code == 200 and r.headers["x-loraplex-replica"] == "s1-1"
+        health = client.get("/health").json()
+        assert health["status"] == "degraded" and health["shards"]["s1"]["healthy"] == 1
+        pool.killed.add("s1-1")
+        r = client.post("/v1/completions", headers=auth(), json={"model": "alo", "prompt": [9, 1, 2, 3], "max_tokens": 2})
+        assert r.status_code == 503 and "no healthy replica" in r.json()["error"]["message"]
+        assert client.get("/health").status_code == 503
+    finally:
+        pool.killed.clear()
+
+
+def test_metrics_count_requests_tokens_routes_and_the_cache(client) -> None:
+    client.post("/v1/completions", headers=auth(), json={"model": "b", "prompt": PROMPT, "max_tokens": 2})
+    text = client.get("/metrics").text
+    assert 'loraplex_gateway_requests_total{adapter="b",endpoint="completions",status="200",tenant="t1"}' in text
+    assert "loraplex_gateway_route_decisions_total" in text and "loraplex_gateway_ttft_seconds_bucket" in text
+    assert 'loraplex_cache_lookups_total{replica="s2-0"}' in text
