@@ -8,8 +8,9 @@ with its status; a bad request never reaches a worker.
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,9 +24,7 @@ from gateway.tenants import Tenant
 from worker.chat_template import ChatTemplateError, encode_chat
 from worker.params import SamplingParams
 
-
-def _gateway(request: Request) -> Gateway:
-    return request.app.state.gateway
+log = logging.getLogger(__name__)
 
 
 async def _json_body(request: Request, gateway: Gateway) -> Any:
@@ -122,8 +121,26 @@ async def _respond(gateway: Gateway, prepared: Prepared, stream: bool, endpoint:
     return StreamingResponse(events(), media_type="text/event-stream", headers=_headers(prepared))
 
 
-def create_app() -> FastAPI:
+_process_gateway: list[Gateway] = []  # the gateway of this process (Ray Serve's ingress replica)
+
+
+def set_process_gateway(gateway: Gateway) -> None:
+    _process_gateway[:] = [gateway]
+
+
+def process_gateway() -> Gateway:
+    if not _process_gateway:
+        raise APIError(503, "the gateway is still starting", "starting")
+    return _process_gateway[0]
+
+
+def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
+    """The app over the Gateway `current()` returns (default: `app.state.gateway`, set
+    before serving). Ray Serve builds it in the replica and sets the gateway there."""
     app = FastAPI(title="loraplex", docs_url=None, redoc_url=None)
+
+    def _gateway(request: Request) -> Gateway:
+        return current() if current is not None else app.state.gateway
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -131,6 +148,7 @@ def create_app() -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:  # never a stack trace to a client
+        log.error("internal error on %s %s", request.method, request.url.path, exc_info=e)
         return JSONResponse(APIError(500, f"internal error ({type(e).__name__})", "internal_error").body(), status_code=500)
 
     @app.post("/v1/completions")

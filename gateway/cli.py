@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default="auto", choices=["auto", "dense", "f16", "q4"], help="weight format: auto = f16 on CPU (quantized GGUF weights as float16, fp32 math), dense elsewhere; q4 = CPU int4 kernel with bfloat16 activations (fastest, not llama.cpp-exact)")
     p.set_defaults(handler="worker.bench_engine:run")
 
+    p = sub.add_parser("serve", help="serve the OpenAI and llama-server APIs on a local Ray (Ray Serve)")
+    p.add_argument("--config", metavar="FILE.yaml", help="deployment config (default: deploy/serve.yaml: the default model, example adapters and tenants)")
+    p.add_argument("--host", help="override http.host")
+    p.add_argument("--port", type=_positive_int, help="override http.port")
+    p.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")
+    p.set_defaults(handler="gateway.serve:run")
+
     p = sub.add_parser("bench-cache", help="time to first token: prefix-cache miss vs Redis hit vs worker-memory hit")
     p.add_argument("--model", metavar="BASE.gguf", help="base model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", metavar="URL")

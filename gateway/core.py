@@ -221,6 +221,7 @@ class Gateway:
                 worker = await asyncio.wait_for(self.pool.health(view.replica_id), HEALTH_TIMEOUT_S)
                 report["healthy"] = view.is_healthy
                 report["cache"] = worker.get("cache", {})
+                report["pid"] = worker.get("pid")
                 redis_states.add(report["cache"].get("redis", "off"))
             except Exception as e:  # unreachable, dead, or too slow to answer: down
                 report.update(healthy=False, error=f"{type(e).__name__}: {e}"[:200])

@@ -77,6 +77,9 @@ class EngineLoop:
             self._inbox.append(("cancel", (request_id, stream)))
             self._wake.notify()
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     def close(self) -> None:
         with self._wake:
             self._closed = True

@@ -1,0 +1,180 @@
+"""Ray Serve wiring (the only module that imports ray.serve) and `loraplex serve`.
+
+Every replica of every shard is its own Serve deployment (`shard-<shard>-<i>`,
+one replica each, one device each) so that the gateway, not Serve's router,
+chooses the replica a request goes to (SPEC §7); Serve restarts a replica that
+dies. The gateway is the ingress deployment: the FastAPI app of gateway/app.py
+holding a handle to every shard replica; responses stream through the handles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from gateway.config import ConfigError, ServeConfig, load_config
+from gateway.core import ReplicaInfo, WorkerFailed
+
+log = logging.getLogger(__name__)
+
+
+def _build_app():
+    """Evaluated in the ingress replica. Both this and the constructor reach the replica's
+    Gateway through the gateway.app module itself: Serve pickles the deployment class by
+    value, so a global of this module would be a copy."""
+    import gateway.app as api
+
+    return api.create_app(api.process_gateway)
+
+
+@serve.deployment(max_ongoing_requests=64, health_check_period_s=5, health_check_timeout_s=30)
+class ShardReplica:
+    def __init__(self, config: dict[str, Any], shard: str, threads: int | None) -> None:
+        from worker.shard import ShardWorker  # torch: only in the replica's process
+
+        parsed = ServeConfig.model_validate(config)
+        spec = next(s for s in parsed.shards if s.name == shard)
+        self.worker = ShardWorker(parsed, shard, "cuda" if spec.num_gpus > 0 else "cpu", threads)
+
+    async def generate(self, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        async for delta in self.worker.generate(call):
+            yield delta
+
+    async def health(self) -> dict[str, Any]:
+        return self.worker.health()
+
+    async def metrics(self) -> str:
+        return self.worker.metrics()
+
+    def check_health(self) -> None:  # Serve restarts a replica whose engine thread died
+        if not self.worker.loop.is_alive():
+            raise RuntimeError("the engine loop stopped")
+
+
+class ServePool:
+    """The shard replicas behind their Serve handles."""
+
+    def __init__(self, config: ServeConfig, handles: dict[str, Any]) -> None:
+        self.handles = handles
+        self.replicas = [
+            ReplicaInfo(f"{s.name}-{i}", s.name, frozenset(s.adapters)) for s in config.shards for i in range(s.replicas)
+        ]
+
+    async def stream(self, replica_id: str, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        responses = self.handles[replica_id].options(stream=True).generate.remote(call)
+        try:
+            async for delta in responses:
+                yield delta
+        except Exception as e:  # dead actor, unavailable replica, a crash inside it: this replica failed
+            raise WorkerFailed(f"{type(e).__name__}: {str(e)[:300]}") from e
+        finally:
+            responses.cancel()  # a no-op once finished; frees the worker's KV slot when the client left
+
+    async def health(self, replica_id: str) -> dict[str, Any]:
+        return await self.handles[replica_id].health.remote()
+
+    async def metrics(self, replica_id: str) -> str:
+        return await self.handles[replica_id].metrics.remote()
+
+
+@serve.deployment(max_ongoing_requests=1000)
+@serve.ingress(_build_app)
+class GatewayIngress:
+    def __init__(self, config: dict[str, Any], handles: dict[str, Any]) -> None:
+        from gateway.catalog import Catalog
+        from gateway.core import Gateway
+        from gateway.ratelimit import RateLimiter
+
+        parsed = ServeConfig.model_validate(config)
+        import gateway.app as api
+
+        api.set_process_gateway(Gateway(parsed, Catalog(parsed), ServePool(parsed, handles), RateLimiter(_redis(parsed), parsed.cache.key_prefix)))
+
+
+def _redis(config: ServeConfig):
+    """The Redis client for rate limits, or None (per-process limits) when it is not there."""
+    if not config.cache.redis_url:
+        return None
+    import redis
+
+    client = redis.Redis.from_url(config.cache.redis_url, socket_timeout=config.cache.timeout_s, socket_connect_timeout=config.cache.timeout_s)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        log.warning("Redis at %s is not reachable (%s): rate limits count per gateway process", config.cache.redis_url, e)
+        return None
+    return client
+
+
+def replica_threads(config: ServeConfig) -> int | None:
+    """CPU replicas share the machine's cores unless the config says otherwise."""
+    if config.engine.threads is not None:
+        return config.engine.threads
+    cpu_replicas = sum(s.replicas for s in config.shards if s.num_gpus == 0)
+    return max(1, (os.cpu_count() or 1) // max(cpu_replicas, 1))
+
+
+def build(config: ServeConfig) -> serve.Application:
+    data = config.model_dump()
+    threads = replica_threads(config)
+    handles = {}
+    for shard in config.shards:
+        for i in range(shard.replicas):
+            replica_id = f"{shard.name}-{i}"
+            handles[replica_id] = ShardReplica.options(
+                name=f"shard-{replica_id}", num_replicas=1, max_ongoing_requests=max(64, 4 * config.engine.num_slots),
+                ray_actor_options={"num_cpus": shard.num_cpus, "num_gpus": shard.num_gpus},
+            ).bind(data, shard.name, threads)
+    return GatewayIngress.options(name="gateway", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(data, handles)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+        updates = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        if updates:
+            config = config.model_copy(update={"http": config.http.model_copy(update=updates)})
+        from gateway.catalog import Catalog
+
+        print(f"loraplex: checking {config.model or 'the default model'} and {len(config.adapters)} adapter(s)...", file=sys.stderr, flush=True)
+        catalog = Catalog(config)  # a bad model or adapter file stops here, before Ray starts
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"loraplex serve: {e}", file=sys.stderr)
+        return 2
+    import ray
+
+    print("loraplex: starting a local Ray...", file=sys.stderr, flush=True)
+    ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=args.verbose, configure_logging=True)
+    try:
+        serve.start(http_options={"host": config.http.host, "port": config.http.port}, logging_config={"log_level": "WARNING"})
+        total = sum(s.replicas for s in config.shards)
+        print(f"loraplex: deploying {catalog.model_name} on {total} shard replica(s): "
+              + ", ".join(f"{s.name} [{', '.join(s.adapters) or 'base'}] x{s.replicas}" for s in config.shards)
+              + " (each loads the model)...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        serve.run(build(config), name="loraplex", route_prefix="/")
+        url = f"http://{config.http.host}:{config.http.port}"
+        print(f"loraplex: ready in {time.perf_counter() - started:.0f} s at {url}  (Ctrl-C stops)", file=sys.stderr, flush=True)
+        key = " -H 'Authorization: Bearer YOUR_KEY'" if config.tenants else ""
+        example_model = config.adapters[0].name if config.adapters else catalog.model_name
+        print(f"  curl {url}/v1/chat/completions{key} -H 'Content-Type: application/json' \\\n"
+              f"    -d '{{\"model\": \"{example_model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is copper?\"}}]}}'",
+              file=sys.stderr, flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        print("loraplex: shutting down...", file=sys.stderr, flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
