@@ -1,0 +1,190 @@
+"""`loraplex serve` on a real local Ray: the default model and the example adapters on
+two shards (caps on both), the `openai` client and httpx against it over HTTP.
+One server for the module; the test that kills a replica runs last."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+import yaml
+
+from tests.gateway.gateway_setup import digest
+from tests.redis_server import free_port
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+KEYS = {"demo": "sk-test-demo", "acme": "sk-test-acme", "limited": "sk-test-limited"}
+CHAT = [{"role": "user", "content": "What is copper?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    prefix = f"loraplex-test-{uuid.uuid4().hex}"
+    port = free_port()
+    config = yaml.safe_load((DEPLOY / "serve.yaml").read_text())
+    for adapter in config["adapters"]:
+        adapter["path"] = str(DEPLOY / adapter["path"])
+    config["tenants"] = [
+        {"id": "demo", "key_sha256": [digest(KEYS["demo"])]},
+        {"id": "acme", "key_sha256": [digest(KEYS["acme"])], "adapters": ["json"]},
+        {"id": "limited", "key_sha256": [digest(KEYS["limited"])], "requests_per_min": 1},
+    ]
+    config["cache"]["key_prefix"] = prefix
+    config["http"] = {"host": "127.0.0.1", "port": port}
+    path = tmp_path_factory.mktemp("serve") / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    output = []
+    while True:
+        line = process.stdout.readline()
+        output.append(line)
+        if "ready in" in line:
+            break
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail("loraplex serve did not start:\n" + "".join(output))
+    yield url
+    process.send_signal(signal.SIGINT)  # what Ctrl-C does
+    try:
+        rest = process.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail("loraplex serve did not stop on SIGINT")
+    assert "shutting down" in rest and process.returncode == 0
+    client = redis.Redis()
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)
+
+
+def oa(url: str, tenant: str = "demo") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS[tenant], max_retries=0, timeout=120)
+
+
+def auth(tenant: str = "demo") -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
+def test_chat_matches_loraplex_generate_streamed_or_not(server) -> None:
+    cli = subprocess.run([sys.executable, "-m", "gateway.cli", "generate", "--chat", CHAT[0]["content"], "--temperature", "0", "-n", "16",
+                          "--lora", str(DEPLOY / "adapters" / "caps.gguf"), "--json"], capture_output=True, text=True, timeout=180)
+    assert cli.returncode == 0, cli.stderr
+    expected = json.loads(cli.stdout)["text"]
+    whole = oa(server).chat.completions.create(model="caps", messages=CHAT, temperature=0, max_tokens=16)
+    letters = [c for c in expected if c.isalpha()]
+    assert whole.choices[0].message.content == expected and sum(c.isupper() for c in letters) > 0.5 * len(letters)  # caps is on
+    chunks = oa(server).chat.completions.create(model="caps", messages=CHAT, temperature=0, max_tokens=16, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+
+
+def test_completions_with_stacked_adapters_through_lora(server) -> None:
+    client = oa(server)
+    base = client.completions.create(model="smollm2-135m-instruct", prompt="Copper is", max_tokens=8, temperature=0)
+    stacked = client.completions.create(model="smollm2-135m-instruct", prompt="Copper is", max_tokens=8, temperature=0,
+                                        extra_body={"lora": [{"name": "caps", "scale": 1.0}, {"name": "json", "scale": 0.5}]})
+    zero = client.completions.create(model="smollm2-135m-instruct", prompt="Copper is", max_tokens=8, temperature=0,
+                                     extra_body={"lora": [{"name": "caps", "scale": 0.0}]})
+    assert zero.choices[0].text == base.choices[0].text != stacked.choices[0].text
+
+
+def test_routing_sends_an_adapter_only_to_shards_holding_it(server) -> None:
+    shards = set()
+    for i in range(3):
+        r = httpx.post(f"{server}/v1/completions", headers=auth(), timeout=120,
+                       json={"model": "json", "prompt": f"Item {i}:", "max_tokens": 2})
+        assert r.status_code == 200
+        shards.add(r.headers["x-loraplex-shard"])
+    assert shards == {"styles"}
+    r = httpx.post(f"{server}/v1/completions", headers=auth(), json={"model": "verify", "prompt": "x", "max_tokens": 1}, timeout=120)
+    assert r.headers["x-loraplex-shard"] == "checks"
+
+
+def test_llama_server_endpoints_with_per_request_scales_at_once(server) -> None:
+    adapters = httpx.get(f"{server}/lora-adapters", headers=auth()).json()
+    assert [a["name"] for a in adapters] == ["caps", "json", "signature", "verify"]
+    assert adapters[3]["alora_invocation_string"] == "<|im_start|>verify\n"
+
+    def complete(scale: float) -> str:
+        body = {"prompt": "The capital of France is", "n_predict": 8, "temperature": 0, "lora": [{"id": 0, "scale": scale}]}
+        r = httpx.post(f"{server}/completion", headers=auth(), json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["content"]
+
+    alone = {s: complete(s) for s in (0.0, 1.0)}
+    base = httpx.post(f"{server}/completion", headers=auth(), json={"prompt": "The capital of France is", "n_predict": 8, "temperature": 0}, timeout=120)
+    assert alone[0.0] == base.json()["content"] != alone[1.0]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # batched together, each keeps its own scales
+        together = list(pool.map(complete, [0.0, 1.0, 0.0, 1.0]))
+    assert together == [alone[0.0], alone[1.0], alone[0.0], alone[1.0]]
+
+
+def test_errors_have_the_right_status(server) -> None:
+    assert httpx.post(f"{server}/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert httpx.post(f"{server}/v1/completions", headers=auth("acme"), json={"model": "caps", "prompt": "x"}).status_code == 404
+    too_long = httpx.post(f"{server}/v1/completions", headers=auth(), json={"prompt": "x", "max_tokens": 100000})
+    assert too_long.status_code == 400 and "maximum context length" in too_long.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        oa(server).completions.create(model="caps", prompt="x", temperature=-1)
+    first = httpx.post(f"{server}/v1/completions", headers=auth("limited"), json={"prompt": "x", "max_tokens": 1}, timeout=120)
+    second = httpx.post(f"{server}/v1/completions", headers=auth("limited"), json={"prompt": "x", "max_tokens": 1}, timeout=120)
+    assert first.status_code == 200 or first.status_code == 429  # a minute window may have turned over
+    assert 429 in (first.status_code, second.status_code)
+    limited = first if first.status_code == 429 else second
+    assert int(limited.headers["retry-after"]) >= 1
+    ids = [m.id for m in oa(server, "acme").models.list().data]
+    assert ids == ["smollm2-135m-instruct", "json"]
+
+
+def test_a_repeated_prompt_reports_cached_tokens_but_not_across_tenants(server) -> None:
+    messages = [{"role": "system", "content": "You answer in one short sentence. " * 6}, {"role": "user", "content": "What is tin?"}]
+    first = oa(server).chat.completions.create(model="json", messages=messages, max_tokens=4, temperature=0)
+    again = oa(server).chat.completions.create(model="json", messages=messages, max_tokens=4, temperature=0)
+    other = oa(server, "acme").chat.completions.create(model="json", messages=messages, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+
+def test_health_and_metrics(server) -> None:
+    oa(server).chat.completions.create(model="caps", messages=CHAT, temperature=0, max_tokens=2)
+    health = httpx.get(f"{server}/health", timeout=30).json()
+    assert health["status"] == "ok" and health["redis"] == "ok" and set(health["shards"]) == {"styles", "checks"}
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    assert 'loraplex_gateway_requests_total{adapter="caps",endpoint="chat",status="200",tenant="demo"}' in text
+    assert 'loraplex_cache_lookups_total{replica="styles-0"}' in text
+
+
+def test_killing_a_replica_loses_no_non_streaming_request(server) -> None:
+    health = httpx.get(f"{server}/health", timeout=30).json()
+    pid = health["shards"]["checks"]["replicas"][0]["pid"]
+
+    def ask(i: int) -> httpx.Response:
+        body = {"model": "caps", "messages": [{"role": "user", "content": f"Name a metal, number {i}."}], "max_tokens": 40, "temperature": 0,
+                "ignore_eos": True}
+        return httpx.post(f"{server}/v1/chat/completions", headers=auth(), json=body, timeout=180)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(ask, i) for i in range(6)]
+        time.sleep(1.5)
+        os.kill(pid, signal.SIGKILL)
+        responses = [f.result() for f in futures]
+    assert [r.status_code for r in responses] == [200] * 6, [r.text for r in responses if r.status_code != 200]
+    assert all(r.json()["usage"]["completion_tokens"] == 40 for r in responses)
+    assert {r.headers["x-loraplex-replica"] for r in responses} == {"styles-0"}  # the retried ones too
+    failures = [line for line in httpx.get(f"{server}/metrics", timeout=30).text.splitlines()
+                if line.startswith('loraplex_gateway_replica_failures_total{replica="checks-0"}')]
+    assert failures and float(failures[0].split()[-1]) >= 1  # requests were running there when it died
