@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")
     p.set_defaults(handler="gateway.serve:run")
 
+    p = sub.add_parser("bench-gateway", help="latency and requests/s the gateway alone adds, against an instant stub shard")
+    p.add_argument("--requests", type=_positive_int, default=500, help="sequential requests for the latency percentiles")
+    p.add_argument("--concurrency", type=_positive_int, default=32, help="requests in flight for the throughput run")
+    p.add_argument("--seconds", type=float, default=5.0, help="length of the throughput run")
+    p.add_argument("--tokens", type=_positive_int, default=16, help="deltas the stub returns per request")
+    p.set_defaults(handler="gateway.bench_gateway:run")
+
     p = sub.add_parser("bench-cache", help="time to first token: prefix-cache miss vs Redis hit vs worker-memory hit")
     p.add_argument("--model", metavar="BASE.gguf", help="base model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", metavar="URL")

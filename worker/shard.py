@@ -114,7 +114,8 @@ class ShardWorker:
 
 class LocalShardPool:
     """Every replica of every shard as an in-process ShardWorker: the gateway without Ray
-    (tests, and a single-process server). `kill` makes a replica fail like a dead one."""
+    (tests). A replica in `killed` fails like a dead one; one in `fail_after` dies after
+    that many deltas of its next request."""
 
     def __init__(self, config: ServeConfig, device: str = "cpu") -> None:
         from gateway.core import ReplicaInfo
@@ -122,6 +123,7 @@ class LocalShardPool:
         self.workers: dict[str, ShardWorker] = {}
         self.replicas: list[ReplicaInfo] = []
         self.killed: set[str] = set()
+        self.fail_after: dict[str, int] = {}
         for shard in config.shards:
             for i in range(shard.replicas):
                 replica_id = f"{shard.name}-{i}"
@@ -133,9 +135,11 @@ class LocalShardPool:
 
         if replica_id in self.killed:
             raise WorkerFailed(f"replica {replica_id} is dead")
+        sent = 0
         async for delta in self.workers[replica_id].generate(call):
-            if replica_id in self.killed:
+            if replica_id in self.killed or self.fail_after.get(replica_id) == sent:
                 raise WorkerFailed(f"replica {replica_id} died")
+            sent += 1
             yield delta
 
     async def health(self, replica_id: str) -> dict[str, Any]:

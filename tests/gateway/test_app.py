@@ -222,3 +222,28 @@ def test_metrics_count_requests_tokens_routes_and_the_cache(client) -> None:
     assert 'loraplex_gateway_requests_total{adapter="b",endpoint="completions",status="200",tenant="t1"}' in text
     assert "loraplex_gateway_route_decisions_total" in text and "loraplex_gateway_ttft_seconds_bucket" in text
     assert 'loraplex_cache_lookups_total{replica="s2-0"}' in text
+
+
+def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event(served) -> None:
+    client, pool = served
+    pool.fail_after.update({"s2-0": 2})
+    try:
+        r = client.post("/v1/completions", headers=auth(), json={"model": "b", "prompt": PROMPT, "max_tokens": 6, "stream": True})
+        assert r.status_code == 200
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert len(events) == 4 and events[-1] == "[DONE]"  # two tokens, the error, the end
+        assert "worker failed mid-stream" in json.loads(events[2])["error"]["message"]
+        pool.fail_after["s2-0"] = 2
+        whole = client.post("/v1/completions", headers=auth(), json={"model": "b", "prompt": PROMPT, "max_tokens": 6})
+        assert whole.status_code == 503 and "no healthy replica for adapters b" in whole.json()["error"]["message"]  # s2 has one replica
+    finally:
+        pool.fail_after.clear()
+        client.app.state.gateway._failed_until.clear()
+
+
+def test_bench_gateway_prints_its_figures(capsys) -> None:
+    from gateway.cli import main as cli_main
+
+    assert cli_main(["bench-gateway", "--requests", "20", "--seconds", "0.5", "--concurrency", "4"]) == 0
+    lines = dict(line.split("=") for line in capsys.readouterr().out.splitlines() if "=" in line)
+    assert float(lines["gateway_p50_ms"]) > 0 and float(lines["gateway_max_rps"]) > 0

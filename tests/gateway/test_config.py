@@ -1,0 +1,47 @@
+"""The deployment config: the shipped default loads; a bad file says which field is wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import ConfigError, load_config, parse_config
+
+BASE = {"adapters": [{"name": "a", "path": "a.gguf"}], "shards": [{"name": "s", "adapters": ["a"]}]}
+
+
+def test_the_default_config_loads_and_its_files_exist() -> None:
+    config = load_config()
+    assert [s.name for s in config.shards] == ["styles", "checks"]
+    assert all(config.adapter_path(a.name).is_file() for a in config.adapters)
+    assert {t.id for t in config.tenants} == {"demo", "acme"}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"shards": []}, "shards: List should have at least 1 item"),
+    ({"shards": [{"name": "s", "adapters": ["nope"]}]}, "shards[0] (s): unknown adapter 'nope'"),
+    ({"shards": [{"name": "s", "adapters": ["a"], "replicas": 0}]}, "shards[0].replicas: Input should be greater than or equal to 1"),
+    ({"adapters": [{"name": "a", "path": "a.gguf"}, {"name": "a", "path": "b.gguf"}]}, "adapters: 'a' appears twice"),
+    ({"adapters": [{"name": "a", "path": "a.gguf"}, {"name": "b", "path": "b.gguf"}]}, "adapter 'b' is on no shard"),
+    ({"tenants": [{"id": "t", "key_sha256": ["secret"]}]}, "tenants[0].key_sha256: 'secret' is not a hex SHA-256 digest"),
+    ({"tenants": [{"id": "t", "key_sha256": ["0" * 64], "adapters": ["zz"]}]}, "tenants[0] (t): unknown adapter 'zz'"),
+    ({"http": {"port": 70000}}, "http.port: Input should be less than or equal to 65535"),
+    ({"routing": "fastest"}, "routing: Input should be 'affinity', 'random' or 'least_loaded'"),
+    ({"colour": "blue"}, "colour: Extra inputs are not permitted"),
+    ({"engine": {"dtype": "int8"}}, "engine.dtype"),
+])
+def test_a_bad_field_is_named(change, message) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config({**BASE, **change}, ".", "serve.yaml")
+    assert message in str(e.value) and str(e.value).startswith("serve.yaml: ")
+
+
+def test_unreadable_and_malformed_files(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("shards: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- just a list")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(bad)

@@ -1,0 +1,64 @@
+"""Routing as pure functions over a snapshot (no cluster)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from gateway.routing import NoCandidateError, ReplicaView, affinity_key, candidates, choose
+
+
+def replicas(loads: dict[str, int] | None = None) -> list[ReplicaView]:
+    layout = {"a-0": {"x", "y"}, "a-1": {"x", "y"}, "b-0": {"y", "z"}, "c-0": set()}
+    loads = loads or {}
+    return [ReplicaView(rid, rid.split("-")[0], frozenset(ads), loads.get(rid, 0)) for rid, ads in layout.items()]
+
+
+def test_candidates_hold_every_adapter_and_are_healthy() -> None:
+    assert [r.replica_id for r in candidates(replicas(), {"x"})] == ["a-0", "a-1"]
+    assert [r.replica_id for r in candidates(replicas(), {"y", "z"})] == ["b-0"]
+    assert len(candidates(replicas(), set())) == 4  # the base model runs anywhere
+    with pytest.raises(NoCandidateError, match="no shard holds all of the adapters x, z together"):
+        candidates(replicas(), {"x", "z"})
+    down = [r if r.replica_id != "b-0" else ReplicaView("b-0", "b", r.adapters, 0, is_healthy=False) for r in replicas()]
+    with pytest.raises(NoCandidateError, match="no healthy replica for adapters z: all 1 are down"):
+        candidates(down, {"z"})
+    assert [r.replica_id for r in candidates(replicas(), {"x"}, exclude={"a-0"})] == ["a-1"]
+
+
+def test_affinity_is_sticky_per_prefix_and_adapter_set() -> None:
+    pool = candidates(replicas(), {"y"})
+    key = affinity_key("set-1", list(range(40)), 32)
+    assert len({choose(pool, key).replica_id for _ in range(10)}) == 1
+    assert affinity_key("set-1", list(range(32)) + [999], 32) == key  # only the first chunk counts
+    assert affinity_key("set-2", list(range(40)), 32) != key
+    spread = Counter(choose(pool, affinity_key("s", [i] * 32, 32)).replica_id for i in range(300))
+    assert set(spread) == {"a-0", "a-1", "b-0"} and min(spread.values()) > 60  # different prefixes spread out
+
+
+def test_affinity_yields_to_bounded_load() -> None:
+    key = affinity_key("set", [1, 2, 3], 32)
+    pool = candidates(replicas(), {"x"})
+    favourite = choose(pool, key).replica_id
+    other = "a-1" if favourite == "a-0" else "a-0"
+    loaded = candidates(replicas({favourite: 3, other: 0}), {"x"})
+    assert choose(loaded, key, eps=0.25).replica_id == other  # 4 > ceil(1.25 * 4 / 2)
+    assert choose(loaded, key, eps=10).replica_id == favourite
+    # with everyone placed by the policy, no replica exceeds (1 + eps) x the mean
+    load = {"a-0": 0, "a-1": 0}
+    for i in range(200):
+        view = candidates(replicas(load), {"x"})
+        load[choose(view, affinity_key("hot", [7], 32), eps=0.25).replica_id] += 1
+    assert max(load.values()) <= 1.25 * sum(load.values()) / 2 + 1
+
+
+def test_random_and_least_loaded() -> None:
+    pool = candidates(replicas({"a-0": 5, "a-1": 1}), {"x"})
+    assert choose(pool, b"k", "least_loaded").replica_id == "a-1"
+    rng = random.Random(0)
+    seen = Counter(choose(pool, b"k", "random", rng=rng).replica_id for _ in range(100))
+    assert set(seen) == {"a-0", "a-1"}
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        choose(pool, b"k", "fastest")
