@@ -247,3 +247,39 @@ def test_bench_gateway_prints_its_figures(capsys) -> None:
     assert cli_main(["bench-gateway", "--requests", "20", "--seconds", "0.5", "--concurrency", "4"]) == 0
     lines = dict(line.split("=") for line in capsys.readouterr().out.splitlines() if "=" in line)
     assert float(lines["gateway_p50_ms"]) > 0 and float(lines["gateway_max_rps"]) > 0
+
+
+def test_echo_with_logprobs_covers_the_prompt_then_the_completion(client) -> None:
+    oa = api(client)
+    out = oa.completions.create(model="a", prompt="hello world", max_tokens=3, temperature=0, echo=True, logprobs=2,
+                                extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    prompt_len = out.usage.prompt_tokens
+    assert choice.text.startswith("hello world") and len(choice.logprobs.tokens) == prompt_len + 3
+    assert choice.logprobs.token_logprobs[0] is None and all(lp is not None for lp in choice.logprobs.token_logprobs[1:])
+    assert "".join(choice.logprobs.tokens[:prompt_len]).endswith("hello world")
+    assert choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
+
+
+def test_a_stream_closed_early_frees_the_workers_slot(served) -> None:
+    import asyncio
+    import time
+
+    from worker.params import SamplingParams
+
+    client, pool = served
+    gateway = client.app.state.gateway
+    engine = pool.workers["s2-0"].loop.engine
+
+    async def read_one_delta_and_leave() -> None:
+        prepared = gateway.prepare(gateway.tenants.by_id["t1"], PROMPT, SamplingParams(max_tokens=90, ignore_eos=True), {"b": 1.0})
+        stream = gateway.stream(prepared)
+        await anext(stream)
+        assert engine.has_work()
+        await stream.aclose()
+
+    asyncio.run(read_one_delta_and_leave())
+    deadline = time.monotonic() + 10
+    while engine.has_work() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine.has_work() and gateway.views()[-1].in_flight == 0
