@@ -142,6 +142,15 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     def _gateway(request: Request) -> Gateway:
         return current() if current is not None else app.state.gateway
 
+    async def _begin(request: Request, model: type | None = None) -> tuple[Gateway, Tenant, Any]:
+        """The gateway, the calling tenant, and the parsed body (when `model`)."""
+        gateway = _gateway(request)
+        tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
+        return gateway, tenant, None if model is None else parse(model, await _json_body(request, gateway))
+
+    def _tokens(gateway: Gateway, prompt: str | list[int]) -> list[int]:
+        return prompt if isinstance(prompt, list) else gateway.catalog.tokenizer.encode(prompt, add_special=True, parse_special=True)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
@@ -153,12 +162,9 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        gateway = _gateway(request)
-        tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
-        body: CompletionRequest = parse(CompletionRequest, await _json_body(request, gateway))
+        gateway, tenant, body = await _begin(request, CompletionRequest)
         scales = gateway.resolve_scales(tenant, body.model, body.lora)
-        tokenizer = gateway.catalog.tokenizer
-        prompt = body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt, add_special=True, parse_special=True)
+        tokenizer, prompt = gateway.catalog.tokenizer, _tokens(gateway, body.prompt)
         params = _sampling(body.max_tokens, body, body.logprobs, body.echo)
         prepared = gateway.prepare(tenant, prompt, params, scales, body.cache_salt)
         fmt = CompletionFormatter(tokenizer, body.model or gateway.catalog.model_name, prompt, body.echo, body.logprobs)
@@ -167,9 +173,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        gateway = _gateway(request)
-        tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
-        body: ChatRequest = parse(ChatRequest, await _json_body(request, gateway))
+        gateway, tenant, body = await _begin(request, ChatRequest)
         scales = gateway.resolve_scales(tenant, body.model, body.lora)
         try:
             prompt = encode_chat(gateway.catalog.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
@@ -183,12 +187,9 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
 
     @app.post("/completion")
     async def llama_complete(request: Request) -> Response:
-        gateway = _gateway(request)
-        tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
-        body: LlamaCompletionRequest = parse(LlamaCompletionRequest, await _json_body(request, gateway))
+        gateway, tenant, body = await _begin(request, LlamaCompletionRequest)
         scales = gateway.resolve_scales(tenant, None, body.lora)
-        tokenizer, model = gateway.catalog.tokenizer, gateway.catalog.model_name
-        prompt = body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt, add_special=True, parse_special=True)
+        model, prompt = gateway.catalog.model_name, _tokens(gateway, body.prompt)
         try:
             params = SamplingParams(max_tokens=body.n_predict, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     seed=None if body.seed in (None, -1) else body.seed, ignore_eos=body.ignore_eos,
@@ -204,8 +205,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        gateway = _gateway(request)
-        tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
+        gateway, tenant, _ = await _begin(request)
         base = gateway.catalog.model_name
         data = [{"id": base, "object": "model", "created": 0, "owned_by": "loraplex"}]
         data += [{"id": n, "object": "model", "created": 0, "owned_by": "loraplex", "parent": base} for n in gateway.adapter_names(tenant)]
@@ -213,8 +213,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
 
     @app.get("/lora-adapters")
     async def list_adapters(request: Request) -> list[dict[str, Any]]:
-        gateway = _gateway(request)
-        tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
+        gateway, tenant, _ = await _begin(request)
         out = []
         for i, name in enumerate(gateway.adapter_names(tenant)):
             info = gateway.catalog.adapters[name]
@@ -228,8 +227,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
 
     @app.post("/lora-adapters")
     async def set_adapters(request: Request) -> list[dict[str, Any]]:
-        gateway = _gateway(request)
-        tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
+        gateway, tenant, _ = await _begin(request)
         data = await _json_body(request, gateway)
         if not isinstance(data, list):
             raise APIError(400, "expected a JSON list of {\"id\": N, \"scale\": S}", "invalid_value")

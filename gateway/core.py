@@ -147,36 +147,46 @@ class Gateway:
             for r in self.pool.replicas
         ]
 
-    def _pick(self, prepared: Prepared, tried: set[str]) -> ReplicaView:
+    def _attempt(self, prepared: Prepared, tried: set[str]) -> ReplicaView:
+        """Choose a replica not tried yet for this request and count it busy (503 when none is left)."""
         try:
             pool = candidates(self.views(), prepared.scales, exclude=tried)
         except NoCandidateError as e:
             raise APIError(503, str(e), "no_healthy_worker") from e
         replica = choose(pool, prepared.affinity, self.config.routing)
         self.metrics.route(replica.shard, replica.replica_id, self.config.routing)
+        tried.add(replica.replica_id)
+        prepared.route = {"replica": replica.replica_id, "shard": replica.shard}
+        self._in_flight[replica.replica_id] = self._in_flight.get(replica.replica_id, 0) + 1
         return replica
+
+    def _failed(self, replica: ReplicaView, error: WorkerFailed, what_next: str) -> None:
+        self._failed_until[replica.replica_id] = self._clock() + FAILED_REPLICA_COOLDOWN_S
+        self.metrics.replica_failure(replica.replica_id)
+        log.warning("replica %s failed (%s)%s", replica.replica_id, error, what_next)
+
+    @staticmethod
+    def _refused(delta: dict[str, Any]) -> None:
+        """A first delta with a status: the worker refused the request (its fault, not the worker's)."""
+        if delta.get("status"):
+            raise APIError(int(delta["status"]), delta.get("error") or "bad request", "invalid_request")
 
     async def stream(self, prepared: Prepared) -> AsyncIterator[dict[str, Any]]:
         """The worker's deltas. A replica that fails before its first delta is marked down
         for a while and the request goes to another; after that, a final error delta."""
         tried: set[str] = set()
         while True:
-            replica = self._pick(prepared, tried)
-            tried.add(replica.replica_id)
-            prepared.route = {"replica": replica.replica_id, "shard": replica.shard}
+            replica = self._attempt(prepared, tried)
             started = False
-            self._in_flight[replica.replica_id] = self._in_flight.get(replica.replica_id, 0) + 1
             try:
                 async for delta in self.pool.stream(replica.replica_id, prepared.call):
-                    if not started and delta.get("status"):  # refused by the worker: the request's fault
-                        raise APIError(int(delta["status"]), delta.get("error") or "bad request", "invalid_request")
+                    if not started:
+                        self._refused(delta)
                     started = True
                     yield delta
                 return
             except WorkerFailed as e:
-                self._failed_until[replica.replica_id] = self._clock() + FAILED_REPLICA_COOLDOWN_S
-                self.metrics.replica_failure(replica.replica_id)
-                log.warning("replica %s failed (%s)%s", replica.replica_id, e, "" if started else "; retrying elsewhere")
+                self._failed(replica, e, "" if started else "; retrying elsewhere")
                 if started:
                     yield {"token_ids": [], "text": "", "finish_reason": "error", "error": f"the worker failed mid-stream: {e}"}
                     return
@@ -188,21 +198,16 @@ class Gateway:
         replica failing at any point sends the whole request to another."""
         tried: set[str] = set()
         while True:
-            replica = self._pick(prepared, tried)
-            tried.add(replica.replica_id)
-            prepared.route = {"replica": replica.replica_id, "shard": replica.shard}
-            self._in_flight[replica.replica_id] = self._in_flight.get(replica.replica_id, 0) + 1
+            replica = self._attempt(prepared, tried)
             deltas: list[dict[str, Any]] = []
             try:
                 async for delta in self.pool.stream(replica.replica_id, prepared.call):
-                    if not deltas and delta.get("status"):
-                        raise APIError(int(delta["status"]), delta.get("error") or "bad request", "invalid_request")
+                    if not deltas:
+                        self._refused(delta)
                     deltas.append(delta)
                 return deltas
             except WorkerFailed as e:
-                self._failed_until[replica.replica_id] = self._clock() + FAILED_REPLICA_COOLDOWN_S
-                self.metrics.replica_failure(replica.replica_id)
-                log.warning("replica %s failed (%s); retrying the whole request elsewhere", replica.replica_id, e)
+                self._failed(replica, e, "; retrying the whole request elsewhere")
             finally:
                 self._in_flight[replica.replica_id] -= 1
 
