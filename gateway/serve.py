@@ -137,6 +137,23 @@ def build(config: ServeConfig) -> serve.Application:
     return GatewayIngress.options(name="gateway", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(data, handles)
 
 
+def _show_progress(deployer: threading.Thread, started: float) -> None:
+    """Each deployment's state as it changes (replicas load the model), until serve.run returns."""
+    shown: dict[str, str] = {}
+    while deployer.is_alive():
+        deployer.join(1.0)
+        try:
+            app_status = serve.status().applications.get("loraplex")
+        except Exception:  # the controller may still be starting
+            continue
+        for name, dep in sorted((app_status.deployments if app_status else {}).items()):
+            state = {"UPDATING": "loading", "HEALTHY": "ready", "UNHEALTHY": "failed"}.get(str(dep.status.value), str(dep.status.value).lower())
+            if shown.get(name) != state:
+                shown[name] = state
+                detail = f": {dep.message}" if state == "failed" and dep.message else ""
+                print(f"  {name}: {state} ({time.perf_counter() - started:.0f} s){detail}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
@@ -161,7 +178,20 @@ def run(args: argparse.Namespace) -> int:
               + ", ".join(f"{s.name} [{', '.join(s.adapters) or 'base'}] x{s.replicas}" for s in config.shards)
               + " (each loads the model)...", file=sys.stderr, flush=True)
         started = time.perf_counter()
-        serve.run(build(config), name="loraplex", route_prefix="/")
+        deploy_error: list[BaseException] = []
+
+        def deploy() -> None:
+            try:
+                serve.run(build(config), name="loraplex", route_prefix="/")
+            except BaseException as e:  # shown below; the main thread decides
+                deploy_error.append(e)
+
+        deployer = threading.Thread(target=deploy, daemon=True)
+        deployer.start()
+        _show_progress(deployer, started)
+        if deploy_error:
+            print(f"loraplex serve: deployment failed: {deploy_error[0]}", file=sys.stderr)
+            return 1
         url = f"http://{config.http.host}:{config.http.port}"
         print(f"loraplex: ready in {time.perf_counter() - started:.0f} s at {url}  (Ctrl-C stops)", file=sys.stderr, flush=True)
         key = " -H 'Authorization: Bearer YOUR_KEY'" if config.tenants else ""

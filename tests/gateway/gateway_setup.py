@@ -16,7 +16,7 @@ from tests.tinymodels import TinyModel, invocation_metadata, random_lora, write_
 
 ATTN = ["blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.1.attn_output.weight"]
 INVOCATION = [250, 12]
-KEYS = {"t1": "key-one", "t2": "key-two", "shared": "key-shared", "limited": "key-limited"}
+KEYS = {"t1": "key-one", "t2": "key-two", "shared": "key-shared", "shared2": "key-shared-2", "limited": "key-limited"}
 
 
 def digest(key: str) -> str:
@@ -35,6 +35,7 @@ def tiny_config(model: TinyModel, directory: Path, prefix: str, **overrides):
             {"id": "t2", "key_sha256": [digest(KEYS["t2"])], "adapters": ["b"]},
             {"id": "limited", "key_sha256": [digest(KEYS["limited"])], "requests_per_min": 2, "tokens_per_min": 100},
             {"id": "shared", "key_sha256": [digest(KEYS["shared"])], "shared_cache": True},
+            {"id": "shared2", "key_sha256": [digest(KEYS["shared2"])], "shared_cache": True},
         ],
         "cache": {"key_prefix": prefix, "chunk_tokens": 8},
         "engine": {"num_slots": 4, "max_step_tokens": 64},

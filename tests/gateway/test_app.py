@@ -107,6 +107,18 @@ def test_cached_tokens_on_a_repeat_and_never_across_tenants(client) -> None:
     assert again["choices"][0]["text"] == first["choices"][0]["text"] == other["choices"][0]["text"]
 
 
+def test_tenants_that_opt_in_share_their_cache_and_a_request_salt_narrows_it(client) -> None:
+    prompt = [(7 * i + 2) % 240 for i in range(41)]
+
+    def cached(tenant: str, **extra) -> int:
+        body = {"model": "b", "prompt": prompt, "max_tokens": 1, **extra}
+        return client.post("/v1/completions", headers=auth(tenant), json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("shared") == 0 and cached("shared2") == 40  # both opted into the shared salt
+    assert cached("t1") == 0  # t1 did not
+    assert cached("shared", cache_salt="project-x") == 0 and cached("shared2", cache_salt="project-x") == 40
+
+
 @pytest.mark.parametrize(("headers", "code"), [({}, "missing_api_key"), ({"Authorization": "Bearer nope"}, "invalid_api_key"),
                                                ({"Authorization": "Basic x"}, "invalid_api_key")])
 def test_no_or_bad_key_is_401(client, headers, code) -> None:
