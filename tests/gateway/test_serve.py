@@ -98,6 +98,9 @@ def test_completions_with_stacked_adapters_through_lora(server) -> None:
     zero = client.completions.create(model="smollm2-135m-instruct", prompt="Copper is", max_tokens=8, temperature=0,
                                      extra_body={"lora": [{"name": "caps", "scale": 0.0}]})
     assert zero.choices[0].text == base.choices[0].text != stacked.choices[0].text
+    streamed = client.completions.create(model="smollm2-135m-instruct", prompt="Copper is", max_tokens=8, temperature=0, stream=True,
+                                         extra_body={"lora": [{"name": "caps", "scale": 1.0}, {"name": "json", "scale": 0.5}]})
+    assert "".join(c.choices[0].text for c in streamed) == stacked.choices[0].text
 
 
 def test_routing_sends_an_adapter_only_to_shards_holding_it(server) -> None:
