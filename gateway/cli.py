@@ -103,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")
     p.set_defaults(handler="gateway.serve:run")
 
+    p = sub.add_parser("plan", help="place adapters on workers from traffic shares: shards and replicas")
+    p.add_argument("--adapters", required=True, metavar="FILE", help="YAML/JSON list of {name, path|uri, size}, or a loraplex config")
+    p.add_argument("--traffic", metavar="FILE", help="YAML/JSON {adapter: share or count}, or the gateway's /metrics text (default: even)")
+    p.add_argument("--workers", type=_positive_int, required=True, metavar="N")
+    p.add_argument("--capacity", required=True, metavar="C", help="adapters per worker (16) or bytes per worker (512MiB, 2GB)")
+    p.add_argument("--headroom", type=float, default=0.0, metavar="H", help="fraction of each worker's capacity to leave free (default 0)")
+    p.add_argument("--format", choices=["config", "helm-values"], default="config", help="a loraplex config fragment, or Helm values")
+    p.set_defaults(handler="gateway.plan:run")
+
     p = sub.add_parser("bench-gateway", help="latency and requests/s the gateway alone adds, against an instant stub shard")
     p.add_argument("--requests", type=_positive_int, default=500, help="sequential requests for the latency percentiles")
     p.add_argument("--concurrency", type=_positive_int, default=32, help="requests in flight for the throughput run")

@@ -1,0 +1,225 @@
+"""Which adapters each worker pins (SPEC §7): a pure function from adapters, expected
+traffic shares, worker count and per-worker capacity to shards and replicas (torch-free).
+
+1. Copies: every adapter gets `redundancy` copies (2 when there are two workers or
+   more, so one replica's failure never removes an adapter); the remaining slots go,
+   one at a time, to the adapter whose traffic per copy is highest (hot adapters
+   spread over many workers), never more copies than workers.
+2. Placement: copies in decreasing traffic per copy, each onto the least-loaded
+   worker that does not hold that adapter yet and has room (longest processing time
+   first, with the distinctness constraint). Then, while two workers hold the same
+   set, one swaps its coldest adapter for a similarly cold one of a third worker:
+   the copies of every adapter end up on distinct shards, at a negligible cost in
+   balance.
+3. Workers with the same adapter set form one shard with that many replicas.
+
+A request for an adapter is spread evenly over the replicas that hold it, so a
+worker's expected load is the sum over its adapters of share / copies.
+Deterministic: ties break by adapter name and worker index.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+class PlacementError(ValueError):
+    """The inputs cannot fit; the message says by how much."""
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    size_bytes: int = 0
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class Shard:
+    name: str
+    adapters: tuple[str, ...]
+    replicas: int
+    load_per_replica: float  # expected share of all traffic, per replica
+
+
+@dataclass(frozen=True)
+class Plan:
+    shards: tuple[Shard, ...]
+    copies: dict[str, int]
+    worker_loads: tuple[float, ...]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def max_over_mean(self) -> float:
+        mean = sum(self.worker_loads) / len(self.worker_loads)
+        return max(self.worker_loads) / mean if mean > 0 else 1.0
+
+
+def normalize(shares: Mapping[str, float], names: Sequence[str]) -> dict[str, float]:
+    """Shares for every adapter (missing: 0), summing to 1 (all equal when none are given)."""
+    unknown = sorted(set(shares) - set(names))
+    if unknown:
+        raise PlacementError(f"traffic names adapters that are not in the adapter list: {', '.join(unknown)}")
+    bad = [n for n, s in shares.items() if not s >= 0]
+    if bad:
+        raise PlacementError(f"traffic share of {bad[0]!r} must be a number >= 0, got {shares[bad[0]]!r}")
+    total = sum(shares.values())
+    if total <= 0:
+        return {n: 1.0 / len(names) for n in names}
+    return {n: shares.get(n, 0.0) / total for n in names}
+
+
+def plan(adapters: Sequence[AdapterSpec], shares: Mapping[str, float], num_workers: int,
+         max_adapters: int | None = None, max_bytes: int | None = None, redundancy: int = 2) -> Plan:
+    """Place every adapter on workers of at most `max_adapters` adapters and `max_bytes` bytes."""
+    names = [a.name for a in adapters]
+    if len(set(names)) != len(names):
+        raise PlacementError("adapter names must be unique")
+    if num_workers < 1:
+        raise PlacementError(f"need at least one worker, got {num_workers}")
+    if not adapters:
+        raise PlacementError("no adapters to place")
+    if max_adapters is None and max_bytes is None:
+        raise PlacementError("give a capacity: adapters per worker or bytes per worker")
+    size = {a.name: a.size_bytes for a in adapters}
+    slots = max_adapters if max_adapters is not None else len(adapters)
+    if max_adapters is not None and max_adapters < 1:
+        raise PlacementError(f"capacity must be at least 1 adapter per worker, got {max_adapters}")
+    too_big = [a.name for a in adapters if max_bytes is not None and a.size_bytes > max_bytes]
+    if too_big:
+        raise PlacementError(f"adapter {too_big[0]!r} ({size[too_big[0]]} bytes) is larger than a worker's capacity ({max_bytes} bytes)")
+    if max_adapters is not None and len(adapters) > num_workers * max_adapters:
+        raise PlacementError(f"{len(adapters)} adapters do not fit on {num_workers} workers of {max_adapters}: "
+                             f"{num_workers * max_adapters} slots (need {-(-len(adapters) // max_adapters)} workers)")
+    if max_bytes is not None and sum(size.values()) > num_workers * max_bytes:
+        raise PlacementError(f"the adapters ({sum(size.values())} bytes) do not fit on {num_workers} workers of {max_bytes} bytes")
+    share = normalize(shares, names)
+    order = sorted(names, key=lambda n: (-share[n], n))  # hottest first; ties by name
+
+    # 1. copies per adapter
+    target = min(redundancy, num_workers)
+    budget_slots = num_workers * slots if max_adapters is not None else None
+    budget_bytes = num_workers * max_bytes if max_bytes is not None else None
+    copies = {n: 1 for n in names}
+    used_slots, used_bytes = len(names), sum(size.values())
+    warnings = []
+
+    def fits(name: str) -> bool:
+        return (copies[name] < num_workers and (budget_slots is None or used_slots + 1 <= budget_slots)
+                and (budget_bytes is None or used_bytes + size[name] <= budget_bytes))
+
+    for name in order:  # redundancy, hottest first, as far as room allows
+        while copies[name] < target and fits(name):
+            copies[name] += 1
+            used_slots, used_bytes = used_slots + 1, used_bytes + size[name]
+    heap = [(-share[n] / copies[n], n) for n in names]
+    heapq.heapify(heap)
+    while heap:  # spare room: another copy for the adapter with the most traffic per copy
+        per_copy, name = heapq.heappop(heap)
+        if -per_copy <= 0 or not fits(name):
+            continue
+        copies[name] += 1
+        used_slots, used_bytes = used_slots + 1, used_bytes + size[name]
+        heapq.heappush(heap, (-share[name] / copies[name], name))
+
+    # 2. place copies, longest first, on the least-loaded worker that can take them
+    load = [0.0] * num_workers
+    held: list[list[str]] = [[] for _ in range(num_workers)]
+    held_bytes = [0] * num_workers
+    pieces = sorted(((share[n] / copies[n], n) for n in names for _ in range(copies[n])), key=lambda p: (-p[0], p[1]))
+
+    def room(w: int, name: str, freed: str | None = None) -> bool:
+        used_bytes = held_bytes[w] - (size[freed] if freed else 0)
+        return (name not in held[w] and (max_adapters is None or len(held[w]) - (freed is not None) < max_adapters)
+                and (max_bytes is None or used_bytes + size[name] <= max_bytes))
+
+    def put(w: int, name: str, per_copy: float) -> None:
+        held[w].append(name)
+        held_bytes[w] += size[name]
+        load[w] += per_copy
+
+    def make_room(name: str) -> int | None:
+        """A worker lacking `name` that can take it once one of its adapters moves to a worker with room."""
+        for w in sorted((w for w in range(num_workers) if name not in held[w]), key=lambda i: (load[i], i)):
+            for other in sorted(held[w], key=lambda n: (share[n] / copies[n], n)):
+                for v in range(num_workers):
+                    if v != w and room(v, other) and room(w, name, freed=other):
+                        held[w].remove(other)
+                        held_bytes[w] -= size[other]
+                        load[w] -= share[other] / copies[other]
+                        put(v, other, share[other] / copies[other])
+                        return w
+        return None
+
+    for per_copy, name in pieces:
+        options = [w for w in range(num_workers) if room(w, name)]
+        w = min(options, key=lambda i: (load[i], len(held[i]), i)) if options else make_room(name)
+        if w is None:
+            if any(name in h for h in held):
+                copies[name] -= 1  # a spare copy that fits nowhere: drop it
+                continue
+            raise PlacementError(f"could not place {name!r}: every worker is full or already holds it (try more workers or capacity)")
+        put(w, name, per_copy)
+    load = [sum(share[n] / copies[n] for n in held[w]) for w in range(num_workers)]  # with the final copy counts
+    single = [n for n in names if copies[n] < target]
+    if single:
+        warnings.append(f"no room for a second copy of {len(single)} adapter(s) (coldest: {', '.join(sorted(single, key=lambda n: (share[n], n))[:5])}): "
+                        "one replica's failure makes them unavailable")
+
+    per_copy = {n: share[n] / copies[n] for n in names}
+    _separate_identical_sets(held, held_bytes, load, per_copy, size, max_bytes)
+
+    # 3. workers with the same set are one shard (after the swaps, only when nothing could differ)
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for w in range(num_workers):
+        groups.setdefault(tuple(sorted(held[w], key=lambda n: order.index(n))), []).append(w)
+    shards = tuple(
+        Shard(f"shard-{i}", adapters_, len(workers), load[workers[0]])
+        for i, (adapters_, workers) in enumerate(sorted(groups.items(), key=lambda g: g[1][0]))
+    )
+    return Plan(shards, copies, tuple(load), tuple(warnings))
+
+
+def _separate_identical_sets(held: list[list[str]], held_bytes: list[int], load: list[float], per_copy: dict[str, float],
+                             size: dict[str, int], max_bytes: int | None) -> None:
+    for _ in range(4 * len(held) ** 2):  # bounded; each swap makes one worker's set unique
+        seen: dict[frozenset[str], int] = {}
+        twin = None
+        for w, names in enumerate(held):
+            key = frozenset(names)
+            if key in seen:
+                twin = w
+                break
+            seen[key] = w
+        if twin is None:
+            return
+        best = None
+        for a in held[twin]:
+            for x, other in enumerate(held):
+                if frozenset(other) == frozenset(held[twin]) or a in other:
+                    continue
+                for b in other:
+                    if b in held[twin]:
+                        continue
+                    if max_bytes is not None and (held_bytes[twin] - size[a] + size[b] > max_bytes or held_bytes[x] - size[b] + size[a] > max_bytes):
+                        continue
+                    cost = (abs(per_copy[a] - per_copy[b]), per_copy[a] + per_copy[b], a, b, x)
+                    if best is None or cost < best:
+                        best = cost
+        if best is None:
+            return  # nothing to swap: they stay replicas of one shard
+        _, _, a, b, x = best
+        held[twin][held[twin].index(a)], held[x][held[x].index(b)] = b, a
+        held_bytes[twin] += size[b] - size[a]
+        held_bytes[x] += size[a] - size[b]
+        load[twin] += per_copy[b] - per_copy[a]
+        load[x] += per_copy[a] - per_copy[b]
+
+
+def zipf_shares(names: Sequence[str], s: float) -> dict[str, float]:
+    """Zipf(s) over `names` in order: the k-th gets 1 / k^s (normalized)."""
+    weights = {n: 1.0 / (k + 1) ** s for k, n in enumerate(names)}
+    total = sum(weights.values())
+    return {n: w / total for n, w in weights.items()}
