@@ -64,6 +64,15 @@ class CacheSettings(_Strict):
     ttl_s: int = Field(3600, ge=1)
     l1_bytes: int = Field(1 << 30, ge=0)
     timeout_s: float = Field(0.25, gt=0)
+    redis_password_file: str | None = None  # a mounted Secret; overrides the URL's password
+
+    def redis_password(self) -> str | None:
+        if self.redis_password_file is None:
+            return None
+        try:
+            return Path(self.redis_password_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ConfigError(f"cache.redis_password_file: cannot read {self.redis_password_file}: {e.strerror or e}") from e
 
 
 class EngineSettings(_Strict):
@@ -87,7 +96,8 @@ class ServeConfig(_Strict):
     model_name: str | None = Field(None, pattern=NAME)  # what clients put in `model`; default: the file name without .gguf
     adapters: list[AdapterConfig] = Field(default_factory=list)
     shards: list[ShardConfig] = Field(min_length=1)
-    tenants: list[TenantConfig] = Field(default_factory=list)  # none: no auth, one anonymous tenant
+    tenants: list[TenantConfig] = Field(default_factory=list)  # none (and no tenants_file): no auth, one anonymous tenant
+    tenants_file: str | None = None  # more tenants, from a YAML list (a mounted Secret on Kubernetes)
     cache: CacheSettings = CacheSettings()
     engine: EngineSettings = EngineSettings()
     http: HTTPSettings = HTTPSettings()
@@ -150,10 +160,22 @@ def _describe(e: ValidationError) -> str:
 
 
 def parse_config(data: object, base_dir: Path | str = ".", source: str = "config") -> ServeConfig:
+    """Validate a config mapping; `tenants_file`'s tenants join `tenants` (read here, once)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level")
+    data = {**data, "base_dir": str(base_dir)}
+    if data.get("tenants_file"):
+        file = Path(base_dir) / str(data["tenants_file"])
+        try:
+            extra = yaml.safe_load(file.read_text(encoding="utf-8")) or []
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{source}: tenants_file {file}: {getattr(e, 'strerror', None) or e}") from e
+        if not isinstance(extra, list):
+            raise ConfigError(f"{source}: tenants_file {file}: expected a YAML list of tenants")
+        data["tenants"] = [*(data.get("tenants") or []), *extra]
+        data["tenants_file"] = None  # merged: the result is self-contained
     try:
-        return ServeConfig.model_validate({**data, "base_dir": str(base_dir)})
+        return ServeConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(f"{source}: {_describe(e)}") from e
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from ray import serve
 
-from gateway.config import ConfigError, ServeConfig, load_config
+from gateway.config import ConfigError, ServeConfig, load_config, parse_config
 from gateway.core import ReplicaInfo, WorkerFailed
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,10 @@ def _redis(config: ServeConfig):
         return None
     import redis
 
-    client = redis.Redis.from_url(config.cache.redis_url, socket_timeout=config.cache.timeout_s, socket_connect_timeout=config.cache.timeout_s)
+    options = {"socket_timeout": config.cache.timeout_s, "socket_connect_timeout": config.cache.timeout_s}
+    if config.cache.redis_password_file:
+        options["password"] = config.cache.redis_password()
+    client = redis.Redis.from_url(config.cache.redis_url, **options)
     try:
         client.ping()
     except redis.RedisError as e:
@@ -152,6 +155,15 @@ def _show_progress(deployer: threading.Thread, started: float) -> None:
                 shown[name] = state
                 detail = f": {dep.message}" if state == "failed" and dep.message else ""
                 print(f"  {name}: {state} ({time.perf_counter() - started:.0f} s){detail}", file=sys.stderr, flush=True)
+
+
+def app_from_config(args: dict[str, Any]) -> serve.Application:
+    """The application builder a RayService's serveConfigV2 names (`import_path:
+    gateway.serve:app_from_config`, `args: {config: ..., base_dir: ...}`): the same
+    `build` as `loraplex serve`, from the same config."""
+    if not isinstance(args, dict) or not isinstance(args.get("config"), dict):
+        raise ConfigError("serveConfigV2 args need 'config': the loraplex config mapping")
+    return build(parse_config(args["config"], args.get("base_dir", "."), "serveConfigV2 args.config"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -67,7 +67,9 @@ class ShardWorker:
         self.runner = ModelRunner.from_paths(model_path, [config.adapter_path(n) for n in shard.adapters], device_config)
         self.tokenizer = GGUFTokenizer(self.runner.base)
         c = config.cache
-        redis = RedisConfig(url=c.redis_url, key_prefix=c.key_prefix, ttl_s=c.ttl_s, timeout_s=c.timeout_s) if c.redis_url else None
+        redis = None
+        if c.redis_url:
+            redis = RedisConfig(url=c.redis_url, key_prefix=c.key_prefix, ttl_s=c.ttl_s, timeout_s=c.timeout_s, password=c.redis_password())
         self.prefix_cache = open_prefix_cache(self.runner, PrefixCacheConfig(chunk_tokens=c.chunk_tokens, l1_bytes=c.l1_bytes, redis=redis))
         e = config.engine
         engine_config = EngineConfig(num_slots=e.num_slots, slot_len=e.slot_len, max_step_tokens=max(e.max_step_tokens, e.num_slots))

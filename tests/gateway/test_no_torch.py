@@ -9,7 +9,7 @@ CODE = """
 import sys
 import cache, cache.keys, cache.codec, cache.l1, cache.l2, cache.stats, cache.prefix, gateway, gateway.cli
 import gateway.config, gateway.catalog, gateway.protocol, gateway.tenants, gateway.routing, gateway.ratelimit
-import gateway.metrics, gateway.formats, gateway.core, gateway.app
+import gateway.metrics, gateway.formats, gateway.core, gateway.app, gateway.placement, gateway.plan
 from gateway.catalog import Catalog
 from gateway.config import load_config
 Catalog(load_config())  # the default deployment's model and adapters, as the gateway reads them

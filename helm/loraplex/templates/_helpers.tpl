@@ -1,0 +1,125 @@
+{{- define "loraplex.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "loraplex.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "loraplex.selector" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "loraplex.redisURL" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "redis://%s-redis:6379/0" (include "loraplex.fullname" .) -}}
+{{- else -}}
+{{- .Values.redis.external.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Secret holding Redis' password, or "" when Redis needs none. */}}
+{{- define "loraplex.redisPasswordSecret" -}}
+{{- if .Values.redis.enabled -}}
+{{- if .Values.redis.auth.enabled -}}
+{{- default (printf "%s-redis" (include "loraplex.fullname" .)) .Values.redis.auth.existingSecret -}}
+{{- end -}}
+{{- else -}}
+{{- .Values.redis.external.passwordSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "loraplex.tenantsSecret" -}}
+{{- if .Values.tenants.existingSecret -}}
+{{- .Values.tenants.existingSecret -}}
+{{- else if .Values.tenants.items -}}
+{{- printf "%s-tenants" (include "loraplex.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The loraplex config the application is built from: the values' config plus what
+     the cluster decides (Redis, the Secrets' mount paths, the HTTP port). */}}
+{{- define "loraplex.config" -}}
+{{- $config := deepCopy .Values.loraplex -}}
+{{- $cache := deepCopy (default (dict) $config.cache) -}}
+{{- $url := include "loraplex.redisURL" . -}}
+{{- if $url }}{{- $_ := set $cache "redis_url" $url -}}{{- else }}{{- $_ := set $cache "redis_url" nil -}}{{- end -}}
+{{- if include "loraplex.redisPasswordSecret" . }}{{- $_ := set $cache "redis_password_file" "/etc/loraplex/redis/password" -}}{{- end -}}
+{{- $_ := set $config "cache" $cache -}}
+{{- if include "loraplex.tenantsSecret" . }}{{- $_ := set $config "tenants_file" "/etc/loraplex/tenants/tenants.yaml" -}}{{- end -}}
+{{- $_ := set $config "http" (dict "host" "0.0.0.0" "port" 8000) -}}
+{{- toYaml $config -}}
+{{- end -}}
+
+{{- define "loraplex.serveConfigV2" -}}
+applications:
+  - name: loraplex
+    import_path: gateway.serve:app_from_config
+    route_prefix: /
+    args:
+      base_dir: {{ .Values.models.mountPath }}
+      config:
+{{ include "loraplex.config" . | indent 8 }}
+{{- end -}}
+
+{{/* Volumes and mounts every Ray pod gets: models, tenants, Redis password. */}}
+{{- define "loraplex.volumes" -}}
+- name: models
+{{- if .Values.models.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.models.existingClaim }}
+    readOnly: true
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.models.emptyDirSizeLimit }}
+{{- end }}
+{{- with include "loraplex.tenantsSecret" . }}
+- name: tenants
+  secret:
+    secretName: {{ . }}
+    items: [{key: tenants.yaml, path: tenants.yaml}]
+{{- end }}
+{{- with include "loraplex.redisPasswordSecret" . }}
+- name: redis-password
+  secret:
+    secretName: {{ . }}
+    items: [{key: password, path: password}]
+{{- end }}
+{{- end -}}
+
+{{- define "loraplex.volumeMounts" -}}
+- name: models
+  mountPath: {{ .Values.models.mountPath }}
+  readOnly: {{ not .Values.models.initContainer.enabled }}
+{{- if include "loraplex.tenantsSecret" . }}
+- name: tenants
+  mountPath: /etc/loraplex/tenants
+  readOnly: true
+{{- end }}
+{{- if include "loraplex.redisPasswordSecret" . }}
+- name: redis-password
+  mountPath: /etc/loraplex/redis
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "loraplex.initContainers" -}}
+{{- if .Values.models.initContainer.enabled }}
+initContainers:
+  - name: fetch-models
+    image: {{ .Values.models.initContainer.image }}
+    command: {{ toJson .Values.models.initContainer.command }}
+    volumeMounts:
+      - name: models
+        mountPath: {{ .Values.models.mountPath }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,137 @@
+"""The Helm chart, rendered and linted offline (helm-python-sdk: Helm's Go SDK as a
+library, no helm binary, no cluster), core manifests validated against Kubernetes'
+schemas, and the RayService's serveConfigV2 checked against `loraplex serve`."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from gateway.config import load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "loraplex"
+KUBE_VERSION = "1.30.0"
+CORE_KINDS = {"Service", "StatefulSet", "Secret", "NetworkPolicy", "Ingress"}
+
+
+def render(values: dict | None = None) -> list[dict]:
+    manifests = helm.Chart.load(str(CHART)).render(values, name="lp", namespace="serving", is_install=True)
+    return [doc for path, text in manifests.items() if path.endswith(".yaml") and text.strip() for doc in yaml.safe_load_all(text) if doc]
+
+
+def multi_shard_values() -> dict:
+    """What a user of `loraplex plan --format helm-values` would install: several shards, tenants,
+    an external Redis with a password, ingress and monitoring on."""
+    return {
+        "loraplex": {
+            "model": "base.gguf",
+            "adapters": [{"name": f"a{i}", "path": f"adapters/a{i}.gguf"} for i in range(6)],
+            "shards": [{"name": f"shard-{i}", "adapters": [f"a{(i + j) % 6}" for j in range(3)], "replicas": 2, "num_gpus": 1} for i in range(3)],
+            "routing": "affinity",
+        },
+        "tenants": {"items": [{"id": "acme", "key_sha256": ["a" * 64], "adapters": ["a0", "a1"], "requests_per_min": 100}]},
+        "redis": {"enabled": False, "external": {"url": "rediss://cache.internal:6380/0", "passwordSecret": "redis-auth"}},
+        "models": {"existingClaim": "loraplex-models"},
+        "gateway": {"ingress": {"enabled": True, "className": "nginx", "host": "llm.example.com",
+                                "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]}},
+        "serviceMonitor": {"enabled": True},
+        "ray": {"worker": {"replicas": 6, "minReplicas": 6, "maxReplicas": 12}},
+    }
+
+
+def lint(values: dict | None) -> dict:
+    report = helm.lint(str(CHART), values, strict=True, namespace="serving", kube_version=f"v{KUBE_VERSION}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not report["errors"] and not problems, (report["errors"], problems)
+    return report
+
+
+@pytest.mark.parametrize("values", [None, multi_shard_values()], ids=["defaults", "multi-shard"])
+def test_the_chart_renders_lints_and_its_core_manifests_validate(values) -> None:
+    lint(values)
+    docs = render(values)
+    kinds = [d["kind"] for d in docs]
+    assert "RayService" in kinds and "Service" in kinds
+    for doc in docs:
+        if doc["kind"] in CORE_KINDS:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+    service = next(d for d in docs if d["kind"] == "RayService")
+    assert service["apiVersion"] == "ray.io/v1"
+    workers = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert workers["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in str(service["spec"]["rayClusterConfig"]["headGroupSpec"])
+
+
+def test_defaults_run_redis_with_lru_eviction_behind_a_network_policy() -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render()}
+    redis = docs[("StatefulSet", "lp-loraplex-redis")]["spec"]["template"]["spec"]["containers"][0]
+    assert redis["args"][:4] == ["--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"]
+    policy = docs[("NetworkPolicy", "lp-loraplex-redis")]["spec"]
+    assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "ray"
+    assert ("Secret", "lp-loraplex-redis") in docs and ("Ingress", "lp-loraplex") not in docs
+
+
+def test_the_multi_shard_install_has_ingress_monitoring_and_the_tenants_secret() -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render(multi_shard_values())}
+    assert ("Ingress", "lp-loraplex") in docs and ("ServiceMonitor", "lp-loraplex") in docs
+    assert ("StatefulSet", "lp-loraplex-redis") not in docs  # external Redis
+    tenants = yaml.safe_load(docs[("Secret", "lp-loraplex-tenants")]["stringData"]["tenants.yaml"])
+    assert tenants[0]["id"] == "acme"
+    config = yaml.safe_load(docs[("RayService", "lp-loraplex")]["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]
+    assert config["cache"]["redis_url"] == "rediss://cache.internal:6380/0" and config["tenants_file"] == "/etc/loraplex/tenants/tenants.yaml"
+    assert [s["replicas"] for s in config["shards"]] == [2, 2, 2]
+
+
+def test_serve_config_v2_builds_what_loraplex_serve_deploys_for_the_same_config(tmp_path) -> None:
+    """deploy/serve.yaml through the chart (tenants into its Secret) gives the same deployment."""
+    local = load_config(ROOT / "deploy" / "serve.yaml")
+    source = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
+    tenants = source.pop("tenants")
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render({"loraplex": source, "tenants": {"items": tenants}})}
+    app = yaml.safe_load(docs[("RayService", "lp-loraplex")]["spec"]["serveConfigV2"])["applications"][0]
+    assert app["import_path"] == "gateway.serve:app_from_config" and app["args"]["base_dir"] == "/models"
+    secret = tmp_path / "tenants.yaml"
+    secret.write_text(docs[("Secret", "lp-loraplex-tenants")]["stringData"]["tenants.yaml"])
+    config = copy.deepcopy(app["args"]["config"])
+    config["tenants_file"] = str(secret)  # where the pod mounts the Secret
+    config["cache"].pop("redis_password_file")  # the pod's mounted Redis password
+    in_cluster = parse_config(config, ROOT / "deploy", "serveConfigV2")  # the files live under /models in the pod
+
+    def comparable(c) -> dict:
+        data = c.model_dump()
+        for cluster_decides in ("base_dir", "http"):
+            data.pop(cluster_decides)
+        data["cache"].pop("redis_url")
+        return data
+
+    assert comparable(in_cluster) == comparable(local)
+    assert in_cluster.cache.redis_url == "redis://lp-loraplex-redis:6379/0" and in_cluster.http.host == "0.0.0.0"
+    from gateway.serve import app_from_config, build
+
+    assert type(app_from_config({"config": config, "base_dir": str(ROOT / "deploy")})) is type(build(local))
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    ({"gateway": {"service": {"type": "Bogus"}}}, "type"),
+    ({"ray": {"worker": {"gpusPerPod": -1}}}, "gpusPerPod"),
+    ({"redis": {"maxmemoryPolicy": "everything"}}, "maxmemoryPolicy"),
+    ({"loraplex": {"shards": []}}, "shards"),
+    ({"tenants": {"items": [{"id": "t", "key_sha256": ["plaintext-key"]}]}}, "key_sha256"),
+    ({"colour": "blue"}, "colour"),
+    ({"redis": {"enabled": False}}, "url"),
+    ({"loraplex": {"shards": [{"name": "s"}], "tenants": [{"id": "t"}]}}, "tenants"),
+])
+def test_the_schema_rejects_bad_values_with_the_key(change, fragment) -> None:
+    chart = helm.Chart.load(str(CHART))
+    values = chart.merge_values(change)
+    if "loraplex" in change:  # a replaced list, not a merged one
+        values["loraplex"] = {**values["loraplex"], **change["loraplex"]}
+    with pytest.raises(helm.HelmError) as e:
+        chart.validate_schema(values)
+    assert fragment in str(e.value)
