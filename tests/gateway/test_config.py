@@ -45,3 +45,16 @@ def test_unreadable_and_malformed_files(tmp_path) -> None:
     bad.write_text("- just a list")
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_config(bad)
+
+
+def test_tenants_file_and_redis_password_file_come_from_mounted_secrets(tmp_path) -> None:
+    (tmp_path / "tenants.yaml").write_text('- {id: from-secret, key_sha256: ["' + "b" * 64 + '"]}\n')
+    (tmp_path / "password").write_text("s3cret\n")
+    config = parse_config({**BASE, "tenants": [{"id": "inline", "key_sha256": ["c" * 64]}], "tenants_file": "tenants.yaml",
+                           "cache": {"redis_password_file": str(tmp_path / "password")}}, tmp_path)
+    assert [t.id for t in config.tenants] == ["inline", "from-secret"] and config.tenants_file is None
+    assert config.cache.redis_password() == "s3cret"
+    with pytest.raises(ConfigError, match="tenants_file .*missing.yaml"):
+        parse_config({**BASE, "tenants_file": "missing.yaml"}, tmp_path)
+    with pytest.raises(ConfigError, match="redis_password_file: cannot read"):
+        parse_config({**BASE, "cache": {"redis_password_file": str(tmp_path / "nope")}}, tmp_path).cache.redis_password()
