@@ -112,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["config", "helm-values"], default="config", help="a loraplex config fragment, or Helm values")
     p.set_defaults(handler="gateway.plan:run")
 
+    p = sub.add_parser("loadtest", help="skewed multi-tenant traffic against a loraplex server, with a report")
+    p.add_argument("--scenario", required=True, metavar="FILE.yaml", help="e.g. deploy/scenarios/zipf.yaml")
+    p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--duration", type=float, metavar="S", help="override the scenario's duration_s")
+    p.add_argument("--seed", type=int, help="override the scenario's seed")
+    p.add_argument("--max-requests", type=_positive_int, metavar="N", help="override the scenario's max_requests")
+    p.add_argument("--out", metavar="DIR", help="report directory (default loadtest-<scenario>)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler="gateway.loadtest.cli:run")
+
     p = sub.add_parser("bench-gateway", help="latency and requests/s the gateway alone adds, against an instant stub shard")
     p.add_argument("--requests", type=_positive_int, default=500, help="sequential requests for the latency percentiles")
     p.add_argument("--concurrency", type=_positive_int, default=32, help="requests in flight for the throughput run")

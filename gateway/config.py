@@ -150,7 +150,7 @@ def key_digest(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
-def _describe(e: ValidationError) -> str:
+def describe_errors(e: ValidationError) -> str:
     lines = []
     for err in e.errors():
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
@@ -177,7 +177,7 @@ def parse_config(data: object, base_dir: Path | str = ".", source: str = "config
     try:
         return ServeConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(f"{source}: {_describe(e)}") from e
+        raise ConfigError(f"{source}: {describe_errors(e)}") from e
 
 
 def load_config(path: str | Path | None = None) -> ServeConfig:

@@ -10,6 +10,7 @@ import sys
 import cache, cache.keys, cache.codec, cache.l1, cache.l2, cache.stats, cache.prefix, gateway, gateway.cli
 import gateway.config, gateway.catalog, gateway.protocol, gateway.tenants, gateway.routing, gateway.ratelimit
 import gateway.metrics, gateway.formats, gateway.core, gateway.app, gateway.placement, gateway.plan
+import gateway.loadtest.scenario, gateway.loadtest.generators, gateway.loadtest.runner, gateway.loadtest.report, gateway.loadtest.cli
 from gateway.catalog import Catalog
 from gateway.config import load_config
 Catalog(load_config())  # the default deployment's model and adapters, as the gateway reads them
