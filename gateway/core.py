@@ -22,7 +22,7 @@ from gateway.config import ServeConfig
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import APIError, LoraEntry
 from gateway.ratelimit import RateLimiter
-from gateway.routing import NoCandidateError, ReplicaView, affinity_key, candidates, choose
+from gateway.routing import NoCandidateError, RecentLoad, ReplicaView, affinity_key, candidates, choose
 from gateway.metrics import merge_worker_metrics
 from gateway.tenants import Tenant, Tenants
 from worker.params import SamplingParams
@@ -76,6 +76,7 @@ class Gateway:
         self._clock = clock
         self._in_flight: dict[str, int] = {}
         self._failed_until: dict[str, float] = {}
+        self._recent = RecentLoad()
 
     # resolving what was asked
 
@@ -143,7 +144,8 @@ class Gateway:
     def views(self) -> list[ReplicaView]:
         now = self._clock()
         return [
-            ReplicaView(r.replica_id, r.shard, r.adapters, self._in_flight.get(r.replica_id, 0), self._failed_until.get(r.replica_id, 0.0) <= now)
+            ReplicaView(r.replica_id, r.shard, r.adapters, self._in_flight.get(r.replica_id, 0), self._failed_until.get(r.replica_id, 0.0) <= now,
+                        self._recent.get(r.replica_id, now))
             for r in self.pool.replicas
         ]
 
@@ -156,6 +158,7 @@ class Gateway:
         replica = choose(pool, prepared.affinity, self.config.routing)
         self.metrics.route(replica.shard, replica.replica_id, self.config.routing)
         tried.add(replica.replica_id)
+        self._recent.add(replica.replica_id, self._clock())
         prepared.route = {"replica": replica.replica_id, "shard": replica.shard}
         self._in_flight[replica.replica_id] = self._in_flight.get(replica.replica_id, 0) + 1
         return replica

@@ -6,7 +6,11 @@ request's affinity key (adapter-set fingerprint + first prefix chunk), so the
 same prefix under the same adapters goes to the same replica and finds its KV
 in that worker's memory, and takes the first whose load stays within
 `(1 + eps)` times the mean load after adding this request (consistent hashing
-with bounded loads). `random` and `least_loaded` are there to compare against.
+with bounded loads). A replica's load is its requests in flight plus the
+requests it was sent recently (a decaying count): bounding in-flight requests
+alone keeps no balance when traffic is light (everything in flight is 0 or 1,
+so the hot prefix's replica gets every request it is idle for).
+`random` and `least_loaded` (in flight) are there to compare against.
 """
 
 from __future__ import annotations
@@ -27,6 +31,26 @@ class ReplicaView:
     adapters: frozenset[str]
     in_flight: int = 0
     is_healthy: bool = True
+    recent: float = 0.0  # requests routed here lately (exponentially decayed count)
+
+    @property
+    def load(self) -> float:
+        return self.in_flight + self.recent
+
+
+class RecentLoad:
+    """Requests routed to each replica, decaying with half-life `half_life_s` (the clock is passed in)."""
+
+    def __init__(self, half_life_s: float = 30.0) -> None:
+        self.half_life_s = half_life_s
+        self._values: dict[str, tuple[float, float]] = {}
+
+    def get(self, replica_id: str, now_s: float) -> float:
+        value, at = self._values.get(replica_id, (0.0, now_s))
+        return value * 0.5 ** ((now_s - at) / self.half_life_s)
+
+    def add(self, replica_id: str, now_s: float) -> None:
+        self._values[replica_id] = (self.get(replica_id, now_s) + 1.0, now_s)
 
 
 class NoCandidateError(LookupError):
@@ -66,10 +90,10 @@ def choose(pool: Sequence[ReplicaView], key: bytes, policy: str = "affinity", ep
         return min(pool, key=lambda r: (r.in_flight, _rank(key, r.replica_id)))
     if policy != "affinity":
         raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
-    total = sum(r.in_flight for r in pool) + 1
-    bound = max(1, math.ceil((1 + eps) * total / len(pool)))
+    total = sum(r.load for r in pool) + 1
+    bound = max(1.0, (1 + eps) * total / len(pool))
     ranked = sorted(pool, key=lambda r: _rank(key, r.replica_id), reverse=True)
     for replica in ranked:
-        if replica.in_flight + 1 <= bound:
+        if replica.load + 1 <= bound:
             return replica
-    return min(ranked, key=lambda r: r.in_flight)  # unreachable while bound >= mean; kept for safety
+    return min(ranked, key=lambda r: r.load)  # unreachable while bound >= mean; kept for safety

@@ -62,3 +62,21 @@ def test_random_and_least_loaded() -> None:
     assert set(seen) == {"a-0", "a-1"}
     with pytest.raises(ValueError, match="unknown routing policy"):
         choose(pool, b"k", "fastest")
+
+
+def test_light_traffic_stays_balanced_through_recent_load() -> None:
+    """One request at a time (nothing else in flight): a hot prefix still spreads once its
+    replica has had more than its share lately."""
+    from gateway.routing import RecentLoad
+
+    recent, now, counts = RecentLoad(half_life_s=30), 0.0, Counter()
+    hot = affinity_key("set", [1] * 32, 32)
+    for i in range(400):
+        now += 1.0
+        key = hot if i % 3 else affinity_key("set", [i] * 32, 32)  # two thirds of the traffic is one prefix
+        view = [ReplicaView(r, "a", frozenset({"x"}), 0, True, recent.get(r, now)) for r in ("r0", "r1", "r2", "r3")]
+        chosen = choose(view, key, eps=0.25).replica_id
+        recent.add(chosen, now)
+        counts[chosen] += 1
+    assert max(counts.values()) / (sum(counts.values()) / 4) <= 1.3
+    assert recent.get("r0", now + 30) == pytest.approx(recent.get("r0", now) / 2)
