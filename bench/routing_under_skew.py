@@ -25,6 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "deploy" / "scenarios"
 
 
+def warm_up(port: int, out: Path) -> None:
+    """Every replica's first requests pay one-time costs: spend them on unrelated random prompts."""
+    loadtest(SCENARIOS / "uniform.yaml", port, out / "warm-up", 12.0)
+
+
 def serve(config: dict, base: Path, port: int) -> subprocess.Popen:
     path = base / f"serve-{uuid.uuid4().hex[:6]}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -75,6 +80,7 @@ def main() -> None:
         config = {**base, "routing": policy, "cache": {**base.get("cache", {}), "key_prefix": f"loraplex-bench-{uuid.uuid4().hex[:8]}"}}
         server = serve(config, out, args.port)
         try:
+            warm_up(args.port, out)
             rows[policy] = loadtest(SCENARIOS / "zipf.yaml", args.port, out / f"zipf-{policy}", args.duration)
         finally:
             stop(server)
@@ -85,6 +91,7 @@ def main() -> None:
     config = {**base, "routing": "affinity", "cache": {**base.get("cache", {}), "key_prefix": f"loraplex-bench-{uuid.uuid4().hex[:8]}"}}
     server = serve(config, out, args.port)
     try:
+        warm_up(args.port, out)
         noisy = yaml.safe_load((SCENARIOS / "noisy-tenant.yaml").read_text())
         quiet_only = {**noisy, "name": "quiet-alone", "tenants": [t for t in noisy["tenants"] if "rate_rps" not in t]}
         (out / "quiet-alone.yaml").write_text(yaml.safe_dump(quiet_only))

@@ -1,10 +1,15 @@
 """Per-tenant rate limits: requests and tokens per minute (torch-free).
 
-Counted in Redis (one pipelined round trip per request: INCR, INCRBY, EXPIRE)
-so the limits hold across every gateway replica; per process when Redis is
-not configured or not reachable. Fixed one-minute windows; a rejected request
-does not count. A limited request gets 429 with `Retry-After` (seconds to the
-next window).
+A token bucket in its GCRA form (one "theoretical arrival time" per tenant and
+limit): requests flow at the configured rate, with a burst of 10 seconds' worth
+(requests) or a minute's worth (tokens) from idle. Unlike fixed one-minute
+windows, a tenant over its limit cannot send a minute's allowance at every
+window boundary: the noisy tenant's accepted requests arrive evenly, so they
+do not crowd out the others. A rejected request counts nothing.
+
+Kept in Redis (one atomic script per request) so the limits hold across every
+gateway replica; per process when Redis is not configured or not reachable. A
+limited request gets 429 with `Retry-After` (seconds until it would pass).
 """
 
 from __future__ import annotations
@@ -19,51 +24,96 @@ from gateway.protocol import APIError
 from gateway.tenants import Tenant
 
 log = logging.getLogger(__name__)
-WINDOW_S = 60
+REDIS_RETRY_S = 15.0
+
+# KEYS: tat keys; ARGV: now, then (interval_s, tolerance_s, cost) per key. All or nothing.
+_GCRA = """
+local now = tonumber(ARGV[1])
+local new = {}
+local wait = 0
+for i, key in ipairs(KEYS) do
+  local interval = tonumber(ARGV[3 * i - 1])
+  local tolerance = tonumber(ARGV[3 * i])
+  local cost = tonumber(ARGV[3 * i + 1])
+  local tat = tonumber(redis.call('GET', key) or now)
+  if tat < now then tat = now end
+  new[i] = tat + cost * interval
+  local early = new[i] - tolerance - now
+  if early > wait then wait = early end
+end
+if wait > 0 then return tostring(wait) end
+for i, key in ipairs(KEYS) do
+  redis.call('SET', key, tostring(new[i]), 'PX', math.ceil((new[i] - now) * 1000) + 1000)
+end
+return '0'
+"""
+
+
+def _limits(tenant: Tenant, num_tokens: int) -> list[tuple[str, float, float, float, str]]:
+    """(name, interval_s, tolerance_s, cost, description) for each limit the tenant has."""
+    out = []
+    if tenant.requests_per_min is not None:
+        interval = 60.0 / tenant.requests_per_min
+        burst = max(1, math.ceil(tenant.requests_per_min / 6))
+        out.append(("requests", interval, burst * interval, 1.0, f"{tenant.requests_per_min} requests per minute"))
+    if tenant.tokens_per_min is not None:
+        interval = 60.0 / tenant.tokens_per_min
+        out.append(("tokens", interval, tenant.tokens_per_min * interval, float(num_tokens), f"{tenant.tokens_per_min} tokens per minute"))
+    return out
 
 
 class RateLimiter:
     def __init__(self, client=None, key_prefix: str = "loraplex", clock: Callable[[], float] = time.time) -> None:
         self.client, self.key_prefix, self._clock = client, key_prefix, clock
-        self._local: dict[tuple[str, int], list[int]] = {}
+        self._script = client.register_script(_GCRA) if client is not None else None
+        self._local: dict[str, float] = {}
         self._lock = threading.Lock()
         self._redis_down_until = 0.0
 
     def check(self, tenant: Tenant, num_tokens: int) -> None:
         """Count this request against the tenant's limits, or raise 429 (counting nothing)."""
-        if tenant.requests_per_min is None and tenant.tokens_per_min is None:
+        limits = _limits(tenant, num_tokens)
+        if not limits:
             return
         now = self._clock()
-        window = int(now // WINDOW_S)
-        retry_after = str(max(1, math.ceil(WINDOW_S - now % WINDOW_S)))
-        requests, tokens = self._count(tenant.id, window, 1, num_tokens)
-        over = None
-        if tenant.requests_per_min is not None and requests > tenant.requests_per_min:
-            over = f"{tenant.requests_per_min} requests per minute"
-        elif tenant.tokens_per_min is not None and tokens > tenant.tokens_per_min:
-            over = f"{tenant.tokens_per_min} tokens per minute"
-        if over is not None:
-            self._count(tenant.id, window, -1, -num_tokens)
+        wait = self._wait(tenant.id, limits, now)
+        if wait > 0:
+            over = next((d for name, interval, tolerance, cost, d in limits if self._would_exceed(tenant.id, name, interval, tolerance, cost, now)), limits[0][4])
+            retry_after = str(max(1, math.ceil(wait)))
             raise APIError(429, f"rate limit exceeded for tenant {tenant.id!r}: {over}; retry in {retry_after} s", "rate_limit_exceeded",
                            {"Retry-After": retry_after})
 
-    def _count(self, tenant_id: str, window: int, num_requests: int, num_tokens: int) -> tuple[int, int]:
-        if self.client is not None and self._clock() >= self._redis_down_until:
-            key = f"{self.key_prefix}:rl:{tenant_id}:{window}"
+    def _key(self, tenant_id: str, name: str) -> str:
+        return f"{self.key_prefix}:rl:{tenant_id}:{name}"
+
+    def _wait(self, tenant_id: str, limits, now: float) -> float:
+        keys = [self._key(tenant_id, name) for name, *_ in limits]
+        if self._script is not None and now >= self._redis_down_until:
             try:
-                pipe = self.client.pipeline(transaction=True)
-                pipe.hincrby(key, "requests", num_requests)
-                pipe.hincrby(key, "tokens", num_tokens)
-                pipe.expire(key, 2 * WINDOW_S)
-                requests, tokens, _ = pipe.execute()
-                return int(requests), int(tokens)
+                args = [repr(now)] + [repr(v) for _, interval, tolerance, cost, _ in limits for v in (interval, tolerance, cost)]
+                return float(self._script(keys=keys, args=args))
             except Exception as e:  # any client error: count here for a while
-                log.warning("rate limits: Redis unavailable (%s); counting per process for %d s", e, WINDOW_S // 4)
-                self._redis_down_until = self._clock() + WINDOW_S / 4
+                log.warning("rate limits: Redis unavailable (%s); counting per process for %.0f s", e, REDIS_RETRY_S)
+                self._redis_down_until = now + REDIS_RETRY_S
         with self._lock:
-            counts = self._local.setdefault((tenant_id, window), [0, 0])
-            counts[0] += num_requests
-            counts[1] += num_tokens
-            for old in [k for k in self._local if k[1] < window]:
-                del self._local[old]
-            return counts[0], counts[1]
+            new, wait = [], 0.0
+            for key, (_, interval, tolerance, cost, _) in zip(keys, limits):
+                tat = max(self._local.get(key, now), now) + cost * interval
+                new.append(tat)
+                wait = max(wait, tat - tolerance - now)
+            if wait <= 0:
+                self._local.update(zip(keys, new))
+            return wait
+
+    def _would_exceed(self, tenant_id: str, name: str, interval: float, tolerance: float, cost: float, now: float) -> bool:
+        """Which limit said no (for the message): the one whose own wait is positive."""
+        key = self._key(tenant_id, name)
+        if self._script is not None and now >= self._redis_down_until:
+            try:
+                stored = self.client.get(key)
+            except Exception:
+                stored = None
+            tat = float(stored) if stored else now
+        else:
+            tat = self._local.get(key, now)
+        return max(tat, now) + cost * interval - tolerance - now > 0

@@ -1,0 +1,71 @@
+"""Rate limits as a token bucket (GCRA), in the machine's Redis (own prefix) and per process."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+
+from gateway.protocol import APIError
+from gateway.ratelimit import RateLimiter
+from gateway.tenants import Tenant
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["redis", "local"])
+def limiter(request):
+    prefix = f"loraplex-test-{uuid.uuid4().hex}"
+    client = redis.Redis() if request.param == "redis" else None
+    clock = Clock()
+    yield RateLimiter(client, prefix, clock), clock
+    if client is not None:
+        for key in client.scan_iter(f"{prefix}:*"):
+            client.delete(key)
+
+
+def allowed(limiter: RateLimiter, tenant: Tenant, tokens: int = 1) -> bool:
+    try:
+        limiter.check(tenant, tokens)
+        return True
+    except APIError as e:
+        assert e.status == 429 and int(e.headers["Retry-After"]) >= 1
+        return False
+
+
+def test_a_burst_then_the_steady_rate_and_no_window_boundary_doubling(limiter) -> None:
+    rl, clock = limiter
+    tenant = Tenant("noisy", None, requests_per_min=60)  # 1 per second, a burst of 10
+    assert [allowed(rl, tenant) for _ in range(12)] == [True] * 10 + [False] * 2
+    accepted = 0
+    for _ in range(960):  # two minutes at 8 requests a second
+        clock.now += 0.125
+        accepted += allowed(rl, tenant)
+    assert 118 <= accepted <= 121  # the configured rate, evenly: no extra minute's worth at any boundary
+
+
+def test_tokens_per_minute_and_a_rejection_counts_nothing(limiter) -> None:
+    rl, clock = limiter
+    tenant = Tenant("t", None, requests_per_min=600, tokens_per_min=1000)
+    assert allowed(rl, tenant, 900)
+    assert not allowed(rl, tenant, 200)  # 1100 > 1000 from idle
+    with pytest.raises(APIError, match="1000 tokens per minute; retry in"):
+        rl.check(tenant, 200)
+    assert allowed(rl, tenant, 100)  # the rejected ones took nothing
+    clock.now += 30  # half a minute refills 500 tokens
+    assert allowed(rl, tenant, 500) and not allowed(rl, tenant, 50)
+
+
+def test_tenants_do_not_share_limits_and_unlimited_tenants_pass(limiter) -> None:
+    rl, _ = limiter
+    a, b = Tenant("a", None, requests_per_min=6), Tenant("b", None, requests_per_min=6)
+    assert allowed(rl, a) and not allowed(rl, a)
+    assert allowed(rl, b)
+    assert all(allowed(rl, Tenant("free", None)) for _ in range(100))
