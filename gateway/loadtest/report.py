@@ -31,6 +31,10 @@ def _latencies(results: list[Result]) -> dict[str, Any]:
 
 
 def summarize(scenario: Scenario, results: list[Result], wall_s: float) -> dict[str, Any]:
+    """Figures over the requests sent after the warm-up (all of them when warmup_s is 0)."""
+    warmup = [r for r in results if r.start_s < scenario.warmup_s]
+    results = [r for r in results if r.start_s >= scenario.warmup_s]
+    wall_s = max(wall_s - scenario.warmup_s, 1e-9)
     ok = [r for r in results if r.status == 200]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
@@ -43,7 +47,7 @@ def summarize(scenario: Scenario, results: list[Result], wall_s: float) -> dict[
         by["tenant"][r.tenant].append(r)
         by["adapter"][r.adapter].append(r)
     return {
-        "scenario": scenario.name, "seed": scenario.seed, "wall_s": wall_s,
+        "scenario": scenario.name, "seed": scenario.seed, "wall_s": wall_s, "warmup": {"seconds": scenario.warmup_s, "requests_left_out": len(warmup)},
         "throughput": {"requests_per_s": len(ok) / wall_s, "output_tokens_per_s": sum(r.completion_tokens for r in ok) / wall_s,
                        "prompt_tokens_per_s": prompt / wall_s},
         "latency": _latencies(results),
@@ -65,7 +69,8 @@ def markdown(summary: dict[str, Any]) -> str:
     lat = summary["latency"]
     lines = [
         f"# Load test: {summary['scenario']} (seed {summary['seed']}, {summary['wall_s']:.0f} s)", "",
-        f"- requests: {lat['requests']} ({lat['ok']} ok); errors by status: {summary['errors_by_status'] or 'none'}",
+        f"- requests: {lat['requests']} ({lat['ok']} ok; {summary['warmup']['requests_left_out']} more in the first "
+        f"{summary['warmup']['seconds']:g} s of warm-up, left out); errors by status: {summary['errors_by_status'] or 'none'}",
         f"- throughput: {summary['throughput']['requests_per_s']:.2f} requests/s, {summary['throughput']['output_tokens_per_s']:.1f} output tokens/s",
         f"- cached prompt tokens: {summary['cache']['cached_share']:.1%} (ideal {summary['cache']['ideal_share']:.1%}; "
         f"achieved/ideal {summary['cache']['achieved_over_ideal'] if summary['cache']['achieved_over_ideal'] is None else format(summary['cache']['achieved_over_ideal'], '.2f')})",

@@ -85,6 +85,7 @@ class Scenario(_Strict):
     name: str
     seed: int = 0
     duration_s: float = Field(60.0, gt=0)
+    warmup_s: float = Field(0.0, ge=0)  # requests sent before this are run but left out of the report's figures
     max_requests: int = Field(1000, ge=1)
     load: Load = Load()
     phases: list[Phase] = Field(default_factory=list)

@@ -152,3 +152,15 @@ def test_a_bad_url_or_scenario_exits_2(tmp_path, capsys) -> None:
     assert "--url must be an http(s) URL" in capsys.readouterr().err
     assert cli_main(["loadtest", "--scenario", str(tmp_path / "missing.yaml"), "--url", "http://127.0.0.1:9"]) == 2
     assert "cannot read scenario" in capsys.readouterr().err
+
+
+def test_warm_up_requests_are_left_out_of_the_figures() -> None:
+    from gateway.loadtest.report import summarize
+    from gateway.loadtest.runner import Result
+
+    scenario = parse_scenario({**BASE, "warmup_s": 10})
+    slow = Result("a", "x", "request", 1.0, 200, ttft_s=9.0, e2e_s=9.5, prompt_tokens=10, replica="r0")
+    fast = [Result("a", "x", "request", 11.0 + i, 200, ttft_s=0.1, e2e_s=0.2, prompt_tokens=10, replica="r1") for i in range(5)]
+    summary = summarize(scenario, [slow, *fast], 20.0)
+    assert summary["latency"]["ttft_s"]["p99"] == 0.1 and summary["warmup"]["requests_left_out"] == 1
+    assert summary["replicas"]["requests"] == {"r1": 5} and summary["throughput"]["requests_per_s"] == 0.5
