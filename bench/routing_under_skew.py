@@ -69,12 +69,16 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8391)
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--policies", default="affinity,random,least_loaded")
+    parser.add_argument("--no-redis", action="store_true", help="worker-local caches only: what routing alone does for cache locality")
+    parser.add_argument("--no-noisy", action="store_true", help="skip the noisy-tenant runs")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = yaml.safe_load(Path(args.config).read_text())
     for adapter in base["adapters"]:
         adapter["path"] = str((Path(args.config).parent / adapter["path"]).resolve())
+    if args.no_redis:
+        base["cache"] = {**base.get("cache", {}), "redis_url": None}
     rows = {}
     for policy in args.policies.split(","):
         config = {**base, "routing": policy, "cache": {**base.get("cache", {}), "key_prefix": f"loraplex-bench-{uuid.uuid4().hex[:8]}"}}
@@ -88,6 +92,8 @@ def main() -> None:
         print(f"{policy:13s} max/mean {s['replicas']['max_over_mean']:.2f}  achieved/ideal {s['cache']['achieved_over_ideal']:.2f}  "
               f"p99 TTFT {s['latency']['ttft_s']['p99'] * 1e3:.0f} ms  p50 TTFT {s['latency']['ttft_s']['p50'] * 1e3:.0f} ms  "
               f"({s['latency']['ok']}/{s['latency']['requests']} ok)", flush=True)
+    if args.no_noisy:
+        return
     config = {**base, "routing": "affinity", "cache": {**base.get("cache", {}), "key_prefix": f"loraplex-bench-{uuid.uuid4().hex[:8]}"}}
     server = serve(config, out, args.port)
     try:

@@ -146,9 +146,10 @@ def plots(results: list[Result], summary: dict[str, Any], out: Path) -> list[str
 
     fig, ax = plt.subplots(figsize=(6, 4))
     window = 5
-    share = [sum(cached[max(0, i - window + 1): i + 1]) / max(1, sum(prompt[max(0, i - window + 1): i + 1])) for i in range(bins)]
+    share = [sum(cached[max(0, i - window + 1): i + 1]) / sum(prompt[max(0, i - window + 1): i + 1])
+             if sum(prompt[max(0, i - window + 1): i + 1]) else float("nan") for i in range(bins)]  # nan: no request ended, a gap
     ax.plot(range(bins), share, label="achieved")
-    ax.axhline(summary["cache"]["ideal_share"], linestyle="--", label="ideal (whole run)")
+    ax.axhline(summary["cache"]["ideal_share"], linestyle="--", label="ideal (after warm-up)")
     ax.set(xlabel="seconds into the run", ylabel="cached share of prompt tokens", title="cache hits over time (5 s window)", ylim=(0, 1))
     ax.legend()
     save(fig, "cache_hit.png")
