@@ -180,13 +180,17 @@ def parse_config(data: object, base_dir: Path | str = ".", source: str = "config
         raise ConfigError(f"{source}: {describe_errors(e)}") from e
 
 
+def read_yaml(file: Path, what: str) -> object:
+    """A YAML file's data; ConfigError saying which file, when it cannot be read or parsed."""
+    try:
+        return yaml.safe_load(file.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {file}: {e.strerror or e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{file}: not valid YAML: {e}") from e
+
+
 def load_config(path: str | Path | None = None) -> ServeConfig:
     """The config at `path`, or the embedded default (deploy/serve.yaml)."""
     file = Path(path) if path is not None else DEFAULT_CONFIG
-    try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"cannot read config {file}: {e.strerror or e}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{file}: not valid YAML: {e}") from e
-    return parse_config(data, file.resolve().parent, str(file))
+    return parse_config(read_yaml(file, "config"), file.resolve().parent, str(file))

@@ -9,10 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from gateway.config import ConfigError, describe_errors
+from gateway.config import ConfigError, describe_errors, read_yaml
 
 
 class _Strict(BaseModel):
@@ -116,11 +115,4 @@ def parse_scenario(data: object, source: str = "scenario") -> Scenario:
 
 
 def load_scenario(path: str | Path) -> Scenario:
-    file = Path(path)
-    try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"cannot read scenario {file}: {e.strerror or e}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{file}: not valid YAML: {e}") from e
-    return parse_scenario(data, str(file))
+    return parse_scenario(read_yaml(Path(path), "scenario"), str(path))
