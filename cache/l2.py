@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from cache.keys import redis_key
+
 log = logging.getLogger(__name__)
 
 
@@ -94,7 +96,7 @@ class RedisTier:
         return self.breaker.is_open
 
     def key(self, key: bytes) -> str:
-        return f"{self.config.key_prefix}:kv:{key.hex()}"
+        return redis_key(self.config.key_prefix, key)
 
     def _call(self, action: Callable[[], object]) -> object | None:
         with self._lock:

@@ -236,10 +236,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         for entry in entries:
             if entry.id >= len(names):
                 raise APIError(404, f"adapter id {entry.id} not found (this key has {len(names)} adapters)", "adapter_not_found")
-        scales = {names[e.id]: e.scale for e in entries}
-        if sum(gateway.catalog.adapters[n].is_alora for n, s in scales.items() if s) > 1:
-            raise APIError(400, "Cannot run multiple aLoRAs in a single request", "multiple_aloras")
-        tenant.default_scales = {n: s for n, s in scales.items() if s != 0.0}
+        tenant.default_scales = gateway.enabled({names[e.id]: e.scale for e in entries})
         return await list_adapters(request)
 
     @app.get("/health")

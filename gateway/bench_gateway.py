@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from gateway.config import load_config, parse_config
-from gateway.core import ReplicaInfo
+from gateway.core import replica_infos
 
 KEY = "sk-bench"
 
@@ -33,7 +33,7 @@ class StubPool:
     """Replicas that answer at once: `max_tokens` deltas of one token each."""
 
     def __init__(self, config) -> None:
-        self.replicas = [ReplicaInfo(f"{s.name}-{i}", s.name, frozenset(s.adapters)) for s in config.shards for i in range(s.replicas)]
+        self.replicas = replica_infos(config)
 
     async def stream(self, replica_id: str, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         n = max(call["params"]["max_tokens"], 1)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from gateway.config import ServeConfig
 from worker.adapter import load_adapter
-from worker.default_model import resolve_model_path
 from worker.fingerprint import adapter_set_fingerprint, base_fingerprint
 from worker.gguf_file import GGUFFile
 from worker.hparams import ModelHParams
@@ -34,7 +33,7 @@ class AdapterInfo:
 
 class Catalog:
     def __init__(self, config: ServeConfig) -> None:
-        self.model_path = resolve_model_path(str(config.resolve(config.model)) if config.model else None)
+        self.model_path = config.model_path()
         self.base = GGUFFile(self.model_path)
         self.model_name = config.model_name or self.model_path.name.removesuffix(".gguf")
         self.hparams = ModelHParams.from_gguf(self.base)

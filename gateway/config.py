@@ -66,6 +66,15 @@ class CacheSettings(_Strict):
     timeout_s: float = Field(0.25, gt=0)
     redis_password_file: str | None = None  # a mounted Secret; overrides the URL's password
 
+    def redis_config(self):
+        """The shared tier's settings (cache.l2.RedisConfig), or None without a Redis URL."""
+        if not self.redis_url:
+            return None
+        from cache.l2 import RedisConfig
+
+        return RedisConfig(url=self.redis_url, key_prefix=self.key_prefix, ttl_s=self.ttl_s, timeout_s=self.timeout_s,
+                           password=self.redis_password())
+
     def redis_password(self) -> str | None:
         if self.redis_password_file is None:
             return None
@@ -133,6 +142,12 @@ class ServeConfig(_Strict):
     def resolve(self, path: str) -> Path:
         p = Path(path).expanduser()
         return p if p.is_absolute() else Path(self.base_dir) / p
+
+    def model_path(self) -> Path:
+        """The base GGUF: `model` (relative to the config), or the default model; ModelNotFoundError if absent."""
+        from worker.default_model import resolve_model_path
+
+        return resolve_model_path(str(self.resolve(self.model)) if self.model else None)
 
     def adapter_path(self, name: str) -> Path:
         return self.resolve(next(a.path for a in self.adapters if a.name == name))

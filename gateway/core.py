@@ -39,6 +39,11 @@ class ReplicaInfo:
     adapters: frozenset[str]
 
 
+def replica_infos(config: ServeConfig) -> list[ReplicaInfo]:
+    """Every replica of every shard, named `<shard>-<i>` (the Serve deployment is `shard-<shard>-<i>`)."""
+    return [ReplicaInfo(f"{s.name}-{i}", s.name, frozenset(s.adapters)) for s in config.shards for i in range(s.replicas)]
+
+
 class ShardPool(Protocol):
     replicas: list[ReplicaInfo]
 
@@ -101,6 +106,10 @@ class Gateway:
                     raise APIError(404, f"adapter id {entry.id} not found (this key has {len(visible)} adapters)", "adapter_not_found")
                 name = visible[entry.id]
             scales[name] = scales.get(name, 0.0) + entry.scale
+        return self.enabled(scales)
+
+    def enabled(self, scales: dict[str, float]) -> dict[str, float]:
+        """The non-zero scales; 400 when they turn on more than one aLoRA (SPEC §4)."""
         scales = {n: s for n, s in scales.items() if s != 0.0}
         if sum(self.catalog.adapters[n].is_alora for n in scales) > 1:
             raise APIError(400, "Cannot run multiple aLoRAs in a single request", "multiple_aloras")

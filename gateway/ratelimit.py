@@ -27,10 +27,11 @@ log = logging.getLogger(__name__)
 REDIS_RETRY_S = 15.0
 
 # KEYS: tat keys; ARGV: now, then (interval_s, tolerance_s, cost) per key. All or nothing.
+# Returns "wait_s index": index (1-based) of the limit that said no, 0 when allowed.
 _GCRA = """
 local now = tonumber(ARGV[1])
 local new = {}
-local wait = 0
+local wait, which = 0, 0
 for i, key in ipairs(KEYS) do
   local interval = tonumber(ARGV[3 * i - 1])
   local tolerance = tonumber(ARGV[3 * i])
@@ -39,13 +40,13 @@ for i, key in ipairs(KEYS) do
   if tat < now then tat = now end
   new[i] = tat + cost * interval
   local early = new[i] - tolerance - now
-  if early > wait then wait = early end
+  if early > wait then wait, which = early, i end
 end
-if wait > 0 then return tostring(wait) end
+if wait > 0 then return tostring(wait) .. ' ' .. which end
 for i, key in ipairs(KEYS) do
   redis.call('SET', key, tostring(new[i]), 'PX', math.ceil((new[i] - now) * 1000) + 1000)
 end
-return '0'
+return '0 0'
 """
 
 
@@ -75,10 +76,9 @@ class RateLimiter:
         limits = _limits(tenant, num_tokens)
         if not limits:
             return
-        now = self._clock()
-        wait = self._wait(tenant.id, limits, now)
+        wait, which = self._wait(tenant.id, limits, self._clock())
         if wait > 0:
-            over = next((d for name, interval, tolerance, cost, d in limits if self._would_exceed(tenant.id, name, interval, tolerance, cost, now)), limits[0][4])
+            over = limits[which][4]
             retry_after = str(max(1, math.ceil(wait)))
             raise APIError(429, f"rate limit exceeded for tenant {tenant.id!r}: {over}; retry in {retry_after} s", "rate_limit_exceeded",
                            {"Retry-After": retry_after})
@@ -86,34 +86,24 @@ class RateLimiter:
     def _key(self, tenant_id: str, name: str) -> str:
         return f"{self.key_prefix}:rl:{tenant_id}:{name}"
 
-    def _wait(self, tenant_id: str, limits, now: float) -> float:
+    def _wait(self, tenant_id: str, limits, now: float) -> tuple[float, int]:
+        """(seconds until the request would pass, index of the limit that said no); (<= 0, _) counts it."""
         keys = [self._key(tenant_id, name) for name, *_ in limits]
         if self._script is not None and now >= self._redis_down_until:
             try:
                 args = [repr(now)] + [repr(v) for _, interval, tolerance, cost, _ in limits for v in (interval, tolerance, cost)]
-                return float(self._script(keys=keys, args=args))
+                wait, which = self._script(keys=keys, args=args).split()
+                return float(wait), max(int(which) - 1, 0)
             except Exception as e:  # any client error: count here for a while
                 log.warning("rate limits: Redis unavailable (%s); counting per process for %.0f s", e, REDIS_RETRY_S)
                 self._redis_down_until = now + REDIS_RETRY_S
         with self._lock:
-            new, wait = [], 0.0
-            for key, (_, interval, tolerance, cost, _) in zip(keys, limits):
+            new, wait, which = [], 0.0, 0
+            for i, (key, (_, interval, tolerance, cost, _)) in enumerate(zip(keys, limits)):
                 tat = max(self._local.get(key, now), now) + cost * interval
                 new.append(tat)
-                wait = max(wait, tat - tolerance - now)
+                if tat - tolerance - now > wait:
+                    wait, which = tat - tolerance - now, i
             if wait <= 0:
                 self._local.update(zip(keys, new))
-            return wait
-
-    def _would_exceed(self, tenant_id: str, name: str, interval: float, tolerance: float, cost: float, now: float) -> bool:
-        """Which limit said no (for the message): the one whose own wait is positive."""
-        key = self._key(tenant_id, name)
-        if self._script is not None and now >= self._redis_down_until:
-            try:
-                stored = self.client.get(key)
-            except Exception:
-                stored = None
-            tat = float(stored) if stored else now
-        else:
-            tat = self._local.get(key, now)
-        return max(tat, now) + cost * interval - tolerance - now > 0
+            return wait, which

@@ -16,7 +16,6 @@ so the hot prefix's replica gets every request it is idle for).
 from __future__ import annotations
 
 import hashlib
-import math
 import random as random_module
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass

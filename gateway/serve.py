@@ -22,7 +22,7 @@ from typing import Any
 from ray import serve
 
 from gateway.config import ConfigError, ServeConfig, load_config, parse_config
-from gateway.core import ReplicaInfo, WorkerFailed
+from gateway.core import WorkerFailed, replica_infos
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,7 @@ class ServePool:
 
     def __init__(self, config: ServeConfig, handles: dict[str, Any]) -> None:
         self.handles = handles
-        self.replicas = [
-            ReplicaInfo(f"{s.name}-{i}", s.name, frozenset(s.adapters)) for s in config.shards for i in range(s.replicas)
-        ]
+        self.replicas = replica_infos(config)
 
     async def stream(self, replica_id: str, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         responses = self.handles[replica_id].options(stream=True).generate.remote(call)
@@ -102,14 +100,14 @@ class GatewayIngress:
 
 def _redis(config: ServeConfig):
     """The Redis client for rate limits, or None (per-process limits) when it is not there."""
-    if not config.cache.redis_url:
+    redis_config = config.cache.redis_config()
+    if redis_config is None:
         return None
     import redis
 
-    options = {"socket_timeout": config.cache.timeout_s, "socket_connect_timeout": config.cache.timeout_s}
-    if config.cache.redis_password_file:
-        options["password"] = config.cache.redis_password()
-    client = redis.Redis.from_url(config.cache.redis_url, **options)
+    from cache.l2 import connect
+
+    client = connect(redis_config)
     try:
         client.ping()
     except redis.RedisError as e:
@@ -129,14 +127,14 @@ def replica_threads(config: ServeConfig) -> int | None:
 def build(config: ServeConfig) -> serve.Application:
     data = config.model_dump()
     threads = replica_threads(config)
-    handles = {}
-    for shard in config.shards:
-        for i in range(shard.replicas):
-            replica_id = f"{shard.name}-{i}"
-            handles[replica_id] = ShardReplica.options(
-                name=f"shard-{replica_id}", num_replicas=1, max_ongoing_requests=max(64, 4 * config.engine.num_slots),
-                ray_actor_options={"num_cpus": shard.num_cpus, "num_gpus": shard.num_gpus},
-            ).bind(data, shard.name, threads)
+    shards = {s.name: s for s in config.shards}
+    handles = {
+        r.replica_id: ShardReplica.options(
+            name=f"shard-{r.replica_id}", num_replicas=1, max_ongoing_requests=max(64, 4 * config.engine.num_slots),
+            ray_actor_options={"num_cpus": shards[r.shard].num_cpus, "num_gpus": shards[r.shard].num_gpus},
+        ).bind(data, r.shard, threads)
+        for r in replica_infos(config)
+    }
     return GatewayIngress.options(name="gateway", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(data, handles)
 
 

@@ -28,7 +28,6 @@ from worker.tokenizer import GGUFTokenizer, IncrementalDecoder
 log = logging.getLogger(__name__)
 
 
-
 class RequestError(ValueError):
     """The request cannot run as given (nothing was computed)."""
 
@@ -146,10 +145,10 @@ class Engine:
         if self.prefix_cache is None or not request.cache_prompt:
             return None
         try:
-            scales = self.runner.adapter_scales(request.prompt_ids, request.adapters)
+            activation = self.runner.alora_activation(request.prompt_ids, request.adapters)
             root = prefix_kv.request_root(self.runner, self.prefix_cache.geometry.model_id, request.adapters, request.cache_salt)
             wants_prompt_logprobs = request.params.echo and request.params.logprobs is not None  # every position is computed
-            return prefix_kv.lookup(self.prefix_cache, root, request.prompt_ids, scales.alora_activation, reuse=not wants_prompt_logprobs)
+            return prefix_kv.lookup(self.prefix_cache, root, request.prompt_ids, activation, reuse=not wants_prompt_logprobs)
         except Exception:
             log.exception("prefix cache lookup failed; running uncached")
             return None

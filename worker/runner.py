@@ -56,19 +56,12 @@ class ModelRunner:
         prompt = torch.zeros(num_tokens, self.num_slots, dtype=torch.float32)
         generated = torch.zeros(1, self.num_slots, dtype=torch.float32)
         active = set()
-        bad = [slot for slot in scales if not 0 <= slot < self.num_slots]
-        if bad:
-            raise ValueError(f"adapter slot {bad[0]} does not exist (this worker has {self.num_slots})")
-        alora_slots = [s for s, v in scales.items() if v != 0 and self.adapters[s].is_alora]
-        if len(alora_slots) > 1:
-            raise MultipleALoRAError()
-        activation = None
+        alora_slot, activation = self._alora(prompt_ids, scales)
         for slot, scale in scales.items():
             if scale == 0:
                 continue
             start = 0
-            if slot in alora_slots:
-                activation = activation_index(prompt_ids, self.adapters[slot].invocation_tokens)
+            if slot == alora_slot:
                 if activation is None:
                     continue
                 start = activation
@@ -76,6 +69,23 @@ class ModelRunner:
             generated[0, slot] = scale
             active.add(slot)
         return AdapterScales(prompt, generated, frozenset(active), activation)
+
+    def alora_activation(self, prompt_ids: Sequence[int], scales: Mapping[int, float]) -> int | None:
+        """Where the request's aLoRA turns on; None without one or when the prompt does not invoke it."""
+        return self._alora(prompt_ids, scales)[1]
+
+    def _alora(self, prompt_ids: Sequence[int], scales: Mapping[int, float]) -> tuple[int | None, int | None]:
+        """(the enabled aLoRA's slot, its activation index); checks the slots exist and at most one aLoRA is on."""
+        bad = [slot for slot in scales if not 0 <= slot < self.num_slots]
+        if bad:
+            raise ValueError(f"adapter slot {bad[0]} does not exist (this worker has {self.num_slots})")
+        alora_slots = [s for s, v in scales.items() if v != 0 and self.adapters[s].is_alora]
+        if len(alora_slots) > 1:
+            raise MultipleALoRAError()
+        if not alora_slots:
+            return None, None
+        slot = alora_slots[0]
+        return slot, activation_index(prompt_ids, self.adapters[slot].invocation_tokens)
 
     def allocate_cache(self, num_slots: int, slot_len: int) -> KVCache:
         hp = self.hparams

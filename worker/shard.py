@@ -19,10 +19,8 @@ from typing import Any
 
 import torch
 
-from cache.l2 import RedisConfig
 from cache.prefix import PrefixCacheConfig
 from gateway.config import ServeConfig
-from worker.default_model import resolve_model_path
 from worker.engine import Engine, EngineConfig, EngineRequest
 from worker.engine_loop import EngineLoop
 from worker.loader import DeviceConfig
@@ -62,15 +60,12 @@ class ShardWorker:
             torch.set_num_threads(threads)
         self.shard_name = shard_name
         self.adapter_slots = {name: slot for slot, name in enumerate(shard.adapters)}
-        model_path = resolve_model_path(str(config.resolve(config.model)) if config.model else None)
         device_config = DeviceConfig(device=device, dtype=config.engine.dtype, weights=config.engine.weights)
-        self.runner = ModelRunner.from_paths(model_path, [config.adapter_path(n) for n in shard.adapters], device_config)
+        self.runner = ModelRunner.from_paths(config.model_path(), [config.adapter_path(n) for n in shard.adapters], device_config)
         self.tokenizer = GGUFTokenizer(self.runner.base)
         c = config.cache
-        redis = None
-        if c.redis_url:
-            redis = RedisConfig(url=c.redis_url, key_prefix=c.key_prefix, ttl_s=c.ttl_s, timeout_s=c.timeout_s, password=c.redis_password())
-        self.prefix_cache = open_prefix_cache(self.runner, PrefixCacheConfig(chunk_tokens=c.chunk_tokens, l1_bytes=c.l1_bytes, redis=redis))
+        cache_config = PrefixCacheConfig(chunk_tokens=c.chunk_tokens, l1_bytes=c.l1_bytes, redis=c.redis_config())
+        self.prefix_cache = open_prefix_cache(self.runner, cache_config)
         e = config.engine
         engine_config = EngineConfig(num_slots=e.num_slots, slot_len=e.slot_len, max_step_tokens=max(e.max_step_tokens, e.num_slots))
         self.loop = EngineLoop(Engine(self.runner, self.tokenizer, engine_config, prefix_cache=self.prefix_cache))
@@ -120,17 +115,12 @@ class LocalShardPool:
     that many deltas of its next request."""
 
     def __init__(self, config: ServeConfig, device: str = "cpu") -> None:
-        from gateway.core import ReplicaInfo
+        from gateway.core import replica_infos
 
-        self.workers: dict[str, ShardWorker] = {}
-        self.replicas: list[ReplicaInfo] = []
+        self.replicas = replica_infos(config)
+        self.workers = {r.replica_id: ShardWorker(config, r.shard, device) for r in self.replicas}
         self.killed: set[str] = set()
         self.fail_after: dict[str, int] = {}
-        for shard in config.shards:
-            for i in range(shard.replicas):
-                replica_id = f"{shard.name}-{i}"
-                self.workers[replica_id] = ShardWorker(config, shard.name, device)
-                self.replicas.append(ReplicaInfo(replica_id, shard.name, frozenset(shard.adapters)))
 
     async def stream(self, replica_id: str, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         from gateway.core import WorkerFailed
