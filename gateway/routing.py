@@ -5,11 +5,14 @@ enables. Among them, `affinity` ranks replicas by rendezvous hashing of the
 request's affinity key (adapter-set fingerprint + first prefix chunk), so the
 same prefix under the same adapters goes to the same replica and finds its KV
 in that worker's memory, and takes the first whose load stays within
-`(1 + eps)` times the mean load after adding this request (consistent hashing
-with bounded loads). A replica's load is its requests in flight plus the
-requests it was sent recently (a decaying count): bounding in-flight requests
-alone keeps no balance when traffic is light (everything in flight is 0 or 1,
-so the hot prefix's replica gets every request it is idle for).
+`(1 + eps)` times the mean after adding this request (consistent hashing with
+bounded loads), twice over: for requests in flight, so a request never queues
+behind others on its favourite replica while another replica is idle (its KV
+is then an L2 hit there, or one recomputation), and for load, which adds the
+requests a replica was sent recently (a decaying count), since bounding
+in-flight requests alone keeps no balance when traffic is light (everything in
+flight is 0 or 1, so the hot prefix's replica gets every request it is idle
+for).
 `random` and `least_loaded` (in flight) are there to compare against.
 """
 
@@ -89,10 +92,12 @@ def choose(pool: Sequence[ReplicaView], key: bytes, policy: str = "affinity", ep
         return min(pool, key=lambda r: (r.in_flight, _rank(key, r.replica_id)))
     if policy != "affinity":
         raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
-    total = sum(r.load for r in pool) + 1
-    bound = max(1.0, (1 + eps) * total / len(pool))
     ranked = sorted(pool, key=lambda r: _rank(key, r.replica_id), reverse=True)
-    for replica in ranked:
-        if replica.load + 1 <= bound:
-            return replica
-    return min(ranked, key=lambda r: r.load)  # unreachable while bound >= mean; kept for safety
+    in_flight_bound, load_bound = _bound(pool, lambda r: r.in_flight, eps), _bound(pool, lambda r: r.load, eps)
+    not_busy = [r for r in ranked if r.in_flight + 1 <= in_flight_bound] or [min(ranked, key=lambda r: r.in_flight)]
+    return next((r for r in not_busy if r.load + 1 <= load_bound), None) or min(not_busy, key=lambda r: r.load)
+
+
+def _bound(pool: Sequence[ReplicaView], load, eps: float) -> float:
+    """(1 + eps) x the mean `load` once this request is added, and at least 1."""
+    return max(1.0, (1 + eps) * (sum(load(r) for r in pool) + 1) / len(pool))

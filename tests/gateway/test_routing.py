@@ -80,3 +80,18 @@ def test_light_traffic_stays_balanced_through_recent_load() -> None:
         counts[chosen] += 1
     assert max(counts.values()) / (sum(counts.values()) / 4) <= 1.3
     assert recent.get("r0", now + 30) == pytest.approx(recent.get("r0", now) / 2)
+
+
+def test_affinity_does_not_queue_behind_its_favourite_while_another_replica_is_idle() -> None:
+    key = affinity_key("set", [5] * 32, 32)
+    idle = [ReplicaView(r, "a", frozenset({"x"}), 0, True, 0.0) for r in ("r0", "r1", "r2", "r3")]
+    favourite = choose(idle, key).replica_id
+    # the favourite has one request running and was sent less than the others lately:
+    # by load alone it would still take this one and make it wait
+    busy = [ReplicaView(r.replica_id, "a", r.adapters, 1 if r.replica_id == favourite else 0, True,
+                        0.0 if r.replica_id == favourite else 3.0) for r in idle]
+    chosen = choose(busy, key)
+    assert chosen.replica_id != favourite and chosen.in_flight == 0
+    # once everyone is busy, the favourite is as good as any and takes it again
+    all_busy = [ReplicaView(r.replica_id, "a", r.adapters, 1, True, 0.0) for r in idle]
+    assert choose(all_busy, key).replica_id == favourite
