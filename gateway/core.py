@@ -145,6 +145,7 @@ class Gateway:
             "adapters": scales,
             "cache_salt": tenant.cache_salt(request_salt),
             "cache_prompt": cache_prompt,
+            "tenant": tenant.id,  # the worker shares its compute fairly between tenants
         }
         return Prepared(call, tenant, scales, key, len(prompt_ids))
 

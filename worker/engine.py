@@ -55,6 +55,7 @@ class EngineRequest:
     adapters: Mapping[int, float] = field(default_factory=dict)  # worker adapter slot -> scale
     cache_salt: str = ""  # the tenant's prefix-cache namespace (SPEC §5)
     cache_prompt: bool = True  # False: neither reuse nor store this request's KV
+    tenant: str = ""  # whose request: the scheduler shares prompt tokens and free slots fairly between tenants
 
 
 @dataclass(eq=False)
@@ -162,7 +163,7 @@ class Engine:
         if hit is None:
             hit = self.lookup(request)
         params = request.params
-        seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), max_len)
+        seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), max_len, group=request.tenant)
         seq.num_cached = hit.num_tokens if hit is not None else 0
         result = GenerationResult(list(request.prompt_ids), alora_activation=scales.alora_activation, cached_tokens=seq.num_cached)
         if params.logprobs is not None:

@@ -3,8 +3,15 @@
 Iteration-level batching: every step, each decoding sequence gets its one new
 token; prompts are prefilled in chunks from what remains of the step's token
 budget, so a long prompt never stalls the others' decoding; waiting sequences
-are admitted in arrival order while a KV slot is free (a slot holds prompt +
-max_tokens, so an admitted sequence never runs out of KV memory).
+are admitted while a KV slot is free (a slot holds prompt + max_tokens, so an
+admitted sequence never runs out of KV memory).
+
+Prompt tokens and free slots are shared fairly between groups (the gateway's
+tenants): the group that has had the fewest tokens computed goes first, then
+arrival order, so one tenant's backlog of long prompts does not hold back
+another tenant's first token (least attained service). A group that comes
+back after being idle starts level with the busy groups, not with credit for
+its idle time. With one group this is arrival order.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose keys and values are in the slot
     num_cached: int = 0  # leading prompt tokens whose keys and values come from the prefix cache
     arrival: int = 0
+    group: str = ""  # whose request (the tenant): tokens are shared fairly between groups
 
     @property
     def num_pending(self) -> int:
@@ -64,6 +72,7 @@ class Scheduler:
     running: list[Sequence] = field(default_factory=list)
     _free_slots: list[int] = field(init=False)
     _arrivals: int = 0
+    _served: dict[str, int] = field(default_factory=dict)  # tokens computed per group (level-set on return)
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or self.slot_len < 2 or self.max_step_tokens < 1:
@@ -73,6 +82,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         seq.status = Status.WAITING
+        active = {x.group for x in (*self.running, *self.waiting)}
+        if seq.group not in active:
+            busy = [self._served.get(g, 0) for g in active]
+            self._served[seq.group] = max(self._served.get(seq.group, 0), min(busy, default=0))
         self.waiting.append(seq)
 
     @property
@@ -89,19 +102,32 @@ class Scheduler:
             if not seq.is_prefilling:
                 chunks.append(Chunk(seq, seq.num_computed, seq.num_pending))
                 budget -= seq.num_pending
-        for seq in self.running:
-            if seq.is_prefilling and budget > 0:
-                chunks.append(self._prefill_chunk(seq, budget))
-                budget -= chunks[-1].length
-        while self.waiting and self._free_slots and budget > 0:
-            seq = self.waiting.popleft()
-            self._free_slots.sort()  # lowest first: busy slots stay packed for batched attention
-            seq.slot, seq.status = self._free_slots.pop(0), Status.RUNNING
-            seq.num_computed = seq.num_cached  # the engine loads those into the slot before the pass
-            self.running.append(seq)
+                self._served[seq.group] = self._served.get(seq.group, 0) + seq.num_pending
+        # then prompts, fairly between groups: running ones, and waiting ones while a slot is free
+        prefilling = [seq for seq in self.running if seq.is_prefilling]
+        while budget > 0:
+            admissible = list(self.waiting) if self._free_slots else []
+            seq = min(prefilling + admissible, key=self._turn, default=None)
+            if seq is None:
+                break
+            if seq.status == Status.WAITING:
+                self._admit(seq)
+            else:
+                prefilling.remove(seq)
             chunks.append(self._prefill_chunk(seq, budget))
             budget -= chunks[-1].length
+            self._served[seq.group] = self._served.get(seq.group, 0) + chunks[-1].length
         return chunks
+
+    def _turn(self, seq: Sequence) -> tuple[int, int]:
+        return self._served.get(seq.group, 0), seq.arrival
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        self._free_slots.sort()  # lowest first: busy slots stay packed for batched attention
+        seq.slot, seq.status = self._free_slots.pop(0), Status.RUNNING
+        seq.num_computed = seq.num_cached  # the engine loads those into the slot before the pass
+        self.running.append(seq)
 
     def _prefill_chunk(self, seq: Sequence, budget: int) -> Chunk:
         return Chunk(seq, seq.num_computed, min(seq.num_pending, budget))

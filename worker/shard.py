@@ -79,7 +79,7 @@ class ShardWorker:
         return EngineRequest(
             call["request_id"], list(call["prompt_ids"]), SamplingParams(**params),
             {self.adapter_slots[n]: float(s) for n, s in call["adapters"].items()},
-            cache_salt=call.get("cache_salt", ""), cache_prompt=call.get("cache_prompt", True),
+            cache_salt=call.get("cache_salt", ""), cache_prompt=call.get("cache_prompt", True), tenant=call.get("tenant", ""),
         )
 
     async def generate(self, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:

@@ -295,3 +295,15 @@ def test_a_stream_closed_early_frees_the_workers_slot(served) -> None:
     while engine.has_work() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not engine.has_work() and gateway.views()[-1].in_flight == 0
+
+
+def test_the_worker_schedules_each_request_as_its_tenants(served, monkeypatch) -> None:
+    client, pool = served
+    seen = []
+    for worker in pool.workers.values():
+        original = worker.request
+        monkeypatch.setattr(worker, "request", lambda call, original=original: seen.append(original(call)) or seen[-1])
+    for key in ("t1", "t2"):
+        r = client.post("/v1/completions", headers=auth(key), json={"model": "b", "prompt": PROMPT, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    assert [r.tenant for r in seen] == ["t1", "t2"]

@@ -263,3 +263,28 @@ def test_requests_the_engine_cannot_honour_are_refused(runner) -> None:
         SamplingParams(temperature=float("nan"))
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=-1)
+
+
+def test_a_quiet_tenants_first_token_does_not_wait_for_a_noisy_tenants_backlog(runner, tokenizer) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    noisy = [EngineRequest(f"n{i}", [(7 * i + j) % 200 + 1 for j in range(40)], params, {0: 1.0}, tenant="noisy") for i in range(6)]
+
+    def first_token_step(quiet: EngineRequest) -> tuple[int, list[int]]:
+        engine = Engine(runner, tokenizer, EngineConfig(num_slots=8, slot_len=64, max_step_tokens=16))
+        for r in [*noisy, quiet]:
+            engine.add_request(r)
+        step, first, tokens = 0, 0, []
+        while engine.has_work():
+            step += 1
+            for out in engine.step():
+                if out.request_id == "q":
+                    tokens += out.token_ids
+                    first = first or (step if out.token_ids else 0)
+        return first, tokens
+
+    same_tenant = EngineRequest("q", [30, 31, 32, 33, 34], params, {0: 1.0}, tenant="noisy")
+    shared, _ = first_token_step(same_tenant)
+    fair, tokens = first_token_step(EngineRequest("q", same_tenant.prompt_ids, params, {0: 1.0}, tenant="quiet"))
+    assert shared >= 15  # as one tenant: behind 240 prompt tokens at 16 a step
+    assert fair <= 2  # as another tenant: right after the first noisy chunk
+    assert tokens == run_alone(runner, tokenizer, same_tenant).token_ids  # the order changes when, not what
