@@ -1,11 +1,13 @@
 """Routing policies under skew, and a noisy tenant, measured side by side on this machine.
 
-    python bench/routing_under_skew.py [--config deploy/bench-4.yaml] [--duration 90] [--out bench-out]
+    python bench/routing_under_skew.py [--config deploy/bench-4.yaml] [--duration 90] [--rounds 2] [--out bench-out]
 
-For each policy (affinity, random, least_loaded): serve the config with that policy
-(a fresh cache namespace each, so every policy starts cold), run the zipf scenario,
-stop. Then, under affinity: the quiet tenant alone (unloaded) and with the noisy
-tenant (loaded). Prints the table of the README's load-testing section.
+Each round, for each policy (affinity, random, least_loaded): serve the config with
+that policy (a fresh cache namespace each, so every run starts cold), run the zipf
+scenario (another seed each round), stop. Then, under affinity, rounds of the quiet
+tenant alone (unloaded) and with the noisy tenant (loaded), interleaved. Each figure
+pools the measured requests of its rounds: a p99 over one short run is its slowest
+request or two. Prints the table of the README's load-testing section.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import yaml
+
+from gateway.loadtest.report import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "deploy" / "scenarios"
@@ -53,19 +58,44 @@ def stop(process: subprocess.Popen) -> None:
         process.kill()
 
 
-def loadtest(scenario: Path, port: int, out: Path, duration: float | None) -> dict:
+def loadtest(scenario: Path, port: int, out: Path, duration: float | None, seed: int | None = None) -> Path:
     command = [sys.executable, "-m", "gateway.cli", "loadtest", "--scenario", str(scenario), "--url", f"http://127.0.0.1:{port}",
                "--out", str(out), "--quiet"]
     if duration:
         command += ["--duration", str(duration)]
+    if seed is not None:
+        command += ["--seed", str(seed)]
     subprocess.run(command, check=True, capture_output=True, text=True)
-    return json.loads((out / "report.json").read_text())["summary"]
+    return out / "report.json"
+
+
+def measured(reports: list[Path], tenant: str | None = None) -> list[dict]:
+    """The requests of several runs that their reports measured (sent after the warm-up)."""
+    rows = []
+    for path in reports:
+        report = json.loads(path.read_text())
+        warmup = report["summary"]["warmup"]["seconds"]
+        rows += [r for r in report["requests"] if r["start_s"] >= warmup and (tenant is None or r["tenant"] == tenant)]
+    return rows
+
+
+def ttft_ms(rows: list[dict], q: float) -> float:
+    return percentile([r["ttft_s"] for r in rows if r["status"] == 200 and r["ttft_s"] is not None], q) * 1e3
+
+
+def zipf_row(reports: list[Path]) -> str:
+    rows = [r for r in measured(reports) if r["status"] == 200]
+    per_run = [json.loads(p.read_text())["summary"]["replicas"]["max_over_mean"] for p in reports]
+    ideal = sum(r["ideal_cached"] for r in rows)
+    return (f"max/mean {sum(per_run) / len(per_run):.2f}  achieved/ideal {sum(r['cached_tokens'] for r in rows) / ideal:.2f}  "
+            f"p50 TTFT {ttft_ms(rows, 50):.0f} ms  p90 {ttft_ms(rows, 90):.0f} ms  p99 {ttft_ms(rows, 99):.0f} ms  ({len(rows)} requests)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "deploy" / "bench-4.yaml"))
     parser.add_argument("--duration", type=float, help="override the scenarios' duration_s")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each, interleaved, whose requests are pooled")
     parser.add_argument("--port", type=int, default=8391)
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--policies", default="affinity,random,least_loaded")
@@ -79,36 +109,43 @@ def main() -> None:
         adapter["path"] = str((Path(args.config).parent / adapter["path"]).resolve())
     if args.no_redis:
         base["cache"] = {**base.get("cache", {}), "redis_url": None}
-    rows = {}
-    for policy in args.policies.split(","):
-        config = {**base, "routing": policy, "cache": {**base.get("cache", {}), "key_prefix": f"loraplex-bench-{uuid.uuid4().hex[:8]}"}}
-        server = serve(config, out, args.port)
-        try:
-            warm_up(args.port, out)
-            rows[policy] = loadtest(SCENARIOS / "zipf.yaml", args.port, out / f"zipf-{policy}", args.duration)
-        finally:
-            stop(server)
-        s = rows[policy]
-        print(f"{policy:13s} max/mean {s['replicas']['max_over_mean']:.2f}  achieved/ideal {s['cache']['achieved_over_ideal']:.2f}  "
-              f"p99 TTFT {s['latency']['ttft_s']['p99'] * 1e3:.0f} ms  p50 TTFT {s['latency']['ttft_s']['p50'] * 1e3:.0f} ms  "
-              f"({s['latency']['ok']}/{s['latency']['requests']} ok)", flush=True)
+
+    def fresh(policy: str) -> dict:  # a new cache namespace, so every run starts cold
+        return {**base, "routing": policy, "cache": {**base.get("cache", {}), "key_prefix": f"loraplex-bench-{uuid.uuid4().hex[:8]}"}}
+
+    policies = [p for p in args.policies.split(",") if p]
+    zipf: dict[str, list[Path]] = {p: [] for p in policies}
+    for round_ in range(args.rounds):
+        for policy in policies:
+            server = serve(fresh(policy), out, args.port)
+            try:
+                warm_up(args.port, out)
+                zipf[policy].append(loadtest(SCENARIOS / "zipf.yaml", args.port, out / f"zipf-{policy}-{round_}", args.duration, 2 + round_))
+            finally:
+                stop(server)
+            print(f"round {round_ + 1}: {policy:13s} {zipf_row(zipf[policy][-1:])}", flush=True)
+    for policy in policies:
+        print(f"{policy:13s} {zipf_row(zipf[policy])}", flush=True)
     if args.no_noisy:
         return
-    config = {**base, "routing": "affinity", "cache": {**base.get("cache", {}), "key_prefix": f"loraplex-bench-{uuid.uuid4().hex[:8]}"}}
-    server = serve(config, out, args.port)
+    server = serve(fresh("affinity"), out, args.port)
+    alone, loaded = [], []
     try:
         warm_up(args.port, out)
         noisy = yaml.safe_load((SCENARIOS / "noisy-tenant.yaml").read_text())
         quiet_only = {**noisy, "name": "quiet-alone", "tenants": [t for t in noisy["tenants"] if "rate_rps" not in t]}
         (out / "quiet-alone.yaml").write_text(yaml.safe_dump(quiet_only))
-        alone = loadtest(out / "quiet-alone.yaml", args.port, out / "quiet-alone", args.duration)
-        loaded = loadtest(SCENARIOS / "noisy-tenant.yaml", args.port, out / "noisy-tenant", args.duration)
+        for round_ in range(args.rounds):  # the same quiet traffic (seed) alone and beside the noisy tenant
+            alone.append(loadtest(out / "quiet-alone.yaml", args.port, out / f"quiet-alone-{round_}", args.duration, 4 + round_))
+            loaded.append(loadtest(SCENARIOS / "noisy-tenant.yaml", args.port, out / f"noisy-tenant-{round_}", args.duration, 4 + round_))
     finally:
         stop(server)
-    quiet = loaded["per_tenant"]["demo"]["ttft_s"]["p99"]
-    print(f"quiet tenant p99 TTFT: alone {alone['latency']['ttft_s']['p99'] * 1e3:.0f} ms, beside the noisy one {quiet * 1e3:.0f} ms "
-          f"(x{quiet / alone['latency']['ttft_s']['p99']:.2f}); noisy tenant answers by status: "
-          f"200: {loaded['per_tenant']['acme']['ok']}, others: {loaded['errors_by_status']}")
+    quiet_alone, quiet_loaded, noisy_rows = measured(alone, "demo"), measured(loaded, "demo"), measured(loaded, "acme")
+    for q in (50, 90, 99):
+        print(f"quiet tenant p{q} TTFT: alone {ttft_ms(quiet_alone, q):.0f} ms, beside the noisy one {ttft_ms(quiet_loaded, q):.0f} ms "
+              f"(x{ttft_ms(quiet_loaded, q) / ttft_ms(quiet_alone, q):.2f}; {len(quiet_alone)} and {len(quiet_loaded)} requests)")
+    statuses = Counter(r["status"] for r in noisy_rows)
+    print(f"noisy tenant answers by status: {dict(sorted(statuses.items()))}")
 
 
 if __name__ == "__main__":
