@@ -103,7 +103,7 @@ def run_policy(runner: ModelRunner, groups: list[list[EngineRequest]], args: arg
         for engine in engines:
             if not engine.has_work():
                 continue
-            is_decode = not any(seq.is_prefilling for seq in engine.scheduler.running) and not engine.scheduler.waiting
+            is_decode = not any(seq.is_prefilling for seq in engine.scheduler.running) and not engine.scheduler.num_waiting
             started = time.perf_counter()
             outputs = engine.step()
             if is_decode:

@@ -68,8 +68,8 @@ class Scheduler:
     num_slots: int
     slot_len: int
     max_step_tokens: int
-    waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)
+    _queues: dict[str, deque[Sequence]] = field(default_factory=dict)  # waiting, per group in arrival order
     _free_slots: list[int] = field(init=False)
     _arrivals: int = 0
     _served: dict[str, int] = field(default_factory=dict)  # tokens computed per group (level-set on return)
@@ -82,18 +82,27 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         seq.status = Status.WAITING
-        active = {x.group for x in (*self.running, *self.waiting)}
+        active = {x.group for x in self.running} | set(self._queues)
         if seq.group not in active:
             busy = [self._served.get(g, 0) for g in active]
             self._served[seq.group] = max(self._served.get(seq.group, 0), min(busy, default=0))
-        self.waiting.append(seq)
+        self._queues.setdefault(seq.group, deque()).append(seq)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """Every waiting sequence, in arrival order."""
+        return sorted((seq for queue in self._queues.values() for seq in queue), key=lambda seq: seq.arrival)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(queue) for queue in self._queues.values())
 
     @property
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self._queues or self.running)
 
     def schedule(self) -> list[Chunk]:
         chunks: list[Chunk] = []
@@ -106,7 +115,7 @@ class Scheduler:
         # then prompts, fairly between groups: running ones, and waiting ones while a slot is free
         prefilling = [seq for seq in self.running if seq.is_prefilling]
         while budget > 0:
-            admissible = list(self.waiting) if self._free_slots else []
+            admissible = [queue[0] for queue in self._queues.values()] if self._free_slots else []  # each group's first
             seq = min(prefilling + admissible, key=self._turn, default=None)
             if seq is None:
                 break
@@ -123,7 +132,7 @@ class Scheduler:
         return self._served.get(seq.group, 0), seq.arrival
 
     def _admit(self, seq: Sequence) -> None:
-        self.waiting.remove(seq)
+        self._unqueue(seq)
         self._free_slots.sort()  # lowest first: busy slots stay packed for batched attention
         seq.slot, seq.status = self._free_slots.pop(0), Status.RUNNING
         seq.num_computed = seq.num_cached  # the engine loads those into the slot before the pass
@@ -138,5 +147,11 @@ class Scheduler:
             self.running.remove(seq)
             self._free_slots.append(seq.slot)
         elif seq.status == Status.WAITING:
-            self.waiting.remove(seq)
+            self._unqueue(seq)
         seq.status, seq.slot = Status.FINISHED, None
+
+    def _unqueue(self, seq: Sequence) -> None:
+        queue = self._queues[seq.group]
+        queue.remove(seq)
+        if not queue:
+            del self._queues[seq.group]
