@@ -1,6 +1,6 @@
 """Routing policies under skew, and a noisy tenant, measured side by side on this machine.
 
-    python bench/routing_under_skew.py [--config deploy/bench-4.yaml] [--duration 90] [--rounds 2] [--out bench-out]
+    python bench/routing_under_skew.py [--config deploy/bench-4.yaml] [--duration 90] [--rounds 2] [--replicas N] [--out bench-out]
 
 Each round, for each policy (affinity, random, least_loaded): serve the config with
 that policy (a fresh cache namespace each, so every run starts cold), run the zipf
@@ -18,11 +18,13 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from pathlib import Path
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.loadtest.report import percentile
 
@@ -58,15 +60,30 @@ def stop(process: subprocess.Popen) -> None:
         process.kill()
 
 
-def loadtest(scenario: Path, port: int, out: Path, duration: float | None, seed: int | None = None) -> Path:
+def loadtest(scenario: Path, port: int, out: Path, duration: float | None, seed: int | None = None, max_requests: int | None = None) -> Path:
     command = [sys.executable, "-m", "gateway.cli", "loadtest", "--scenario", str(scenario), "--url", f"http://127.0.0.1:{port}",
                "--out", str(out), "--quiet"]
     if duration:
         command += ["--duration", str(duration)]
     if seed is not None:
         command += ["--seed", str(seed)]
+    if max_requests is not None:
+        command += ["--max-requests", str(max_requests)]
     subprocess.run(command, check=True, capture_output=True, text=True)
     return out / "report.json"
+
+
+def cache_counters(port: int) -> Counter:
+    """The workers' prefix-cache counters, summed over replicas, from the gateway's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    totals: Counter = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "loraplex_cache_hit_chunks_total":
+                totals[sample.labels["tier"]] += sample.value
+            elif sample.name == "loraplex_cache_read_bytes_total":
+                totals["l2_bytes"] += sample.value
+    return totals
 
 
 def measured(reports: list[Path], tenant: str | None = None) -> list[dict]:
@@ -95,6 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "deploy" / "bench-4.yaml"))
     parser.add_argument("--duration", type=float, help="override the scenarios' duration_s")
+    parser.add_argument("--replicas", type=int, help="replicas per shard instead of the config's (2 here: one per core)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each, interleaved, whose requests are pooled")
     parser.add_argument("--port", type=int, default=8391)
     parser.add_argument("--out", default="bench-out")
@@ -107,6 +125,8 @@ def main() -> None:
     base = yaml.safe_load(Path(args.config).read_text())
     for adapter in base["adapters"]:
         adapter["path"] = str((Path(args.config).parent / adapter["path"]).resolve())
+    if args.replicas:
+        base["shards"] = [{**shard, "replicas": args.replicas} for shard in base["shards"]]
     if args.no_redis:
         base["cache"] = {**base.get("cache", {}), "redis_url": None}
 
@@ -115,17 +135,23 @@ def main() -> None:
 
     policies = [p for p in args.policies.split(",") if p]
     zipf: dict[str, list[Path]] = {p: [] for p in policies}
+    tiers: dict[str, Counter] = {p: Counter() for p in policies}
     for round_ in range(args.rounds):
         for policy in policies:
             server = serve(fresh(policy), out, args.port)
             try:
                 warm_up(args.port, out)
+                before = cache_counters(args.port)
                 zipf[policy].append(loadtest(SCENARIOS / "zipf.yaml", args.port, out / f"zipf-{policy}-{round_}", args.duration, 2 + round_))
+                tiers[policy].update(cache_counters(args.port) - before)
             finally:
                 stop(server)
             print(f"round {round_ + 1}: {policy:13s} {zipf_row(zipf[policy][-1:])}", flush=True)
     for policy in policies:
-        print(f"{policy:13s} {zipf_row(zipf[policy])}", flush=True)
+        t, runs = tiers[policy], zipf[policy]
+        requests = sum(len(json.loads(p.read_text())["requests"]) for p in runs)
+        print(f"{policy:13s} {zipf_row(runs)}\n{'':13s} cached chunks from the worker's own memory (L1) {t['l1'] / max(t['l1'] + t['l2'], 1):.0%}, "
+              f"from Redis {t['l2'] / max(t['l1'] + t['l2'], 1):.0%}; {t['l2_bytes'] / requests / 1e6:.2f} MB read from Redis per request", flush=True)
     if args.no_noisy:
         return
     server = serve(fresh("affinity"), out, args.port)
@@ -137,7 +163,8 @@ def main() -> None:
         (out / "quiet-alone.yaml").write_text(yaml.safe_dump(quiet_only))
         for round_ in range(args.rounds):  # the same quiet traffic (seed) alone and beside the noisy tenant
             alone.append(loadtest(out / "quiet-alone.yaml", args.port, out / f"quiet-alone-{round_}", args.duration, 4 + round_))
-            loaded.append(loadtest(SCENARIOS / "noisy-tenant.yaml", args.port, out / f"noisy-tenant-{round_}", args.duration, 4 + round_))
+            # as many requests as the whole duration takes (8.5/s), so both runs cover the same time
+            loaded.append(loadtest(SCENARIOS / "noisy-tenant.yaml", args.port, out / f"noisy-tenant-{round_}", args.duration, 4 + round_, 100_000))
     finally:
         stop(server)
     quiet_alone, quiet_loaded, noisy_rows = measured(alone, "demo"), measured(loaded, "demo"), measured(loaded, "acme")
