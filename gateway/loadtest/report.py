@@ -113,12 +113,13 @@ def plots(results: list[Result], summary: dict[str, Any], out: Path) -> list[str
 
     end = max((r.start_s + (r.e2e_s or 0) for r in ok), default=1.0)
     bins = max(1, int(math.ceil(end)))
-    done, tokens, cached, prompt = [0] * bins, [0] * bins, [0] * bins, [0] * bins
+    done, tokens, cached, ideal, prompt = [0] * bins, [0] * bins, [0] * bins, [0] * bins, [0] * bins
     for r in ok:
         b = min(bins - 1, int(r.start_s + (r.e2e_s or 0)))
         done[b] += 1
         tokens[b] += r.completion_tokens
         cached[b] += r.cached_tokens
+        ideal[b] += r.ideal_cached
         prompt[b] += r.prompt_tokens
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(range(bins), done, label="requests/s")
@@ -146,10 +147,13 @@ def plots(results: list[Result], summary: dict[str, Any], out: Path) -> list[str
 
     fig, ax = plt.subplots(figsize=(6, 4))
     window = 5
-    share = [sum(cached[max(0, i - window + 1): i + 1]) / sum(prompt[max(0, i - window + 1): i + 1])
-             if sum(prompt[max(0, i - window + 1): i + 1]) else float("nan") for i in range(bins)]  # nan: no request ended, a gap
-    ax.plot(range(bins), share, label="achieved")
-    ax.axhline(summary["cache"]["ideal_share"], linestyle="--", label="ideal (after warm-up)")
+
+    def share(tokens: list[int]) -> list[float]:  # nan: no request ended in the window, a gap
+        spans = [(max(0, i - window + 1), i + 1) for i in range(bins)]
+        return [sum(tokens[a:b]) / sum(prompt[a:b]) if sum(prompt[a:b]) else float("nan") for a, b in spans]
+
+    ax.plot(range(bins), share(cached), label="achieved")
+    ax.plot(range(bins), share(ideal), linestyle="--", label="ideal (chunks seen before)")
     ax.set(xlabel="seconds into the run", ylabel="cached share of prompt tokens", title="cache hits over time (5 s window)", ylim=(0, 1))
     ax.legend()
     save(fig, "cache_hit.png")
