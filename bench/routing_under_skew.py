@@ -108,6 +108,37 @@ def zipf_row(reports: list[Path]) -> str:
             f"p50 TTFT {ttft_ms(rows, 50):.0f} ms  p90 {ttft_ms(rows, 90):.0f} ms  p99 {ttft_ms(rows, 99):.0f} ms  ({len(rows)} requests)")
 
 
+def plot_cache_hits(zipf: dict[str, list[Path]], path: Path, window_s: float = 10.0) -> None:
+    """Cached share of prompt tokens over time, each policy's first round against the ideal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (policy, reports) in enumerate(zipf.items()):
+        rows = [r for r in json.loads(reports[0].read_text())["requests"] if r["status"] == 200]
+        ends = sorted(rows, key=lambda r: r["start_s"] + r["e2e_s"])
+        times = [r["start_s"] + r["e2e_s"] for r in ends]
+
+        def share(field: str) -> list[float]:
+            out = []
+            for t in times:
+                inside = [r for r, end in zip(ends, times) if t - window_s < end <= t]
+                out.append(sum(r[field] for r in inside) / sum(r["prompt_tokens"] for r in inside))
+            return out
+
+        ax.plot(times, share("cached_tokens"), color=f"C{i}", label=f"{policy}: achieved")
+        if i == 0:
+            ax.plot(times, share("ideal_cached"), color="black", linestyle="--", label="ideal (chunks seen before)")
+    ax.set(xlabel="seconds into the run", ylabel="cached share of prompt tokens", ylim=(0, 1),
+           title=f"zipf scenario: cache hits by routing policy ({window_s:g} s window)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "deploy" / "bench-4.yaml"))
@@ -147,6 +178,7 @@ def main() -> None:
             finally:
                 stop(server)
             print(f"round {round_ + 1}: {policy:13s} {zipf_row(zipf[policy][-1:])}", flush=True)
+    plot_cache_hits(zipf, out / "cache_hit_by_policy.png")
     for policy in policies:
         t, runs = tiers[policy], zipf[policy]
         requests = sum(len(json.loads(p.read_text())["requests"]) for p in runs)
