@@ -165,7 +165,7 @@ class Gateway:
             pool = candidates(self.views(), prepared.scales, exclude=tried)
         except NoCandidateError as e:
             raise APIError(503, str(e), "no_healthy_worker") from e
-        replica = choose(pool, prepared.affinity, self.config.routing)
+        replica = choose(pool, prepared.affinity, self.config.routing, shared_cache=bool(self.config.cache.redis_url))
         self.metrics.route(replica.shard, replica.replica_id, self.config.routing)
         tried.add(replica.replica_id)
         self._recent.add(replica.replica_id, self._clock())

@@ -8,7 +8,8 @@ in that worker's memory, and takes the first whose load stays within
 `(1 + eps)` times the mean after adding this request (consistent hashing with
 bounded loads), twice over: for requests in flight, so a request never queues
 behind others on its favourite replica while another replica is idle (its KV
-is then an L2 hit there, or one recomputation), and for load, which adds the
+is an L2 hit there; without a shared cache tier it would be computed again, so
+this bound is skipped then), and for load, which adds the
 requests a replica was sent recently (a decaying count), since bounding
 in-flight requests alone keeps no balance when traffic is light (everything in
 flight is 0 or 1, so the hot prefix's replica gets every request it is idle
@@ -82,8 +83,11 @@ def _rank(key: bytes, replica_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(key + replica_id.encode(), digest_size=8).digest(), "big")
 
 
-def choose(pool: Sequence[ReplicaView], key: bytes, policy: str = "affinity", eps: float = 0.25, rng: random_module.Random | None = None) -> ReplicaView:
-    """One replica of `pool` (non-empty candidates) for a request with affinity `key`."""
+def choose(pool: Sequence[ReplicaView], key: bytes, policy: str = "affinity", eps: float = 0.25, rng: random_module.Random | None = None,
+           shared_cache: bool = True) -> ReplicaView:
+    """One replica of `pool` (non-empty candidates) for a request with affinity `key`.
+    `shared_cache`: every replica can fetch every prefix (Redis); without it, affinity does
+    not spill a request to an idle replica, where its prefix would be computed again."""
     if not pool:
         raise NoCandidateError("no candidate replicas")
     if policy == "random":
@@ -93,8 +97,11 @@ def choose(pool: Sequence[ReplicaView], key: bytes, policy: str = "affinity", ep
     if policy != "affinity":
         raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
     ranked = sorted(pool, key=lambda r: _rank(key, r.replica_id), reverse=True)
-    in_flight_bound, load_bound = _bound(pool, lambda r: r.in_flight, eps), _bound(pool, lambda r: r.load, eps)
-    not_busy = [r for r in ranked if r.in_flight + 1 <= in_flight_bound] or [min(ranked, key=lambda r: r.in_flight)]
+    load_bound = _bound(pool, lambda r: r.load, eps)
+    not_busy = ranked
+    if shared_cache:
+        in_flight_bound = _bound(pool, lambda r: r.in_flight, eps)
+        not_busy = [r for r in ranked if r.in_flight + 1 <= in_flight_bound] or [min(ranked, key=lambda r: r.in_flight)]
     return next((r for r in not_busy if r.load + 1 <= load_bound), None) or min(not_busy, key=lambda r: r.load)
 
 

@@ -92,6 +92,8 @@ def test_affinity_does_not_queue_behind_its_favourite_while_another_replica_is_i
                         0.0 if r.replica_id == favourite else 3.0) for r in idle]
     chosen = choose(busy, key)
     assert chosen.replica_id != favourite and chosen.in_flight == 0
+    # without a shared cache tier the prefix's KV is only on the favourite: waiting beats recomputing
+    assert choose(busy, key, shared_cache=False).replica_id == favourite
     # once everyone is busy, the favourite is as good as any and takes it again
     all_busy = [ReplicaView(r.replica_id, "a", r.adapters, 1, True, 0.0) for r in idle]
     assert choose(all_busy, key).replica_id == favourite
