@@ -10,8 +10,9 @@ Prompt tokens and free slots are shared fairly between groups (the gateway's
 tenants): the group that has had the fewest tokens computed goes first, then
 arrival order, so one tenant's backlog of long prompts does not hold back
 another tenant's first token (least attained service). A group that comes
-back after being idle starts level with the busy groups, not with credit for
-its idle time. With one group this is arrival order.
+back after being idle starts level with the least served busy group: no
+credit for its idle time, and no debt for the time it had the worker to
+itself. With one group this is arrival order.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class Scheduler:
     _free_slots: list[int] = field(init=False)
     _arrivals: int = 0
     _served: dict[str, int] = field(default_factory=dict)  # tokens computed per group (level-set on return)
+    _floor: int = 0  # the least any group with work has been served, never decreasing
 
     def __post_init__(self) -> None:
         if self.num_slots < 1 or self.slot_len < 2 or self.max_step_tokens < 1:
@@ -82,10 +84,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         seq.status = Status.WAITING
-        active = {x.group for x in self.running} | set(self._queues)
-        if seq.group not in active:
-            busy = [self._served.get(g, 0) for g in active]
-            self._served[seq.group] = max(self._served.get(seq.group, 0), min(busy, default=0))
+        if seq.group not in self._active():  # back from idle: level with the rest, no credit and no debt
+            self._served[seq.group] = self._floor
         self._queues.setdefault(seq.group, deque()).append(seq)
 
     @property
@@ -126,7 +126,13 @@ class Scheduler:
             chunks.append(self._prefill_chunk(seq, budget))
             budget -= chunks[-1].length
             self._served[seq.group] = self._served.get(seq.group, 0) + chunks[-1].length
+        active = self._active()
+        if active:
+            self._floor = max(self._floor, min(self._served[g] for g in active))
         return chunks
+
+    def _active(self) -> set[str]:
+        return {seq.group for seq in self.running} | set(self._queues)
 
     def _turn(self, seq: Sequence) -> tuple[int, int]:
         return self._served.get(seq.group, 0), seq.arrival

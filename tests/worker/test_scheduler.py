@@ -102,3 +102,27 @@ def test_a_group_back_from_idle_shares_instead_of_catching_up() -> None:
             served[c.seq.group] += c.length
     assert served["a"] > 0 and served["b"] > 0  # b does not get 96 tokens of credit for its idle time
     assert abs(served["a"] - served["b"]) <= 16
+
+
+def test_a_group_that_was_served_alone_keeps_no_debt_once_others_arrive() -> None:
+    s = Scheduler(num_slots=8, slot_len=256, max_step_tokens=16)
+    heavy = [grouped(f"a{i}", "a", 40) for i in range(3)]
+    for x in heavy:
+        s.add(x)
+    for _ in range(10):  # a alone: 120 prompt tokens, then decoding
+        advance(s.schedule())
+    for x in heavy:
+        s.finish(x)  # a goes idle
+    light = [grouped(f"b{i}", "b", 40) for i in range(3)]
+    for x in light:
+        s.add(x)  # b arrives alone: it is the only one, so it is level by definition
+    advance(s.schedule())
+    for i in range(3):
+        s.add(grouped(f"a{i + 3}", "a", 40))
+    served = {"a": 0, "b": 0}
+    for _ in range(4):
+        chunks = s.schedule()
+        advance(chunks)
+        for c in chunks:
+            served[c.seq.group] += c.length
+    assert served["a"] > 0 and served["b"] > 0  # a's time alone is not held against it
