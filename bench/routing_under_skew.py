@@ -178,7 +178,8 @@ def main() -> None:
             finally:
                 stop(server)
             print(f"round {round_ + 1}: {policy:13s} {zipf_row(zipf[policy][-1:])}", flush=True)
-    plot_cache_hits(zipf, out / "cache_hit_by_policy.png")
+    if policies:
+        plot_cache_hits(zipf, out / "cache_hit_by_policy.png")
     for policy in policies:
         t, runs = tiers[policy], zipf[policy]
         requests = sum(len(json.loads(p.read_text())["requests"]) for p in runs)
