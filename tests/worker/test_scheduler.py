@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from worker.scheduler import Scheduler, Sequence, Status
 
 
@@ -86,6 +88,16 @@ def test_one_tenants_backlog_does_not_hold_back_another_tenants_first_token() ->
     assert run("quiet") == 2  # its own group: right after the first noisy chunk
 
 
+def tokens_per_group(s: Scheduler, steps: int) -> Counter:
+    served: Counter = Counter()
+    for _ in range(steps):
+        chunks = s.schedule()
+        advance(chunks)
+        for c in chunks:
+            served[c.seq.group] += c.length
+    return served
+
+
 def test_a_group_back_from_idle_shares_instead_of_catching_up() -> None:
     s = Scheduler(num_slots=8, slot_len=256, max_step_tokens=16)
     for i in range(3):
@@ -94,12 +106,7 @@ def test_a_group_back_from_idle_shares_instead_of_catching_up() -> None:
         advance(s.schedule())
     for i in range(3):
         s.add(grouped(f"b{i}", "b", 40))
-    served = {"a": 0, "b": 0}
-    for _ in range(4):
-        chunks = s.schedule()
-        advance(chunks)
-        for c in chunks:
-            served[c.seq.group] += c.length
+    served = tokens_per_group(s, steps=4)
     assert served["a"] > 0 and served["b"] > 0  # b does not get 96 tokens of credit for its idle time
     assert abs(served["a"] - served["b"]) <= 16
 
@@ -119,10 +126,5 @@ def test_a_group_that_was_served_alone_keeps_no_debt_once_others_arrive() -> Non
     advance(s.schedule())
     for i in range(3):
         s.add(grouped(f"a{i + 3}", "a", 40))
-    served = {"a": 0, "b": 0}
-    for _ in range(4):
-        chunks = s.schedule()
-        advance(chunks)
-        for c in chunks:
-            served[c.seq.group] += c.length
+    served = tokens_per_group(s, steps=4)
     assert served["a"] > 0 and served["b"] > 0  # a's time alone is not held against it
