@@ -26,7 +26,8 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.loadtest.report import percentile
+from gateway.loadtest.report import cache_share_over_time, percentile
+from gateway.loadtest.runner import Result
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "deploy" / "scenarios"
@@ -117,20 +118,11 @@ def plot_cache_hits(zipf: dict[str, list[Path]], path: Path, window_s: float = 1
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, (policy, reports) in enumerate(zipf.items()):
-        rows = [r for r in json.loads(reports[0].read_text())["requests"] if r["status"] == 200]
-        ends = sorted(rows, key=lambda r: r["start_s"] + r["e2e_s"])
-        times = [r["start_s"] + r["e2e_s"] for r in ends]
-
-        def share(field: str) -> list[float]:
-            out = []
-            for t in times:
-                inside = [r for r, end in zip(ends, times) if t - window_s < end <= t]
-                out.append(sum(r[field] for r in inside) / sum(r["prompt_tokens"] for r in inside))
-            return out
-
-        ax.plot(times, share("cached_tokens"), color=f"C{i}", label=f"{policy}: achieved")
+        results = [Result(**row) for row in json.loads(reports[0].read_text())["requests"]]
+        times, achieved, ideal = cache_share_over_time(results, window_s)
+        ax.plot(times, achieved, color=f"C{i}", label=f"{policy}: achieved")
         if i == 0:
-            ax.plot(times, share("ideal_cached"), color="black", linestyle="--", label="ideal (chunks seen before)")
+            ax.plot(times, ideal, color="black", linestyle="--", label="ideal (chunks seen before)")
     ax.set(xlabel="seconds into the run", ylabel="cached share of prompt tokens", ylim=(0, 1),
            title=f"zipf scenario: cache hits by routing policy ({window_s:g} s window)")
     ax.legend(loc="lower right")

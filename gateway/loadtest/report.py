@@ -87,6 +87,25 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def cache_share_over_time(results: list[Result], window_s: float) -> tuple[list[float], list[float], list[float]]:
+    """At each answered request's end: the cached and the ideal share of the prompt tokens of the
+    requests that ended in the `window_s` seconds before it."""
+    ok = sorted((r for r in results if r.status == 200), key=lambda r: r.start_s + (r.e2e_s or 0))
+    times, achieved, ideal = [], [], []
+    first, prompt, cached, seen = 0, 0, 0, 0
+    for r in ok:
+        end = r.start_s + (r.e2e_s or 0)
+        prompt, cached, seen = prompt + r.prompt_tokens, cached + r.cached_tokens, seen + r.ideal_cached
+        while ok[first].start_s + (ok[first].e2e_s or 0) <= end - window_s:
+            old = ok[first]
+            prompt, cached, seen = prompt - old.prompt_tokens, cached - old.cached_tokens, seen - old.ideal_cached
+            first += 1
+        times.append(end)
+        achieved.append(cached / prompt if prompt else 0.0)
+        ideal.append(seen / prompt if prompt else 0.0)
+    return times, achieved, ideal
+
+
 def plots(results: list[Result], summary: dict[str, Any], out: Path) -> list[str]:
     import matplotlib
 
@@ -113,14 +132,11 @@ def plots(results: list[Result], summary: dict[str, Any], out: Path) -> list[str
 
     end = max((r.start_s + (r.e2e_s or 0) for r in ok), default=1.0)
     bins = max(1, int(math.ceil(end)))
-    done, tokens, cached, ideal, prompt = [0] * bins, [0] * bins, [0] * bins, [0] * bins, [0] * bins
+    done, tokens = [0] * bins, [0] * bins
     for r in ok:
         b = min(bins - 1, int(r.start_s + (r.e2e_s or 0)))
         done[b] += 1
         tokens[b] += r.completion_tokens
-        cached[b] += r.cached_tokens
-        ideal[b] += r.ideal_cached
-        prompt[b] += r.prompt_tokens
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(range(bins), done, label="requests/s")
     ax.plot(range(bins), [t / 10 for t in tokens], label="output tokens/s ÷ 10")
@@ -146,14 +162,9 @@ def plots(results: list[Result], summary: dict[str, Any], out: Path) -> list[str
     save(fig, "replica_load.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    window = 5
-
-    def share(tokens: list[int]) -> list[float]:  # nan: no request ended in the window, a gap
-        spans = [(max(0, i - window + 1), i + 1) for i in range(bins)]
-        return [sum(tokens[a:b]) / sum(prompt[a:b]) if sum(prompt[a:b]) else float("nan") for a, b in spans]
-
-    ax.plot(range(bins), share(cached), label="achieved")
-    ax.plot(range(bins), share(ideal), linestyle="--", label="ideal (chunks seen before)")
+    times, achieved, ideal = cache_share_over_time(results, window_s=5.0)
+    ax.plot(times, achieved, label="achieved")
+    ax.plot(times, ideal, linestyle="--", label="ideal (chunks seen before)")
     ax.set(xlabel="seconds into the run", ylabel="cached share of prompt tokens", title="cache hits over time (5 s window)", ylim=(0, 1))
     ax.legend()
     save(fig, "cache_hit.png")

@@ -164,3 +164,17 @@ def test_warm_up_requests_are_left_out_of_the_figures() -> None:
     summary = summarize(scenario, [slow, *fast], 20.0)
     assert summary["latency"]["ttft_s"]["p99"] == 0.1 and summary["warmup"]["requests_left_out"] == 1
     assert summary["replicas"]["requests"] == {"r1": 5} and summary["throughput"]["requests_per_s"] == 0.5
+
+
+def test_cache_share_over_time_covers_the_requests_that_ended_in_the_window() -> None:
+    from gateway.loadtest.report import cache_share_over_time
+    from gateway.loadtest.runner import Result
+
+    def done(end_s: float, prompt: int, cached: int, ideal: int, status: int = 200) -> Result:
+        return Result("t", "a", "random", end_s - 1.0, status, e2e_s=1.0, prompt_tokens=prompt, cached_tokens=cached, ideal_cached=ideal)
+
+    results = [done(12.0, 100, 0, 50), done(1.0, 100, 0, 0), done(3.0, 100, 80, 80), done(4.0, 500, 0, 0, status=429)]
+    times, achieved, ideal = cache_share_over_time(results, window_s=5.0)
+    assert times == [1.0, 3.0, 12.0]  # in end order, answered requests only
+    assert achieved == [0.0, 0.4, 0.0]  # at 12 s the first two are out of the window
+    assert ideal == [0.0, 0.4, 0.5]
