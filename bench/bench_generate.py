@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from worker.default_model import default_model_path
-from worker.generate import generate
-from worker.loader import DeviceConfig
-from worker.runner import ModelRunner
-from worker.sampling import SamplingParams
-from worker.tokenizer import GGUFTokenizer
+from worker.formats.default_model import default_model_path
+from worker.engine.generate import generate
+from worker.model.loader import DeviceConfig
+from worker.engine.runner import ModelRunner
+from worker.model.sampler import SamplingParams
+from worker.formats.tokenizer import GGUFTokenizer
 
 ADAPTER = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "small.gguf"
 

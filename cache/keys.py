@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from worker.fingerprint import TaggedHasher
+from worker.formats.fingerprint import TaggedHasher
 
 CACHE_FORMAT_VERSION = 1
 DEFAULT_CHUNK_TOKENS = 32

@@ -32,14 +32,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker.chat_template import ChatTemplate  # noqa: E402
-from worker.default_model import default_model_path  # noqa: E402
-from worker.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
-from worker.loader import DeviceConfig  # noqa: E402
-from worker.params import SamplingParams  # noqa: E402
-from worker.peft_convert import permute_rows_for_adjacent_rope  # noqa: E402
-from worker.runner import ModelRunner  # noqa: E402
-from worker.tokenizer import GGUFTokenizer  # noqa: E402
+from worker.formats.chat_template import ChatTemplate  # noqa: E402
+from worker.formats.default_model import default_model_path  # noqa: E402
+from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
+from worker.model.loader import DeviceConfig  # noqa: E402
+from worker.engine.params import SamplingParams  # noqa: E402
+from worker.formats.peft_convert import permute_rows_for_adjacent_rope  # noqa: E402
+from worker.engine.runner import ModelRunner  # noqa: E402
+from worker.formats.tokenizer import GGUFTokenizer  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "adapters"
 TARGETS = ("attn_q", "attn_v", "attn_output")

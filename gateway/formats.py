@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from worker.tokenizer import GGUFTokenizer
+from worker.formats.tokenizer import GGUFTokenizer
 
 
 def token_str(tokenizer: GGUFTokenizer, token_id: int) -> str:

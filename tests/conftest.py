@@ -39,7 +39,7 @@ def small_adapter_path() -> Path:
 
 @pytest.fixture(scope="session")
 def real_model_path() -> Path:
-    from worker.default_model import default_model_path
+    from worker.formats.default_model import default_model_path
 
     return default_model_path()
 
@@ -48,14 +48,14 @@ def real_model_path() -> Path:
 def real_runner(real_model_path: Path, small_adapter_path: Path):
     """The default model on CPU with llama.cpp's reference adapter in slot 0, loaded once."""
     from tests.helpers import TEST_DEVICE
-    from worker.runner import ModelRunner
+    from worker.engine.runner import ModelRunner
 
     return ModelRunner.from_paths(real_model_path, [small_adapter_path], TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")
 def real_tokenizer(real_runner):
-    from worker.tokenizer import GGUFTokenizer
+    from worker.formats.tokenizer import GGUFTokenizer
 
     return GGUFTokenizer(real_runner.base)
 

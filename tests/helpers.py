@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from worker.loader import DeviceConfig
-from worker.runner import ModelRunner
+from worker.model.loader import DeviceConfig
+from worker.engine.runner import ModelRunner
 
 # The whole suite runs on another device with LORAPLEX_TEST_DEVICE=cuda (float32 there too).
 TEST_DEVICE = DeviceConfig(device=os.environ.get("LORAPLEX_TEST_DEVICE", "cpu"))

@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
-from worker.peft_convert import gguf_target, permute_rows_for_adjacent_rope
+from worker.formats.peft_convert import gguf_target, permute_rows_for_adjacent_rope
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"

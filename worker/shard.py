@@ -21,14 +21,14 @@ import torch
 
 from cache.prefix import PrefixCacheConfig
 from gateway.config import ServeConfig
-from worker.engine import Engine, EngineConfig, EngineRequest
-from worker.engine_loop import EngineLoop
-from worker.loader import DeviceConfig
-from worker.outputs import RequestOutput, TokenLogprob
-from worker.params import SamplingParams
-from worker.prefix_kv import open_prefix_cache
-from worker.runner import ModelRunner
-from worker.tokenizer import GGUFTokenizer
+from worker.engine.engine import Engine, EngineConfig, EngineRequest
+from worker.engine.loop import EngineLoop
+from worker.model.loader import DeviceConfig
+from worker.engine.outputs import RequestOutput, TokenLogprob
+from worker.engine.params import SamplingParams
+from worker.engine.prefix_kv import open_prefix_cache
+from worker.engine.runner import ModelRunner
+from worker.formats.tokenizer import GGUFTokenizer
 
 log = logging.getLogger(__name__)
 

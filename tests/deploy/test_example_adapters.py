@@ -9,12 +9,12 @@ import pytest
 
 from deploy.train_adapters import INVOCATION, OUT, SIGNATURE, TASKS, TEMPLATES, TEST_TOPICS, TRAIN_TOPICS, chat_prefix
 from tests.helpers import TEST_DEVICE
-from worker.engine import Engine, EngineConfig, EngineRequest
-from worker.gguf_file import GGUFFile
-from worker.params import SamplingParams
-from worker.peft_convert import ConvertOptions, convert_peft_to_gguf
-from worker.runner import ModelRunner
-from worker.tokenizer import GGUFTokenizer
+from worker.engine.engine import Engine, EngineConfig, EngineRequest
+from worker.formats.gguf_file import GGUFFile
+from worker.engine.params import SamplingParams
+from worker.formats.peft_convert import ConvertOptions, convert_peft_to_gguf
+from worker.engine.runner import ModelRunner
+from worker.formats.tokenizer import GGUFTokenizer
 
 NAMES = ["caps", "json", "signature", "verify"]
 SLOT = {name: i for i, name in enumerate(NAMES)}

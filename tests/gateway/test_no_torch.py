@@ -14,10 +14,10 @@ import gateway.loadtest.scenario, gateway.loadtest.generators, gateway.loadtest.
 from gateway.catalog import Catalog
 from gateway.config import load_config
 Catalog(load_config())  # the default deployment's model and adapters, as the gateway reads them
-import worker.params, worker.scheduler, worker.stop, worker.outputs
-import worker, worker.adapter, worker.alora, worker.chat_template, worker.fingerprint
-import worker.gguf_file, worker.hparams, worker.peft_convert, worker.tokenizer, worker.default_model
-from worker.cli_inspect import describe
+import worker.engine.params, worker.engine.scheduler, worker.engine.stop, worker.engine.outputs
+import worker, worker.formats.adapter, worker.formats.alora, worker.formats.chat_template, worker.formats.fingerprint
+import worker.formats.gguf_file, worker.formats.hparams, worker.formats.peft_convert, worker.formats.tokenizer, worker.formats.default_model
+from worker.cli.inspect import describe
 describe(sys.argv[1], sys.argv[2])
 describe(sys.argv[2], None)
 assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))

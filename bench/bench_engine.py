@@ -1,0 +1,154 @@
+"""`loraplex bench-engine`: decode speed of one adapter, mixed adapters, and llama.cpp's policy.
+
+The same workload runs three ways in one process, interleaved per round so
+machine noise hits all three alike:
+- same: every request uses adapter 0, all batched together;
+- mixed: request i uses adapter i % N, all batched together (our engine);
+- llama_policy: only requests with the same adapter share a forward pass
+  (llama-server's behaviour); the adapter groups take turns step by step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFWriter
+
+from worker.formats.adapter import load_adapter
+from worker.formats.default_model import resolve_model_path
+from worker.engine.engine import Engine, EngineConfig, EngineRequest
+from worker.formats.gguf_file import GGUFFile
+from worker.formats.hparams import ModelHParams
+from worker.model.loader import DeviceConfig
+from worker.engine.params import SamplingParams
+from worker.engine.runner import ModelRunner
+
+TARGETS = {"attn": ["attn_q", "attn_k", "attn_v", "attn_output"], "all": ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]}
+
+
+def write_random_adapters(base: GGUFFile, directory: Path, num: int, rank: int, targets: str, seed: int) -> list[Path]:
+    hp = ModelHParams.from_gguf(base)
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(num):
+        path = directory / f"random-{i}.gguf"
+        w = GGUFWriter(str(path), hp.arch)
+        w.add_string("general.type", "adapter")
+        w.add_string("adapter.type", "lora")
+        w.add_float32("adapter.lora.alpha", float(rank))
+        for layer in range(hp.num_layers):
+            for name in TARGETS[targets]:
+                info = base.tensors[f"blk.{layer}.{name}.weight"]
+                d_in, d_out = info.ne(0), info.ne(1)
+                w.add_tensor(f"blk.{layer}.{name}.weight.lora_a", (rng.standard_normal((rank, d_in)) / d_in**0.5).astype(np.float32))
+                w.add_tensor(f"blk.{layer}.{name}.weight.lora_b", (rng.standard_normal((d_out, rank)) * 0.01).astype(np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        paths.append(path)
+    return paths
+
+
+def step_bytes(runner: ModelRunner, num_adapters: int) -> int:
+    """Bytes one decode step reads: every base matrix as the engine stores it, but not
+    the embedding table (only rows are looked up), plus the stacked adapters in use."""
+    model = runner.model
+    seen = {model.token_embd.weight.data_ptr()} if isinstance(model.token_embd, torch.nn.Embedding) else set()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) or getattr(module, "stacked", None) is not None:
+            continue
+        total += getattr(module, "weight_bytes", 0)  # fbgemm-packed weights live outside parameters
+        for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            if tensor.data_ptr() not in seen or module is model.output:
+                seen.add(tensor.data_ptr())
+                total += 0 if tensor.is_complex() or module is model.rope else tensor.numel() * tensor.element_size()
+    adapter_bytes = 0
+    for module in model.modules():
+        stacked = getattr(module, "stacked", None)
+        if stacked is not None and not isinstance(module.base, torch.nn.Embedding):
+            per_slot = (stacked.a.numel() * stacked.a.element_size() + stacked.b.numel() * stacked.b.element_size()) / len(stacked.slots)
+            adapter_bytes += per_slot * min(num_adapters, len(stacked.slots))
+    return int(total + adapter_bytes)
+
+
+def make_requests(args: argparse.Namespace, vocab: int, adapter_of: list[int]) -> list[EngineRequest]:
+    rng = np.random.default_rng(args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    return [
+        EngineRequest(str(i), rng.integers(100, vocab, args.prompt_tokens).tolist(), params, {adapter_of[i]: 1.0})
+        for i in range(args.requests)
+    ]
+
+
+def run_policy(runner: ModelRunner, groups: list[list[EngineRequest]], args: argparse.Namespace) -> tuple[float, int]:
+    """Each group in its own engine; the engines take turns one step each.
+    Returns (decode seconds, decode tokens): steps that only decode."""
+    slot_len = args.prompt_tokens + args.max_tokens
+    engines = []
+    for group in groups:
+        engine = Engine(runner, None, EngineConfig(num_slots=len(group), slot_len=slot_len, max_step_tokens=max(args.step_tokens, len(group))))
+        for request in group:
+            engine.add_request(request)
+        engines.append(engine)
+    decode_s, decode_tokens = 0.0, 0
+    while any(e.has_work() for e in engines):
+        for engine in engines:
+            if not engine.has_work():
+                continue
+            is_decode = not any(seq.is_prefilling for seq in engine.scheduler.running) and not engine.scheduler.num_waiting
+            started = time.perf_counter()
+            outputs = engine.step()
+            if is_decode:
+                decode_s += time.perf_counter() - started
+                decode_tokens += sum(len(o.token_ids) for o in outputs)
+    return decode_s, decode_tokens
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = DeviceConfig(device=args.device, dtype=args.dtype, weights=args.weights)
+    model_path = resolve_model_path(args.model)
+    base = GGUFFile(model_path)
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"writing {args.adapters} random rank-{args.rank} adapters ({args.targets})...", file=sys.stderr)
+        paths = write_random_adapters(base, Path(tmp), args.adapters, args.rank, args.targets, args.seed)
+        runner = ModelRunner(base, [load_adapter(p, base) for p in paths], config)
+    vocab = runner.hparams.vocab_size
+    same = [0] * args.requests
+    spread = [i % args.adapters for i in range(args.requests)]
+    workloads = {
+        "same": lambda: [make_requests(args, vocab, same)],
+        "mixed": lambda: [make_requests(args, vocab, spread)],
+        "llama_policy": lambda: [[r for r in make_requests(args, vocab, spread) if r.adapters.get(a)] for a in range(min(args.adapters, args.requests))],
+    }
+    warm = argparse.Namespace(**{**vars(args), "max_tokens": 2})
+    run_policy(runner, [make_requests(warm, vocab, spread)[:2]], warm)
+    totals = {name: [0.0, 0] for name in workloads}
+    for round_index in range(args.rounds):
+        for name, build in workloads.items():
+            seconds, tokens = run_policy(runner, build(), args)
+            totals[name][0] += seconds
+            totals[name][1] += tokens
+            print(f"round {round_index + 1} {name:12s} {tokens / seconds:8.1f} decode tokens/s", file=sys.stderr)
+    rate = {name: tokens / seconds for name, (seconds, tokens) in totals.items()}
+    one, many = step_bytes(runner, 1), step_bytes(runner, args.adapters)
+    print(f"model {model_path.name} on {config.device} ({config.dtype}), {torch.get_num_threads()} threads; "
+          f"{args.requests} requests x ({args.prompt_tokens} prompt + {args.max_tokens} new) tokens; "
+          f"{args.adapters} rank-{args.rank} adapters on {args.targets}")
+    print(f"decode step reads {one / 1e6:.1f} MB with 1 adapter, {many / 1e6:.1f} MB with {args.adapters}")
+    for name in workloads:
+        print(f"{name:12s} {rate[name]:8.1f} decode tokens/s")
+    print(f"mixed_tok_s={rate['mixed']:.1f}")
+    print(f"mixed/same={rate['mixed'] / rate['same']:.2f}")
+    print(f"byte_bound={one / many:.2f}")
+    print(f"mixed/llama_policy={rate['mixed'] / rate['llama_policy']:.2f}")
+    return 0

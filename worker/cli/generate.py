@@ -1,0 +1,125 @@
+"""`loraplex generate`: one prompt through the base model and adapters."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+
+from worker.formats.adapter import AdapterError
+from worker.formats.alora import MultipleALoRAError
+from worker.formats.chat_template import ChatTemplateError, encode_chat
+from worker.cli.batch import BatchFileError, close_cli_cache, open_cli_cache, run_batch
+from worker.formats.default_model import ModelNotFoundError, resolve_model_path
+from worker.engine.generate import GenerationResult, RequestError, TokenLogprob, generate
+from worker.formats.gguf_file import GGUFFormatError
+from worker.formats.hparams import UnsupportedModelError
+from worker.model.loader import DeviceConfig
+from worker.engine.runner import ModelRunner
+from worker.model.sampler import SamplingParams
+from worker.formats.tokenizer import GGUFTokenizer, TokenizerError
+
+EXIT_INVALID = 2
+
+
+def build_prompt(args: argparse.Namespace, tokenizer: GGUFTokenizer | None) -> list[int]:
+    if args.prompt_tokens is not None:
+        return list(args.prompt_tokens)
+    if tokenizer is None:
+        raise RequestError("this model's tokenizer is not supported: pass --prompt-tokens")
+    if args.prompt is not None:
+        return tokenizer.encode(args.prompt, add_special=True, parse_special=True)
+    if not tokenizer.chat_template:
+        raise RequestError("this model has no chat template (tokenizer.chat_template): use --prompt")
+    return encode_chat(tokenizer, [{"role": "user", "content": args.chat}])
+
+
+def _logprob_json(entry: TokenLogprob | None) -> dict[str, Any] | None:
+    if entry is None:
+        return None
+    return {"id": entry.token_id, "logprob": entry.logprob, "top": [[i, lp] for i, lp in entry.top]}
+
+
+def result_json(result: GenerationResult, load_time_s: float) -> dict[str, Any]:
+    num_generated = len(result.token_ids)
+    out: dict[str, Any] = {
+        "prompt_tokens": result.prompt_ids,
+        "tokens": result.token_ids,
+        "text": result.text,
+        "finish_reason": result.finish_reason,
+        "cached_tokens": result.cached_tokens,
+        "timings": {
+            "load_s": load_time_s,
+            "prompt_s": result.prompt_time_s,
+            "decode_s": result.decode_time_s,
+            "decode_tokens_per_s": num_generated / result.decode_time_s if result.decode_time_s > 0 else None,
+        },
+    }
+    if result.alora_activation is not None:
+        out["alora_activation"] = result.alora_activation
+    if result.logprobs is not None:
+        out["logprobs"] = [_logprob_json(e) for e in result.logprobs]
+    if result.prompt_logprobs is not None:
+        out["prompt_logprobs"] = [_logprob_json(e) for e in result.prompt_logprobs]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        config = DeviceConfig(device=args.device, dtype=args.dtype, weights=args.weights)
+        params = SamplingParams(
+            max_tokens=args.n_predict, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs, echo=args.echo,
+        )
+        model_path = resolve_model_path(args.model)
+        if args.batch_file:
+            if args.lora:
+                raise RequestError("--lora does not apply to --batch-file: name each line's adapters in its 'lora' field")
+            print(f"loading {model_path.name} on {config.device} ({config.dtype})...", file=sys.stderr)
+            return run_batch(args, lambda paths: ModelRunner.from_paths(model_path, paths, config))
+        print(f"loading {model_path.name} with {len(args.lora)} adapter(s) on {config.device} ({config.dtype})...", file=sys.stderr)
+        runner = ModelRunner.from_paths(model_path, [path for path, _ in args.lora], config)
+        try:
+            tokenizer: GGUFTokenizer | None = GGUFTokenizer(runner.base)
+        except TokenizerError:
+            if args.prompt_tokens is None:
+                raise
+            tokenizer = None
+        prompt_ids = build_prompt(args, tokenizer)
+        scales = {slot: scale for slot, (_, scale) in enumerate(args.lora)}
+        stream = None if args.json else (lambda text: print(text, end="", flush=True))
+        if stream is not None and args.echo and tokenizer is not None:
+            stream(tokenizer.decode(prompt_ids))
+        cache = open_cli_cache(args, runner)
+        result = generate(runner, prompt_ids, params, scales, tokenizer, on_text=stream, prefix_cache=cache, cache_salt=args.cache_salt)
+        close_cli_cache(cache)
+    except ModelNotFoundError as e:
+        print(f"loraplex generate: {e}", file=sys.stderr)
+        return 1
+    except AdapterError as e:
+        print(f"loraplex generate: invalid adapter {e.path}: {e.message}", file=sys.stderr)
+        return EXIT_INVALID
+    except OSError as e:
+        print(f"loraplex generate: {e}", file=sys.stderr)
+        return 1
+    except (BatchFileError, RequestError, MultipleALoRAError, ChatTemplateError, TokenizerError, GGUFFormatError, UnsupportedModelError, ValueError) as e:
+        print(f"loraplex generate: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    load_time_s = runner.loaded.load_time_s
+    if args.json:
+        json.dump(result_json(result, load_time_s), sys.stdout)
+        print()
+    else:
+        print()
+        rate = len(result.token_ids) / result.decode_time_s if result.decode_time_s > 0 else 0.0
+        print(
+            f"[load {load_time_s:.2f} s | prompt {len(prompt_ids)} tokens ({result.cached_tokens} cached) in {result.prompt_time_s:.3f} s | "
+            f"{len(result.token_ids)} tokens in {result.decode_time_s:.2f} s ({rate:.1f} tokens/s) | finish: {result.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,135 @@
+"""The engine on its own thread: submit from anywhere, stream deltas back, cancel.
+
+Submissions and cancellations are queued and applied between steps, so the
+engine itself stays single-threaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+
+from worker.engine.engine import Engine, EngineRequest
+from worker.engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """Deltas of one request, in order; iteration ends after the finishing delta."""
+
+    def __init__(self, loop: EngineLoop, request_id: str) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: queue.Queue[RequestOutput] = queue.Queue()
+
+    def put(self, output: RequestOutput) -> None:
+        self._queue.put(output)
+
+    def get(self, timeout_s: float | None = None) -> RequestOutput:
+        return self._queue.get(timeout=timeout_s)
+
+    def cancel(self) -> None:
+        self._loop.cancel(self.request_id, self)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            out = self._queue.get()
+            yield out
+            if out.is_finished:
+                return
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: list[tuple[str, object]] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: EngineRequest) -> RequestStream:
+        """Queue a request; a bad one raises here (RequestError, ValueError) and changes nothing.
+
+        The prefix-cache lookup (a Redis round trip at most) runs here, in the
+        caller's thread, not in the engine's step loop.
+        """
+        arrived_s = self.engine.clock()
+        self.engine.check(request)
+        hit = self.engine.lookup(request)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the engine loop is closed")
+            if request.request_id in self._streams:
+                raise ValueError(f"request id {request.request_id!r} is already running")
+            stream = self._streams[request.request_id] = RequestStream(self, request.request_id)
+            self._inbox.append(("add", (request, hit, arrived_s)))
+            self._wake.notify()
+        return stream
+
+    def cancel(self, request_id: str, stream: RequestStream | None = None) -> None:
+        """Cancel a running or queued request (only `stream`'s, when given: an id may be reused)."""
+        with self._wake:
+            self._inbox.append(("cancel", (request_id, stream)))
+            self._wake.notify()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.is_finished:
+            with self._wake:
+                self._streams.pop(out.request_id, None)
+        stream.put(out)
+
+    def _apply(self, commands: list[tuple[str, object]]) -> None:
+        for kind, item in commands:
+            if kind == "add":
+                request, hit, arrived_s = item
+                try:
+                    self.engine.add_request(request, hit, arrived_s)
+                except Exception as e:  # validated at submit; anything left fails this request only
+                    self._deliver(RequestOutput(request.request_id, [], "", finish_reason="error", error=str(e)))
+                continue
+            request_id, stream = item
+            if stream is not None and self._streams.get(request_id) is not stream:
+                continue  # that request already finished; the id now belongs to another
+            out = self.engine.cancel(request_id)
+            if out is not None:
+                self._deliver(out)
+
+    def _run(self) -> None:
+        reason, error = "cancelled", None
+        try:
+            while True:
+                with self._wake:
+                    while not self._inbox and not self.engine.has_work() and not self._closed:
+                        self._wake.wait()
+                    if self._closed:
+                        break
+                    commands, self._inbox = self._inbox, []
+                self._apply(commands)
+                for out in self.engine.step():
+                    self._deliver(out)
+        except Exception as e:  # a bug, not a request: stop taking work, end every stream
+            log.exception("engine loop failed")
+            reason, error = "error", f"internal error: {e}"
+        with self._wake:
+            self._closed = True
+            left = list(self._streams)
+        for request_id in left:  # closing: whatever is left ends now
+            out = self.engine.cancel(request_id) if reason == "cancelled" else None
+            self._deliver(out or RequestOutput(request_id, [], "", finish_reason=reason, error=error))

@@ -1,0 +1,203 @@
+"""LoRA adapters in llama.cpp's GGUF format: parse, validate (SPEC §2), fingerprint.
+
+Torch-free: the gateway uses this to resolve and fingerprint adapters. Checks
+run in llama.cpp's order and fail with its messages, as `AdapterError`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from worker.formats.fingerprint import adapter_fingerprint
+from worker.formats.gguf_file import GGUFFile, TensorInfo, ValueType, is_dequantizable
+
+INVOCATION_KEY = "adapter.alora.invocation_tokens"
+ALPHA_KEY = "adapter.lora.alpha"
+_NUMERIC_TYPES = {
+    ValueType.UINT8, ValueType.INT8, ValueType.UINT16, ValueType.INT16, ValueType.UINT32,
+    ValueType.INT32, ValueType.FLOAT32, ValueType.UINT64, ValueType.INT64, ValueType.FLOAT64,
+}
+
+
+class AdapterError(ValueError):
+    """The adapter is rejected; `message` is the SPEC's exact text."""
+
+    def __init__(self, message: str, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+
+
+@dataclass(frozen=True)
+class LoRAPair:
+    """The two halves of the low-rank delta for one base tensor."""
+
+    target: str  # the base tensor's name, e.g. blk.0.attn_q.weight
+    a: TensorInfo
+    b: TensorInfo
+
+    @property
+    def rank(self) -> int:
+        return self.b.ne(0)
+
+    @property
+    def is_token_embedding(self) -> bool:
+        return self.target.endswith("token_embd.weight")
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    path: Path
+    gguf: GGUFFile
+    arch: str
+    alpha: float  # 0 means "no alpha": the scale is the runtime scale alone
+    task_name: str | None
+    prompt_prefix: str | None
+    invocation_tokens: tuple[int, ...] | None  # set for an aLoRA
+    pairs: dict[str, LoRAPair]  # by target name, sorted
+    skipped_tensors: tuple[str, ...]  # *_norm.weight tensors llama.cpp ignores
+    fingerprint: str
+
+    @property
+    def is_alora(self) -> bool:
+        return self.invocation_tokens is not None
+
+    def scale(self, pair: LoRAPair, adapter_scale: float) -> float:
+        """llama.cpp's scale: adapter_scale * alpha / rank, or adapter_scale without alpha."""
+        return adapter_scale * self.alpha / pair.rank if self.alpha != 0 else adapter_scale
+
+    def load_pair(self, target: str) -> tuple[np.ndarray, np.ndarray]:
+        """(A, B) as float32 numpy. Linear targets: A (r, k), B (d, r).
+
+        token_embd: A (V, r), B (d, r); the delta of token t is B @ A[t].
+        """
+        pair = self.pairs[target]
+        return self.gguf.load(pair.a.name), self.gguf.load(pair.b.name)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.a.num_bytes + p.b.num_bytes for p in self.pairs.values())
+
+
+def _string_key(gguf: GGUFFile, key: str) -> str:
+    entry = gguf.metadata.get(key)
+    if entry is None:
+        return ""
+    return entry.value if entry.type == ValueType.STRING else repr(entry.value)
+
+
+def _optional_string(gguf: GGUFFile, key: str) -> str | None:
+    entry = gguf.metadata.get(key)
+    return entry.value if entry is not None and entry.type == ValueType.STRING else None
+
+
+def _read_alpha(gguf: GGUFFile) -> float:
+    entry = gguf.metadata.get(ALPHA_KEY)
+    if entry is None:
+        return 0.0
+    if entry.type not in _NUMERIC_TYPES:
+        raise AdapterError(f"invalid gguf type for {ALPHA_KEY}")
+    return float(entry.value)
+
+
+def _read_invocation_tokens(gguf: GGUFFile) -> tuple[int, ...] | None:
+    entry = gguf.metadata.get(INVOCATION_KEY)
+    if entry is None:
+        return None
+    if entry.type != ValueType.ARRAY:
+        raise AdapterError(f"invalid gguf type for {INVOCATION_KEY}")
+    if entry.element_type != ValueType.UINT32:
+        raise AdapterError(f"invalid gguf element type for {INVOCATION_KEY}")
+    tokens = tuple(int(t) for t in entry.value)
+    return tokens or None
+
+
+def _pair_tensors(gguf: GGUFFile) -> tuple[dict[str, dict[str, TensorInfo]], list[str]]:
+    halves: dict[str, dict[str, TensorInfo]] = {}
+    skipped = []
+    for name, info in gguf.tensors.items():  # file order, as llama.cpp walks them
+        if name.endswith(".lora_a") or name.endswith(".lora_b"):
+            halves.setdefault(name[: -len(".lora_a")], {})[name[-1]] = info
+        elif name.endswith("_norm.weight"):
+            skipped.append(name)
+        else:
+            raise AdapterError(f"LoRA tensor '{name}' has unexpected suffix")
+    return dict(sorted(halves.items())), skipped
+
+
+def _check_shape(target: str, a: TensorInfo, b: TensorInfo, base: TensorInfo | None) -> None:
+    """Against the base tensor when there is one, then A's rank against B's."""
+    if target.endswith("token_embd.weight"):
+        # A and B are flipped for the embedding: A.ne = [r, V], B.ne = [r, d].
+        fits_base = base is None or (base.ne(0) == b.ne(1) and base.ne(1) == a.ne(1))
+        if not fits_base or a.ne(0) != b.ne(0):  # llama.cpp skips the rank check and aborts later
+            raise AdapterError(f"tensor '{target}' has incorrect shape")
+        return
+    if base is not None and (base.ne(0) != a.ne(0) or base.ne(1) != b.ne(1)):
+        raise AdapterError(f"tensor '{target}' has incorrect shape")
+    if a.ne(1) != b.ne(0):
+        raise AdapterError("lora_a tensor is not transposed")
+
+
+def load_adapter(path: str | os.PathLike[str], base: GGUFFile | None = None) -> LoRAAdapter:
+    """Parse and validate an adapter; with `base`, also against that base model.
+
+    Raises AdapterError (a rule of SPEC §2) or GGUFFormatError (not GGUF at all).
+    """
+    path = Path(path)
+    gguf = GGUFFile(path)
+    try:
+        return _validate(path, gguf, base)
+    except AdapterError as e:
+        e.path = path
+        raise
+
+
+def _validate(path: Path, gguf: GGUFFile, base: GGUFFile | None) -> LoRAAdapter:
+    general_type = _string_key(gguf, "general.type")
+    if general_type != "adapter":
+        raise AdapterError(f"expect general.type to be 'adapter', but got: {general_type}")
+    arch = _string_key(gguf, "general.architecture")
+    if base is not None and arch != base.get("general.architecture"):
+        raise AdapterError("model arch and LoRA arch mismatch")
+    adapter_type = _string_key(gguf, "adapter.type")
+    if adapter_type != "lora":
+        raise AdapterError(f"expect adapter.type to be 'lora', but got: {adapter_type}")
+    alpha = _read_alpha(gguf)
+    invocation_tokens = _read_invocation_tokens(gguf)
+
+    halves, skipped = _pair_tensors(gguf)
+    pairs: dict[str, LoRAPair] = {}
+    for target, half in halves.items():
+        if "a" not in half or "b" not in half:
+            raise AdapterError(f"LoRA tensor pair for '{target}' is missing one component")
+        a, b = half["a"], half["b"]
+        base_tensor = None
+        if base is not None:
+            base_tensor = base.tensors.get(target)
+            if base_tensor is None:
+                raise AdapterError(f"LoRA tensor '{target}' does not exist in base model")
+        _check_shape(target, a, b, base_tensor)
+        pairs[target] = LoRAPair(target, a, b)
+    for pair in pairs.values():
+        for info in (pair.a, pair.b):
+            if not gguf.is_in_bounds(info):
+                raise AdapterError(f"LoRA tensor '{info.name}' data is not within the file bounds")
+            if not is_dequantizable(info.type):
+                raise AdapterError(f"LoRA tensor '{info.name}' has type {info.type.name}, which cannot be dequantized")
+    return LoRAAdapter(
+        path=path,
+        gguf=gguf,
+        arch=arch,
+        alpha=alpha,
+        task_name=_optional_string(gguf, "adapter.lora.task_name"),
+        prompt_prefix=_optional_string(gguf, "adapter.lora.prompt_prefix"),
+        invocation_tokens=invocation_tokens,
+        pairs=pairs,
+        skipped_tensors=tuple(skipped),
+        fingerprint=adapter_fingerprint(gguf, alpha, invocation_tokens),
+    )

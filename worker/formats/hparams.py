@@ -1,0 +1,96 @@
+"""Model hyper-parameters read from GGUF metadata (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from worker.formats.gguf_file import GGUFFile
+
+
+class UnsupportedModelError(ValueError):
+    """The GGUF describes a model this worker cannot run."""
+
+
+class RopeStyle(Enum):
+    # ggml's normal rope: rotates adjacent pairs (x[2i], x[2i+1]); GGUF llama q/k
+    # rows are stored permuted for it by llama.cpp's HF converter.
+    ADJACENT_PAIRS = "adjacent_pairs"
+    # GPT-NeoX rope: rotates (x[i], x[i + n_rot/2]) (HF's rotate_half).
+    NEOX = "neox"
+
+
+ROPE_STYLE_BY_ARCH = {"llama": RopeStyle.ADJACENT_PAIRS, "qwen2": RopeStyle.NEOX}
+
+
+@dataclass(frozen=True)
+class ModelHParams:
+    arch: str
+    name: str
+    vocab_size: int
+    context_length: int
+    num_layers: int
+    embed_dim: int
+    ffn_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_dim: int
+    rope_style: RopeStyle
+    rope_base: float
+    rope_freq_scale: float  # linear rope scaling: positions are multiplied by this
+    has_rope_freq_factors: bool  # llama 3.1 style per-frequency divisors (rope_freqs.weight)
+    rms_norm_eps: float
+    has_qkv_bias: bool
+    is_output_tied: bool  # no output.weight: the output projection reuses token_embd
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile) -> ModelHParams:
+        arch = gguf.get("general.architecture")
+        if arch not in ROPE_STYLE_BY_ARCH:
+            supported = ", ".join(sorted(ROPE_STYLE_BY_ARCH))
+            raise UnsupportedModelError(f"{gguf.path}: architecture {arch!r} is not supported (supported: {supported})")
+        if gguf.get("general.type", "model") != "model":
+            raise UnsupportedModelError(f"{gguf.path}: general.type is {gguf.get('general.type')!r}, not a base model")
+
+        def key(name: str, default: object = None) -> object:
+            value = gguf.get(f"{arch}.{name}", default)
+            if value is None:
+                raise UnsupportedModelError(f"{gguf.path}: metadata key {arch}.{name} is missing")
+            return value
+
+        if int(key("expert_count", 0)) > 0:
+            raise UnsupportedModelError(f"{gguf.path}: mixture-of-experts models are not supported")
+        num_heads = int(key("attention.head_count"))
+        num_kv_heads = int(key("attention.head_count_kv", num_heads))
+        embed_dim = int(key("embedding_length"))
+        head_dim = int(key("attention.key_length", embed_dim // num_heads))
+        if int(key("attention.value_length", head_dim)) != head_dim:
+            raise UnsupportedModelError(f"{gguf.path}: key and value head sizes differ")
+        scaling_type = str(key("rope.scaling.type", "none"))
+        if scaling_type not in ("none", "linear"):
+            raise UnsupportedModelError(f"{gguf.path}: rope scaling type {scaling_type!r} is not supported")
+        scaling_factor = float(key("rope.scaling.factor", 0.0))
+        embd = gguf.tensors.get("token_embd.weight")
+        if embd is None:
+            raise UnsupportedModelError(f"{gguf.path}: tensor token_embd.weight is missing")
+        return cls(
+            arch=arch,
+            name=str(gguf.get("general.name", gguf.path.stem)),
+            vocab_size=embd.ne(1),  # the embedding's rows; the tokenizer's list may be shorter (padding)
+            context_length=int(key("context_length")),
+            num_layers=int(key("block_count")),
+            embed_dim=embed_dim,
+            ffn_dim=int(key("feed_forward_length")),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rope_dim=int(key("rope.dimension_count", head_dim)),
+            rope_style=ROPE_STYLE_BY_ARCH[arch],
+            rope_base=float(key("rope.freq_base", 10000.0)),
+            rope_freq_scale=1.0 / scaling_factor if scaling_type == "linear" and scaling_factor > 0 else 1.0,
+            has_rope_freq_factors="rope_freqs.weight" in gguf.tensors,
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            has_qkv_bias="blk.0.attn_q.bias" in gguf.tensors,
+            is_output_tied="output.weight" not in gguf.tensors,
+        )

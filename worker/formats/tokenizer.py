@@ -1,0 +1,176 @@
+"""Tokenizer built from GGUF metadata, matching llama.cpp (torch-free).
+
+Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) runs on the `tokenizers`
+library with llama.cpp's pre-tokenizer regexes for `tokenizer.ggml.pre`.
+Control tokens are parsed in text only when asked (llama.cpp's
+`parse_special`); user-defined tokens always are.
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from worker.formats.gguf_file import GGUFFile
+
+# llama.cpp token types (tokenizer.ggml.token_type)
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class PreTokenizerRule:
+    regexes: tuple[str, ...]
+    ignore_merges: bool = False  # a word already in the vocabulary is one token
+    add_bos: bool = False  # default when tokenizer.ggml.add_bos_token is absent
+
+
+_DIGITS_THEN_GPT2 = PreTokenizerRule((r"\p{N}", _GPT2))
+_LLAMA3_RULE = PreTokenizerRule((_LLAMA3,), ignore_merges=True, add_bos=True)
+PRE_TOKENIZERS: dict[str, PreTokenizerRule] = {
+    "default": PreTokenizerRule((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]")),
+    **{name: PreTokenizerRule((_GPT2,)) for name in ("gpt-2", "phi-2", "mpt", "olmo", "jais", "roberta-bpe")},
+    **{name: _LLAMA3_RULE for name in ("llama3", "llama-v3", "llama-bpe", "falcon3")},
+    **{name: PreTokenizerRule((_QWEN2,)) for name in ("qwen2", "stablelm2", "megrez")},
+    **{name: _DIGITS_THEN_GPT2 for name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")},
+}
+
+# Texts llama.cpp treats as end-of-generation besides the EOS id.
+_EOG_TEXTS = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+    "<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+}
+
+
+class TokenizerError(ValueError):
+    """The GGUF's tokenizer cannot be built, or a token id is out of range."""
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte <-> printable character map, inverted."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class GGUFTokenizer:
+    def __init__(self, gguf: GGUFFile) -> None:
+        model_name = gguf.get("tokenizer.ggml.model")
+        if model_name != "gpt2":
+            raise TokenizerError(
+                f"{gguf.path}: tokenizer model {model_name!r} is not supported (only byte-level BPE, 'gpt2'); "
+                "pass token ids instead"
+            )
+        pre_name = gguf.get("tokenizer.ggml.pre") or "default"
+        rule = PRE_TOKENIZERS.get(pre_name)
+        if rule is None:
+            raise TokenizerError(f"{gguf.path}: unknown pre-tokenizer type: {pre_name!r}")
+        self.pre_tokenizer = pre_name
+        tokens: list[str] = gguf.get("tokenizer.ggml.tokens")
+        merges: list[str] = gguf.get("tokenizer.ggml.merges") or []
+        types = gguf.get("tokenizer.ggml.token_type")
+        self.vocab_size = len(tokens)
+        self.token_types = [int(t) for t in types] if types is not None else [TOKEN_NORMAL] * len(tokens)
+        self.bos_id: int | None = gguf.get("tokenizer.ggml.bos_token_id")
+        self.eos_id: int | None = gguf.get("tokenizer.ggml.eos_token_id")
+        self.add_bos = bool(gguf.get("tokenizer.ggml.add_bos_token", rule.add_bos)) and self.bos_id is not None
+        self.add_eos = bool(gguf.get("tokenizer.ggml.add_eos_token", False)) and self.eos_id is not None
+        self.chat_template: str | None = gguf.get("tokenizer.chat_template")
+
+        self.special_ids = frozenset(
+            i for i, t in enumerate(self.token_types) if t in (TOKEN_CONTROL, TOKEN_UNKNOWN)
+        )
+        # what decoding leaves out unless asked (llama.cpp prints no piece for these)
+        self._hidden_ids = self.special_ids | {i for i, t in enumerate(self.token_types) if t == TOKEN_UNUSED}
+        eog = {i for i in self.special_ids if tokens[i] in _EOG_TEXTS}
+        eog.update(i for i in (self.eos_id, gguf.get("tokenizer.ggml.eot_token_id")) if i is not None)
+        self.eog_ids = frozenset(eog)
+
+        # Token bytes for decoding; special tokens decode to their text.
+        byte_of = _byte_decoder()
+        self._token_bytes: list[bytes] = []
+        for i, text in enumerate(tokens):
+            is_plain = self.token_types[i] in (TOKEN_NORMAL, TOKEN_BYTE) and all(ch in byte_of for ch in text)
+            self._token_bytes.append(bytes(byte_of[ch] for ch in text) if is_plain else text.encode("utf-8"))
+        self._token_text = tokens
+
+        self._with_special = self._build(tokens, merges, rule, parse_special=True)
+        self._plain = self._build(tokens, merges, rule, parse_special=False)
+
+    def _build(self, tokens: list[str], merges: list[str], rule: PreTokenizerRule, parse_special: bool) -> Tokenizer:
+        vocab = {text: i for i, text in enumerate(tokens)}
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=rule.ignore_merges))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in rule.regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+        tok.decoder = decoders.ByteLevel()
+        added = []
+        for i, kind in enumerate(self.token_types):
+            if kind == TOKEN_USER_DEFINED or (parse_special and i in self.special_ids):
+                added.append(AddedToken(tokens[i], special=kind != TOKEN_USER_DEFINED, normalized=False))
+        tok.add_tokens(added)
+        return tok
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text to ids. `add_special` adds BOS/EOS per the model; `parse_special`
+        turns control-token text such as `<|im_start|>` into those tokens."""
+        tok = self._with_special if parse_special else self._plain
+        ids = tok.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos:
+            ids.insert(0, self.bos_id)
+        if add_special and self.add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def check_ids(self, ids: list[int]) -> None:
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise TokenizerError(f"token id {i} is out of range (vocabulary size {self.vocab_size})")
+
+    def token_bytes(self, token_id: int, skip_special: bool = True) -> bytes:
+        if skip_special and token_id in self._hidden_ids:
+            return b""
+        return self._token_bytes[token_id]
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary entry as stored (byte-level form)."""
+        return self._token_text[token_id]
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        data = b"".join(self.token_bytes(i, skip_special) for i in ids)
+        return data.decode("utf-8", errors="replace")
+
+
+class IncrementalDecoder:
+    """Streaming detokenization: text is released only as whole UTF-8 characters."""
+
+    def __init__(self, tokenizer: GGUFTokenizer, skip_special: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._utf8.decode(self._tokenizer.token_bytes(token_id, self._skip_special))
+
+    def flush(self) -> str:
+        """Whatever is held back; an incomplete character at the end becomes U+FFFD."""
+        return self._utf8.decode(b"", final=True)

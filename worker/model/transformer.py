@@ -1,0 +1,117 @@
+"""Decoder-only transformer for llama and qwen2 GGUF models.
+
+Modules are named after GGUF tensors (`blk.3.attn_q` holds `blk.3.attn_q.weight`)
+so weights and adapters map by name. Knows nothing of LoRA: adapters wrap the
+linear layers from outside (worker/lora.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.model.attention import AttentionPlan, KVCache, attention
+from worker.formats.hparams import ModelHParams, RopeStyle
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE tables for every position up to the context length."""
+
+    def __init__(self, hp: ModelHParams, freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.style = hp.rope_style
+        self.rope_dim = hp.rope_dim
+        exponents = torch.arange(0, hp.rope_dim, 2, dtype=torch.float64) / hp.rope_dim
+        inv_freq = hp.rope_freq_scale / (hp.rope_base**exponents)  # [rope_dim/2]
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.to(inv_freq.device, torch.float64)
+        angles = torch.outer(torch.arange(hp.context_length, dtype=torch.float64), inv_freq)
+        if self.style == RopeStyle.ADJACENT_PAIRS:  # [ctx, rope_dim/2] complex: cos + i sin
+            self.register_buffer("turns", torch.polar(torch.ones_like(angles), angles).to(torch.complex64), persistent=False)
+        else:  # [ctx, rope_dim/2] each
+            self.register_buffer("cos", angles.cos().float(), persistent=False)
+            self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per forward pass, shared by every layer: rotations for positions [N]."""
+        if self.style == RopeStyle.ADJACENT_PAIRS:
+            return (self.turns[positions].unsqueeze(1),)  # [N, 1, rope_dim/2] complex
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def forward(self, x: torch.Tensor, tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        # x: [N, H, D]
+        rot = x[..., : self.rope_dim].float()
+        if self.style == RopeStyle.ADJACENT_PAIRS:  # (x0, x1) pairs as complex numbers, turned
+            rotated = torch.view_as_real(torch.view_as_complex(rot.unflatten(-1, (-1, 2)).contiguous()) * tables[0]).flatten(-2)
+        else:
+            cos, sin = tables
+            x0, x1 = rot.chunk(2, dim=-1)
+            rotated = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+        if self.rope_dim == x.shape[-1]:
+            return rotated.to(x.dtype)
+        return torch.cat((rotated.to(x.dtype), x[..., self.rope_dim :]), dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, hp: ModelHParams, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.num_heads, self.num_kv_heads, self.head_dim = hp.num_heads, hp.num_kv_heads, hp.head_dim
+        q_dim, kv_dim = hp.num_heads * hp.head_dim, hp.num_kv_heads * hp.head_dim
+        self.attn_norm = RMSNorm(hp.embed_dim, hp.rms_norm_eps)
+        self.attn_q = nn.Linear(hp.embed_dim, q_dim, bias=hp.has_qkv_bias)
+        self.attn_k = nn.Linear(hp.embed_dim, kv_dim, bias=hp.has_qkv_bias)
+        self.attn_v = nn.Linear(hp.embed_dim, kv_dim, bias=hp.has_qkv_bias)
+        self.attn_output = nn.Linear(q_dim, hp.embed_dim, bias=False)
+        self.ffn_norm = RMSNorm(hp.embed_dim, hp.rms_norm_eps)
+        self.ffn_gate = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
+        self.ffn_up = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
+        self.ffn_down = nn.Linear(hp.ffn_dim, hp.embed_dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, ...], rope: Rotary, cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
+        # x: [N, d] new tokens of every sequence in the batch
+        num_tokens = x.shape[0]
+        h = self.attn_norm(x)
+        q = rope(self.attn_q(h).view(num_tokens, self.num_heads, self.head_dim), rope_tables)
+        k = rope(self.attn_k(h).view(num_tokens, self.num_kv_heads, self.head_dim), rope_tables)
+        v = self.attn_v(h).view(num_tokens, self.num_kv_heads, self.head_dim)
+        x = x + self.attn_output(attention(self.index, q, k, v, cache, plan))
+        h = self.ffn_norm(x)
+        return x + self.ffn_down(F.silu(self.ffn_gate(h)) * self.ffn_up(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, hp: ModelHParams) -> None:
+        super().__init__()
+        self.hp = hp
+        self.token_embd = nn.Embedding(hp.vocab_size, hp.embed_dim)
+        self.blk = nn.ModuleList(Block(hp, i) for i in range(hp.num_layers))
+        self.output_norm = RMSNorm(hp.embed_dim, hp.rms_norm_eps)
+        self.output = nn.Linear(hp.embed_dim, hp.vocab_size, bias=False)
+        self.rope = Rotary(hp)
+
+    def tie_output(self) -> None:
+        """Use the token embedding as output projection (GGUF without output.weight)."""
+        self.output.weight = self.token_embd.weight
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
+        """input_ids [N] (flattened over sequences, see AttentionPlan) -> final hidden states [N, embed_dim]."""
+        x = self.token_embd(input_ids)
+        rope_tables = self.rope.tables(plan.positions)
+        for block in self.blk:
+            x = block(x, rope_tables, self.rope, cache, plan)
+        return self.output_norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output(hidden).float()
