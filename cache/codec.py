@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cache.keys import CACHE_FORMAT_VERSION
+from cache.keys import VALUE_FORMAT_VERSION
 
 MAGIC = b"LPKV"
 CHECKSUM_BYTES = 32
@@ -52,7 +52,7 @@ def encode(chunk: ChunkKV) -> bytes:
         raise ValueError(f"K and V must share a 4-d shape, got {chunk.k.shape} and {chunk.v.shape}")
     k, v = np.ascontiguousarray(chunk.k, dtype=storage), np.ascontiguousarray(chunk.v, dtype=storage)
     header = json.dumps({
-        "version": CACHE_FORMAT_VERSION, "model": chunk.model_fingerprint, "dtype": chunk.dtype,
+        "version": VALUE_FORMAT_VERSION, "model": chunk.model_fingerprint, "dtype": chunk.dtype,
         "shape": list(chunk.k.shape), "first_position": chunk.first_position, "payload_bytes": k.nbytes + v.nbytes,
     }, sort_keys=True).encode()
     body = b"".join((MAGIC, struct.pack("<I", len(header)), header, k.data, v.data))
@@ -74,8 +74,8 @@ def decode(blob: bytes, model_fingerprint: str) -> ChunkKV:
         shape = tuple(int(n) for n in header["shape"])
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptValue(f"bad header: {e}") from e
-    if header.get("version") != CACHE_FORMAT_VERSION:
-        raise CorruptValue(f"format version {header.get('version')} is not {CACHE_FORMAT_VERSION}")
+    if header.get("version") != VALUE_FORMAT_VERSION:
+        raise CorruptValue(f"format version {header.get('version')} is not {VALUE_FORMAT_VERSION}")
     if header.get("model") != model_fingerprint:
         raise CorruptValue("value belongs to another model")
     payload = body[8 + header_len :]

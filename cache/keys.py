@@ -6,6 +6,10 @@ therefore names the whole prefix up to its chunk, under exactly one model,
 adapter set (scales included) and tenant. Only whole chunks are keyed; for an
 aLoRA request only chunks wholly before its activation index, under the set
 without the aLoRA (SPEC §4), so base requests share them.
+
+`CACHE_KEY_VERSION` belongs to these keys alone (a new adapter fingerprint
+version does not change them by itself); the root also covers the value
+format's version, so a new format never looks up values of the old one.
 """
 
 from __future__ import annotations
@@ -13,15 +17,25 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from worker.formats.fingerprint import TaggedHasher
+from worker.formats.hashing import TaggedHasher
 
-CACHE_FORMAT_VERSION = 1
+CACHE_KEY_VERSION = 1
+VALUE_FORMAT_VERSION = 1  # of the values (cache/codec.py)
 DEFAULT_CHUNK_TOKENS = 32
 
 
+def model_id(base_fingerprint: str, weight_format: str, dtype: str) -> str:
+    """The base model plus what changes the numbers in its KV: weight format and KV dtype."""
+    h = TaggedHasher("loraplex.cache.model", CACHE_KEY_VERSION)
+    h.text("base", base_fingerprint)
+    h.text("weights", weight_format)
+    h.text("dtype", dtype)
+    return h.hexdigest()
+
+
 def root_key(base_fingerprint: str, adapter_set_fingerprint: str, salt: str) -> bytes:
-    h = TaggedHasher("loraplex.cache.root")
-    h.integer("format", CACHE_FORMAT_VERSION)
+    h = TaggedHasher("loraplex.cache.root", CACHE_KEY_VERSION)
+    h.integer("format", VALUE_FORMAT_VERSION)
     h.text("base", base_fingerprint)
     h.text("adapter_set", adapter_set_fingerprint)
     h.text("salt", salt)
@@ -48,7 +62,7 @@ def chunk_keys(root: bytes, tokens: Sequence[int], chunk_tokens: int = DEFAULT_C
 
 def next_key(previous: bytes, chunk: Sequence[int]) -> bytes:
     """The key of the chunk after `previous` (the root, or the key of the chunk before)."""
-    h = TaggedHasher("loraplex.cache.chunk")
+    h = TaggedHasher("loraplex.cache.chunk", CACHE_KEY_VERSION)
     h.raw("previous", previous)
     h.raw("tokens", struct.pack(f"<{len(chunk)}I", *chunk))
     return h.digest_bytes()

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from cache.codec import ChunkKV, CorruptValue, decode, encode
-from cache.keys import cacheable_tokens, chunk_keys, redis_key, root_key
+from cache import keys as keys_module
+from cache.keys import cacheable_tokens, chunk_keys, model_id, redis_key, root_key
 
 TOKENS = list(range(100, 200))
 
@@ -23,6 +24,22 @@ def test_keys_chain_over_whole_chunks_only() -> None:
     changed = TOKENS.copy()
     changed[40] += 1
     assert chunk_keys(root, changed, 32)[0] == keys[0] and chunk_keys(root, changed, 32)[1] != keys[1]
+
+
+def test_cache_keys_have_their_own_version(monkeypatch) -> None:
+    from worker.formats import fingerprint
+
+    def all_keys() -> list[bytes]:
+        return [model_id("base", "f16", "float32").encode(), *chunk_keys(root_key("base", "set", "t"), TOKENS, 32)]
+
+    before = all_keys()
+    monkeypatch.setattr(fingerprint, "FINGERPRINT_VERSION", fingerprint.FINGERPRINT_VERSION + 1)
+    assert all_keys() == before  # a new adapter-fingerprint version alone does not touch the cache's keys
+    monkeypatch.setattr(keys_module, "CACHE_KEY_VERSION", keys_module.CACHE_KEY_VERSION + 1)
+    assert not set(all_keys()) & set(before)
+    monkeypatch.undo()
+    monkeypatch.setattr(keys_module, "VALUE_FORMAT_VERSION", keys_module.VALUE_FORMAT_VERSION + 1)
+    assert all_keys()[1:] != before[1:]  # a new value format never looks up the old values
 
 
 def test_every_root_field_separates_keys() -> None:

@@ -18,22 +18,17 @@ import numpy as np
 import torch
 
 from cache.codec import ChunkKV
-from cache.keys import cacheable_tokens, chunk_keys, next_key, root_key
+from cache.keys import cacheable_tokens, chunk_keys, model_id, next_key, root_key
 from cache.prefix import ChunkGeometry, PrefixCache, PrefixCacheConfig
 from worker.model.attention import KVCache
-from worker.formats.fingerprint import TaggedHasher, adapter_set_fingerprint, base_fingerprint
+from worker.formats.fingerprint import adapter_set_fingerprint, base_fingerprint
 from worker.engine.runner import ModelRunner
 
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning, module=__name__)
 
 
 def cache_model_id(runner: ModelRunner) -> str:
-    """The base fingerprint plus what changes the numbers in the KV: weight format and dtype."""
-    h = TaggedHasher("loraplex.cache.model")
-    h.text("base", base_fingerprint(runner.base))
-    h.text("weights", runner.config.weight_format)
-    h.text("dtype", runner.config.dtype)
-    return h.hexdigest()
+    return model_id(base_fingerprint(runner.base), runner.config.weight_format, runner.config.dtype)
 
 
 def chunk_geometry(runner: ModelRunner, chunk_tokens: int) -> ChunkGeometry:

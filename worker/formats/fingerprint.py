@@ -1,70 +1,21 @@
-"""Content fingerprints (SPEC §3): base model, adapter, adapter set.
+"""Content fingerprints (SPEC §3): base model, adapter, adapter set. Torch-free.
 
-Every field is written as tag, type code and length-prefixed payload, so two
-different tuples never serialize to the same bytes. Digests are BLAKE2b-256,
-stable across processes and machines. Torch-free.
+Digests are BLAKE2b-256 over tagged, length-prefixed fields (`hashing`),
+stable across processes and machines. `FINGERPRINT_VERSION` is theirs alone:
+the prefix cache's keys carry their own version (cache/keys.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import struct
 from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
-
-from worker.formats.gguf_file import GGUFFile, MetadataValue
+from worker.formats.gguf_file import GGUFFile
+from worker.formats.hashing import TaggedHasher
 
 FINGERPRINT_VERSION = 1
-
-
-def _jsonable(value: object) -> object:
-    if isinstance(value, np.ndarray):  # arrays nested in arrays
-        return value.tolist()
-    raise TypeError(f"cannot hash metadata value of type {type(value).__name__}")
-
-
-class TaggedHasher:
-    """BLAKE2b over tagged, length-prefixed fields."""
-
-    def __init__(self, domain: str) -> None:
-        self._h = hashlib.blake2b(digest_size=32)
-        self.text("domain", domain)
-        self.integer("version", FINGERPRINT_VERSION)
-
-    def _field(self, tag: str, kind: bytes, payload: bytes | memoryview) -> None:
-        tag_bytes = tag.encode("utf-8")
-        self._h.update(struct.pack("<Q", len(tag_bytes)) + tag_bytes + kind + struct.pack("<Q", len(payload)))
-        self._h.update(payload)
-
-    def text(self, tag: str, value: str) -> None:
-        self._field(tag, b"s", value.encode("utf-8"))
-
-    def integer(self, tag: str, value: int) -> None:
-        self._field(tag, b"i", str(int(value)).encode("ascii"))
-
-    def real(self, tag: str, value: float) -> None:
-        value = float(value)
-        self._field(tag, b"f", struct.pack("<d", 0.0 if value == 0.0 else value))
-
-    def raw(self, tag: str, value: bytes | memoryview) -> None:
-        self._field(tag, b"b", value)
-
-    def metadata(self, tag: str, value: MetadataValue) -> None:
-        if isinstance(value.value, np.ndarray):
-            payload = value.value.tobytes()
-        else:
-            payload = json.dumps(value.value, ensure_ascii=False, default=_jsonable).encode("utf-8")
-        self._field(f"{tag}:{int(value.type)}:{value.element_type}", b"m", payload)
-
-    def digest_bytes(self) -> bytes:
-        return self._h.digest()
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()
 
 
 def _hash_tensors(h: TaggedHasher, gguf: GGUFFile, names: Iterable[str]) -> None:
@@ -78,7 +29,7 @@ def _hash_tensors(h: TaggedHasher, gguf: GGUFFile, names: Iterable[str]) -> None
 
 def base_fingerprint_uncached(gguf: GGUFFile) -> str:
     arch = gguf.get("general.architecture", "")
-    h = TaggedHasher("loraplex.base")
+    h = TaggedHasher("loraplex.base", FINGERPRINT_VERSION)
     h.text("arch", arch)
     for key in sorted(k for k in gguf.metadata if k.startswith(f"{arch}.")):
         h.metadata(key, gguf.metadata[key])
@@ -118,7 +69,7 @@ def base_fingerprint(gguf: GGUFFile, cache_dir: Path | None = None) -> str:
 
 def adapter_fingerprint(gguf: GGUFFile, alpha: float, invocation_tokens: tuple[int, ...] | None) -> str:
     """Fingerprint of an adapter: content only, never its path or name."""
-    h = TaggedHasher("loraplex.adapter")
+    h = TaggedHasher("loraplex.adapter", FINGERPRINT_VERSION)
     h.text("arch", str(gguf.get("general.architecture", "")))
     h.real("alpha", alpha)
     if invocation_tokens is None:
@@ -132,7 +83,7 @@ def adapter_fingerprint(gguf: GGUFFile, alpha: float, invocation_tokens: tuple[i
 
 def adapter_set_fingerprint(base_fp: str, adapters: Iterable[tuple[str, float]]) -> str:
     """Fingerprint of (base, {adapter: scale}); order-free, scale-0 entries drop out."""
-    h = TaggedHasher("loraplex.adapter_set")
+    h = TaggedHasher("loraplex.adapter_set", FINGERPRINT_VERSION)
     h.text("base", base_fp)
     active = sorted((fp, float(scale)) for fp, scale in adapters if float(scale) != 0.0)
     h.integer("count", len(active))

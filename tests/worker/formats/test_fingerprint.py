@@ -14,7 +14,8 @@ from gguf import GGUFValueType
 from tests.tinymodels import invocation_metadata, random_lora, write_adapter
 from worker.formats import fingerprint as fp_module
 from worker.formats.adapter import load_adapter
-from worker.formats.fingerprint import TaggedHasher, adapter_set_fingerprint, base_fingerprint, base_fingerprint_uncached
+from worker.formats.fingerprint import adapter_set_fingerprint, base_fingerprint, base_fingerprint_uncached
+from worker.formats.hashing import TaggedHasher
 from worker.formats.gguf_file import GGUFFile
 
 TARGETS = ["blk.0.attn_q.weight", "blk.1.ffn_down.weight"]
@@ -61,7 +62,7 @@ def test_adapter_set_fingerprint() -> None:
 
 def test_fields_are_length_prefixed() -> None:
     def digest(*fields: str) -> str:
-        h = TaggedHasher("t")
+        h = TaggedHasher("t", 1)
         for f in fields:
             h.text("f", f)
         return h.hexdigest()
