@@ -24,18 +24,19 @@ import torch
 
 from cache.l2 import RedisConfig
 from cache.prefix import PrefixCache, PrefixCacheConfig
-from worker.formats.default_model import resolve_model_path
-from worker.engine.engine import Engine, EngineConfig, EngineRequest
-from worker.model.loader import DeviceConfig
-from worker.engine.params import SamplingParams
+from worker.contract.params import SamplingParams
+from worker.contract.spec import EngineConfig
+from worker.engine.engine import Engine, EngineRequest
 from worker.engine.prefix_kv import open_prefix_cache
 from worker.engine.runner import ModelRunner
+from worker.formats.default_model import resolve_model_path
+from worker.model.device import DeviceConfig
 
 MODES = ("off", "miss", "l2", "l1")
 
 
 def ttft(runner: ModelRunner, cache: PrefixCache | None, prompt: list[int], salt: str, step_tokens: int) -> tuple[float, int]:
-    engine = Engine(runner, None, EngineConfig(num_slots=1, slot_len=len(prompt) + 1, max_step_tokens=step_tokens), prefix_cache=cache)
+    engine = Engine(runner, None, EngineConfig(num_seq_slots=1, slot_len=len(prompt) + 1, max_step_tokens=step_tokens), prefix_cache=cache)
     result = engine.run_all([EngineRequest("b", prompt, SamplingParams(max_tokens=1, temperature=0), cache_salt=salt)])["b"]
     if result.finish_reason == "error":
         raise RuntimeError(result.error)
@@ -43,12 +44,11 @@ def ttft(runner: ModelRunner, cache: PrefixCache | None, prompt: list[int], salt
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.cached_tokens % args.chunk_tokens or args.cached_tokens >= args.prompt_tokens:
         print("loraplex bench-cache: --cached-tokens must be whole chunks and less than --prompt-tokens", file=sys.stderr)
         return 2
-    config = DeviceConfig(device=args.device, dtype=args.dtype, weights=args.weights)
+    config = DeviceConfig.of(args.device_settings)
+    config.apply_threads()
     model_path = resolve_model_path(args.model)
     runner = ModelRunner.from_paths(model_path, [], config)
     vocab = runner.hparams.vocab_size

@@ -20,14 +20,15 @@ import numpy as np
 import torch
 from gguf import GGUFWriter
 
+from worker.contract.params import SamplingParams
+from worker.contract.spec import EngineConfig
+from worker.engine.engine import Engine, EngineRequest
+from worker.engine.runner import ModelRunner
 from worker.formats.adapter import load_adapter
 from worker.formats.default_model import resolve_model_path
-from worker.engine.engine import Engine, EngineConfig, EngineRequest
 from worker.formats.gguf_file import GGUFFile
 from worker.formats.hparams import ModelHParams
-from worker.model.loader import DeviceConfig
-from worker.engine.params import SamplingParams
-from worker.engine.runner import ModelRunner
+from worker.model.device import DeviceConfig
 
 TARGETS = {"attn": ["attn_q", "attn_k", "attn_v", "attn_output"], "all": ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]}
 
@@ -74,8 +75,8 @@ def step_bytes(runner: ModelRunner, num_adapters: int) -> int:
     for module in model.modules():
         stacked = getattr(module, "stacked", None)
         if stacked is not None and not isinstance(module.base, torch.nn.Embedding):
-            per_slot = (stacked.a.numel() * stacked.a.element_size() + stacked.b.numel() * stacked.b.element_size()) / len(stacked.slots)
-            adapter_bytes += per_slot * min(num_adapters, len(stacked.slots))
+            per_slot = (stacked.a.numel() * stacked.a.element_size() + stacked.b.numel() * stacked.b.element_size()) / len(stacked.adapter_slots)
+            adapter_bytes += per_slot * min(num_adapters, len(stacked.adapter_slots))
     return int(total + adapter_bytes)
 
 
@@ -94,7 +95,7 @@ def run_policy(runner: ModelRunner, groups: list[list[EngineRequest]], args: arg
     slot_len = args.prompt_tokens + args.max_tokens
     engines = []
     for group in groups:
-        engine = Engine(runner, None, EngineConfig(num_slots=len(group), slot_len=slot_len, max_step_tokens=max(args.step_tokens, len(group))))
+        engine = Engine(runner, None, EngineConfig(num_seq_slots=len(group), slot_len=slot_len, max_step_tokens=max(args.step_tokens, len(group))))
         for request in group:
             engine.add_request(request)
         engines.append(engine)
@@ -113,9 +114,8 @@ def run_policy(runner: ModelRunner, groups: list[list[EngineRequest]], args: arg
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    config = DeviceConfig(device=args.device, dtype=args.dtype, weights=args.weights)
+    config = DeviceConfig.of(args.device_settings)
+    config.apply_threads()
     model_path = resolve_model_path(args.model)
     base = GGUFFile(model_path)
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 
 from gateway.config import load_config, parse_config
-from gateway.core import replica_infos
+from gateway.pool import replica_infos
+from worker.contract.calls import Delta, Usage, WorkerCall
 
 KEY = "sk-bench"
 
@@ -35,14 +36,11 @@ class StubPool:
     def __init__(self, config) -> None:
         self.replicas = replica_infos(config)
 
-    async def stream(self, replica_id: str, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        n = max(call["params"]["max_tokens"], 1)
-        for i in range(n):
-            last = i == n - 1
-            delta = {"token_ids": [42], "text": " x", "logprobs": None, "finish_reason": "length" if last else None, "error": None}
-            if last:
-                delta["usage"] = {"prompt_tokens": len(call["prompt_ids"]), "completion_tokens": n, "cached_tokens": 0}
-            yield delta
+    async def stream(self, replica_id: str, call: WorkerCall) -> AsyncIterator[Delta]:
+        n = max(call.params.max_tokens, 1)
+        for _ in range(n - 1):
+            yield Delta((42,), " x")
+        yield Delta((42,), " x", finish_reason="length", usage=Usage(len(call.prompt_ids), n, 0))
 
     async def health(self, replica_id: str) -> dict[str, Any]:
         return {"pid": os.getpid(), "cache": {"redis": "off"}}
@@ -65,9 +63,9 @@ def serve_stub(port: int) -> None:
 
     import uvicorn
 
-    from gateway.app import create_app
+    from gateway.api.app import create_app
     from gateway.catalog import Catalog
-    from gateway.core import Gateway
+    from gateway.dispatch import Gateway
 
     logging.disable(logging.WARNING)
     config = bench_config()

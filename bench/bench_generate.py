@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from worker.formats.default_model import default_model_path
+from worker.contract.params import SamplingParams
 from worker.engine.generate import generate
-from worker.model.loader import DeviceConfig
 from worker.engine.runner import ModelRunner
-from worker.model.sampler import SamplingParams
+from worker.formats.default_model import default_model_path
 from worker.formats.tokenizer import GGUFTokenizer
+from worker.model.device import DeviceConfig
 
 ADAPTER = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "small.gguf"
 

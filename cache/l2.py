@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from cache.keys import redis_key
 
@@ -27,7 +28,8 @@ class RedisConfig:
     timeout_s: float = 0.25  # per connect, send and receive: nothing waits on Redis longer
     breaker_failures: int = 3  # consecutive failures that open the breaker
     breaker_cooldown_s: float = 5.0
-    password: str | None = None  # overrides the URL's (e.g. from a Kubernetes Secret)
+    password: str | None = None  # overrides the URL's
+    password_file: str | None = None  # a mounted Secret (Kubernetes), read when connecting; overrides both
     tls_ca_file: str | None = None  # CA bundle for rediss:// servers with a private CA
 
     def __post_init__(self) -> None:
@@ -71,12 +73,20 @@ class CircuitBreaker:
             self.opened_at = self._clock()  # (re)open; a failed probe restarts the cool-down
 
 
+def read_password_file(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise ValueError(f"redis password file {path}: cannot read it: {e.strerror or e}") from e
+
+
 def connect(config: RedisConfig):
     import redis  # only the shared tier needs the client library
 
     options: dict[str, object] = {"socket_timeout": config.timeout_s, "socket_connect_timeout": config.timeout_s}
-    if config.password is not None:
-        options["password"] = config.password
+    password = read_password_file(config.password_file) if config.password_file is not None else config.password
+    if password is not None:
+        options["password"] = password
     if config.tls_ca_file is not None:
         options["ssl_ca_certs"] = config.tls_ca_file
     return redis.Redis.from_url(config.url, **options)

@@ -32,14 +32,15 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from worker.contract.params import SamplingParams  # noqa: E402
+from worker.contract.spec import EngineConfig  # noqa: E402
+from worker.engine.engine import Engine, EngineRequest  # noqa: E402
+from worker.engine.runner import ModelRunner  # noqa: E402
 from worker.formats.chat_template import ChatTemplate  # noqa: E402
 from worker.formats.default_model import default_model_path  # noqa: E402
-from worker.engine.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
-from worker.model.loader import DeviceConfig  # noqa: E402
-from worker.engine.params import SamplingParams  # noqa: E402
 from worker.formats.peft_convert import permute_rows_for_adjacent_rope  # noqa: E402
-from worker.engine.runner import ModelRunner  # noqa: E402
 from worker.formats.tokenizer import GGUFTokenizer  # noqa: E402
+from worker.model.device import DeviceConfig  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "adapters"
 TARGETS = ("attn_q", "attn_v", "attn_output")
@@ -94,7 +95,7 @@ def chat_prefix(tokenizer: GGUFTokenizer, question: str) -> str:
 
 def base_answers(runner: ModelRunner, tokenizer: GGUFTokenizer, questions: list[str], max_tokens: int = 40) -> list[str]:
     """The base model's greedy answers, cut to the first sentence or line."""
-    engine = Engine(runner, tokenizer, EngineConfig(num_slots=len(questions), slot_len=160, max_step_tokens=2048))
+    engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=len(questions), slot_len=160, max_step_tokens=2048))
     requests = [
         EngineRequest(str(i), tokenizer.encode(chat_prefix(tokenizer, q), add_special=True, parse_special=True),
                       SamplingParams(max_tokens=max_tokens, temperature=0, stop=("\n",)))

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.config import ServeConfig
+from worker.contract.spec import slot_length
 from worker.formats.adapter import load_adapter
 from worker.formats.fingerprint import adapter_set_fingerprint, base_fingerprint
 from worker.formats.gguf_file import GGUFFile
 from worker.formats.hparams import ModelHParams
-from worker.engine.params import slot_length
 from worker.formats.tokenizer import GGUFTokenizer
 
 

@@ -9,6 +9,13 @@ import os
 import sys
 from collections.abc import Sequence
 
+from cache.l2 import RedisConfig
+from cache.prefix import PrefixCacheConfig
+from worker.contract.spec import DTYPES, WEIGHT_FORMATS, DeviceSettings
+
+WEIGHTS_HELP = ("weight format: auto = f16 on CPU (quantized GGUF weights as float16, fp32 math), dense elsewhere; "
+                "q4 = CPU int4 kernel with bfloat16 activations (fastest, not llama.cpp-exact)")
+
 
 def _token_ids(text: str) -> list[int]:
     try:
@@ -40,6 +47,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _device_flags(p: argparse.ArgumentParser, what: str = "torch device, e.g. cpu, cuda, cuda:1") -> None:
+    """--device, --dtype, --threads and --weights; main() turns them into `args.device_settings`."""
+    defaults = DeviceSettings()
+    p.add_argument("--device", default=defaults.device, help=what)
+    p.add_argument("--dtype", default=defaults.dtype, choices=DTYPES, help="compute dtype (default float32, as llama.cpp's activations)")
+    p.add_argument("--threads", type=_positive_int, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--weights", default=defaults.weights, choices=WEIGHT_FORMATS, help=WEIGHTS_HELP)
+    p.set_defaults(device_settings=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description="Serve one base LLM and many LoRA adapters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -67,16 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--echo", action="store_true", help="include the prompt (and its logprobs with --logprobs)")
     p.add_argument("--logprobs", type=int, metavar="K", help="report the top-K log-probabilities per position")
     p.add_argument("--json", action="store_true", help="print token ids, text and logprobs as JSON")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="compute dtype (default float32, as llama.cpp's activations)")
-    p.add_argument("--threads", type=_positive_int, help="CPU threads for torch (default: torch's choice)")
-    p.add_argument("--weights", default="auto", choices=["auto", "dense", "f16", "q4"], help="weight format: auto = f16 on CPU (quantized GGUF weights as float16, fp32 math), dense elsewhere; q4 = CPU int4 kernel with bfloat16 activations (fastest, not llama.cpp-exact)")
+    _device_flags(p)
     p.add_argument("--step-tokens", type=_positive_int, default=256, metavar="N", help="tokens per forward pass with --batch-file (prefill chunk budget)")
     cache = p.add_argument_group("prefix cache", "reuse and share prompt KV through Redis (SPEC §5)")
     cache.add_argument("--redis", metavar="URL", help="Redis for the shared prefix cache, e.g. redis://127.0.0.1:6379/0 (rediss:// for TLS, redis://:PASSWORD@host)")
     cache.add_argument("--cache-salt", metavar="S", default="", help="cache namespace (a tenant id): only runs with the same salt share KV")
-    cache.add_argument("--cache-chunk-tokens", type=_positive_int, default=32, metavar="C", help="tokens per cached chunk (default 32)")
-    cache.add_argument("--cache-prefix", default="loraplex", metavar="P", help="Redis key prefix (default loraplex)")
+    cache.add_argument("--cache-chunk-tokens", type=_positive_int, default=PrefixCacheConfig.chunk_tokens, metavar="C",
+                       help=f"tokens per cached chunk (default {PrefixCacheConfig.chunk_tokens})")
+    cache.add_argument("--cache-prefix", default=RedisConfig.key_prefix, metavar="P", help=f"Redis key prefix (default {RedisConfig.key_prefix})")
     p.set_defaults(handler="worker.cli.generate:run")
 
     p = sub.add_parser("bench-engine", help="decode speed: one adapter vs mixed adapters vs llama.cpp's same-adapter batching")
@@ -90,10 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-tokens", type=_positive_int, default=512, metavar="N", help="tokens per forward pass (prefill chunk budget)")
     p.add_argument("--rounds", type=_positive_int, default=2, help="rounds of the three runs, interleaved")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--threads", type=_positive_int)
-    p.add_argument("--weights", default="auto", choices=["auto", "dense", "f16", "q4"], help="weight format: auto = f16 on CPU (quantized GGUF weights as float16, fp32 math), dense elsewhere; q4 = CPU int4 kernel with bfloat16 activations (fastest, not llama.cpp-exact)")
+    _device_flags(p)
     p.set_defaults(handler="bench.bench_engine:run")
 
     p = sub.add_parser("serve", help="serve the OpenAI and llama-server APIs on a local Ray (Ray Serve)")
@@ -131,17 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench-cache", help="time to first token: prefix-cache miss vs Redis hit vs worker-memory hit")
     p.add_argument("--model", metavar="BASE.gguf", help="base model (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--redis", default="redis://127.0.0.1:6379/0", metavar="URL")
+    p.add_argument("--redis", default=RedisConfig.url, metavar="URL")
     p.add_argument("--prompt-tokens", type=_positive_int, default=1024, metavar="P")
     p.add_argument("--cached-tokens", type=_positive_int, default=992, metavar="K", help="shared prefix (whole chunks)")
-    p.add_argument("--chunk-tokens", type=_positive_int, default=32, metavar="C")
+    p.add_argument("--chunk-tokens", type=_positive_int, default=PrefixCacheConfig.chunk_tokens, metavar="C")
     p.add_argument("--step-tokens", type=_positive_int, default=512, metavar="N", help="tokens per forward pass (prefill chunk budget)")
     p.add_argument("--rounds", type=_positive_int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--threads", type=_positive_int)
-    p.add_argument("--weights", default="auto", choices=["auto", "dense", "f16", "q4"])
+    _device_flags(p)
     p.set_defaults(handler="bench.bench_cache:run")
 
     p = sub.add_parser("convert-lora", help="convert a PEFT LoRA adapter to a llama.cpp GGUF adapter")
@@ -160,7 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if hasattr(args, "device_settings"):  # the device flags, checked once here (torch checks the device itself later)
+        try:
+            args.device_settings = DeviceSettings(device=args.device, dtype=args.dtype, weights=args.weights, threads=args.threads)
+        except ValueError as e:
+            parser.exit(2, f"loraplex {args.command}: {e}\n")
     module_name, _, func = args.handler.partition(":")
     try:
         return int(getattr(importlib.import_module(module_name), func)(args) or 0)

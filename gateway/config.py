@@ -15,6 +15,11 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cache.l2 import RedisConfig, read_password_file
+from cache.prefix import PrefixCacheConfig
+from gateway.policy.routing import POLICIES
+from worker.contract.spec import DTYPES, WEIGHT_FORMATS, DeviceSettings, EngineConfig, PinnedAdapter, WorkerSpec
+
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.yaml"
 
@@ -58,39 +63,61 @@ class TenantConfig(_Strict):
 
 
 class CacheSettings(_Strict):
-    redis_url: str | None = "redis://127.0.0.1:6379/0"  # None: worker-local cache only
-    key_prefix: str = "loraplex"
-    chunk_tokens: int = Field(32, ge=1)
-    ttl_s: int = Field(3600, ge=1)
-    l1_bytes: int = Field(1 << 30, ge=0)
-    timeout_s: float = Field(0.25, gt=0)
+    """The prefix cache and its Redis (SPEC §5); the defaults are cache/'s own."""
+
+    redis_url: str | None = RedisConfig.url  # None: worker-local cache only
+    key_prefix: str = RedisConfig.key_prefix
+    chunk_tokens: int = Field(PrefixCacheConfig.chunk_tokens, ge=1)
+    ttl_s: int = Field(RedisConfig.ttl_s, ge=1)
+    l1_bytes: int = Field(PrefixCacheConfig.l1_bytes, ge=0)
+    timeout_s: float = Field(RedisConfig.timeout_s, gt=0)
     redis_password_file: str | None = None  # a mounted Secret; overrides the URL's password
 
-    def redis_config(self):
-        """The shared tier's settings (cache.l2.RedisConfig), or None without a Redis URL."""
+    @model_validator(mode="after")
+    def _valid(self) -> CacheSettings:
+        self.prefix_cache_config()  # what the workers will build must be valid now
+        return self
+
+    def redis_config(self) -> RedisConfig | None:
+        """The shared tier's settings (also the gateway's rate limits), or None without a Redis URL."""
         if not self.redis_url:
             return None
-        from cache.l2 import RedisConfig
-
         return RedisConfig(url=self.redis_url, key_prefix=self.key_prefix, ttl_s=self.ttl_s, timeout_s=self.timeout_s,
-                           password=self.redis_password())
+                           password_file=self.redis_password_file)
+
+    def prefix_cache_config(self) -> PrefixCacheConfig:
+        return PrefixCacheConfig(chunk_tokens=self.chunk_tokens, l1_bytes=self.l1_bytes, redis=self.redis_config())
 
     def redis_password(self) -> str | None:
+        """The mounted password, read now (a check at start-up; the workers read it when they connect)."""
         if self.redis_password_file is None:
             return None
         try:
-            return Path(self.redis_password_file).read_text(encoding="utf-8").strip()
-        except OSError as e:
-            raise ConfigError(f"cache.redis_password_file: cannot read {self.redis_password_file}: {e.strerror or e}") from e
+            return read_password_file(self.redis_password_file)
+        except ValueError as e:
+            raise ConfigError(f"cache.redis_password_file: cannot read {self.redis_password_file}: {e.__cause__}") from e
 
 
 class EngineSettings(_Strict):
-    num_slots: int = Field(16, ge=1)
-    max_step_tokens: int = Field(256, ge=1)
-    slot_len: int | None = Field(None, ge=2)
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    weights: Literal["auto", "dense", "f16", "q4"] = "auto"
-    threads: int | None = Field(None, ge=1)  # torch CPU threads per replica
+    """Each worker's engine and device; the defaults are worker/contract/spec.py's own."""
+
+    num_slots: int = Field(EngineConfig.num_seq_slots, ge=1)  # KV sequence slots: requests decoding at once
+    max_step_tokens: int = Field(EngineConfig.max_step_tokens, ge=1)
+    slot_len: int | None = Field(EngineConfig.slot_len, ge=2)
+    dtype: Literal[DTYPES] = DeviceSettings.dtype
+    weights: Literal[WEIGHT_FORMATS] = DeviceSettings.weights
+    threads: int | None = Field(DeviceSettings.threads, ge=1)  # torch CPU threads per replica
+
+    @model_validator(mode="after")
+    def _valid(self) -> EngineSettings:
+        self.engine_config()
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(num_seq_slots=self.num_slots, slot_len=self.slot_len, max_step_tokens=self.max_step_tokens)
+
+    def device_settings(self, device: str, threads: int | None) -> DeviceSettings:
+        return DeviceSettings(device=device, dtype=self.dtype, weights=self.weights, threads=self.threads or threads)
 
 
 class HTTPSettings(_Strict):
@@ -110,7 +137,7 @@ class ServeConfig(_Strict):
     cache: CacheSettings = CacheSettings()
     engine: EngineSettings = EngineSettings()
     http: HTTPSettings = HTTPSettings()
-    routing: Literal["affinity", "random", "least_loaded"] = "affinity"
+    routing: Literal[POLICIES] = POLICIES[0]  # gateway/policy/routing.py
     base_dir: str = "."  # where relative paths start (set from the file's location)
 
     @model_validator(mode="after")
@@ -151,6 +178,20 @@ class ServeConfig(_Strict):
 
     def adapter_path(self, name: str) -> Path:
         return self.resolve(next(a.path for a in self.adapters if a.name == name))
+
+    def worker_spec(self, shard: str, *, threads: int | None = None, device: str | None = None) -> WorkerSpec:
+        """What each replica of `shard` is built from: the one place where deployment settings
+        become the worker's. The device is CUDA for shards with GPUs, unless given."""
+        spec = next(s for s in self.shards if s.name == shard)
+        device = device or ("cuda" if spec.num_gpus > 0 else "cpu")
+        return WorkerSpec(
+            shard=shard,
+            model_path=str(self.model_path()),
+            adapters=tuple(PinnedAdapter(name, str(self.adapter_path(name))) for name in spec.adapters),
+            engine=self.engine.engine_config(),
+            device=self.engine.device_settings(device, threads),
+            cache=self.cache.prefix_cache_config(),
+        )
 
 
 def _unique(what: str, names: list[str]) -> None:

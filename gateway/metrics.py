@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from worker.contract.calls import Usage
+
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -36,15 +38,15 @@ class GatewayMetrics:
         self.failures.labels(replica).inc()
 
     def finished(self, tenant: str, adapter: str, endpoint: str, status: int, latency_s: float, ttft_s: float | None,
-                 usage: dict[str, int] | None) -> None:
+                 usage: Usage | None) -> None:
         self.requests.labels(tenant, adapter, endpoint, str(status)).inc()
         self.latency.labels(tenant, adapter, endpoint).observe(latency_s)
         if ttft_s is not None:
             self.ttft.labels(tenant, adapter, endpoint).observe(ttft_s)
         if usage:
-            self.tokens_in.labels(tenant, adapter, endpoint).inc(usage.get("prompt_tokens", 0))
-            self.tokens_out.labels(tenant, adapter, endpoint).inc(usage.get("completion_tokens", 0))
-            self.cached.labels(tenant, adapter, endpoint).inc(usage.get("cached_tokens", 0))
+            self.tokens_in.labels(tenant, adapter, endpoint).inc(usage.prompt_tokens)
+            self.tokens_out.labels(tenant, adapter, endpoint).inc(usage.completion_tokens)
+            self.cached.labels(tenant, adapter, endpoint).inc(usage.cached_tokens)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

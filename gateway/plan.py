@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from gateway.placement import AdapterSpec, PlacementError, plan
+from gateway.policy.placement import AdapterSpec, PlacementError, plan
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 

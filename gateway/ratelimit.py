@@ -20,7 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from gateway.protocol import APIError
+from cache.l2 import RedisConfig
+from gateway.api.protocol import APIError
 from gateway.tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def _limits(tenant: Tenant, num_tokens: int) -> list[tuple[str, float, float, fl
 
 
 class RateLimiter:
-    def __init__(self, client=None, key_prefix: str = "loraplex", clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, client=None, key_prefix: str = RedisConfig.key_prefix, clock: Callable[[], float] = time.time) -> None:
         self.client, self.key_prefix, self._clock = client, key_prefix, clock
         self._script = client.register_script(_GCRA) if client is not None else None
         self._local: dict[str, float] = {}

@@ -22,30 +22,30 @@ from typing import Any
 from ray import serve
 
 from gateway.config import ConfigError, ServeConfig, load_config, parse_config
-from gateway.core import WorkerFailed, replica_infos
+from gateway.pool import WorkerFailed, replica_infos
+from worker.contract.calls import Delta, WorkerCall
+from worker.contract.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 
 
 def _build_app():
     """Evaluated in the ingress replica. Both this and the constructor reach the replica's
-    Gateway through the gateway.app module itself: Serve pickles the deployment class by
+    Gateway through the gateway.api.app module itself: Serve pickles the deployment class by
     value, so a global of this module would be a copy."""
-    import gateway.app as api
+    import gateway.api.app as api
 
     return api.create_app(api.process_gateway)
 
 
 @serve.deployment(max_ongoing_requests=64, health_check_period_s=5, health_check_timeout_s=30)
 class ShardReplica:
-    def __init__(self, config: dict[str, Any], shard: str, threads: int | None) -> None:
+    def __init__(self, spec: WorkerSpec) -> None:
         from worker.shard import ShardWorker  # torch: only in the replica's process
 
-        parsed = ServeConfig.model_validate(config)
-        spec = next(s for s in parsed.shards if s.name == shard)
-        self.worker = ShardWorker(parsed, shard, "cuda" if spec.num_gpus > 0 else "cpu", threads)
+        self.worker = ShardWorker(spec)
 
-    async def generate(self, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, call: WorkerCall) -> AsyncIterator[Delta]:
         async for delta in self.worker.generate(call):
             yield delta
 
@@ -67,7 +67,7 @@ class ServePool:
         self.handles = handles
         self.replicas = replica_infos(config)
 
-    async def stream(self, replica_id: str, call: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, replica_id: str, call: WorkerCall) -> AsyncIterator[Delta]:
         responses = self.handles[replica_id].options(stream=True).generate.remote(call)
         try:
             async for delta in responses:
@@ -89,11 +89,11 @@ class ServePool:
 class GatewayIngress:
     def __init__(self, config: dict[str, Any], handles: dict[str, Any]) -> None:
         from gateway.catalog import Catalog
-        from gateway.core import Gateway
+        from gateway.dispatch import Gateway
         from gateway.ratelimit import RateLimiter
 
         parsed = ServeConfig.model_validate(config)
-        import gateway.app as api
+        import gateway.api.app as api
 
         api.set_process_gateway(Gateway(parsed, Catalog(parsed), ServePool(parsed, handles), RateLimiter(_redis(parsed), parsed.cache.key_prefix)))
 
@@ -116,26 +116,24 @@ def _redis(config: ServeConfig):
     return client
 
 
-def replica_threads(config: ServeConfig) -> int | None:
-    """CPU replicas share the machine's cores unless the config says otherwise."""
-    if config.engine.threads is not None:
-        return config.engine.threads
+def replica_threads(config: ServeConfig) -> int:
+    """CPU replicas share the machine's cores (the config's engine.threads, when set, wins)."""
     cpu_replicas = sum(s.replicas for s in config.shards if s.num_gpus == 0)
     return max(1, (os.cpu_count() or 1) // max(cpu_replicas, 1))
 
 
 def build(config: ServeConfig) -> serve.Application:
-    data = config.model_dump()
     threads = replica_threads(config)
     shards = {s.name: s for s in config.shards}
+    specs = {s.name: config.worker_spec(s.name, threads=threads) for s in config.shards}
     handles = {
         r.replica_id: ShardReplica.options(
             name=f"shard-{r.replica_id}", num_replicas=1, max_ongoing_requests=max(64, 4 * config.engine.num_slots),
             ray_actor_options={"num_cpus": shards[r.shard].num_cpus, "num_gpus": shards[r.shard].num_gpus},
-        ).bind(data, r.shard, threads)
+        ).bind(specs[r.shard])
         for r in replica_infos(config)
     }
-    return GatewayIngress.options(name="gateway", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(data, handles)
+    return GatewayIngress.options(name="gateway", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(config.model_dump(), handles)
 
 
 def _show_progress(deployer: threading.Thread, started: float) -> None:

@@ -13,8 +13,8 @@ import hashlib
 import hmac
 from dataclasses import dataclass, field
 
+from gateway.api.protocol import APIError
 from gateway.config import ServeConfig, TenantConfig
-from gateway.protocol import APIError
 
 ANONYMOUS = "anonymous"
 SHARED_SALT = "shared"

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from worker.model.loader import DeviceConfig
 from worker.engine.runner import ModelRunner
+from worker.model.device import DeviceConfig
 
 # The whole suite runs on another device with LORAPLEX_TEST_DEVICE=cuda (float32 there too).
 TEST_DEVICE = DeviceConfig(device=os.environ.get("LORAPLEX_TEST_DEVICE", "cpu"))
@@ -16,6 +16,5 @@ TEST_DEVICE = DeviceConfig(device=os.environ.get("LORAPLEX_TEST_DEVICE", "cpu"))
 
 def prompt_logits(runner: ModelRunner, ids: Sequence[int], scales: Mapping[int, float] | None = None) -> torch.Tensor:
     """Logits [T, V] (float32, on the CPU) for every position of `ids` with the given adapter slot scales."""
-    adapter_scales = runner.adapter_scales(ids, scales or {})
-    cache = runner.new_cache(len(ids))
-    return runner.forward(ids, 0, cache, adapter_scales.prompt, adapter_scales.active_slots, all_logits=True).to("cpu", torch.float32, copy=True)
+    kv = runner.allocate_kv(1, len(ids))
+    return runner.forward(ids, 0, kv, runner.resolve_adapters(ids, scales or {}), all_logits=True).to("cpu", torch.float32, copy=True)

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from cache.prefix import PrefixCacheConfig
 from gateway.config import ConfigError, describe_errors, read_yaml
 
 
@@ -93,7 +94,7 @@ class Scenario(_Strict):
     prompts: Prompts
     output_tokens: Range = Range(min=8, max=32)
     slo: SLO = SLO()
-    chunk_tokens: int = Field(32, ge=1)  # the server's cache chunk, for the ideal hit share
+    chunk_tokens: int = Field(PrefixCacheConfig.chunk_tokens, ge=1)  # the server's cache chunk, for the ideal hit share
     vocab_size: int = Field(4096, ge=16)  # token ids are drawn below this
 
     @model_validator(mode="after")

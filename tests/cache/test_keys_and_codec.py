@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache.codec import ChunkKV, CorruptValue, decode, encode
 from cache import keys as keys_module
+from cache.codec import ChunkKV, CorruptValue, decode, encode
 from cache.keys import cacheable_tokens, chunk_keys, model_id, redis_key, root_key
 
 TOKENS = list(range(100, 200))

@@ -9,11 +9,12 @@ import pytest
 
 from deploy.train_adapters import INVOCATION, OUT, SIGNATURE, TASKS, TEMPLATES, TEST_TOPICS, TRAIN_TOPICS, chat_prefix
 from tests.helpers import TEST_DEVICE
-from worker.engine.engine import Engine, EngineConfig, EngineRequest
-from worker.formats.gguf_file import GGUFFile
-from worker.engine.params import SamplingParams
-from worker.formats.peft_convert import ConvertOptions, convert_peft_to_gguf
+from worker.contract.params import SamplingParams
+from worker.contract.spec import EngineConfig
+from worker.engine.engine import Engine, EngineRequest
 from worker.engine.runner import ModelRunner
+from worker.formats.gguf_file import GGUFFile
+from worker.formats.peft_convert import ConvertOptions, convert_peft_to_gguf
 from worker.formats.tokenizer import GGUFTokenizer
 
 NAMES = ["caps", "json", "signature", "verify"]
@@ -40,7 +41,7 @@ def examples(real_model_path):
 
 def run_together(examples, requests: list[EngineRequest]):
     runner, tokenizer = examples
-    engine = Engine(runner, tokenizer, EngineConfig(num_slots=len(requests), slot_len=192, max_step_tokens=1024))
+    engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=len(requests), slot_len=192, max_step_tokens=1024))
     return engine.run_all(requests)
 
 

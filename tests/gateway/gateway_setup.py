@@ -7,10 +7,10 @@ from pathlib import Path
 
 import redis
 
-from gateway.app import create_app
+from gateway.api.app import create_app
 from gateway.catalog import Catalog
 from gateway.config import parse_config
-from gateway.core import Gateway
+from gateway.dispatch import Gateway
 from gateway.ratelimit import RateLimiter
 from tests.tinymodels import TinyModel, invocation_metadata, random_lora, write_adapter
 
@@ -46,7 +46,8 @@ def tiny_config(model: TinyModel, directory: Path, prefix: str, **overrides):
 
 
 def local_app(config):
-    from worker.shard import LocalShardPool
+    """The app over in-process torch workers (end to end, without Ray)."""
+    from tests.gateway.local_pool import LocalShardPool
 
     pool = LocalShardPool(config)
     limiter = RateLimiter(redis.Redis(socket_timeout=1), config.cache.key_prefix)

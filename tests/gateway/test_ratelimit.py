@@ -7,7 +7,7 @@ import uuid
 import pytest
 import redis
 
-from gateway.protocol import APIError
+from gateway.api.protocol import APIError
 from gateway.ratelimit import RateLimiter
 from gateway.tenants import Tenant
 

@@ -10,8 +10,9 @@ from typing import Any
 
 from cache.l2 import RedisConfig
 from cache.prefix import PrefixCache, PrefixCacheConfig
-from worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestError
-from worker.engine.params import DEFAULT_SLOT_LEN, SamplingParams
+from worker.contract.params import SamplingParams
+from worker.contract.spec import DEFAULT_SLOT_LEN, EngineConfig
+from worker.engine.engine import Engine, EngineRequest, RequestError
 from worker.engine.runner import ModelRunner
 from worker.formats.tokenizer import GGUFTokenizer, TokenizerError
 
@@ -128,7 +129,7 @@ def run_batch(args: argparse.Namespace, runner_from_paths) -> int:
         slot_len = min(context, max(len(r.prompt_ids) + max(r.params.max_tokens, 1) for r in requests))
     num_slots = min(len(requests), MAX_SLOTS)
     cache = open_cli_cache(args, runner)
-    engine = Engine(runner, tokenizer, EngineConfig(num_slots=num_slots, slot_len=slot_len, max_step_tokens=max(args.step_tokens, num_slots)), prefix_cache=cache)
+    engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=num_slots, slot_len=slot_len, max_step_tokens=max(args.step_tokens, num_slots)), prefix_cache=cache)
     for request, item in zip(requests, lines):
         try:
             engine.check(request)

@@ -7,20 +7,21 @@ import json
 import sys
 from typing import Any
 
-import torch
-
+from worker.cli.batch import BatchFileError, close_cli_cache, open_cli_cache, run_batch
+from worker.contract.calls import TokenLogprob
+from worker.contract.params import SamplingParams
+from worker.engine.engine import RequestError
+from worker.engine.generate import generate
+from worker.engine.outputs import GenerationResult
+from worker.engine.runner import ModelRunner
 from worker.formats.adapter import AdapterError
 from worker.formats.alora import MultipleALoRAError
 from worker.formats.chat_template import ChatTemplateError, encode_chat
-from worker.cli.batch import BatchFileError, close_cli_cache, open_cli_cache, run_batch
 from worker.formats.default_model import ModelNotFoundError, resolve_model_path
-from worker.engine.generate import GenerationResult, RequestError, TokenLogprob, generate
 from worker.formats.gguf_file import GGUFFormatError
 from worker.formats.hparams import UnsupportedModelError
-from worker.model.loader import DeviceConfig
-from worker.engine.runner import ModelRunner
-from worker.model.sampler import SamplingParams
 from worker.formats.tokenizer import GGUFTokenizer, TokenizerError
+from worker.model.device import DeviceConfig
 
 EXIT_INVALID = 2
 
@@ -68,10 +69,9 @@ def result_json(result: GenerationResult, load_time_s: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
-        config = DeviceConfig(device=args.device, dtype=args.dtype, weights=args.weights)
+        config = DeviceConfig.of(args.device_settings)
+        config.apply_threads()
         params = SamplingParams(
             max_tokens=args.n_predict, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs, echo=args.echo,

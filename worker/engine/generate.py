@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from cache.prefix import PrefixCache
-from worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestError
-from worker.engine.outputs import GenerationResult, TokenLogprob
-from worker.engine.params import SamplingParams
+from worker.contract.params import SamplingParams
+from worker.contract.spec import EngineConfig
+from worker.engine.engine import Engine, EngineRequest, RequestError
+from worker.engine.outputs import GenerationResult
 from worker.engine.runner import ModelRunner
 from worker.formats.tokenizer import GGUFTokenizer
-
-__all__ = ["GenerationResult", "RequestError", "TokenLogprob", "generate", "validate_request"]
 
 
 def validate_request(runner: ModelRunner, prompt_ids: Sequence[int], params: SamplingParams) -> int:
@@ -42,7 +41,7 @@ def generate(
     `on_text` receives text as it is produced, whole UTF-8 characters only.
     """
     slot_len = validate_request(runner, prompt_ids, params)
-    engine = Engine(runner, tokenizer, EngineConfig(num_slots=1, slot_len=slot_len, max_step_tokens=max_step_tokens), prefix_cache=prefix_cache)
+    engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=1, slot_len=slot_len, max_step_tokens=max_step_tokens), prefix_cache=prefix_cache)
     engine.add_request(EngineRequest("0", list(prompt_ids), params, dict(adapter_scales or {}), cache_salt=cache_salt))
     result = engine.result("0")
     while engine.has_work():

@@ -1,15 +1,11 @@
-"""What a request produces (torch-free plain data)."""
+"""What a request produces inside the engine (torch-free plain data). The worker turns
+these into the wire contract's `Delta`s (worker/shard.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the K most likely tokens at this position
+from worker.contract.calls import TokenLogprob
 
 
 @dataclass

@@ -1,5 +1,7 @@
-"""The engine's side of the prefix cache: which keys a request uses, and moving
-chunks of K/V between a KV slot and the cache's host arrays.
+"""The engine's side of the prefix cache: which keys a request uses, its cached prefix
+copied into its KV sequence slot before the step that first runs it, and its newly
+completed whole chunks handed to the cache after each step (`PrefixKV`, beside the
+engine's step rather than inside it).
 
 Keys (SPEC §4, §5): the adapter set is the request's non-zero scales without
 its aLoRA, so base requests and every aLoRA on the same prompt share the
@@ -10,8 +12,9 @@ token's logits pick the first output token, so it is always computed).
 
 from __future__ import annotations
 
+import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,11 +23,14 @@ import torch
 from cache.codec import ChunkKV
 from cache.keys import cacheable_tokens, chunk_keys, model_id, next_key, root_key
 from cache.prefix import ChunkGeometry, PrefixCache, PrefixCacheConfig
-from worker.model.attention import KVCache
-from worker.formats.fingerprint import adapter_set_fingerprint, base_fingerprint
 from worker.engine.runner import ModelRunner
+from worker.engine.scheduler import Span
+from worker.formats.fingerprint import adapter_set_fingerprint, base_fingerprint
+from worker.lora.mapping import RequestAdapters
+from worker.model.attention import KVCache
 
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning, module=__name__)
+log = logging.getLogger(__name__)
 
 
 def cache_model_id(runner: ModelRunner) -> str:
@@ -62,8 +68,9 @@ class CacheHit:
         return sum(c.k.shape[2] for c in self.chunks)
 
 
-def request_root(runner: ModelRunner, model_id: str, adapters: Mapping[int, float], salt: str) -> bytes:
-    pairs = [(runner.adapters[slot].fingerprint, scale) for slot, scale in adapters.items() if scale != 0 and not runner.adapters[slot].is_alora]
+def request_root(runner: ModelRunner, model_id: str, adapters: RequestAdapters, salt: str) -> bytes:
+    """The root key of a request's chain: its adapter set without the aLoRA (SPEC §4)."""
+    pairs = [(runner.adapters[slot].fingerprint, scale) for slot, scale in adapters.scales.items()]
     return root_key(model_id, adapter_set_fingerprint(model_id, pairs), salt)
 
 
@@ -94,11 +101,11 @@ def _host_view(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def extract_chunks(kv: KVCache, slot: int, first_chunk: int, num_chunks: int, geometry: ChunkGeometry) -> list[ChunkKV]:
-    """Chunks `first_chunk..` of a slot as host arrays [layers, kv_heads, C, head_dim] (one copy off the device)."""
+def extract_chunks(kv: KVCache, seq_slot: int, first_chunk: int, num_chunks: int, geometry: ChunkGeometry) -> list[ChunkKV]:
+    """Chunks `first_chunk..` of a sequence slot as host arrays [layers, kv_heads, C, head_dim] (one copy off the device)."""
     c = geometry.shape[2]
     start, end = first_chunk * c, (first_chunk + num_chunks) * c
-    k, v = _host_view(kv.k[:, slot, :, start:end]), _host_view(kv.v[:, slot, :, start:end])
+    k, v = _host_view(kv.k[:, seq_slot, :, start:end]), _host_view(kv.v[:, seq_slot, :, start:end])
     return [
         ChunkKV(geometry.model_id, (first_chunk + i) * c, geometry.dtype, k[:, :, i * c : (i + 1) * c], v[:, :, i * c : (i + 1) * c])
         for i in range(num_chunks)
@@ -112,9 +119,57 @@ def _as_tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def load_chunks(kv: KVCache, slot: int, chunks: Sequence[ChunkKV]) -> None:
-    """Write cached chunks (positions 0..) into a slot: one copy per chunk, straight from the cached arrays."""
+def load_chunks(kv: KVCache, seq_slot: int, chunks: Sequence[ChunkKV]) -> None:
+    """Write cached chunks (positions 0..) into a sequence slot: one copy per chunk, straight from the cached arrays."""
     for chunk in chunks:
         start, end = chunk.first_position, chunk.first_position + chunk.k.shape[2]
-        kv.k[:, slot, :, start:end].copy_(_as_tensor(chunk.k))
-        kv.v[:, slot, :, start:end].copy_(_as_tensor(chunk.v))
+        kv.k[:, seq_slot, :, start:end].copy_(_as_tensor(chunk.k))
+        kv.v[:, seq_slot, :, start:end].copy_(_as_tensor(chunk.v))
+
+
+class PrefixKV:
+    """One engine's use of a prefix cache: lookups (any thread), then per step the loads of
+    newly admitted sequences' cached prefixes and the stores of newly computed chunks."""
+
+    def __init__(self, cache: PrefixCache, runner: ModelRunner) -> None:
+        if cache.geometry != chunk_geometry(runner, cache.chunk_tokens):
+            raise ValueError("the prefix cache was opened for another model, weight format or dtype")
+        self.cache, self.runner = cache, runner
+        self._hits: dict[str, CacheHit] = {}  # request id -> chunks still to load, and its store cursor
+
+    def lookup(self, prompt_ids: Sequence[int], adapters: RequestAdapters, salt: str, *, reuse: bool = True) -> CacheHit:
+        """The request's cached prefix (thread-safe: call it off the engine's thread)."""
+        root = request_root(self.runner, self.cache.geometry.model_id, adapters, salt)
+        return lookup(self.cache, root, prompt_ids, adapters.activation, reuse=reuse)
+
+    def track(self, request_id: str, hit: CacheHit) -> None:
+        self._hits[request_id] = hit
+
+    def forget(self, request_id: str) -> None:
+        self._hits.pop(request_id, None)
+
+    def load(self, spans: Sequence[Span], kv: KVCache) -> None:
+        """Copy newly admitted sequences' cached prefixes into their sequence slots."""
+        for span in spans:
+            hit = self._hits.get(span.seq.request_id)
+            if hit is not None and hit.chunks:
+                load_chunks(kv, span.seq.seq_slot, hit.chunks)
+                hit.chunks = []
+
+    def store(self, spans: Sequence[Span], kv: KVCache) -> None:
+        """Hand each sequence's newly computed whole chunks to the cache (never fails a request)."""
+        for span in spans:
+            seq, hit = span.seq, self._hits.get(span.seq.request_id)
+            if hit is None:
+                continue
+            first = hit.cursor.num_chunks
+            keys = new_chunk_keys(hit.cursor, seq.token_ids, seq.num_computed, self.cache.chunk_tokens)
+            if not keys:
+                continue
+            try:
+                values = extract_chunks(kv, seq.seq_slot, first, len(keys), self.cache.geometry)
+                self.cache.store(list(zip(keys, values)))
+            except Exception:
+                log.exception("request %s: could not store its KV in the prefix cache", seq.request_id)
+                self.cache.count_store_error(len(keys))
+                self.forget(seq.request_id)

@@ -1,30 +1,54 @@
-"""A base model on one device with a fixed adapter set, run on flattened batches of
-sequences with per-token adapter scales."""
+"""The model runner: a base model with a fixed adapter set on one device, run one step at a
+time on a flattened batch of sequences' new tokens.
+
+`run` is a whole step: it prepares the step's inputs in one place (token ids,
+positions and the attention plan, the per-token adapter mapping, the logit rows
+wanted), runs the forward pass, samples every sequence that picks a token in one
+batched call, gathers the log-probabilities asked for, and copies the results to
+the host in one transfer: the device is synchronised once per step.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from worker.contract.calls import TokenLogprob
 from worker.formats.adapter import LoRAAdapter, load_adapter
-from worker.formats.alora import MultipleALoRAError, activation_index
-from worker.model.attention import AttentionPlan, KVCache, Segment
 from worker.formats.gguf_file import GGUFFile
-from worker.lora.layers import LoRABackend, attach_lora
-from worker.model.loader import DeviceConfig, load_model
+from worker.lora import mapping
+from worker.lora.attach import attach_lora
+from worker.lora.backend import LoRABackend
+from worker.lora.mapping import RequestAdapters
+from worker.model.attention import AttentionPlan, KVCache, Segment
+from worker.model.device import DeviceConfig
+from worker.model.loader import load_model
+from worker.model.sampler import SampleSpec, sample
 
 
 @dataclass(frozen=True)
-class AdapterScales:
-    """Per-token slot scales (on the host) for a prompt, and for every token generated after it."""
+class SpanInput:
+    """One sequence's new tokens in a step, and what the step must report for them."""
 
-    prompt: torch.Tensor  # [T, num_slots]
-    generated: torch.Tensor  # [1, num_slots]
-    active_slots: frozenset[int]
-    alora_activation: int | None  # index where the request's aLoRA turns on
+    seq_slot: int
+    start: int  # position of token_ids[0]
+    token_ids: Sequence[int]
+    adapters: RequestAdapters
+    sample: SampleSpec | None = None  # the last token's logits pick the next token
+    logprobs: int | None = None  # top-K log-probabilities of the sampled token and of the prompt targets
+    prompt_targets: Sequence[int] = ()  # row i predicts prompt token prompt_targets[i]: report its log-probability
+
+
+@dataclass
+class SpanOutput:
+    token: int | None = None  # the sampled token; None when the span does not sample
+    logprob: TokenLogprob | None = None  # of the sampled token, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    is_finite: bool = True  # False: this sequence's logits were NaN or infinite (nothing was sampled)
 
 
 class ModelRunner:
@@ -35,6 +59,7 @@ class ModelRunner:
         self.model = self.loaded.model
         self.hparams = self.loaded.hparams
         self.adapters = list(adapters)
+        self.invocations = [a.invocation_tokens for a in self.adapters]  # per adapter slot; None: not an aLoRA
         self.lora = attach_lora(self.model, self.adapters, config, backend)
 
     @classmethod
@@ -43,100 +68,142 @@ class ModelRunner:
         return cls(base, [load_adapter(p, base) for p in adapter_paths], config)
 
     @property
-    def num_slots(self) -> int:
+    def num_adapter_slots(self) -> int:
         return len(self.adapters)
 
-    def adapter_scales(self, prompt_ids: Sequence[int], scales: Mapping[int, float]) -> AdapterScales:
-        """Slot scales per token for a request enabling `scales` (slot -> runtime scale).
+    def resolve_adapters(self, prompt_ids: Sequence[int], scales: Mapping[int, float]) -> RequestAdapters:
+        """The adapter mapping of a request enabling `scales` (adapter slot -> runtime scale)."""
+        return mapping.resolve(self.invocations, prompt_ids, scales)
 
-        Scale-0 slots are not applied. An aLoRA applies from its activation index on,
-        and not at all when the prompt lacks its invocation sequence.
-        """
-        num_tokens = len(prompt_ids)
-        prompt = torch.zeros(num_tokens, self.num_slots, dtype=torch.float32)
-        generated = torch.zeros(1, self.num_slots, dtype=torch.float32)
-        active = set()
-        alora_slot, activation = self._alora(prompt_ids, scales)
-        for slot, scale in scales.items():
-            if scale == 0:
-                continue
-            start = 0
-            if slot == alora_slot:
-                if activation is None:
-                    continue
-                start = activation
-            prompt[start:, slot] = scale
-            generated[0, slot] = scale
-            active.add(slot)
-        return AdapterScales(prompt, generated, frozenset(active), activation)
-
-    def alora_activation(self, prompt_ids: Sequence[int], scales: Mapping[int, float]) -> int | None:
-        """Where the request's aLoRA turns on; None without one or when the prompt does not invoke it."""
-        return self._alora(prompt_ids, scales)[1]
-
-    def _alora(self, prompt_ids: Sequence[int], scales: Mapping[int, float]) -> tuple[int | None, int | None]:
-        """(the enabled aLoRA's slot, its activation index); checks the slots exist and at most one aLoRA is on."""
-        bad = [slot for slot in scales if not 0 <= slot < self.num_slots]
-        if bad:
-            raise ValueError(f"adapter slot {bad[0]} does not exist (this worker has {self.num_slots})")
-        alora_slots = [s for s, v in scales.items() if v != 0 and self.adapters[s].is_alora]
-        if len(alora_slots) > 1:
-            raise MultipleALoRAError()
-        if not alora_slots:
-            return None, None
-        slot = alora_slots[0]
-        return slot, activation_index(prompt_ids, self.adapters[slot].invocation_tokens)
-
-    def allocate_cache(self, num_slots: int, slot_len: int) -> KVCache:
+    def allocate_kv(self, num_seq_slots: int, slot_len: int) -> KVCache:
         hp = self.hparams
-        return KVCache.allocate(hp.num_layers, num_slots, hp.num_kv_heads, slot_len, hp.head_dim, self.config.torch_dtype, self.config.torch_device)
+        return KVCache.allocate(hp.num_layers, num_seq_slots, hp.num_kv_heads, slot_len, hp.head_dim, self.config.torch_dtype, self.config.torch_device)
+
+    # one step
 
     @torch.inference_mode()
-    def run(
+    def run(self, spans: Sequence[SpanInput], kv: KVCache) -> list[SpanOutput]:
+        token_ids: list[int] = []
+        segments, mapped, logit_rows = [], [], []
+        sample_rows, sample_specs = [], []  # index into logit_rows, and how that row samples
+        lp_rows, lp_targets, lp_k = [], [], []  # index into logit_rows, target token (-i - 1: sampled row i's), top-K
+        for span in spans:
+            row, length = len(token_ids), len(span.token_ids)
+            token_ids += span.token_ids
+            segments.append(Segment(span.seq_slot, row, length, span.start))
+            mapped.append((span.adapters, span.start, length))
+            for i, target in enumerate(span.prompt_targets):
+                lp_rows.append(len(logit_rows))
+                lp_targets.append(target)
+                lp_k.append(span.logprobs or 0)
+                logit_rows.append(row + i)
+            if span.sample is not None:
+                if not span.prompt_targets or logit_rows[-1] != row + length - 1:
+                    logit_rows.append(row + length - 1)
+                sample_rows.append(len(logit_rows) - 1)
+                sample_specs.append(span.sample)
+                if span.logprobs is not None:
+                    lp_rows.append(len(logit_rows) - 1)
+                    lp_targets.append(-len(sample_rows))
+                    lp_k.append(span.logprobs)
+        scales, active = mapping.token_scales(mapped, self.num_adapter_slots)
+        logits = self.logits(token_ids, segments, kv, torch.from_numpy(scales), active, logit_rows)
+        device = logits.device
+        sampled = targets = chosen = top_values = top_ids = torch.empty(0, device=device)
+        if sample_rows:
+            sampled = sample(logits.index_select(0, torch.tensor(sample_rows, device=device)), sample_specs)
+        k_max = max(lp_k, default=0)
+        if lp_rows:
+            lps = torch.log_softmax(logits.index_select(0, torch.tensor(lp_rows, device=device)), dim=-1)  # the model's own distribution
+            targets = torch.tensor(lp_targets, device=device)
+            if sample_rows:
+                of_sampled = sampled.index_select(0, (-targets - 1).clamp_min(0)).clamp_min(0)
+                targets = torch.where(targets < 0, of_sampled, targets)
+            chosen = lps.gather(1, targets[:, None])[:, 0]
+            if k_max > 0:
+                top_values, top_ids = torch.topk(lps, k_max, dim=-1)
+        host = _to_host(sampled, targets, chosen, top_values, top_ids)  # the step's one device sync
+        return _assemble(spans, host)
+
+    # the forward pass
+
+    @torch.inference_mode()
+    def logits(
         self,
         token_ids: Sequence[int],
         segments: Sequence[Segment],
-        cache: KVCache,
-        slot_scales: torch.Tensor,
+        kv: KVCache,
+        token_scales: torch.Tensor,
         active_slots: frozenset[int],
         logit_rows: Sequence[int],
     ) -> torch.Tensor:
-        """One forward pass over every segment's new tokens (flattened in segment order)
-        -> float32 logits [len(logit_rows), V] for the requested rows."""
+        """One forward pass over every segment's new tokens (flattened in segment order), with
+        per-token adapter scales [N, num_adapter_slots] -> float32 logits [len(logit_rows), V]."""
         device = self.config.torch_device
         ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         plan = AttentionPlan.build(segments, device)
         batch = self.lora.batch
-        slot_scales = slot_scales.to(device, non_blocking=True)
-        batch.set(slot_scales, active_slots)
+        token_scales = token_scales.to(device, non_blocking=True)
+        batch.set(token_scales, active_slots)
         try:
-            hidden = self.model(ids, cache, plan)  # [N, d]
+            hidden = self.model(ids, kv, plan)  # [N, d]
             rows = list(logit_rows)
             if not rows:  # a pass that only prefills
                 return hidden.new_empty(0, self.hparams.vocab_size, dtype=torch.float32)
             if rows != list(range(len(token_ids))):
                 index = torch.tensor(rows, dtype=torch.long, device=device)
                 hidden = hidden.index_select(0, index)
-                batch.set(slot_scales.index_select(0, index), active_slots)  # an adapter may target `output`
+                batch.set(token_scales.index_select(0, index), active_slots)  # an adapter may target `output`
             return self.model.logits(hidden)
         finally:
             batch.clear()
 
-    # Single-sequence conveniences (tests, tools): the sequence lives in slot 0.
+    # single-sequence conveniences (tests, tools): the sequence lives in sequence slot 0
 
-    def new_cache(self, max_len: int) -> KVCache:
-        return self.allocate_cache(1, max_len)
-
-    def forward(
-        self,
-        token_ids: Sequence[int],
-        start_pos: int,
-        cache: KVCache,
-        slot_scales: torch.Tensor,
-        active_slots: frozenset[int],
-        all_logits: bool = False,
-    ) -> torch.Tensor:
-        """Run `token_ids` at positions start_pos.. of slot 0 -> logits [T, V] (or [1, V] for the last)."""
+    def forward(self, token_ids: Sequence[int], start_pos: int, kv: KVCache, adapters: RequestAdapters | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run `token_ids` at positions start_pos.. of sequence slot 0 -> logits [T, V] (or [1, V] for the last)."""
         num_tokens = len(token_ids)
+        scales, active = mapping.token_scales([(adapters or RequestAdapters(), start_pos, num_tokens)], self.num_adapter_slots)
         rows = range(num_tokens) if all_logits else [num_tokens - 1]
-        return self.run(token_ids, [Segment(0, 0, num_tokens, start_pos)], cache, slot_scales, active_slots, rows)
+        return self.logits(token_ids, [Segment(0, 0, num_tokens, start_pos)], kv, torch.from_numpy(scales), active, rows)
+
+
+def _to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """Copy the tensors to the host in one transfer (float64 holds token ids exactly)."""
+    flat = [t.reshape(-1).to(torch.float64) for t in tensors]
+    if not any(t.numel() for t in flat):
+        return [np.empty(0) for _ in tensors]
+    joined = torch.cat(flat).cpu().numpy()
+    out, offset = [], 0
+    for t, f in zip(tensors, flat):
+        out.append(joined[offset : offset + f.numel()].reshape(t.shape))
+        offset += f.numel()
+    return out
+
+
+def _assemble(spans: Sequence[SpanInput], host: list[np.ndarray]) -> list[SpanOutput]:
+    sampled, targets, chosen, top_values, top_ids = host
+    outputs = []
+    s = lp = 0
+    for span in spans:
+        out = SpanOutput()
+        k = span.logprobs or 0
+        for _ in span.prompt_targets:
+            out.prompt_logprobs.append(_entry(int(targets[lp]), chosen[lp], top_ids, top_values, lp, k))
+            lp += 1
+        if span.sample is not None:
+            token = int(sampled[s])
+            s += 1
+            out.is_finite = token >= 0
+            out.token = token if token >= 0 else None
+            if span.logprobs is not None:
+                out.logprob = _entry(token, chosen[lp], top_ids, top_values, lp, k) if token >= 0 else None
+                lp += 1
+        outputs.append(out)
+    return outputs
+
+
+def _entry(token_id: int, logprob: float, top_ids: np.ndarray, top_values: np.ndarray, row: int, k: int) -> TokenLogprob:
+    top = tuple((int(top_ids[row, j]), float(top_values[row, j])) for j in range(k)) if k else ()
+    return TokenLogprob(token_id, float(logprob), top)

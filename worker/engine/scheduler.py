@@ -19,41 +19,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
 
-
-class Status(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    request_id: str
-    token_ids: list[int]  # prompt, then generated tokens
-    num_prompt_tokens: int
-    max_len: int  # KV positions it may use: prompt + max_tokens
-    status: Status = Status.WAITING
-    slot: int | None = None
-    num_computed: int = 0  # tokens whose keys and values are in the slot
-    num_cached: int = 0  # leading prompt tokens whose keys and values come from the prefix cache
-    arrival: int = 0
-    group: str = ""  # whose request (the tenant): tokens are shared fairly between groups
-
-    @property
-    def num_pending(self) -> int:
-        return len(self.token_ids) - self.num_computed
-
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed < self.num_prompt_tokens
+from worker.engine.sequence import Sequence, Status
 
 
 @dataclass(frozen=True)
-class Chunk:
-    """`length` new tokens of `seq` starting at position `start`; `samples` when the chunk
-    reaches the sequence's last known token (its logits choose the next token)."""
+class Span:
+    """What a step computes for one sequence: `length` new tokens of `seq` from position
+    `start`; `samples` when the span reaches the sequence's last known token (its logits
+    choose the next token). Not to be confused with a prefix-cache chunk (cache/)."""
 
     seq: Sequence
     start: int
@@ -66,7 +40,7 @@ class Chunk:
 
 @dataclass
 class Scheduler:
-    num_slots: int
+    num_seq_slots: int
     slot_len: int
     max_step_tokens: int
     running: list[Sequence] = field(default_factory=list)
@@ -77,9 +51,9 @@ class Scheduler:
     _floor: int = 0  # the least any group with work has been served, never decreasing
 
     def __post_init__(self) -> None:
-        if self.num_slots < 1 or self.slot_len < 2 or self.max_step_tokens < 1:
-            raise ValueError("num_slots and max_step_tokens must be >= 1 and slot_len >= 2")
-        self._free_slots = list(range(self.num_slots))
+        if self.num_seq_slots < 1 or self.slot_len < 2 or self.max_step_tokens < 1:
+            raise ValueError("num_seq_slots and max_step_tokens must be >= 1 and slot_len >= 2")
+        self._free_slots = list(range(self.num_seq_slots))
 
     def add(self, seq: Sequence) -> None:
         seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
@@ -104,12 +78,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._queues or self.running)
 
-    def schedule(self) -> list[Chunk]:
-        chunks: list[Chunk] = []
+    def schedule(self) -> list[Span]:
+        spans: list[Span] = []
         budget = self.max_step_tokens
         for seq in self.running:  # decoding first: one token each, always
             if not seq.is_prefilling:
-                chunks.append(Chunk(seq, seq.num_computed, seq.num_pending))
+                spans.append(Span(seq, seq.num_computed, seq.num_pending))
                 budget -= seq.num_pending
                 self._served[seq.group] = self._served.get(seq.group, 0) + seq.num_pending
         # then prompts, fairly between groups: running ones, and waiting ones while a slot is free
@@ -123,13 +97,13 @@ class Scheduler:
                 self._admit(seq)
             else:
                 prefilling.remove(seq)
-            chunks.append(self._prefill_chunk(seq, budget))
-            budget -= chunks[-1].length
-            self._served[seq.group] = self._served.get(seq.group, 0) + chunks[-1].length
+            spans.append(Span(seq, seq.num_computed, min(seq.num_pending, budget)))
+            budget -= spans[-1].length
+            self._served[seq.group] = self._served.get(seq.group, 0) + spans[-1].length
         active = self._active()
         if active:
             self._floor = max(self._floor, min(self._served[g] for g in active))
-        return chunks
+        return spans
 
     def _active(self) -> set[str]:
         return {seq.group for seq in self.running} | set(self._queues)
@@ -140,21 +114,18 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> None:
         self._unqueue(seq)
         self._free_slots.sort()  # lowest first: busy slots stay packed for batched attention
-        seq.slot, seq.status = self._free_slots.pop(0), Status.RUNNING
+        seq.seq_slot, seq.status = self._free_slots.pop(0), Status.RUNNING
         seq.num_computed = seq.num_cached  # the engine loads those into the slot before the pass
         self.running.append(seq)
-
-    def _prefill_chunk(self, seq: Sequence, budget: int) -> Chunk:
-        return Chunk(seq, seq.num_computed, min(seq.num_pending, budget))
 
     def finish(self, seq: Sequence) -> None:
         """Free its slot at once (completed, cancelled or failed)."""
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
-            self._free_slots.append(seq.slot)
+            self._free_slots.append(seq.seq_slot)
         elif seq.status == Status.WAITING:
             self._unqueue(seq)
-        seq.status, seq.slot = Status.FINISHED, None
+        seq.status, seq.seq_slot = Status.FINISHED, None
 
     def _unqueue(self, seq: Sequence) -> None:
         queue = self._queues[seq.group]

@@ -1,11 +1,11 @@
-"""KV slots and attention over a flattened batch of sequences.
+"""KV sequence slots and attention over a flattened batch of sequences.
 
-The cache is a slab of `num_slots` sequence slots, each `slot_len` tokens long
-(llama.cpp's server splits its context the same way). A step's tokens are
-flattened: token `i` belongs to slot `slots[i]` at position `positions[i]`.
-Sequences with one new token (decoding) share one batched attention over the
-slot range they span; a sequence with a chunk of new tokens (prefill) attends
-on its own with a causal mask.
+The cache is a slab of `num_seq_slots` sequence slots, each `slot_len` tokens
+long (llama.cpp's server splits its context the same way). A step's tokens are
+flattened: token `i` belongs to sequence slot `seq_slots[i]` at position
+`positions[i]`. Sequences with one new token (decoding) share one batched
+attention over the slot range they span; a sequence with several new tokens
+(prefill) attends on its own with a causal mask.
 """
 
 from __future__ import annotations
@@ -19,20 +19,20 @@ import torch.nn.functional as F
 
 @dataclass
 class KVCache:
-    """Preallocated keys and values: [num_layers, num_slots, num_kv_heads, slot_len, head_dim]."""
+    """Preallocated keys and values: [num_layers, num_seq_slots, num_kv_heads, slot_len, head_dim]."""
 
     k: torch.Tensor
     v: torch.Tensor
 
     @classmethod
     def allocate(
-        cls, num_layers: int, num_slots: int, num_kv_heads: int, slot_len: int, head_dim: int, dtype: torch.dtype, device: torch.device
+        cls, num_layers: int, num_seq_slots: int, num_kv_heads: int, slot_len: int, head_dim: int, dtype: torch.dtype, device: torch.device
     ) -> KVCache:
-        shape = (num_layers, num_slots, num_kv_heads, slot_len, head_dim)
+        shape = (num_layers, num_seq_slots, num_kv_heads, slot_len, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
     @property
-    def num_slots(self) -> int:
+    def num_seq_slots(self) -> int:
         return self.k.shape[1]
 
     @property
@@ -48,7 +48,7 @@ class KVCache:
 class Segment:
     """New tokens [row, row + length) of the flattened batch: one sequence's positions start.."""
 
-    slot: int
+    seq_slot: int
     row: int
     length: int
     start: int
@@ -58,21 +58,21 @@ class Segment:
 class AttentionPlan:
     """Host-built indices for one forward pass (tensors on the compute device)."""
 
-    slots: torch.Tensor  # [N] slot of each new token
+    seq_slots: torch.Tensor  # [N] sequence slot of each new token
     positions: torch.Tensor  # [N] its position in the sequence
     chunks: list[Segment]  # sequences with several new tokens: attend one by one
     decode_rows: torch.Tensor | None  # [Bd] rows of single-token sequences
-    decode_first_slot: int  # they span slots [first, first + span)
-    decode_index: torch.Tensor | None  # [Bd] slot - first
+    decode_first_slot: int  # they span sequence slots [first, first + span)
+    decode_index: torch.Tensor | None  # [Bd] seq_slot - first
     decode_mask: torch.Tensor | None  # [span, 1, 1, kv_len] True where a key is visible
     is_all_decode_span: bool  # every slot in the span decodes, in row order
     is_decode_only: bool  # ... and nothing else runs: rows are the span's slots in order
 
     @classmethod
     def build(cls, segments: Sequence[Segment], device: torch.device) -> AttentionPlan:
-        slots, positions = [], []
+        seq_slots, positions = [], []
         for seg in segments:
-            slots += [seg.slot] * seg.length
+            seq_slots += [seg.seq_slot] * seg.length
             positions += range(seg.start, seg.start + seg.length)
         chunks = [s for s in segments if s.length > 1]
         decodes = [s for s in segments if s.length == 1]
@@ -80,20 +80,20 @@ class AttentionPlan:
         first = 0
         is_all = False
         if decodes:
-            first = min(s.slot for s in decodes)
-            span = max(s.slot for s in decodes) - first + 1
+            first = min(s.seq_slot for s in decodes)
+            span = max(s.seq_slot for s in decodes) - first + 1
             kv_len = max(s.start for s in decodes) + 1
             visible = torch.zeros(span, kv_len, dtype=torch.bool)
             visible[:, 0] = True  # slots in the span that do not decode: harmless, discarded rows
             for s in decodes:
-                visible[s.slot - first, : s.start + 1] = True
-            index = [s.slot - first for s in decodes]
+                visible[s.seq_slot - first, : s.start + 1] = True
+            index = [s.seq_slot - first for s in decodes]
             is_all = index == list(range(span))
             decode_rows = torch.tensor([s.row for s in decodes], dtype=torch.long, device=device)
             decode_index = torch.tensor(index, dtype=torch.long, device=device)
             decode_mask = visible.view(span, 1, 1, kv_len).to(device)
         return cls(
-            torch.tensor(slots, dtype=torch.long, device=device),
+            torch.tensor(seq_slots, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
             chunks, decode_rows, first, decode_index, decode_mask, is_all,
             is_all and not chunks and [s.row for s in decodes] == list(range(len(decodes))),
@@ -117,8 +117,8 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cac
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     k_layer, v_layer = cache.k[layer], cache.v[layer]  # [slots, Hkv, S, D]
-    k_layer.transpose(1, 2)[plan.slots, plan.positions] = k.to(k_layer.dtype)
-    v_layer.transpose(1, 2)[plan.slots, plan.positions] = v.to(v_layer.dtype)
+    k_layer.transpose(1, 2)[plan.seq_slots, plan.positions] = k.to(k_layer.dtype)
+    v_layer.transpose(1, 2)[plan.seq_slots, plan.positions] = v.to(v_layer.dtype)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for seg in plan.chunks:
         end = seg.start + seg.length
@@ -127,7 +127,7 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cac
         key_pos = torch.arange(end, device=q.device)
         query_pos = torch.arange(seg.start, end, device=q.device).repeat(group)
         visible = key_pos[None, :] <= query_pos[:, None]  # [G*T, S], heads major
-        o = _attend(qs, k_layer[seg.slot : seg.slot + 1, :, :end], v_layer[seg.slot : seg.slot + 1, :, :end], visible)
+        o = _attend(qs, k_layer[seg.seq_slot : seg.seq_slot + 1, :, :end], v_layer[seg.seq_slot : seg.seq_slot + 1, :, :end], visible)
         out[seg.row : seg.row + seg.length] = o.view(num_kv_heads, group, seg.length, head_dim).permute(2, 0, 1, 3).reshape(seg.length, num_heads, head_dim)
     if plan.decode_rows is not None:
         span, kv_len = plan.decode_mask.shape[0], plan.decode_mask.shape[-1]

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.model.attention import AttentionPlan, KVCache, attention
 from worker.formats.hparams import ModelHParams, RopeStyle
+from worker.model.attention import AttentionPlan, KVCache, attention
 
 
 class RMSNorm(nn.Module):

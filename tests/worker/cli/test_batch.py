@@ -7,8 +7,9 @@ import json
 from gateway.cli import main as cli_main
 from tests.helpers import TEST_DEVICE
 from tests.tinymodels import random_lora, write_adapter
-from worker.engine.engine import Engine, EngineConfig, EngineRequest
-from worker.engine.params import SamplingParams
+from worker.contract.params import SamplingParams
+from worker.contract.spec import EngineConfig
+from worker.engine.engine import Engine, EngineRequest
 from worker.engine.runner import ModelRunner
 
 
@@ -29,7 +30,7 @@ def test_batch_file_runs_all_lines_together_in_input_order(tiny_llama, tmp_path,
     assert [len(o["tokens"]) for o in outs] == [5, 3, 4] and all(o["finish_reason"] == "length" for o in outs)
     # each line gets what it gets alone, with its own adapters
     runner = ModelRunner.from_paths(tiny_llama.path, [a, b], TEST_DEVICE)
-    alone = Engine(runner, None, EngineConfig(num_slots=1, slot_len=32)).run_all(
+    alone = Engine(runner, None, EngineConfig(num_seq_slots=1, slot_len=32)).run_all(
         [EngineRequest("x", [9, 8, 7], SamplingParams(max_tokens=4, temperature=0.8, seed=5, ignore_eos=True), {0: 1.0, 1: -1.0})]
     )
     assert outs[2]["tokens"] == alone["x"].token_ids

@@ -7,13 +7,15 @@ import torch
 
 from tests.helpers import TEST_DEVICE, prompt_logits
 from tests.tinymodels import invocation_metadata, random_lora, write_adapter
-from worker.model.attention import Segment
-from worker.engine.engine import Engine, EngineConfig, EngineRequest, RequestError
+from worker.contract.params import SamplingParams
+from worker.contract.spec import EngineConfig
+from worker.engine.engine import Engine, EngineRequest, RequestError
 from worker.engine.loop import EngineLoop
-from worker.formats.gguf_file import GGUFFile
-from worker.engine.params import SamplingParams
 from worker.engine.runner import ModelRunner
+from worker.formats.gguf_file import GGUFFile
 from worker.formats.tokenizer import GGUFTokenizer
+from worker.lora.mapping import token_scales
+from worker.model.attention import Segment
 
 ATTN = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "blk.1.attn_output.weight"]
 MLP = ["blk.0.ffn_up.weight", "blk.1.ffn_down.weight", "blk.1.ffn_gate.weight"]
@@ -52,14 +54,14 @@ def mixed_requests(params: SamplingParams = GREEDY) -> list[EngineRequest]:
 
 
 def run_alone(runner, tokenizer, request: EngineRequest):
-    return Engine(runner, tokenizer, EngineConfig(num_slots=1, slot_len=64)).run_all([request])[request.request_id]
+    return Engine(runner, tokenizer, EngineConfig(num_seq_slots=1, slot_len=64)).run_all([request])[request.request_id]
 
 
 def test_request_alone_equals_inside_mixed_batch(runner, tokenizer) -> None:
     requests = mixed_requests()
     alone = [run_alone(runner, tokenizer, r) for r in requests]
     # small step budget: prefill chunks interleave with other requests' decoding
-    engine = Engine(runner, tokenizer, EngineConfig(num_slots=6, slot_len=64, max_step_tokens=7))
+    engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=6, slot_len=64, max_step_tokens=7))
     together = engine.run_all(requests)
     for request, single in zip(requests, alone):
         batched = together[request.request_id]
@@ -71,13 +73,13 @@ def test_request_alone_equals_inside_mixed_batch(runner, tokenizer) -> None:
     assert together["r4"].alora_activation == 3 and together["r5"].alora_activation is None
     assert engine.scheduler.num_free_slots == 6
     with pytest.raises(ValueError, match="at least num_slots"):
-        EngineConfig(num_slots=8, max_step_tokens=4)
+        EngineConfig(num_seq_slots=8, max_step_tokens=4)
 
 
 def test_alora_without_invocation_equals_base_in_a_batch(runner, tokenizer) -> None:
     prompt = [40, 41, 42, 43, 44, 45, 46]
     base, alora = EngineRequest("base", prompt, GREEDY), EngineRequest("alora", prompt, GREEDY, {3: 1.0})
-    results = Engine(runner, tokenizer, EngineConfig(num_slots=2, slot_len=64)).run_all([base, alora])
+    results = Engine(runner, tokenizer, EngineConfig(num_seq_slots=2, slot_len=64)).run_all([base, alora])
     assert results["base"].token_ids == results["alora"].token_ids
 
 
@@ -85,7 +87,7 @@ def test_alora_in_a_batch_matches_base_before_activation_and_differs_after(runne
     prompt = [40, 41, 42, 43, 44, 250, 12, 45, 46, 47]  # invocation at 5 -> active from 4
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, echo=True, logprobs=1)
     requests = [EngineRequest("base", prompt, params), EngineRequest("alora", prompt, params, {3: 1.0}), mixed_requests()[1]]
-    results = Engine(runner, tokenizer, EngineConfig(num_slots=3, slot_len=64, max_step_tokens=4)).run_all(requests)
+    results = Engine(runner, tokenizer, EngineConfig(num_seq_slots=3, slot_len=64, max_step_tokens=4)).run_all(requests)
     base, alora = results["base"].prompt_logprobs, results["alora"].prompt_logprobs
     assert results["alora"].alora_activation == 4
     # entry i is the log-probability of token i given tokens < i: rows up to position 3 see no adapter
@@ -97,20 +99,20 @@ def test_alora_in_a_batch_matches_base_before_activation_and_differs_after(runne
 def test_batched_forward_logits_match_each_sequence_alone(runner) -> None:
     seqs = [([5, 77, 140, 3, 200, 9], {0: 1.0}), ([8, 1, 99, 42], {1: 0.5, 2: 1.0}), ([30, 31, 32, 33, 34, 35, 36, 37, 38], {})]
     expected = [prompt_logits(runner, ids, scales) for ids, scales in seqs]
-    cache = runner.allocate_cache(4, 32)
-    scales = [runner.adapter_scales(ids, s) for ids, s in seqs]
-    active = frozenset().union(*(s.active_slots for s in scales))
-    # prefill all but the last token of each, slots 3, 0, 2, in one pass
+    kv = runner.allocate_kv(4, 32)
+    adapters = [runner.resolve_adapters(ids, s) for ids, s in seqs]
+    # prefill all but the last token of each, sequence slots 3, 0, 2, in one pass
     slots, tokens, segments, rows = [3, 0, 2], [], [], []
     for (ids, _), slot in zip(seqs, slots):
         segments.append(Segment(slot, len(tokens), len(ids) - 1, 0))
         rows += range(len(tokens), len(tokens) + len(ids) - 1)
         tokens += ids[:-1]
-    scale_rows = torch.cat([s.prompt[:-1] for s in scales])
-    first = runner.run(tokens, segments, cache, scale_rows, active, rows).cpu()
+    scale_rows, active = token_scales([(a, 0, len(ids) - 1) for a, (ids, _) in zip(adapters, seqs)], runner.num_adapter_slots)
+    first = runner.logits(tokens, segments, kv, torch.from_numpy(scale_rows), active, rows).cpu()
     # then the last tokens together: a batched decode over slots 0..3 with slot 1 idle
     last = [Segment(slot, i, 1, len(ids) - 1) for i, ((ids, _), slot) in enumerate(zip(seqs, slots))]
-    step = runner.run([ids[-1] for ids, _ in seqs], last, cache, torch.cat([s.prompt[-1:] for s in scales]), active, [0, 1, 2]).cpu()
+    scale_rows, active = token_scales([(a, len(ids) - 1, 1) for a, (ids, _) in zip(adapters, seqs)], runner.num_adapter_slots)
+    step = runner.logits([ids[-1] for ids, _ in seqs], last, kv, torch.from_numpy(scale_rows), active, [0, 1, 2]).cpu()
     offset = 0
     for i, ((ids, _), want) in enumerate(zip(seqs, expected)):
         n = len(ids) - 1
@@ -124,7 +126,7 @@ def test_seeded_sampling_is_reproducible_in_any_batch(runner, tokenizer) -> None
     target = EngineRequest("t", [5, 77, 140, 3, 200], params, {1: 1.0})
     alone = run_alone(runner, tokenizer, target).token_ids
     others = mixed_requests(SamplingParams(max_tokens=6, temperature=0.9, ignore_eos=True))
-    batched = Engine(runner, tokenizer, EngineConfig(num_slots=4, slot_len=64, max_step_tokens=7)).run_all(others[:3] + [target] + others[3:])
+    batched = Engine(runner, tokenizer, EngineConfig(num_seq_slots=4, slot_len=64, max_step_tokens=7)).run_all(others[:3] + [target] + others[3:])
     assert batched["t"].token_ids == alone
     reseeded = EngineRequest("u", target.prompt_ids, SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=0, seed=99, ignore_eos=True), {1: 1.0})
     assert run_alone(runner, tokenizer, reseeded).token_ids != alone
@@ -132,7 +134,7 @@ def test_seeded_sampling_is_reproducible_in_any_batch(runner, tokenizer) -> None
 
 def test_admission_waits_for_a_free_slot(runner, tokenizer) -> None:
     requests = mixed_requests()
-    engine = Engine(runner, tokenizer, EngineConfig(num_slots=2, slot_len=32, max_step_tokens=64))
+    engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=2, slot_len=32, max_step_tokens=64))
     for r in requests:
         engine.add_request(r)
     engine.step()
@@ -146,12 +148,12 @@ def test_admission_waits_for_a_free_slot(runner, tokenizer) -> None:
     for r in requests[:3]:
         assert engine.result(r.request_id) is None  # finished requests leave the engine
     solo = run_alone(runner, tokenizer, requests[5])
-    again = Engine(runner, tokenizer, EngineConfig(num_slots=2, slot_len=32)).run_all(requests)
+    again = Engine(runner, tokenizer, EngineConfig(num_seq_slots=2, slot_len=32)).run_all(requests)
     assert again["r5"].token_ids == solo.token_ids
 
 
 def test_decoding_continues_while_a_long_prompt_prefills(runner, tokenizer) -> None:
-    engine = Engine(runner, tokenizer, EngineConfig(num_slots=2, slot_len=96, max_step_tokens=6))
+    engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=2, slot_len=96, max_step_tokens=6))
     engine.add_request(EngineRequest("short", [5, 6], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
     engine.step()
     engine.add_request(EngineRequest("long", list(range(10, 70)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)))
@@ -160,7 +162,7 @@ def test_decoding_continues_while_a_long_prompt_prefills(runner, tokenizer) -> N
 
 
 def test_request_errors_change_nothing(runner, tokenizer) -> None:
-    engine = Engine(runner, tokenizer, EngineConfig(num_slots=2, slot_len=16))
+    engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=2, slot_len=16))
     with pytest.raises(RequestError, match=r"plus max_tokens \(10\) exceeds the context length \(16\)"):
         engine.add_request(EngineRequest("x", list(range(1, 8)), SamplingParams(max_tokens=10)))
     with pytest.raises(RequestError, match="out of range"):
@@ -177,17 +179,16 @@ def test_request_errors_change_nothing(runner, tokenizer) -> None:
 def test_one_failing_request_does_not_break_its_batch(runner, tokenizer, monkeypatch) -> None:
     import worker.engine.engine as engine_module
 
-    real_sample = engine_module.sample
+    class Flaky(engine_module.StopMatcher):  # what happens to one request after the batched pass: detokenize, stop
+        def feed(self, text: str) -> str:
+            if "boom" in self._stops:
+                raise RuntimeError("boom")
+            return super().feed(text)
 
-    def flaky(logits, params, generator):
-        if params.seed == 666:
-            raise RuntimeError("boom")
-        return real_sample(logits, params, generator)
-
-    monkeypatch.setattr(engine_module, "sample", flaky)
-    bad = EngineRequest("bad", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.5, seed=666))
+    monkeypatch.setattr(engine_module, "StopMatcher", Flaky)
+    bad = EngineRequest("bad", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.5, seed=666, stop=("boom",)))
     good = mixed_requests()[:2]
-    results = Engine(runner, tokenizer, EngineConfig(num_slots=3, slot_len=64)).run_all([good[0], bad, good[1]])
+    results = Engine(runner, tokenizer, EngineConfig(num_seq_slots=3, slot_len=64)).run_all([good[0], bad, good[1]])
     assert results["bad"].finish_reason == "error" and "boom" in results["bad"].error
     for r in good:
         assert results[r.request_id].token_ids == run_alone(runner, tokenizer, r).token_ids
@@ -204,7 +205,7 @@ def test_stop_string_across_tokens(runner, tokenizer) -> None:
     num_tokens = next(n for n, text in enumerate(prefixes) if stop in text)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=("never-there", stop))
     streamed = []
-    engine = Engine(runner, tokenizer, EngineConfig(num_slots=1, slot_len=64))
+    engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=1, slot_len=64))
     engine.add_request(EngineRequest("s", request.prompt_ids, params))
     result = engine.result("s")
     while engine.has_work():
@@ -216,7 +217,7 @@ def test_stop_string_across_tokens(runner, tokenizer) -> None:
 
 
 def test_stream_and_cancel_mid_stream(runner, tokenizer) -> None:
-    loop = EngineLoop(Engine(runner, tokenizer, EngineConfig(num_slots=2, slot_len=128)))
+    loop = EngineLoop(Engine(runner, tokenizer, EngineConfig(num_seq_slots=2, slot_len=128)))
     try:
         params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
         stream = loop.submit(EngineRequest("long", [5, 6, 7], params))
@@ -240,7 +241,7 @@ def test_stream_and_cancel_mid_stream(runner, tokenizer) -> None:
 
 
 def test_stream_ends_with_the_whole_result_and_a_stale_cancel_is_ignored(runner, tokenizer) -> None:
-    loop = EngineLoop(Engine(runner, tokenizer, EngineConfig(num_slots=2, slot_len=64)))
+    loop = EngineLoop(Engine(runner, tokenizer, EngineConfig(num_seq_slots=2, slot_len=64)))
     try:
         echo = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, echo=True, logprobs=1)
         first = loop.submit(EngineRequest("same-id", [5, 6, 7, 8], echo))
@@ -254,7 +255,7 @@ def test_stream_ends_with_the_whole_result_and_a_stale_cancel_is_ignored(runner,
 
 
 def test_requests_the_engine_cannot_honour_are_refused(runner) -> None:
-    engine = Engine(runner, None, EngineConfig(num_slots=1, slot_len=16))
+    engine = Engine(runner, None, EngineConfig(num_seq_slots=1, slot_len=16))
     with pytest.raises(RequestError, match="stop strings need the model's tokenizer"):
         engine.check(EngineRequest("x", [1, 2], SamplingParams(max_tokens=2, stop=("a",))))
     with pytest.raises(ValueError, match="slot 7 does not exist"):
@@ -270,7 +271,7 @@ def test_a_quiet_tenants_first_token_does_not_wait_for_a_noisy_tenants_backlog(r
     noisy = [EngineRequest(f"n{i}", [(7 * i + j) % 200 + 1 for j in range(40)], params, {0: 1.0}, tenant="noisy") for i in range(6)]
 
     def first_token_step(quiet: EngineRequest) -> tuple[int, list[int]]:
-        engine = Engine(runner, tokenizer, EngineConfig(num_slots=8, slot_len=64, max_step_tokens=16))
+        engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=8, slot_len=64, max_step_tokens=16))
         for r in [*noisy, quiet]:
             engine.add_request(r)
         step, first, tokens = 0, 0, []

@@ -7,10 +7,10 @@ import torch
 
 from tests.helpers import TEST_DEVICE, prompt_logits
 from tests.tinymodels import invocation_metadata, random_lora, write_adapter
+from worker.contract.params import SamplingParams
 from worker.engine.generate import RequestError, generate
-from worker.formats.gguf_file import GGUFFile
 from worker.engine.runner import ModelRunner
-from worker.model.sampler import SamplingParams
+from worker.formats.gguf_file import GGUFFile
 from worker.formats.tokenizer import GGUFTokenizer
 
 PROMPT = [5, 77, 140, 3, 200, 9, 31]
@@ -98,7 +98,7 @@ def test_bad_requests_fail_before_any_work(runner, prompt, params, message) -> N
 
 def test_unknown_adapter_slot_is_an_error(runner) -> None:
     with pytest.raises(ValueError, match="adapter slot 5 does not exist"):
-        runner.adapter_scales(PROMPT, {5: 1.0})
+        runner.resolve_adapters(PROMPT, {5: 1.0})
 
 
 @pytest.mark.parametrize(

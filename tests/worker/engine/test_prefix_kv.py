@@ -21,11 +21,13 @@ from cache.prefix import PrefixCacheConfig
 from tests.helpers import TEST_DEVICE
 from tests.redis_server import RedisServer
 from tests.tinymodels import TinySpec, invocation_metadata, make_tiny_model, random_lora, write_adapter
+from worker.contract.params import SamplingParams
+from worker.contract.spec import EngineConfig
 from worker.engine import prefix_kv
-from worker.engine.engine import Engine, EngineConfig, EngineRequest
+from worker.engine.engine import Engine, EngineRequest
 from worker.engine.loop import EngineLoop
-from worker.engine.params import SamplingParams
 from worker.engine.runner import ModelRunner
+from worker.lora.mapping import RequestAdapters
 
 C = 8
 ATTN = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "blk.1.attn_output.weight"]
@@ -62,7 +64,7 @@ def open_cache(runner, prefix: str, url: str = "redis://127.0.0.1:6379/0", **red
 
 
 def run(runner, cache, prompt=PROMPT, adapters=None, salt="t1", params=GREEDY, **fields):
-    engine = Engine(runner, None, EngineConfig(num_slots=2, slot_len=128, max_step_tokens=16), prefix_cache=cache)
+    engine = Engine(runner, None, EngineConfig(num_seq_slots=2, slot_len=128, max_step_tokens=16), prefix_cache=cache)
     request = EngineRequest("r", list(prompt), params, adapters or {}, cache_salt=salt, **fields)
     result = engine.run_all([request])["r"]
     if cache is not None:
@@ -134,7 +136,7 @@ def test_alora_requests_share_only_the_chunks_before_activation_with_the_base(ru
     uncached = {slot: run(runner, None, prompt, {slot: 1.0}) for slot in (2, 3)}
     first = run(runner, open_cache(runner, redis_prefix), prompt, {2: 1.0})
     assert first.alora_activation == activation and first.cached_tokens == 0
-    base_root = prefix_kv.request_root(runner, prefix_kv.cache_model_id(runner), {}, "t1")
+    base_root = prefix_kv.request_root(runner, prefix_kv.cache_model_id(runner), RequestAdapters(), "t1")
     expected = {f"{redis_prefix}:kv:{k.hex()}" for k in chunk_keys(base_root, prompt, C, activation)}
     assert set(redis_values(redis_prefix)) == expected and len(expected) == 4  # under the base's key, nothing at or after 36
 
@@ -167,7 +169,7 @@ BAD_VALUES = {
 def test_a_bad_value_is_a_miss_deleted_and_counted(runner, redis_prefix, damage) -> None:
     writer = open_cache(runner, redis_prefix)
     run(runner, writer)
-    bad_key = chunk_keys(prefix_kv.request_root(runner, writer.geometry.model_id, {}, "t1"), PROMPT, C)[2]
+    bad_key = chunk_keys(prefix_kv.request_root(runner, writer.geometry.model_id, RequestAdapters(), "t1"), PROMPT, C)[2]
     client, name = redis.Redis(), f"{redis_prefix}:kv:{bad_key.hex()}"
     client.set(name, BAD_VALUES[damage](client.get(name)))
 
@@ -204,7 +206,7 @@ def test_prompt_logprobs_and_cache_prompt_false_are_computed_in_full(runner, red
 def test_the_engine_loop_looks_up_in_the_submitting_thread(runner, redis_prefix) -> None:
     run(runner, open_cache(runner, redis_prefix))
     cache = open_cache(runner, redis_prefix)
-    loop = EngineLoop(Engine(runner, None, EngineConfig(num_slots=2, slot_len=128, max_step_tokens=16), prefix_cache=cache))
+    loop = EngineLoop(Engine(runner, None, EngineConfig(num_seq_slots=2, slot_len=128, max_step_tokens=16), prefix_cache=cache))
     try:
         outs = list(loop.submit(EngineRequest("x", PROMPT, GREEDY, cache_salt="t1")))
     finally:

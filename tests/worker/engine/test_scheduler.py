@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from worker.engine.scheduler import Scheduler, Sequence, Status
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence, Status
 
 
 def seq(name: str, num_prompt: int, max_new: int = 4) -> Sequence:
@@ -20,7 +21,7 @@ def advance(chunks) -> None:
 
 
 def test_decoding_first_then_prefill_chunks_within_the_budget() -> None:
-    s = Scheduler(num_slots=3, slot_len=64, max_step_tokens=8)
+    s = Scheduler(num_seq_slots=3, slot_len=64, max_step_tokens=8)
     a, b = seq("a", 3), seq("b", 20)
     s.add(a)
     advance(s.schedule())  # a prefilled whole, sampled its first token
@@ -34,21 +35,21 @@ def test_decoding_first_then_prefill_chunks_within_the_budget() -> None:
 
 
 def test_admission_in_arrival_order_into_the_lowest_free_slot() -> None:
-    s = Scheduler(num_slots=2, slot_len=64, max_step_tokens=100)
+    s = Scheduler(num_seq_slots=2, slot_len=64, max_step_tokens=100)
     seqs = [seq(n, 2) for n in "abcd"]
     for x in seqs:
         s.add(x)
     s.schedule()
-    assert [(x.request_id, x.slot) for x in s.running] == [("a", 0), ("b", 1)]
+    assert [(x.request_id, x.seq_slot) for x in s.running] == [("a", 0), ("b", 1)]
     assert [x.request_id for x in s.waiting] == ["c", "d"]
     s.finish(seqs[0])
     assert seqs[0].status == Status.FINISHED and s.num_free_slots == 1
     s.schedule()
-    assert seqs[2].slot == 0 and seqs[3].status == Status.WAITING
+    assert seqs[2].seq_slot == 0 and seqs[3].status == Status.WAITING
 
 
 def test_finishing_a_waiting_sequence_removes_it() -> None:
-    s = Scheduler(num_slots=1, slot_len=64, max_step_tokens=10)
+    s = Scheduler(num_seq_slots=1, slot_len=64, max_step_tokens=10)
     a, b = seq("a", 2), seq("b", 2)
     s.add(a)
     s.add(b)
@@ -77,7 +78,7 @@ def steps_until_first_token(s: Scheduler, target: Sequence, limit: int = 100) ->
 
 def test_one_tenants_backlog_does_not_hold_back_another_tenants_first_token() -> None:
     def run(quiet_group: str) -> int:
-        s = Scheduler(num_slots=8, slot_len=64, max_step_tokens=32)
+        s = Scheduler(num_seq_slots=8, slot_len=64, max_step_tokens=32)
         for i in range(6):
             s.add(grouped(f"n{i}", "noisy", 40))
         quiet = grouped("q", quiet_group, 10)
@@ -99,7 +100,7 @@ def tokens_per_group(s: Scheduler, steps: int) -> Counter:
 
 
 def test_a_group_back_from_idle_shares_instead_of_catching_up() -> None:
-    s = Scheduler(num_slots=8, slot_len=256, max_step_tokens=16)
+    s = Scheduler(num_seq_slots=8, slot_len=256, max_step_tokens=16)
     for i in range(3):
         s.add(grouped(f"a{i}", "a", 40))
     for _ in range(6):  # group a alone: 96 tokens of service
@@ -112,7 +113,7 @@ def test_a_group_back_from_idle_shares_instead_of_catching_up() -> None:
 
 
 def test_a_group_that_was_served_alone_keeps_no_debt_once_others_arrive() -> None:
-    s = Scheduler(num_slots=8, slot_len=256, max_step_tokens=16)
+    s = Scheduler(num_seq_slots=8, slot_len=256, max_step_tokens=16)
     heavy = [grouped(f"a{i}", "a", 40) for i in range(3)]
     for x in heavy:
         s.add(x)

@@ -15,8 +15,8 @@ from tests.tinymodels import invocation_metadata, random_lora, write_adapter
 from worker.formats import fingerprint as fp_module
 from worker.formats.adapter import load_adapter
 from worker.formats.fingerprint import adapter_set_fingerprint, base_fingerprint, base_fingerprint_uncached
-from worker.formats.hashing import TaggedHasher
 from worker.formats.gguf_file import GGUFFile
+from worker.formats.hashing import TaggedHasher
 
 TARGETS = ["blk.0.attn_q.weight", "blk.1.ffn_down.weight"]
 

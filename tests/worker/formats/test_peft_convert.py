@@ -12,10 +12,10 @@ import torch
 
 from gateway.cli import main as cli_main
 from tests.helpers import TEST_DEVICE, prompt_logits
+from worker.engine.runner import ModelRunner
 from worker.formats.adapter import load_adapter
 from worker.formats.gguf_file import GGUFFile
 from worker.formats.peft_convert import ConversionError, ConvertOptions, convert_peft_to_gguf
-from worker.engine.runner import ModelRunner
 
 IDS = [5, 77, 140, 3, 200, 9, 31, 250, 12, 180, 64, 99]
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

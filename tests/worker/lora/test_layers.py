@@ -11,9 +11,9 @@ from gguf import GGMLQuantizationType
 
 from tests.helpers import TEST_DEVICE, prompt_logits
 from tests.tinymodels import TinyModel, invocation_metadata, random_lora, write_adapter, write_base
+from worker.engine.runner import ModelRunner
 from worker.formats.alora import MultipleALoRAError
 from worker.lora.layers import LoRAEmbedding, LoRALinear
-from worker.engine.runner import ModelRunner
 
 IDS = [5, 77, 140, 3, 200, 9, 31, 250, 12, 180, 64, 99, 7, 120, 45, 33]
 LINEAR_TARGETS = [
@@ -117,17 +117,16 @@ def test_alora_activates_from_the_token_before_the_invocation(tiny_llama, tmp_pa
     path = write_adapter(tmp_path / "alora.gguf", pairs, metadata=invocation_metadata(invocation))
     runner = ModelRunner.from_paths(tiny_llama.path, [path], TEST_DEVICE)
     ids = IDS[:6] + invocation + IDS[6:10]  # invocation starts at 6 -> activation at 5
-    scales = runner.adapter_scales(ids, {0: 1.0})
-    assert scales.alora_activation == 5
+    scales = runner.resolve_adapters(ids, {0: 1.0})
+    assert scales.activation == 5
     base = prompt_logits(runner, ids)
     ours = prompt_logits(runner, ids, {0: 1.0})
     torch.testing.assert_close(ours[:5], base[:5], atol=0, rtol=0)
     # Reference: base KV for [0, 5), then the merged model continues from that cache.
     full = merged(tiny_llama, tmp_path, "m", [(pairs, 1.0 * 8 / 4)])
-    cache = runner.new_cache(len(ids))
-    none = runner.adapter_scales(ids, {})
-    runner.forward(ids[:5], 0, cache, none.prompt[:5], none.active_slots)
-    rest = full.forward(ids[5:], 5, cache, none.prompt[5:], none.active_slots, all_logits=True)
+    kv = runner.allocate_kv(1, len(ids))
+    runner.forward(ids[:5], 0, kv)
+    rest = full.forward(ids[5:], 5, kv, all_logits=True)
     torch.testing.assert_close(ours[5:], rest.cpu(), atol=1e-4, rtol=1e-4)
 
 
@@ -135,8 +134,8 @@ def test_alora_without_invocation_is_disabled(tiny_llama, tmp_path) -> None:
     pairs = random_lora(tiny_llama, LINEAR_TARGETS, rank=4, seed=9)
     path = write_adapter(tmp_path / "alora.gguf", pairs, metadata=invocation_metadata([150, 151]))
     runner = ModelRunner.from_paths(tiny_llama.path, [path], TEST_DEVICE)
-    scales = runner.adapter_scales(IDS, {0: 1.0})
-    assert scales.alora_activation is None and scales.active_slots == frozenset()
+    scales = runner.resolve_adapters(IDS, {0: 1.0})
+    assert scales.activation is None and scales.active_slots == frozenset()
     torch.testing.assert_close(prompt_logits(runner, IDS, {0: 1.0}), prompt_logits(runner, IDS), atol=0, rtol=0)
 
 
@@ -145,5 +144,5 @@ def test_two_aloras_in_one_request_is_an_error(tiny_llama, tmp_path) -> None:
     paths = [write_adapter(tmp_path / f"{i}.gguf", pairs, metadata=invocation_metadata([150 + i])) for i in range(2)]
     runner = ModelRunner.from_paths(tiny_llama.path, paths, TEST_DEVICE)
     with pytest.raises(MultipleALoRAError, match="^Cannot run multiple aLoRAs in a single request$"):
-        runner.adapter_scales(IDS, {0: 1.0, 1: 1.0})
-    runner.adapter_scales(IDS, {0: 1.0, 1: 0.0})  # scale 0 does not count
+        runner.resolve_adapters(IDS, {0: 1.0, 1: 1.0})
+    runner.resolve_adapters(IDS, {0: 1.0, 1: 0.0})  # scale 0 does not count

@@ -12,8 +12,8 @@ import hashlib
 
 import pytest
 
+from worker.contract.params import SamplingParams
 from worker.engine.generate import generate
-from worker.model.sampler import SamplingParams
 
 SCALES = {"base": 0.0, "small@1.0": 1.0, "small@0.5": 0.5}
 NEAR_TIE = 0.35

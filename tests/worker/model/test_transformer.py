@@ -10,10 +10,10 @@ from gguf.quants import dequantize, quantize
 
 from tests.helpers import TEST_DEVICE, prompt_logits
 from tests.tinymodels import TinySpec, make_tiny_model, write_base
+from worker.engine.runner import ModelRunner
 from worker.formats.gguf_file import GGUFFile
 from worker.formats.hparams import ModelHParams, RopeStyle, UnsupportedModelError
-from worker.model.loader import DeviceConfig
-from worker.engine.runner import ModelRunner
+from worker.model.device import DeviceConfig
 
 IDS = [5, 77, 140, 3, 200, 9, 31, 250, 12, 180, 64, 99, 7, 2, 120, 45, 33, 260, 18, 4]
 
@@ -51,11 +51,10 @@ def test_untied_model_has_separate_output(tiny_llama, tiny_llama_tied) -> None:
 def test_incremental_decode_matches_full_forward(tiny_llama) -> None:
     runner = ModelRunner.from_paths(tiny_llama.path, [], TEST_DEVICE)
     full = prompt_logits(runner, IDS)
-    scales = runner.adapter_scales(IDS, {})
-    cache = runner.new_cache(len(IDS))
-    steps = [runner.forward(IDS[:8], 0, cache, scales.prompt[:8], scales.active_slots, all_logits=True)]
+    kv = runner.allocate_kv(1, len(IDS))
+    steps = [runner.forward(IDS[:8], 0, kv, all_logits=True)]
     for pos in range(8, len(IDS)):
-        steps.append(runner.forward(IDS[pos : pos + 1], pos, cache, scales.generated, scales.active_slots))
+        steps.append(runner.forward(IDS[pos : pos + 1], pos, kv))
     torch.testing.assert_close(torch.cat(steps).cpu(), full, atol=1e-5, rtol=1e-5)
 
 

@@ -11,8 +11,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.placement import AdapterSpec, PlacementError, plan, zipf_shares
 from gateway.plan import parse_capacity
+from gateway.policy.placement import AdapterSpec, PlacementError, plan, zipf_shares
 
 
 def names(n: int) -> list[str]:

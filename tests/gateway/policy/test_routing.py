@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from gateway.routing import NoCandidateError, ReplicaView, affinity_key, candidates, choose
+from gateway.policy.routing import NoCandidateError, ReplicaView, affinity_key, candidates, choose
 
 
 def replicas(loads: dict[str, int] | None = None) -> list[ReplicaView]:
@@ -67,7 +67,7 @@ def test_random_and_least_loaded() -> None:
 def test_light_traffic_stays_balanced_through_recent_load() -> None:
     """One request at a time (nothing else in flight): a hot prefix still spreads once its
     replica has had more than its share lately."""
-    from gateway.routing import RecentLoad
+    from gateway.policy.routing import RecentLoad
 
     recent, now, counts = RecentLoad(half_life_s=30), 0.0, Counter()
     hot = affinity_key("set", [1] * 32, 32)

@@ -270,14 +270,14 @@ def test_a_stream_closed_early_frees_the_workers_slot(served) -> None:
     import asyncio
     import time
 
-    from worker.engine.params import SamplingParams
+    from worker.contract.params import SamplingParams
 
     client, pool = served
     gateway = client.app.state.gateway
     engine = pool.workers["s2-0"].loop.engine
 
     async def read_one_delta_and_leave() -> None:
-        prepared = gateway.prepare(gateway.tenants.by_id["t1"], PROMPT, SamplingParams(max_tokens=90, ignore_eos=True), {"b": 1.0})
+        prepared = gateway.admission.prepare(gateway.tenants.by_id["t1"], PROMPT, SamplingParams(max_tokens=90, ignore_eos=True), {"b": 1.0})
         stream = gateway.stream(prepared)
         await anext(stream)
         assert engine.has_work()

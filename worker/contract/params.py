@@ -1,16 +1,9 @@
-"""Per-request generation parameters (torch-free: the gateway builds them)."""
+"""A request's sampling parameters (torch-free: the gateway builds them, the engine runs them)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-DEFAULT_SLOT_LEN = 2048  # KV positions per sequence unless configured (at most the model's context)
-
-
-def slot_length(configured: int | None, context_length: int) -> int:
-    """Positions one sequence may use: prompt + generated tokens."""
-    return min(configured or DEFAULT_SLOT_LEN, context_length)
 
 
 @dataclass(frozen=True)

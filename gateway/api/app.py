@@ -16,13 +16,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from gateway.core import Gateway, Prepared
-from gateway.formats import ChatFormatter, CompletionFormatter, llama_completion, sse, token_str
+from gateway.admission import Prepared
+from gateway.api.formats import ChatFormatter, CompletionFormatter, llama_completion, sse, token_str
+from gateway.api.protocol import APIError, ChatRequest, CompletionRequest, LlamaCompletionRequest, LoraScale, parse
+from gateway.dispatch import Gateway
 from gateway.metrics import adapter_label
-from gateway.protocol import APIError, ChatRequest, CompletionRequest, LlamaCompletionRequest, LoraScale, parse
 from gateway.tenants import Tenant
+from worker.contract.calls import Delta
+from worker.contract.params import SamplingParams
 from worker.formats.chat_template import ChatTemplateError, encode_chat
-from worker.engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +66,10 @@ class _Timing:
         if self.first is None:
             self.first = time.perf_counter()
 
-    def done(self, status: int, final: dict[str, Any] | None) -> None:
+    def done(self, status: int, final: Delta | None) -> None:
         now = time.perf_counter()
         self.gateway.metrics.finished(self.tenant.id, self.adapter, self.endpoint, status, now - self.started,
-                                      None if self.first is None else self.first - self.started, (final or {}).get("usage"))
+                                      None if self.first is None else self.first - self.started, final.usage if final else None)
 
 
 async def _respond(gateway: Gateway, prepared: Prepared, stream: bool, endpoint: str, whole, chunk, usage_chunk=None,
@@ -81,9 +83,9 @@ async def _respond(gateway: Gateway, prepared: Prepared, stream: bool, endpoint:
             gateway.metrics.in_flight.labels(prepared.tenant.id).dec()
         final = deltas[-1]
         timing.token()
-        if final["finish_reason"] == "error":
+        if final.finish_reason == "error":
             timing.done(500, final)
-            raise APIError(500, final.get("error") or "the worker failed", "worker_error")
+            raise APIError(500, final.error or "the worker failed", "worker_error")
         timing.done(200, final)
         return JSONResponse(whole(deltas), headers=_headers(prepared))
     deltas = gateway.stream(prepared)
@@ -99,12 +101,12 @@ async def _respond(gateway: Gateway, prepared: Prepared, stream: bool, endpoint:
             index, delta = 0, first
             while True:
                 timing.token()
-                if delta["finish_reason"] == "error":
+                if delta.finish_reason == "error":
                     status = 500
-                    yield sse(APIError(500, delta.get("error") or "the worker failed", "worker_error").body())
+                    yield sse(APIError(500, delta.error or "the worker failed", "worker_error").body())
                     break
                 yield sse(chunk(delta, index == 0))
-                if delta["finish_reason"] is not None:
+                if delta.is_finished:
                     final = delta
                     if include_usage and usage_chunk is not None:
                         yield sse(usage_chunk(delta))
@@ -163,10 +165,10 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         gateway, tenant, body = await _begin(request, CompletionRequest)
-        scales = gateway.resolve_scales(tenant, body.model, body.lora)
+        scales = gateway.admission.resolve_scales(tenant, body.model, body.lora)
         tokenizer, prompt = gateway.catalog.tokenizer, _tokens(gateway, body.prompt)
         params = _sampling(body.max_tokens, body, body.logprobs, body.echo)
-        prepared = gateway.prepare(tenant, prompt, params, scales, body.cache_salt)
+        prepared = gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt)
         fmt = CompletionFormatter(tokenizer, body.model or gateway.catalog.model_name, prompt, body.echo, body.logprobs)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await _respond(gateway, prepared, body.stream, "completions", fmt.whole, fmt.chunk, fmt.usage_chunk, include_usage)
@@ -174,13 +176,13 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         gateway, tenant, body = await _begin(request, ChatRequest)
-        scales = gateway.resolve_scales(tenant, body.model, body.lora)
+        scales = gateway.admission.resolve_scales(tenant, body.model, body.lora)
         try:
             prompt = encode_chat(gateway.catalog.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
         except ChatTemplateError as e:
             raise APIError(400, str(e), "invalid_messages") from e
         k = (body.top_logprobs or 0) if body.logprobs else None
-        prepared = gateway.prepare(tenant, prompt, _sampling(body.token_limit, body, k), scales, body.cache_salt)
+        prepared = gateway.admission.prepare(tenant, prompt, _sampling(body.token_limit, body, k), scales, body.cache_salt)
         fmt = ChatFormatter(gateway.catalog.tokenizer, body.model or gateway.catalog.model_name, k)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await _respond(gateway, prepared, body.stream, "chat", fmt.whole, fmt.chunk, fmt.usage_chunk, include_usage)
@@ -188,7 +190,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     @app.post("/completion")
     async def llama_complete(request: Request) -> Response:
         gateway, tenant, body = await _begin(request, LlamaCompletionRequest)
-        scales = gateway.resolve_scales(tenant, None, body.lora)
+        scales = gateway.admission.resolve_scales(tenant, None, body.lora)
         model, prompt = gateway.catalog.model_name, _tokens(gateway, body.prompt)
         try:
             params = SamplingParams(max_tokens=body.n_predict, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -196,10 +198,10 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
                                     logprobs=body.n_probs or None, stop=tuple(body.stop))
         except ValueError as e:
             raise APIError(400, str(e), "invalid_value") from e
-        prepared = gateway.prepare(tenant, prompt, params, scales, body.cache_salt, body.cache_prompt)
+        prepared = gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, body.cache_prompt)
 
-        def chunk(delta: dict[str, Any], first: bool) -> dict[str, Any]:
-            return llama_completion([delta], model) if delta["finish_reason"] else {"content": delta["text"], "tokens": delta["token_ids"], "stop": False}
+        def chunk(delta: Delta, first: bool) -> dict[str, Any]:
+            return llama_completion([delta], model) if delta.is_finished else {"content": delta.text, "tokens": list(delta.token_ids), "stop": False}
 
         return await _respond(gateway, prepared, body.stream, "completion", lambda d: llama_completion(d, model), chunk, done_marker=False)
 
@@ -208,14 +210,14 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         gateway, tenant, _ = await _begin(request)
         base = gateway.catalog.model_name
         data = [{"id": base, "object": "model", "created": 0, "owned_by": "loraplex"}]
-        data += [{"id": n, "object": "model", "created": 0, "owned_by": "loraplex", "parent": base} for n in gateway.adapter_names(tenant)]
+        data += [{"id": n, "object": "model", "created": 0, "owned_by": "loraplex", "parent": base} for n in gateway.admission.adapter_names(tenant)]
         return {"object": "list", "data": data}
 
     @app.get("/lora-adapters")
     async def list_adapters(request: Request) -> list[dict[str, Any]]:
         gateway, tenant, _ = await _begin(request)
         out = []
-        for i, name in enumerate(gateway.adapter_names(tenant)):
+        for i, name in enumerate(gateway.admission.adapter_names(tenant)):
             info = gateway.catalog.adapters[name]
             entry = {"id": i, "name": name, "path": info.path.name, "scale": tenant.default_scales.get(name, 0.0),
                      "task_name": info.task_name, "prompt_prefix": info.prompt_prefix}
@@ -232,11 +234,11 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         if not isinstance(data, list):
             raise APIError(400, "expected a JSON list of {\"id\": N, \"scale\": S}", "invalid_value")
         entries = [parse(LoraScale, item) for item in data]
-        names = gateway.adapter_names(tenant)
+        names = gateway.admission.adapter_names(tenant)
         for entry in entries:
             if entry.id >= len(names):
                 raise APIError(404, f"adapter id {entry.id} not found (this key has {len(names)} adapters)", "adapter_not_found")
-        tenant.default_scales = gateway.enabled({names[e.id]: e.scale for e in entries})
+        tenant.default_scales = gateway.admission.enabled({names[e.id]: e.scale for e in entries})
         return await list_adapters(request)
 
     @app.get("/health")

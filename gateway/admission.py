@@ -1,0 +1,90 @@
+"""What a tenant's request becomes before it is routed (torch-free): the adapters it names
+resolved through the tenant's ACL, its numbers checked against the model, its cost
+counted against the tenant's rate limits, and the `WorkerCall` a worker will run."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from gateway.api.protocol import APIError, LoraEntry
+from gateway.catalog import Catalog
+from gateway.config import ServeConfig
+from gateway.policy.routing import affinity_key
+from gateway.ratelimit import RateLimiter
+from gateway.tenants import Tenant
+from worker.contract.calls import WorkerCall
+from worker.contract.params import SamplingParams
+
+
+@dataclass
+class Prepared:
+    """A checked request, ready to route."""
+
+    call: WorkerCall
+    tenant: Tenant
+    scales: dict[str, float]  # adapter name -> scale, non-zero
+    affinity: bytes
+    num_prompt_tokens: int
+    route: dict[str, str] = field(default_factory=dict)  # filled once routed: replica, shard
+
+
+class Admission:
+    def __init__(self, config: ServeConfig, catalog: Catalog, limiter: RateLimiter) -> None:
+        self.config, self.catalog, self.limiter = config, catalog, limiter
+
+    def adapter_names(self, tenant: Tenant) -> list[str]:
+        """The adapters this tenant may use, in config order (the ids of /lora-adapters)."""
+        return tenant.visible(list(self.catalog.adapters))
+
+    def resolve_scales(self, tenant: Tenant, model: str | None, lora: list[LoraEntry] | None) -> dict[str, float]:
+        visible = self.adapter_names(tenant)
+        scales: dict[str, float] = {} if lora is not None else dict(tenant.default_scales)
+        if model is not None and model != self.catalog.model_name:
+            if model not in visible:
+                raise APIError(404, f"model {model!r} not found", "model_not_found")
+            scales[model] = 1.0
+        for entry in lora or []:
+            if entry.name is not None:
+                if entry.name not in visible:
+                    raise APIError(404, f"adapter {entry.name!r} not found", "adapter_not_found")
+                name = entry.name
+            else:
+                if entry.id >= len(visible):
+                    raise APIError(404, f"adapter id {entry.id} not found (this key has {len(visible)} adapters)", "adapter_not_found")
+                name = visible[entry.id]
+            scales[name] = scales.get(name, 0.0) + entry.scale
+        return self.enabled(scales)
+
+    def enabled(self, scales: dict[str, float]) -> dict[str, float]:
+        """The non-zero scales; 400 when they turn on more than one aLoRA (SPEC §4)."""
+        scales = {n: s for n, s in scales.items() if s != 0.0}
+        if sum(self.catalog.adapters[n].is_alora for n in scales) > 1:
+            raise APIError(400, "Cannot run multiple aLoRAs in a single request", "multiple_aloras")
+        return scales
+
+    def prepare(self, tenant: Tenant, prompt_ids: list[int], params: SamplingParams, scales: dict[str, float],
+                request_salt: str | None = None, cache_prompt: bool = True) -> Prepared:
+        vocab = self.catalog.hparams.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"prompt token id {bad[0]} is out of range (vocabulary size {vocab})", "invalid_prompt")
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", "invalid_prompt")
+        limit = self.catalog.max_positions
+        wanted = params.max_tokens if params.max_tokens != -1 else 0
+        if len(prompt_ids) + wanted > limit or len(prompt_ids) >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the prompt, {wanted} for the completion).",
+                           "context_length_exceeded")
+        budget = len(prompt_ids) + (params.max_tokens if params.max_tokens != -1 else limit - len(prompt_ids))
+        self.limiter.check(tenant, budget)
+        # the affinity key uses the KV-relevant set: an aLoRA shares the base's prefix (SPEC §4)
+        kv_scales = {n: s for n, s in scales.items() if not self.catalog.adapters[n].is_alora}
+        key = affinity_key(self.catalog.adapter_set_fingerprint(kv_scales), prompt_ids, self.config.cache.chunk_tokens)
+        call = WorkerCall(
+            request_id=uuid.uuid4().hex, prompt_ids=tuple(prompt_ids), params=params, adapters=dict(scales),
+            cache_salt=tenant.cache_salt(request_salt), cache_prompt=cache_prompt,
+            tenant=tenant.id,  # the worker shares its compute fairly between tenants
+        )
+        return Prepared(call, tenant, scales, key, len(prompt_ids))

@@ -1,0 +1,43 @@
+"""The gateway's view of the workers: replicas, the pool interface the gateway calls them
+through, and how a replica failing shows (torch-free).
+
+A shard pool is anything with `replicas` and `stream(replica_id, call)` (an async
+iterator of the worker's `Delta`s): Ray Serve handles in production
+(gateway/serve.py), a fake or in-process workers in tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gateway.config import ServeConfig
+from worker.contract.calls import Delta, WorkerCall
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    replica_id: str
+    shard: str
+    adapters: frozenset[str]
+
+
+def replica_infos(config: ServeConfig) -> list[ReplicaInfo]:
+    """Every replica of every shard, named `<shard>-<i>` (the Serve deployment is `shard-<shard>-<i>`)."""
+    return [ReplicaInfo(f"{s.name}-{i}", s.name, frozenset(s.adapters)) for s in config.shards for i in range(s.replicas)]
+
+
+class WorkerFailed(RuntimeError):
+    """The replica died or could not be reached (as opposed to a request it refused)."""
+
+
+class ShardPool(Protocol):
+    replicas: list[ReplicaInfo]
+
+    def stream(self, replica_id: str, call: WorkerCall) -> AsyncIterator[Delta]:
+        """The worker's deltas; WorkerFailed when the replica cannot be reached or dies."""
+
+    async def health(self, replica_id: str) -> dict[str, Any]: ...
+
+    async def metrics(self, replica_id: str) -> str: ...

@@ -1,0 +1,86 @@
+"""The gateway's request path over a fake pool (no model, no torch in the workers): what a
+worker is called with, routing by adapters, failover, refusals and mid-stream failures."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from gateway.api.protocol import APIError
+from gateway.catalog import Catalog
+from gateway.dispatch import Gateway
+from gateway.policy.routing import candidates, choose
+from gateway.ratelimit import RateLimiter
+from tests.gateway.fake_pool import FakePool
+from tests.gateway.gateway_setup import tiny_config
+from worker.contract.params import SamplingParams
+
+PROMPT = [11, 12, 13, 14, 15]
+
+
+@pytest.fixture(scope="module")
+def config(tiny_llama, tmp_path_factory):
+    return tiny_config(tiny_llama, tmp_path_factory.mktemp("dispatch"), f"loraplex-test-{uuid.uuid4().hex}")
+
+
+@pytest.fixture
+def gateway(config):
+    return Gateway(config, Catalog(config), FakePool(config), RateLimiter())
+
+
+def run(gateway: Gateway, adapters: dict[str, float], max_tokens: int = 3, tenant: str = "t1", stream: bool = False):
+    prepared = gateway.admission.prepare(gateway.tenants.by_id[tenant], PROMPT, SamplingParams(max_tokens=max_tokens), adapters)
+
+    async def go():
+        if not stream:
+            return await gateway.collect(prepared)
+        return [delta async for delta in gateway.stream(prepared)]
+
+    return prepared, asyncio.run(go())
+
+
+def test_the_worker_gets_a_typed_call_on_a_replica_holding_the_adapters(gateway) -> None:
+    prepared, deltas = run(gateway, {"b": 0.5})
+    (replica, call), = gateway.pool.calls
+    assert replica == "s2-0" and prepared.route == {"replica": "s2-0", "shard": "s2"}
+    assert call.prompt_ids == tuple(PROMPT) and call.params.max_tokens == 3 and dict(call.adapters) == {"b": 0.5}
+    assert call.tenant == "t1" and call.cache_salt == "tenant:t1" and call.cache_prompt
+    assert [d.token_ids for d in deltas] == [(11,), (12,), (13,)] and deltas[-1].usage.completion_tokens == 3
+    run(gateway, {"alo": 1.0})
+    assert gateway.pool.calls[-1][0].startswith("s1-")
+
+
+def test_a_dead_replica_is_skipped_and_marked_down(gateway) -> None:
+    gateway.pool.killed.add("s1-0")
+    results = [run(gateway, {"alo": 1.0})[1] for _ in range(4)]
+    assert all(deltas[-1].finish_reason == "length" for deltas in results)  # no request lost
+    tried = [replica for replica, _ in gateway.pool.calls]
+    assert tried.count("s1-0") == 1 and tried.count("s1-1") == 4  # tried once, then down for its cool-down
+    assert {v.replica_id: v.is_healthy for v in gateway.views()} == {"s1-0": False, "s1-1": True, "s2-0": True}
+    health = asyncio.run(gateway.full_health())
+    assert health["status"] == "degraded" and health["shards"]["s1"]["healthy"] == 1
+
+
+def test_a_refusal_is_the_requests_error_and_is_not_retried(gateway) -> None:
+    gateway.pool.refusal = "adapter slot 9 does not exist"
+    with pytest.raises(APIError) as e:
+        run(gateway, {"b": 1.0})
+    assert e.value.status == 400 and "slot 9" in e.value.message
+    assert len(gateway.pool.calls) == 1 and all(v.is_healthy and v.in_flight == 0 for v in gateway.views())
+
+
+def test_a_replica_dying_mid_stream_ends_the_stream_but_a_whole_request_goes_elsewhere(gateway) -> None:
+    _, deltas = run(gateway, {"b": 1.0}, max_tokens=4)
+    gateway.pool.fail_after["s2-0"] = 2
+    _, streamed = run(gateway, {"b": 1.0}, max_tokens=4, stream=True)
+    assert [d.token_ids for d in streamed[:2]] == [(11,), (12,)]
+    assert streamed[-1].finish_reason == "error" and "mid-stream" in streamed[-1].error and len(streamed) == 3
+    assert not {v.replica_id: v.is_healthy for v in gateway.views()}["s2-0"]
+    probe = gateway.admission.prepare(gateway.tenants.by_id["t1"], PROMPT, SamplingParams(max_tokens=4), {"alo": 1.0})
+    favourite = choose(candidates(gateway.views(), {"alo": 1.0}), probe.affinity).replica_id
+    gateway.pool.fail_after[favourite] = 2
+    _, whole = run(gateway, {"alo": 1.0}, max_tokens=4)
+    assert [d.token_ids for d in whole] == [d.token_ids for d in deltas]  # the whole request, again, on the other replica
+    assert [r for r, _ in gateway.pool.calls[-2:]] == [favourite, ({"s1-0", "s1-1"} - {favourite}).pop()]

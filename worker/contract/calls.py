@@ -1,0 +1,71 @@
+"""The call between gateway and worker: `WorkerCall` in, a stream of `Delta` out.
+
+Plain frozen data (it crosses Ray Serve handles as pickles). A worker streams
+one `Delta` per engine step that produced something for the request; the last
+has `finish_reason` set and carries the summary (usage, timings, prompt
+log-probabilities, the aLoRA's activation index). A request the worker refuses
+before any work gets one finishing `Delta` with `status` set: the HTTP status
+its fault deserves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from worker.contract.params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCall:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    adapters: Mapping[str, float] = field(default_factory=dict)  # adapter name -> scale (non-zero)
+    cache_salt: str = ""  # the tenant's prefix-cache namespace (SPEC §5)
+    cache_prompt: bool = True  # False: neither reuse nor store this request's KV
+    tenant: str = ""  # the worker shares prompt tokens and free KV slots fairly between tenants
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the K most likely tokens at this position, (id, logprob)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one engine step added to a request."""
+
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when the request asked for them
+    finish_reason: str | None = None  # stop | length | cancelled | error, on the last delta
+    error: str | None = None
+    status: int | None = None  # set when the worker refused the request (nothing ran)
+    # on the last delta only
+    usage: Usage | None = None
+    prompt_time_s: float = 0.0  # arrival to first token
+    decode_time_s: float = 0.0  # first token to finish
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # echo with logprobs; the first prompt token has none
+    alora_activation: int | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def refused(cls, message: str, status: int = 400) -> Delta:
+        return cls(finish_reason="error", error=message, status=status)
+
+    @classmethod
+    def failed(cls, message: str) -> Delta:
+        return cls(finish_reason="error", error=message)

@@ -1,0 +1,78 @@
+"""What a shard replica is built from, and the settings of each worker subsystem (torch-free).
+
+Each default is declared here once: the deployment config (gateway/config.py)
+and the CLI take theirs from these classes, validate at their entry point and
+pass the objects down unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from cache.prefix import PrefixCacheConfig
+
+DTYPES = ("float32", "float16", "bfloat16")  # compute (and KV) dtypes
+# auto: f16 on the CPU in float32, dense elsewhere | dense: the compute dtype | f16, q4: CPU formats (worker/model/quant.py)
+WEIGHT_FORMATS = ("auto", "dense", "f16", "q4")
+DEFAULT_SLOT_LEN = 2048  # KV positions per sequence unless configured (at most the model's context)
+_DEVICE = re.compile(r"^[a-z][a-z_]*(:\d+)?$")  # torch checks the type itself (worker/model/device.py)
+
+
+def slot_length(configured: int | None, context_length: int) -> int:
+    """Positions one sequence may use: prompt + generated tokens."""
+    return min(configured or DEFAULT_SLOT_LEN, context_length)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_seq_slots: int = 16  # sequences decoding at once (KV sequence slots)
+    slot_len: int | None = None  # KV positions per sequence slot (default: the context length, at most 2048)
+    max_step_tokens: int = 256  # tokens per forward pass: prefill chunks fill what decoding leaves
+
+    def __post_init__(self) -> None:
+        if self.num_seq_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_seq_slots}")
+        if self.slot_len is not None and self.slot_len < 2:
+            raise ValueError(f"slot_len must be >= 2, got {self.slot_len}")
+        if self.max_step_tokens < self.num_seq_slots:  # else decoding alone can use up every step
+            raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must be at least num_slots ({self.num_seq_slots})")
+
+
+@dataclass(frozen=True)
+class DeviceSettings:
+    """Where and in what precision a worker computes (checked against torch by worker/model/device.py)."""
+
+    device: str = "cpu"  # cpu, cuda, cuda:1, ...
+    dtype: str = "float32"
+    weights: str = "auto"
+    threads: int | None = None  # torch CPU threads (default: torch's choice)
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {self.weights!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not _DEVICE.match(self.device):
+            raise ValueError(f"invalid device {self.device!r} (expected e.g. cpu, cuda, cuda:1)")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class PinnedAdapter:
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One shard replica: the base model with exactly these adapters (adapter slot i holds
+    adapters[i]) on one device, its engine and its prefix cache."""
+
+    shard: str
+    model_path: str
+    adapters: tuple[PinnedAdapter, ...] = ()
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    device: DeviceSettings = field(default_factory=DeviceSettings)
+    cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
