@@ -3,7 +3,7 @@
 Every replica of every shard is its own Serve deployment (`shard-<shard>-<i>`,
 one replica each, one device each) so that the gateway, not Serve's router,
 chooses the replica a request goes to (SPEC §7); Serve restarts a replica that
-dies. The gateway is the ingress deployment: the FastAPI app of gateway/app.py
+dies. The gateway is the ingress deployment: the FastAPI app of gateway/api/app.py
 holding a handle to every shard replica; responses stream through the handles.
 """
 

@@ -1,5 +1,6 @@
-"""loraplex worker: GGUF models and LoRA adapters in torch.
+"""loraplex worker: GGUF models and LoRA adapters in torch, by layer (README, "Layout").
 
-Imports nothing heavy: the gateway uses the torch-free modules (gguf_file,
-adapter, fingerprint, tokenizer, chat_template, alora) directly.
+Imports nothing: `formats` and `contract` are torch-free and the gateway uses them;
+`model`, `lora`, `engine`, `shard` and `cli` build on them, each importing only the
+layers below its own (tests/test_layers.py).
 """

@@ -27,7 +27,7 @@ from worker.lora.mapping import RequestAdapters
 from worker.model.attention import AttentionPlan, KVCache, Segment
 from worker.model.device import DeviceConfig
 from worker.model.loader import load_model
-from worker.model.sampler import SampleSpec, sample
+from worker.model.sampler import SampleSpec, SamplingBatch, sample
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,23 @@ class SpanOutput:
     logprob: TokenLogprob | None = None  # of the sampled token, when asked
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     is_finite: bool = True  # False: this sequence's logits were NaN or infinite (nothing was sampled)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A step's inputs on the device (ModelRunner.prepare)."""
+
+    ids: torch.Tensor  # [N] the new tokens, flattened
+    plan: AttentionPlan
+    token_scales: torch.Tensor  # [N, num_adapter_slots]
+    active_slots: frozenset[int]
+    logit_rows: torch.Tensor | None  # rows whose logits are wanted; None: all of them
+    sample_rows: torch.Tensor | None = None  # [S] index into the logit rows: rows that pick a token
+    sampling: SamplingBatch | None = None
+    lp_rows: torch.Tensor | None = None  # [L] index into the logit rows: rows whose log-probabilities are reported
+    lp_targets: torch.Tensor | None = None  # [L] the token each reports on (-i - 1: what sampling row i picked)
+    lp_k_max: int = 0
+    empty: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -83,10 +100,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, spans: Sequence[SpanInput], kv: KVCache) -> list[SpanOutput]:
+        """A whole step: the inputs, the forward pass, sampling, log-probabilities, one host copy."""
+        step = self.prepare(spans)
+        logits = self._forward(step, kv)
+        sampled = targets = chosen = top_values = top_ids = step.empty
+        if step.sampling is not None:
+            sampled = sample(logits.index_select(0, step.sample_rows), step.sampling)
+        if step.lp_rows is not None:
+            lps = torch.log_softmax(logits.index_select(0, step.lp_rows), dim=-1)  # the model's own distribution
+            targets = step.lp_targets
+            if step.sampling is not None:  # -i - 1: the token sampled for sampling row i
+                of_sampled = sampled.index_select(0, (-targets - 1).clamp_min(0)).clamp_min(0)
+                targets = torch.where(targets < 0, of_sampled, targets)
+            chosen = lps.gather(1, targets[:, None])[:, 0]
+            if step.lp_k_max > 0:
+                top_values, top_ids = torch.topk(lps, step.lp_k_max, dim=-1)
+        return _assemble(spans, _to_host(sampled, targets, chosen, top_values, top_ids))  # the step's one device sync
+
+    def prepare(self, spans: Sequence[SpanInput]) -> StepInputs:
+        """Everything the step needs on the device, made before the pass is queued (so no copy
+        to the device waits for it): token ids and the attention plan, per-token adapter
+        scales, the logit rows wanted, sampling parameters, log-probability targets."""
+        device = self.config.torch_device
         token_ids: list[int] = []
         segments, mapped, logit_rows = [], [], []
         sample_rows, sample_specs = [], []  # index into logit_rows, and how that row samples
-        lp_rows, lp_targets, lp_k = [], [], []  # index into logit_rows, target token (-i - 1: sampled row i's), top-K
+        lp_rows, lp_targets, lp_k = [], [], []  # index into logit_rows, target token (-i - 1: sampling row i's), top-K
         for span in spans:
             row, length = len(token_ids), len(span.token_ids)
             token_ids += span.token_ids
@@ -107,25 +146,37 @@ class ModelRunner:
                     lp_targets.append(-len(sample_rows))
                     lp_k.append(span.logprobs)
         scales, active = mapping.token_scales(mapped, self.num_adapter_slots)
-        logits = self.logits(token_ids, segments, kv, torch.from_numpy(scales), active, logit_rows)
-        device = logits.device
-        sampled = targets = chosen = top_values = top_ids = torch.empty(0, device=device)
-        if sample_rows:
-            sampled = sample(logits.index_select(0, torch.tensor(sample_rows, device=device)), sample_specs)
-        k_max = max(lp_k, default=0)
-        if lp_rows:
-            lps = torch.log_softmax(logits.index_select(0, torch.tensor(lp_rows, device=device)), dim=-1)  # the model's own distribution
-            targets = torch.tensor(lp_targets, device=device)
-            if sample_rows:
-                of_sampled = sampled.index_select(0, (-targets - 1).clamp_min(0)).clamp_min(0)
-                targets = torch.where(targets < 0, of_sampled, targets)
-            chosen = lps.gather(1, targets[:, None])[:, 0]
-            if k_max > 0:
-                top_values, top_ids = torch.topk(lps, k_max, dim=-1)
-        host = _to_host(sampled, targets, chosen, top_values, top_ids)  # the step's one device sync
-        return _assemble(spans, host)
+        return StepInputs(
+            ids=torch.tensor(token_ids, dtype=torch.long, device=device),
+            plan=AttentionPlan.build(segments, device),
+            token_scales=torch.from_numpy(scales).to(device),
+            active_slots=active,
+            logit_rows=_row_index(logit_rows, len(token_ids), device),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device) if sample_rows else None,
+            sampling=SamplingBatch.build(sample_specs, self.hparams.vocab_size, device) if sample_specs else None,
+            lp_rows=torch.tensor(lp_rows, dtype=torch.long, device=device) if lp_rows else None,
+            lp_targets=torch.tensor(lp_targets, dtype=torch.long, device=device) if lp_rows else None,
+            lp_k_max=max(lp_k, default=0),
+            empty=torch.empty(0, device=device),
+        )
 
-    # the forward pass
+    def _forward(self, step: StepInputs, kv: KVCache) -> torch.Tensor:
+        """The model over the step's tokens -> float32 logits [len(logit_rows), V]."""
+        batch = self.lora.batch
+        batch.set(step.token_scales, step.active_slots)
+        try:
+            hidden = self.model(step.ids, kv, step.plan)  # [N, d]
+            if step.logit_rows is None:  # every row
+                return self.model.logits(hidden)
+            if step.logit_rows.numel() == 0:  # a pass that only prefills
+                return hidden.new_empty(0, self.hparams.vocab_size, dtype=torch.float32)
+            hidden = hidden.index_select(0, step.logit_rows)
+            batch.set(step.token_scales.index_select(0, step.logit_rows), step.active_slots)  # an adapter may target `output`
+            return self.model.logits(hidden)
+        finally:
+            batch.clear()
+
+    # the forward pass alone (tests, tools)
 
     @torch.inference_mode()
     def logits(
@@ -140,23 +191,11 @@ class ModelRunner:
         """One forward pass over every segment's new tokens (flattened in segment order), with
         per-token adapter scales [N, num_adapter_slots] -> float32 logits [len(logit_rows), V]."""
         device = self.config.torch_device
-        ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-        plan = AttentionPlan.build(segments, device)
-        batch = self.lora.batch
-        token_scales = token_scales.to(device, non_blocking=True)
-        batch.set(token_scales, active_slots)
-        try:
-            hidden = self.model(ids, kv, plan)  # [N, d]
-            rows = list(logit_rows)
-            if not rows:  # a pass that only prefills
-                return hidden.new_empty(0, self.hparams.vocab_size, dtype=torch.float32)
-            if rows != list(range(len(token_ids))):
-                index = torch.tensor(rows, dtype=torch.long, device=device)
-                hidden = hidden.index_select(0, index)
-                batch.set(token_scales.index_select(0, index), active_slots)  # an adapter may target `output`
-            return self.model.logits(hidden)
-        finally:
-            batch.clear()
+        step = StepInputs(
+            ids=torch.tensor(token_ids, dtype=torch.long, device=device), plan=AttentionPlan.build(segments, device),
+            token_scales=token_scales.to(device), active_slots=active_slots, logit_rows=_row_index(logit_rows, len(token_ids), device),
+        )
+        return self._forward(step, kv)
 
     # single-sequence conveniences (tests, tools): the sequence lives in sequence slot 0
 
@@ -167,6 +206,12 @@ class ModelRunner:
         scales, active = mapping.token_scales([(adapters or RequestAdapters(), start_pos, num_tokens)], self.num_adapter_slots)
         rows = range(num_tokens) if all_logits else [num_tokens - 1]
         return self.logits(token_ids, [Segment(0, 0, num_tokens, start_pos)], kv, torch.from_numpy(scales), active, rows)
+
+
+def _row_index(rows: Sequence[int], num_tokens: int, device: torch.device) -> torch.Tensor | None:
+    """The logit rows as an index on the device; None when they are every row in order."""
+    rows = list(rows)
+    return None if rows == list(range(num_tokens)) and rows else torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def _to_host(*tensors: torch.Tensor) -> list[np.ndarray]:

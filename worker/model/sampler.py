@@ -1,9 +1,11 @@
 """Next tokens for a whole batch of logit rows at once: greedy, temperature, top-k, top-p,
-each row with its own parameters and seeded generator. Nothing here waits for the
-device: the caller copies the result to the host once per step.
+each row with its own parameters and seeded generator.
 
-A row draws one uniform number from its own generator and inverts its CDF, so a
-request's tokens depend only on its seed and its own logits, never on its batch.
+`SamplingBatch.build` moves a step's per-row parameters to the device (and draws each
+row's uniform number) before the forward pass is queued; `sample` then runs on the
+logits without waiting for the device: the caller copies the result to the host once
+per step. A row draws one uniform number from its own generator and inverts its CDF,
+so a request's tokens depend only on its seed and its own logits, never on its batch.
 """
 
 from __future__ import annotations
@@ -38,50 +40,74 @@ class SampleSpec:
         return self.params.temperature < GREEDY_BELOW
 
 
+@dataclass(frozen=True)
+class SamplingBatch:
+    """A step's sampling parameters on the device, one entry per sampling row."""
+
+    num_rows: int
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (row, token) pairs to mask
+    drawn: torch.Tensor | None  # [D] rows that sample (the others are greedy)
+    temperature: torch.Tensor | None  # [D, 1]
+    top_k: torch.Tensor | None  # [D, 1], 0: off
+    top_k_max: int
+    top_p: torch.Tensor | None  # [D, 1], > 1 where off
+    uniform: torch.Tensor | None  # [D] each row's draw in [0, 1), from its own generator
+
+    @classmethod
+    def build(cls, specs: Sequence[SampleSpec], vocab_size: int, device: torch.device) -> SamplingBatch:
+        banned = [(i, t) for i, spec in enumerate(specs) for t in spec.banned_ids]
+        banned_index = None
+        if banned:
+            rows, cols = zip(*banned)
+            banned_index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        drawn = [i for i, spec in enumerate(specs) if not spec.is_greedy]
+        if not drawn:
+            return cls(len(specs), banned_index, None, None, None, 0, None, None)
+        params = [specs[i].params for i in drawn]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
+        return cls(
+            num_rows=len(specs),
+            banned=banned_index,
+            drawn=torch.tensor(drawn, device=device),
+            temperature=torch.tensor([[p.temperature] for p in params], device=device),
+            top_k=torch.tensor([[k] for k in top_k], device=device) if any(top_k) else None,
+            top_k_max=max(top_k),
+            top_p=torch.tensor([[p.top_p if p.top_p < 1 else 2.0] for p in params], device=device) if any(p.top_p < 1 for p in params) else None,
+            uniform=torch.cat([torch.rand(1, generator=specs[i].generator, device=device) for i in drawn]),
+        )
+
+
 def is_distribution(logits: torch.Tensor) -> torch.Tensor:
     """[M] bool: rows with no NaN and no +inf (-inf is a masked token, which is fine)."""
     return ~(torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1)
 
 
-def sample(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [M, V] float32 -> tokens [M] (long, on the logits' device); -1 for a row that is
     not a distribution (NaN or +inf logits), which must fail its own request only."""
-    device = logits.device
     valid = is_distribution(logits)
-    banned = [(i, t) for i, spec in enumerate(specs) for t in spec.banned_ids]
-    if banned:
-        rows, cols = zip(*banned)
-        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-        logits = logits.index_put(index, torch.tensor(float("-inf"), device=device))
+    if batch.banned is not None:
+        logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     tokens = logits.argmax(dim=-1)
-    drawn = [i for i, spec in enumerate(specs) if not spec.is_greedy]
-    if drawn:
-        index = torch.tensor(drawn, device=device)
-        chosen = _draw(logits.index_select(0, index), [specs[i] for i in drawn])
-        tokens = tokens.index_copy(0, index, chosen)
+    if batch.drawn is not None:
+        tokens = tokens.index_copy(0, batch.drawn, _draw(logits.index_select(0, batch.drawn), batch))
     return torch.where(valid, tokens, torch.full_like(tokens, -1))
 
 
-def _draw(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
-    """logits [M, V] of rows that sample -> tokens [M]: temperature, then top-k, then top-p
+def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [D, V] of rows that sample -> tokens [D]: temperature, then top-k, then top-p
     (a token is dropped when the mass before it already reaches top_p; the first always stays)."""
     vocab = logits.shape[-1]
-    device = logits.device
-    temperature = torch.tensor([s.params.temperature for s in specs], device=device, dtype=logits.dtype)
-    scaled = logits / temperature[:, None]
-    top_k = [s.params.top_k if 0 < s.params.top_k < vocab else 0 for s in specs]
-    if any(top_k):
-        k = torch.tensor(top_k, device=device)
-        kth = torch.topk(scaled, max(top_k), dim=-1).values.gather(1, (k.clamp_min(1) - 1)[:, None])  # [M, 1]
-        kth = torch.where(k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+    scaled = logits / batch.temperature
+    if batch.top_k is not None:
+        kth = torch.topk(scaled, batch.top_k_max, dim=-1).values.gather(1, batch.top_k.clamp_min(1) - 1)  # [D, 1]
+        kth = torch.where(batch.top_k > 0, kth, torch.full_like(kth, float("-inf")))
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if any(s.params.top_p < 1 for s in specs):
-        top_p = torch.tensor([s.params.top_p if s.params.top_p < 1 else 2.0 for s in specs], device=device, dtype=logits.dtype)
+    if batch.top_p is not None:
         ordered, order = torch.sort(scaled, dim=-1, descending=True)
         probs = torch.softmax(ordered, dim=-1)
-        drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        drop = (probs.cumsum(dim=-1) - probs) >= batch.top_p
         scaled = scaled.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
-    cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)  # [M, V]
-    uniform = torch.cat([torch.rand(1, generator=s.generator, device=device, dtype=cdf.dtype) for s in specs])  # [M] in [0, 1)
+    cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)  # [D, V]
     # the first token whose cumulative mass passes u * total: never one of probability 0
-    return (cdf <= (uniform * cdf[:, -1])[:, None]).sum(dim=-1).clamp_max(vocab - 1)
+    return (cdf <= (batch.uniform * cdf[:, -1])[:, None]).sum(dim=-1).clamp_max(vocab - 1)

@@ -2,7 +2,7 @@
 
 Modules are named after GGUF tensors (`blk.3.attn_q` holds `blk.3.attn_q.weight`)
 so weights and adapters map by name. Knows nothing of LoRA: adapters wrap the
-linear layers from outside (worker/lora.py).
+linear layers from outside (worker/lora/).
 """
 
 from __future__ import annotations
