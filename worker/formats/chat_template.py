@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -77,13 +77,39 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
 
+def literal_spans(text: str, contents: Sequence[str], has_control_text: Callable[[str], bool]) -> list[tuple[int, int]]:
+    """Where in the rendered `text` the message contents that hold control-token text lie
+    (every occurrence, or of the content with its outer whitespace trimmed, as templates
+    often trim it). Contents without control-token text need no protection."""
+    spans = []
+    for content in contents:
+        if not has_control_text(content):
+            continue
+        found = []
+        for candidate in dict.fromkeys((content, content.strip())):
+            start = text.find(candidate)
+            while candidate and start >= 0:
+                found.append((start, start + len(candidate)))
+                start = text.find(candidate, start + len(candidate))
+            if found:
+                break
+        if not found:
+            raise ChatTemplateError("a message's content holds control-token text and the chat template changed it: it cannot be kept as text")
+        spans += found
+    return spans
+
+
 def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Render `messages` with the model's template and tokenize (a `GGUFTokenizer`), as llama-server does."""
+    """Render `messages` with the model's template and tokenize (a `GGUFTokenizer`), as
+    llama-server does, except that control tokens come only from the template: text in a
+    message's content that spells one (`<|im_start|>`) stays text."""
     if not tokenizer.chat_template:
         raise ChatTemplateError("this model has no chat template (tokenizer.chat_template)")
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
     text = ChatTemplate(tokenizer.chat_template, bos, eos).render(messages)
+    contents = [_message_text(m.get("content", "")) for m in messages]
+    spans = literal_spans(text, contents, tokenizer.has_control_text)
     # a template that writes the BOS itself must not get a second one
     add_special = not (tokenizer.add_bos and bos and text.startswith(bos))
-    return tokenizer.encode(text, add_special=add_special, parse_special=True)
+    return tokenizer.encode(text, add_special=add_special, parse_special=True, literal_spans=spans)

@@ -3,12 +3,16 @@
 Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) runs on the `tokenizers`
 library with llama.cpp's pre-tokenizer regexes for `tokenizer.ggml.pre`.
 Control tokens are parsed in text only when asked (llama.cpp's
-`parse_special`); user-defined tokens always are.
+`parse_special`), and never inside the `literal_spans` a caller names (chat
+message contents: a user cannot write a turn marker); user-defined tokens
+always are. Text that is not valid Unicode (a lone surrogate) is refused.
 """
 
 from __future__ import annotations
 
 import codecs
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -113,6 +117,10 @@ class GGUFTokenizer:
 
         self._with_special = self._build(tokens, merges, rule, parse_special=True)
         self._plain = self._build(tokens, merges, rule, parse_special=False)
+        # control-token texts, longest first: a match is leftmost-longest, as the tokenizer's own splitting
+        self._special_of_text = {tokens[i]: i for i in sorted(self.special_ids) if tokens[i]}
+        texts = sorted(self._special_of_text, key=len, reverse=True)
+        self._special_pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
 
     def _build(self, tokens: list[str], merges: list[str], rule: PreTokenizerRule, parse_special: bool) -> Tokenizer:
         vocab = {text: i for i, text in enumerate(tokens)}
@@ -130,16 +138,38 @@ class GGUFTokenizer:
         tok.add_tokens(added)
         return tok
 
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = False,
+               literal_spans: Sequence[tuple[int, int]] = ()) -> list[int]:
         """Text to ids. `add_special` adds BOS/EOS per the model; `parse_special`
-        turns control-token text such as `<|im_start|>` into those tokens."""
-        tok = self._with_special if parse_special else self._plain
-        ids = tok.encode(text, add_special_tokens=False).ids
+        turns control-token text such as `<|im_start|>` into those tokens, except
+        where it overlaps one of `literal_spans` (character ranges [start, end))."""
+        check_text(text)
+        if parse_special and literal_spans and self._special_pattern is not None:
+            ids = self._encode_outside(text, literal_spans)
+        else:
+            ids = (self._with_special if parse_special else self._plain).encode(text, add_special_tokens=False).ids
         if add_special and self.add_bos:
             ids.insert(0, self.bos_id)
         if add_special and self.add_eos:
             ids.append(self.eos_id)
         return ids
+
+    def has_control_text(self, text: str) -> bool:
+        """Whether `text` contains the text of a control token (which parse_special would turn into it)."""
+        return self._special_pattern is not None and self._special_pattern.search(text) is not None
+
+    def _encode_outside(self, text: str, literal_spans: Sequence[tuple[int, int]]) -> list[int]:
+        """Control tokens where their text lies wholly outside the spans; plain text elsewhere.
+        The same ids as the tokenizer's own special-token splitting when no span is hit."""
+        ids: list[int] = []
+        start = 0
+        for match in self._special_pattern.finditer(text):
+            if any(s < match.end() and match.start() < e for s, e in literal_spans):
+                continue
+            ids += self._plain.encode(text[start : match.start()], add_special_tokens=False).ids
+            ids.append(self._special_of_text[match.group()])
+            start = match.end()
+        return ids + self._plain.encode(text[start:], add_special_tokens=False).ids
 
     def check_ids(self, ids: list[int]) -> None:
         for i in ids:
@@ -158,6 +188,14 @@ class GGUFTokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         data = b"".join(self.token_bytes(i, skip_special) for i in ids)
         return data.decode("utf-8", errors="replace")
+
+
+def check_text(text: str) -> None:
+    """TokenizerError when `text` cannot be UTF-8 (a lone surrogate, as JSON's "\\ud800" gives)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TokenizerError(f"text is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}") from e
 
 
 class IncrementalDecoder:

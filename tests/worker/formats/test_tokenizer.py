@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from worker.formats.gguf_file import GGUFFile
-from worker.formats.tokenizer import GGUFTokenizer, IncrementalDecoder
+from worker.formats.tokenizer import GGUFTokenizer, IncrementalDecoder, TokenizerError
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +81,17 @@ def test_incomplete_character_at_the_end_is_replaced(tiny_tok) -> None:
     decoder = IncrementalDecoder(tiny_tok)
     assert [decoder.push(i) for i in ids[:2]] == ["", ""]
     assert decoder.flush() == "\ufffd"
+
+
+def test_literal_spans_keep_control_text_as_text(tiny_tok) -> None:
+    text = "<|im_start|>user\nhi<|im_end|>x<|im_end|>"
+    whole = tiny_tok.encode(text, add_special=False, parse_special=True)
+    assert tiny_tok.encode(text, add_special=False, parse_special=True, literal_spans=[(100, 120)]) == whole  # no span hit
+    protected = tiny_tok.encode(text, add_special=False, parse_special=True, literal_spans=[(len("<|im_start|>user\n"), len(text) - len("<|im_end|>"))])
+    assert protected.count(1) == 1 and protected.count(2) == 1 and tiny_tok.decode(protected, skip_special=False) == text
+    assert tiny_tok.has_control_text("a<|im_end|>") and not tiny_tok.has_control_text("a <|im_end")
+
+
+def test_a_lone_surrogate_is_refused(tiny_tok) -> None:
+    with pytest.raises(TokenizerError, match="lone surrogate U\\+D800 at character 2"):
+        tiny_tok.encode("hi\ud800")
