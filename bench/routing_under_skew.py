@@ -29,6 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.loadtest.report import cache_share_over_time, percentile
 from gateway.loadtest.runner import Result
 
+OPERATOR_KEY = "sk-loraplex-operator"  # deploy/bench-4.yaml's
+
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "deploy" / "scenarios"
 
@@ -76,7 +78,8 @@ def loadtest(scenario: Path, port: int, out: Path, duration: float | None, seed:
 
 def cache_counters(port: int) -> Counter:
     """The workers' prefix-cache counters, summed over replicas, from the gateway's /metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"})
+    text = urllib.request.urlopen(request, timeout=30).read().decode()
     totals: Counter = Counter()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -80,8 +80,10 @@ def read_password_file(path: str) -> str:
         raise ValueError(f"redis password file {path}: cannot read it: {e.strerror or e}") from e
 
 
-def connect(config: RedisConfig):
+def connect(config: RedisConfig, *, is_async: bool = False):
+    """A client with the config's timeouts and credentials (redis.asyncio's with `is_async`)."""
     import redis  # only the shared tier needs the client library
+    import redis.asyncio
 
     options: dict[str, object] = {"socket_timeout": config.timeout_s, "socket_connect_timeout": config.timeout_s}
     password = read_password_file(config.password_file) if config.password_file is not None else config.password
@@ -89,7 +91,7 @@ def connect(config: RedisConfig):
         options["password"] = password
     if config.tls_ca_file is not None:
         options["ssl_ca_certs"] = config.tls_ca_file
-    return redis.Redis.from_url(config.url, **options)
+    return (redis.asyncio.Redis if is_async else redis.Redis).from_url(config.url, **options)
 
 
 class RedisTier:

@@ -4,7 +4,9 @@ counted against the tenant's rate limits, and the `WorkerCall` a worker will run
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.api.protocol import APIError, LoraEntry
@@ -26,12 +28,13 @@ class Prepared:
     scales: dict[str, float]  # adapter name -> scale, non-zero
     affinity: bytes
     num_prompt_tokens: int
+    admitted_s: float  # when it was admitted, on the gateway's clock (its deadline counts from here)
     route: dict[str, str] = field(default_factory=dict)  # filled once routed: replica, shard
 
 
 class Admission:
-    def __init__(self, config: ServeConfig, catalog: Catalog, limiter: RateLimiter) -> None:
-        self.config, self.catalog, self.limiter = config, catalog, limiter
+    def __init__(self, config: ServeConfig, catalog: Catalog, limiter: RateLimiter, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.catalog, self.limiter, self.clock = config, catalog, limiter, clock
 
     def adapter_names(self, tenant: Tenant) -> list[str]:
         """The adapters this tenant may use, in config order (the ids of /lora-adapters)."""
@@ -63,8 +66,17 @@ class Admission:
             raise APIError(400, "Cannot run multiple aLoRAs in a single request", "multiple_aloras")
         return scales
 
-    def prepare(self, tenant: Tenant, prompt_ids: list[int], params: SamplingParams, scales: dict[str, float],
-                request_salt: str | None = None, cache_prompt: bool = True) -> Prepared:
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        """max_tokens for a request that gives none: the configured default, at most what fits."""
+        return max(0, min(self.config.http.max_tokens_default, self.catalog.max_positions - num_prompt_tokens))
+
+    def timeout_s(self, asked_s: float | None) -> float:
+        """The request's deadline: the server's, or less when the client asks for less."""
+        limit = self.config.http.request_timeout_s
+        return limit if asked_s is None else min(asked_s, limit)
+
+    async def prepare(self, tenant: Tenant, prompt_ids: list[int], params: SamplingParams, scales: dict[str, float],
+                      request_salt: str | None = None, cache_prompt: bool = True, timeout_s: float | None = None) -> Prepared:
         vocab = self.catalog.hparams.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
@@ -78,7 +90,7 @@ class Admission:
                            f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the prompt, {wanted} for the completion).",
                            "context_length_exceeded")
         budget = len(prompt_ids) + (params.max_tokens if params.max_tokens != -1 else limit - len(prompt_ids))
-        self.limiter.check(tenant, budget)
+        await self.limiter.spend(tenant, budget)
         # the affinity key uses the KV-relevant set: an aLoRA shares the base's prefix (SPEC §4)
         kv_scales = {n: s for n, s in scales.items() if not self.catalog.adapters[n].is_alora}
         key = affinity_key(self.catalog.adapter_set_fingerprint(kv_scales), prompt_ids, self.config.cache.chunk_tokens)
@@ -86,5 +98,6 @@ class Admission:
             request_id=uuid.uuid4().hex, prompt_ids=tuple(prompt_ids), params=params, adapters=dict(scales),
             cache_salt=tenant.cache_salt(request_salt), cache_prompt=cache_prompt,
             tenant=tenant.id,  # the worker shares its compute fairly between tenants
+            timeout_s=self.timeout_s(timeout_s),
         )
-        return Prepared(call, tenant, scales, key, len(prompt_ids))
+        return Prepared(call, tenant, scales, key, len(prompt_ids), self.clock())

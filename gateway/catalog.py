@@ -39,6 +39,9 @@ class Catalog:
         self.hparams = ModelHParams.from_gguf(self.base)
         self.tokenizer = GGUFTokenizer(self.base)
         self.max_positions = slot_length(config.engine.slot_len, self.hparams.context_length)
+        # a text longer than this cannot fit the context whatever it says: refused before tokenizing
+        longest = max((len(self.tokenizer.token_text(i)) for i in range(self.tokenizer.vocab_size)), default=1)
+        self.max_prompt_chars = self.max_positions * max(longest, 1)
         self.base_fingerprint = base_fingerprint(self.base)
         self.adapters: dict[str, AdapterInfo] = {}
         for entry in config.adapters:

@@ -56,10 +56,14 @@ class TenantConfig(_Strict):
     @field_validator("key_sha256")
     @classmethod
     def _hex_digests(cls, values: list[str]) -> list[str]:
-        for value in values:
-            if not re.fullmatch(r"[0-9a-f]{64}", value):
-                raise ValueError(f"{value!r} is not a hex SHA-256 digest (python -c \"import hashlib;print(hashlib.sha256(b'KEY').hexdigest())\")")
-        return values
+        return hex_digests(values)
+
+
+def hex_digests(values: list[str]) -> list[str]:
+    for value in values:
+        if not re.fullmatch(r"[0-9a-f]{64}", value):
+            raise ValueError(f"{value!r} is not a hex SHA-256 digest (python -c \"import hashlib;print(hashlib.sha256(b'KEY').hexdigest())\")")
+    return values
 
 
 class CacheSettings(_Strict):
@@ -103,6 +107,7 @@ class EngineSettings(_Strict):
 
     num_slots: int = Field(EngineConfig.num_seq_slots, ge=1)  # KV sequence slots: requests decoding at once
     max_step_tokens: int = Field(EngineConfig.max_step_tokens, ge=1)
+    max_waiting: int = Field(EngineConfig.max_waiting, ge=0)  # requests queued per replica beyond its slots
     slot_len: int | None = Field(EngineConfig.slot_len, ge=2)
     dtype: Literal[DTYPES] = DeviceSettings.dtype
     weights: Literal[WEIGHT_FORMATS] = DeviceSettings.weights
@@ -114,7 +119,8 @@ class EngineSettings(_Strict):
         return self
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(num_seq_slots=self.num_slots, slot_len=self.slot_len, max_step_tokens=self.max_step_tokens)
+        return EngineConfig(num_seq_slots=self.num_slots, slot_len=self.slot_len, max_step_tokens=self.max_step_tokens,
+                            max_waiting=self.max_waiting)
 
     def device_settings(self, device: str, threads: int | None) -> DeviceSettings:
         return DeviceSettings(device=device, dtype=self.dtype, weights=self.weights, threads=self.threads or threads)
@@ -124,7 +130,8 @@ class HTTPSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     max_body_bytes: int = Field(1 << 20, ge=1024)
-    max_tokens_default: int = Field(256, ge=1)  # chat requests without max_tokens
+    max_tokens_default: int = Field(256, ge=1)  # requests without max_tokens (n_predict), at most what fits the context
+    request_timeout_s: float = Field(300.0, gt=0, le=24 * 3600)  # every request's deadline; a client may ask for less (timeout_s)
 
 
 class ServeConfig(_Strict):
@@ -134,6 +141,8 @@ class ServeConfig(_Strict):
     shards: list[ShardConfig] = Field(min_length=1)
     tenants: list[TenantConfig] = Field(default_factory=list)  # none (and no tenants_file): no auth, one anonymous tenant
     tenants_file: str | None = None  # more tenants, from a YAML list (a mounted Secret on Kubernetes)
+    operator_key_sha256: list[str] = Field(default_factory=list)  # keys for /metrics and /health's details (hex SHA-256)
+    operator_key_file: str | None = None  # an operator key itself, from a mounted Secret (hashed when read)
     cache: CacheSettings = CacheSettings()
     engine: EngineSettings = EngineSettings()
     http: HTTPSettings = HTTPSettings()
@@ -159,6 +168,9 @@ class ServeConfig(_Strict):
             raise ValueError(f"adapter {name!r} is on no shard")
         keys = [k for t in self.tenants for k in t.key_sha256]
         _unique("tenant key_sha256", keys)
+        hex_digests(self.operator_key_sha256)
+        if set(self.operator_key_sha256) & set(keys):
+            raise ValueError("operator_key_sha256: an operator key is also a tenant's key")
         for i, tenant in enumerate(self.tenants):
             if tenant.adapters != "*":
                 for name in tenant.adapters:
@@ -230,6 +242,16 @@ def parse_config(data: object, base_dir: Path | str = ".", source: str = "config
             raise ConfigError(f"{source}: tenants_file {file}: expected a YAML list of tenants")
         data["tenants"] = [*(data.get("tenants") or []), *extra]
         data["tenants_file"] = None  # merged: the result is self-contained
+    if data.get("operator_key_file"):
+        file = Path(base_dir) / str(data["operator_key_file"])
+        try:
+            key = file.read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ConfigError(f"{source}: operator_key_file {file}: {e.strerror or e}") from e
+        if not key:
+            raise ConfigError(f"{source}: operator_key_file {file} is empty")
+        data["operator_key_sha256"] = [*(data.get("operator_key_sha256") or []), key_digest(key)]
+        data["operator_key_file"] = None
     try:
         return ServeConfig.model_validate(data)
     except ValidationError as e:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from worker.contract.calls import Usage
+from worker.contract.calls import Delta
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -24,6 +24,8 @@ class GatewayMetrics:
         self.requests = Counter("loraplex_gateway_requests", "requests answered, by status", (*labels, "status"), registry=r)
         self.latency = Histogram("loraplex_gateway_request_seconds", "arrival to last byte", labels, buckets=LATENCY_BUCKETS_S, registry=r)
         self.ttft = Histogram("loraplex_gateway_ttft_seconds", "arrival to first token", labels, buckets=LATENCY_BUCKETS_S, registry=r)
+        self.queued = Histogram("loraplex_gateway_queue_seconds", "time a request waited in its worker's queue before its first step",
+                                labels, buckets=LATENCY_BUCKETS_S, registry=r)
         self.tokens_in = Counter("loraplex_gateway_prompt_tokens", "prompt tokens", labels, registry=r)
         self.tokens_out = Counter("loraplex_gateway_completion_tokens", "generated tokens", labels, registry=r)
         self.cached = Counter("loraplex_gateway_cached_tokens", "prompt tokens served from the prefix cache", labels, registry=r)
@@ -38,12 +40,14 @@ class GatewayMetrics:
         self.failures.labels(replica).inc()
 
     def finished(self, tenant: str, adapter: str, endpoint: str, status: int, latency_s: float, ttft_s: float | None,
-                 usage: Usage | None) -> None:
+                 final: Delta | None) -> None:
         self.requests.labels(tenant, adapter, endpoint, str(status)).inc()
         self.latency.labels(tenant, adapter, endpoint).observe(latency_s)
         if ttft_s is not None:
             self.ttft.labels(tenant, adapter, endpoint).observe(ttft_s)
+        usage = final.usage if final is not None else None
         if usage:
+            self.queued.labels(tenant, adapter, endpoint).observe(final.queue_time_s)
             self.tokens_in.labels(tenant, adapter, endpoint).inc(usage.prompt_tokens)
             self.tokens_out.labels(tenant, adapter, endpoint).inc(usage.completion_tokens)
             self.cached.labels(tenant, adapter, endpoint).inc(usage.cached_tokens)

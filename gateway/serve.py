@@ -72,7 +72,7 @@ class ServePool:
         try:
             async for delta in responses:
                 yield delta
-        except Exception as e:  # dead actor, unavailable replica, a crash inside it: this replica failed
+        except Exception as e:  # dead actor, unavailable replica, a crash inside it: this replica failed (the worker never raises for a request)
             raise WorkerFailed(f"{type(e).__name__}: {str(e)[:300]}") from e
         finally:
             responses.cancel()  # a no-op once finished; frees the worker's KV slot when the client left
@@ -99,21 +99,14 @@ class GatewayIngress:
 
 
 def _redis(config: ServeConfig):
-    """The Redis client for rate limits, or None (per-process limits) when it is not there."""
+    """The asyncio Redis client for rate limits, or None (per-process limits) without a Redis URL.
+    An unreachable Redis is found on first use: limits then count per process for a while."""
     redis_config = config.cache.redis_config()
     if redis_config is None:
         return None
-    import redis
-
     from cache.l2 import connect
 
-    client = connect(redis_config)
-    try:
-        client.ping()
-    except redis.RedisError as e:
-        log.warning("Redis at %s is not reachable (%s): rate limits count per gateway process", config.cache.redis_url, e)
-        return None
-    return client
+    return connect(redis_config, is_async=True)
 
 
 def replica_threads(config: ServeConfig) -> int:

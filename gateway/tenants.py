@@ -49,6 +49,7 @@ class Tenants:
     def __init__(self, config: ServeConfig) -> None:
         self.by_id = {t.id: Tenant.from_config(t) for t in config.tenants}
         self._digests = [(bytes.fromhex(d), t.id) for t in config.tenants for d in t.key_sha256]
+        self._operator_digests = [(bytes.fromhex(d), "operator") for d in config.operator_key_sha256]
         self.is_open = not config.tenants  # no tenants configured: no auth, one anonymous tenant
         if self.is_open:
             self.by_id[ANONYMOUS] = Tenant(ANONYMOUS, None)
@@ -56,16 +57,39 @@ class Tenants:
     def authenticate(self, authorization: str | None) -> Tenant:
         if self.is_open:
             return self.by_id[ANONYMOUS]
-        if not authorization:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer YOUR_KEY'", "missing_api_key")
-        scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise APIError(401, "malformed Authorization header: expected 'Bearer YOUR_KEY'", "invalid_api_key")
-        digest = hashlib.sha256(key.strip().encode()).digest()
-        found = None
-        for known, tenant_id in self._digests:  # every digest compared, in constant time
-            if hmac.compare_digest(known, digest):
-                found = tenant_id
+        found = _match(_key_digest(authorization), self._digests)
         if found is None:
             raise APIError(401, "invalid API key", "invalid_api_key")
         return self.by_id[found]
+
+    @property
+    def is_operator_open(self) -> bool:
+        """Neither tenants nor operator keys configured: a local, unauthenticated deployment."""
+        return self.is_open and not self._operator_digests
+
+    def authenticate_operator(self, authorization: str | None) -> None:
+        """401/403 unless the caller holds an operator key (or is_operator_open)."""
+        if self.is_operator_open:
+            return
+        if not self._operator_digests:
+            raise APIError(403, "this endpoint needs an operator key, and none is configured (operator_key_sha256)", "operator_only")
+        if _match(_key_digest(authorization), self._operator_digests) is None:
+            raise APIError(401, "invalid operator key", "invalid_api_key")
+
+
+def _key_digest(authorization: str | None) -> bytes:
+    if not authorization:
+        raise APIError(401, "missing API key: send 'Authorization: Bearer YOUR_KEY'", "missing_api_key")
+    scheme, _, key = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise APIError(401, "malformed Authorization header: expected 'Bearer YOUR_KEY'", "invalid_api_key")
+    return hashlib.sha256(key.strip().encode()).digest()
+
+
+def _match(digest: bytes, known: list[tuple[bytes, str]]) -> str | None:
+    """The owner of `digest`; every known digest is compared, in constant time."""
+    found = None
+    for candidate, owner in known:
+        if hmac.compare_digest(candidate, digest):
+            found = owner
+    return found

@@ -15,7 +15,7 @@ from typing import Any
 from worker.contract.calls import Delta, Usage, WorkerCall
 from worker.contract.spec import WorkerSpec
 from worker.engine.engine import Engine, EngineRequest
-from worker.engine.loop import EngineLoop
+from worker.engine.loop import EngineLoop, Overloaded
 from worker.engine.outputs import RequestOutput
 from worker.engine.prefix_kv import open_prefix_cache
 from worker.engine.runner import ModelRunner
@@ -32,9 +32,9 @@ def delta_of(out: RequestOutput) -> Delta:
     if result is None:
         return Delta(tuple(out.token_ids), out.text, logprobs, out.finish_reason, out.error)
     return Delta(
-        tuple(out.token_ids), out.text, logprobs, out.finish_reason, out.error,
+        tuple(out.token_ids), out.text, logprobs, out.finish_reason, out.error, result.error_status,
         usage=Usage(len(result.prompt_ids), len(result.token_ids), result.cached_tokens),
-        prompt_time_s=result.prompt_time_s, decode_time_s=result.decode_time_s,
+        queue_time_s=result.queue_time_s, prompt_time_s=result.prompt_time_s, decode_time_s=result.decode_time_s,
         prompt_logprobs=tuple(result.prompt_logprobs) if result.prompt_logprobs is not None else None,
         alora_activation=result.alora_activation,
     )
@@ -49,7 +49,7 @@ class ShardWorker:
         self.runner = ModelRunner.from_paths(spec.model_path, [adapter.path for adapter in spec.adapters], device)
         self.tokenizer = GGUFTokenizer(self.runner.base)
         self.prefix_cache = open_prefix_cache(self.runner, spec.cache)
-        self.loop = EngineLoop(Engine(self.runner, self.tokenizer, spec.engine, prefix_cache=self.prefix_cache))
+        self.loop = EngineLoop(Engine(self.runner, self.tokenizer, spec.engine, prefix_cache=self.prefix_cache), spec.engine.max_waiting)
 
     def request(self, call: WorkerCall) -> EngineRequest:
         unknown = [name for name in call.adapters if name not in self.adapter_slots]
@@ -58,19 +58,36 @@ class ShardWorker:
         return EngineRequest(
             call.request_id, list(call.prompt_ids), call.params,
             {self.adapter_slots[name]: float(scale) for name, scale in call.adapters.items()},
-            cache_salt=call.cache_salt, cache_prompt=call.cache_prompt, tenant=call.tenant,
+            cache_salt=call.cache_salt, cache_prompt=call.cache_prompt, tenant=call.tenant, timeout_s=call.timeout_s,
         )
 
     async def generate(self, call: WorkerCall) -> AsyncIterator[Delta]:
+        """The request's deltas. Never raises for one request's sake: a request the worker
+        refuses or fails ends with an error Delta carrying its status, so the replica stays
+        healthy in the gateway's eyes (only a dead replica fails as a transport error)."""
+        aloop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()  # fed from the engine thread, no executor thread per stream
+
+        def deliver(out: RequestOutput) -> None:
+            aloop.call_soon_threadsafe(outputs.put_nowait, out)
+
         try:
-            stream = await asyncio.to_thread(self.loop.submit, self.request(call))  # the cache lookup runs off the event loop
-        except (ValueError, TypeError) as e:  # RequestError, MultipleALoRAError, bad params: the request's fault
+            request = self.request(call)
+            stream = await asyncio.to_thread(self.loop.submit, request, deliver)  # the cache lookup runs off the event loop
+        except (ValueError, TypeError, ArithmeticError) as e:  # RequestError, MultipleALoRAError, bad numbers: the request's fault
             yield Delta.refused(str(e))
+            return
+        except Overloaded as e:
+            yield Delta.refused(str(e), status=503)
+            return
+        except Exception:
+            log.exception("request %s could not be submitted", call.request_id)
+            yield Delta.refused("internal error in the worker", status=500)
             return
         finished = False
         try:
             while not finished:
-                out = await asyncio.to_thread(stream.get)
+                out = await outputs.get()
                 finished = out.is_finished
                 yield delta_of(out)
         finally:

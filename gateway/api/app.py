@@ -2,50 +2,60 @@
 
 The app is built once per process; `app.state.gateway` is set by whoever runs
 it (the Ray Serve ingress, or a test). Every error is the OpenAI error shape
-with its status; a bad request never reaches a worker.
+with its status; a bad request never reaches a worker, and no answer carries a
+stack trace or an internal id. A tenant's request counts against its rate
+limit as soon as it is authenticated, before its body is read. Large prompts
+are tokenized off the event loop, and text too long to fit the context is
+refused before tokenizing.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from gateway.admission import Prepared
 from gateway.api.formats import ChatFormatter, CompletionFormatter, llama_completion, sse, token_str
-from gateway.api.protocol import APIError, ChatRequest, CompletionRequest, LlamaCompletionRequest, LoraScale, parse
+from gateway.api.protocol import APIError, ChatRequest, CompletionRequest, LlamaCompletionRequest, LoraScale, load_json, parse
 from gateway.dispatch import Gateway
 from gateway.metrics import adapter_label
 from gateway.tenants import Tenant
 from worker.contract.calls import Delta
 from worker.contract.params import SamplingParams
 from worker.formats.chat_template import ChatTemplateError, encode_chat
+from worker.formats.tokenizer import TokenizerError
 
 log = logging.getLogger(__name__)
+OFF_LOOP_CHARS = 4096  # texts longer than this are tokenized in a worker thread
 
 
 async def _json_body(request: Request, gateway: Gateway) -> Any:
     limit = gateway.config.http.max_body_bytes
     if int(request.headers.get("content-length") or 0) > limit:
         raise APIError(413, f"request body over {limit} bytes", "body_too_large")
-    body = await request.body()
-    if len(body) > limit:
-        raise APIError(413, f"request body over {limit} bytes", "body_too_large")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}", "invalid_json") from e
+    body = bytearray()
+    async for part in request.stream():  # stop reading at the limit, whatever the header said
+        body += part
+        if len(body) > limit:
+            raise APIError(413, f"request body over {limit} bytes", "body_too_large")
+    return load_json(bytes(body))
 
 
-def _sampling(max_tokens: int | None, body, logprobs: int | None = None, echo: bool = False) -> SamplingParams:
+def _sampling(gateway: Gateway, num_prompt_tokens: int, max_tokens: int | None, body, logprobs: int | None = None,
+              echo: bool = False) -> SamplingParams:
+    if max_tokens is None:
+        max_tokens = gateway.admission.default_max_tokens(num_prompt_tokens)
     try:
         return SamplingParams(
-            max_tokens=-1 if max_tokens is None else max_tokens, temperature=body.temperature, top_p=body.top_p,
+            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
             top_k=max(body.top_k, 0), seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, echo=echo, stop=tuple(body.stop_list),
         )
     except ValueError as e:
@@ -69,30 +79,30 @@ class _Timing:
     def done(self, status: int, final: Delta | None) -> None:
         now = time.perf_counter()
         self.gateway.metrics.finished(self.tenant.id, self.adapter, self.endpoint, status, now - self.started,
-                                      None if self.first is None else self.first - self.started, final.usage if final else None)
+                                      None if self.first is None else self.first - self.started, final)
 
 
 async def _respond(gateway: Gateway, prepared: Prepared, stream: bool, endpoint: str, whole, chunk, usage_chunk=None,
                    include_usage: bool = False, done_marker: bool = True) -> Response:
     timing = _Timing(gateway, prepared.tenant, prepared, endpoint)
-    gateway.metrics.in_flight.labels(prepared.tenant.id).inc()
+    in_flight = gateway.metrics.in_flight.labels(prepared.tenant.id)
+    in_flight.inc()
     if not stream:
         try:
-            deltas = await gateway.collect(prepared)
+            deltas = await gateway.collect(prepared, on_first=timing.token)
+        except APIError as e:
+            timing.done(e.status, None)
+            raise
         finally:
-            gateway.metrics.in_flight.labels(prepared.tenant.id).dec()
-        final = deltas[-1]
-        timing.token()
-        if final.finish_reason == "error":
-            timing.done(500, final)
-            raise APIError(500, final.error or "the worker failed", "worker_error")
-        timing.done(200, final)
+            in_flight.dec()
+        timing.done(200, deltas[-1])
         return JSONResponse(whole(deltas), headers=_headers(prepared))
     deltas = gateway.stream(prepared)
     try:
         first = await anext(deltas)  # errors before the first token are still HTTP errors
-    except BaseException:
-        gateway.metrics.in_flight.labels(prepared.tenant.id).dec()
+    except BaseException as e:
+        in_flight.dec()
+        timing.done(e.status if isinstance(e, APIError) else 500, None)
         raise
 
     async def events() -> AsyncIterator[bytes]:
@@ -102,8 +112,9 @@ async def _respond(gateway: Gateway, prepared: Prepared, stream: bool, endpoint:
             while True:
                 timing.token()
                 if delta.finish_reason == "error":
-                    status = 500
-                    yield sse(APIError(500, delta.error or "the worker failed", "worker_error").body())
+                    error = gateway.error_of(delta, prepared)
+                    status = error.status
+                    yield sse(error.body())
                     break
                 yield sse(chunk(delta, index == 0))
                 if delta.is_finished:
@@ -117,7 +128,7 @@ async def _respond(gateway: Gateway, prepared: Prepared, stream: bool, endpoint:
                 yield sse("[DONE]")
         finally:
             await deltas.aclose()  # a client that went away cancels the worker's request
-            gateway.metrics.in_flight.labels(prepared.tenant.id).dec()
+            in_flight.dec()
             timing.done(status, final)
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=_headers(prepared))
@@ -136,6 +147,14 @@ def process_gateway() -> Gateway:
     return _process_gateway[0]
 
 
+BODIES: dict[str, Any] = {  # what each POST takes, for the OpenAPI document (parsed by hand, with our error shape)
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatRequest,
+    "/completion": LlamaCompletionRequest,
+    "/lora-adapters": list[LoraScale],
+}
+
+
 def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     """The app over the Gateway `current()` returns (default: `app.state.gateway`, set
     before serving). Ray Serve builds it in the replica and sets the gateway there."""
@@ -145,13 +164,39 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         return current() if current is not None else app.state.gateway
 
     async def _begin(request: Request, model: type | None = None) -> tuple[Gateway, Tenant, Any]:
-        """The gateway, the calling tenant, and the parsed body (when `model`)."""
+        """The gateway, the calling tenant (its request counted against its rate), and the parsed body (when `model`)."""
         gateway = _gateway(request)
         tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
+        await gateway.limiter.admit(tenant)
         return gateway, tenant, None if model is None else parse(model, await _json_body(request, gateway))
 
-    def _tokens(gateway: Gateway, prompt: str | list[int]) -> list[int]:
-        return prompt if isinstance(prompt, list) else gateway.catalog.tokenizer.encode(prompt, add_special=True, parse_special=True)
+    async def _off_loop(gateway: Gateway, size: int, work: Callable[[], list[int]]) -> list[int]:
+        """Tokenizing: refused when the text cannot fit the context; off the event loop when large."""
+        if size > gateway.catalog.max_prompt_chars:
+            raise APIError(400, f"the prompt ({size} characters) cannot fit the model's context of {gateway.catalog.max_positions} tokens",
+                           "context_length_exceeded")
+        try:
+            return await asyncio.to_thread(work) if size > OFF_LOOP_CHARS else work()
+        except (TokenizerError, ChatTemplateError) as e:
+            raise APIError(400, str(e), "invalid_prompt") from e
+
+    async def _tokens(gateway: Gateway, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        tokenizer = gateway.catalog.tokenizer  # raw prompts parse special tokens, as llama.cpp does
+        return await _off_loop(gateway, len(prompt), lambda: tokenizer.encode(prompt, add_special=True, parse_special=True))
+
+    def _adapters(gateway: Gateway, tenant: Tenant) -> list[dict[str, Any]]:
+        out = []
+        for i, name in enumerate(gateway.admission.adapter_names(tenant)):
+            info = gateway.catalog.adapters[name]
+            entry = {"id": i, "name": name, "path": info.path.name, "scale": tenant.default_scales.get(name, 0.0),
+                     "task_name": info.task_name, "prompt_prefix": info.prompt_prefix}
+            if info.is_alora:
+                entry["alora_invocation_tokens"] = list(info.invocation_tokens)
+                entry["alora_invocation_string"] = "".join(token_str(gateway.catalog.tokenizer, t) for t in info.invocation_tokens)
+            out.append(entry)
+        return out
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -160,15 +205,15 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:  # never a stack trace to a client
         log.error("internal error on %s %s", request.method, request.url.path, exc_info=e)
-        return JSONResponse(APIError(500, f"internal error ({type(e).__name__})", "internal_error").body(), status_code=500)
+        return JSONResponse(APIError(500, "internal error", "internal_error").body(), status_code=500)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         gateway, tenant, body = await _begin(request, CompletionRequest)
         scales = gateway.admission.resolve_scales(tenant, body.model, body.lora)
-        tokenizer, prompt = gateway.catalog.tokenizer, _tokens(gateway, body.prompt)
-        params = _sampling(body.max_tokens, body, body.logprobs, body.echo)
-        prepared = gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt)
+        tokenizer, prompt = gateway.catalog.tokenizer, await _tokens(gateway, body.prompt)
+        params = _sampling(gateway, len(prompt), body.max_tokens, body, body.logprobs, body.echo)
+        prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, timeout_s=body.timeout_s)
         fmt = CompletionFormatter(tokenizer, body.model or gateway.catalog.model_name, prompt, body.echo, body.logprobs)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await _respond(gateway, prepared, body.stream, "completions", fmt.whole, fmt.chunk, fmt.usage_chunk, include_usage)
@@ -177,12 +222,12 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     async def chat(request: Request) -> Response:
         gateway, tenant, body = await _begin(request, ChatRequest)
         scales = gateway.admission.resolve_scales(tenant, body.model, body.lora)
-        try:
-            prompt = encode_chat(gateway.catalog.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), "invalid_messages") from e
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        size = sum(len(m["content"]) for m in messages)
+        prompt = await _off_loop(gateway, size, lambda: encode_chat(gateway.catalog.tokenizer, messages))
         k = (body.top_logprobs or 0) if body.logprobs else None
-        prepared = gateway.admission.prepare(tenant, prompt, _sampling(body.token_limit, body, k), scales, body.cache_salt)
+        params = _sampling(gateway, len(prompt), body.token_limit, body, k)
+        prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, timeout_s=body.timeout_s)
         fmt = ChatFormatter(gateway.catalog.tokenizer, body.model or gateway.catalog.model_name, k)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await _respond(gateway, prepared, body.stream, "chat", fmt.whole, fmt.chunk, fmt.usage_chunk, include_usage)
@@ -191,14 +236,15 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     async def llama_complete(request: Request) -> Response:
         gateway, tenant, body = await _begin(request, LlamaCompletionRequest)
         scales = gateway.admission.resolve_scales(tenant, None, body.lora)
-        model, prompt = gateway.catalog.model_name, _tokens(gateway, body.prompt)
+        model, prompt = gateway.catalog.model_name, await _tokens(gateway, body.prompt)
+        n_predict = gateway.admission.default_max_tokens(len(prompt)) if body.n_predict is None else body.n_predict
         try:
-            params = SamplingParams(max_tokens=body.n_predict, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            params = SamplingParams(max_tokens=n_predict, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     seed=None if body.seed in (None, -1) else body.seed, ignore_eos=body.ignore_eos,
                                     logprobs=body.n_probs or None, stop=tuple(body.stop))
         except ValueError as e:
             raise APIError(400, str(e), "invalid_value") from e
-        prepared = gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, body.cache_prompt)
+        prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, body.cache_prompt, body.timeout_s)
 
         def chunk(delta: Delta, first: bool) -> dict[str, Any]:
             return llama_completion([delta], model) if delta.is_finished else {"content": delta.text, "tokens": list(delta.token_ids), "stop": False}
@@ -216,40 +262,61 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     @app.get("/lora-adapters")
     async def list_adapters(request: Request) -> list[dict[str, Any]]:
         gateway, tenant, _ = await _begin(request)
-        out = []
-        for i, name in enumerate(gateway.admission.adapter_names(tenant)):
-            info = gateway.catalog.adapters[name]
-            entry = {"id": i, "name": name, "path": info.path.name, "scale": tenant.default_scales.get(name, 0.0),
-                     "task_name": info.task_name, "prompt_prefix": info.prompt_prefix}
-            if info.is_alora:
-                entry["alora_invocation_tokens"] = list(info.invocation_tokens)
-                entry["alora_invocation_string"] = "".join(token_str(gateway.catalog.tokenizer, t) for t in info.invocation_tokens)
-            out.append(entry)
-        return out
+        return _adapters(gateway, tenant)
 
     @app.post("/lora-adapters")
     async def set_adapters(request: Request) -> list[dict[str, Any]]:
-        gateway, tenant, _ = await _begin(request)
-        data = await _json_body(request, gateway)
-        if not isinstance(data, list):
-            raise APIError(400, "expected a JSON list of {\"id\": N, \"scale\": S}", "invalid_value")
-        entries = [parse(LoraScale, item) for item in data]
+        gateway, tenant, data = await _begin(request, list[LoraScale])
         names = gateway.admission.adapter_names(tenant)
-        for entry in entries:
+        for entry in data:
             if entry.id >= len(names):
                 raise APIError(404, f"adapter id {entry.id} not found (this key has {len(names)} adapters)", "adapter_not_found")
-        tenant.default_scales = gateway.admission.enabled({names[e.id]: e.scale for e in entries})
-        return await list_adapters(request)
+        tenant.default_scales = gateway.admission.enabled({names[e.id]: e.scale for e in data})
+        return _adapters(gateway, tenant)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
+        """Without a key: liveness only (the gateway answers). With the operator key: every
+        shard and replica, and the cache's Redis state (503 when a shard has no healthy replica)."""
         gateway = _gateway(request)
+        if request.headers.get("authorization") is None and not gateway.tenants.is_operator_open:
+            return JSONResponse({"status": "ok"})
+        gateway.tenants.authenticate_operator(request.headers.get("authorization"))
         report = await gateway.full_health()
         return JSONResponse(report, status_code=200 if report["status"] != "down" else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
         gateway = _gateway(request)
+        gateway.tenants.authenticate_operator(request.headers.get("authorization"))
         return PlainTextResponse(await gateway.full_metrics(), media_type="text/plain; version=0.0.4")
 
+    _document_bodies(app)
     return app
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """The OpenAPI document with every POST's body schema (the routes parse bodies themselves, to
+    answer errors in the OpenAI shape), and the bearer key, so clients and fuzzers see them."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version="1", routes=app.routes)
+            components = schema.setdefault("components", {})
+            schemas = components.setdefault("schemas", {})
+            for path, body in BODIES.items():
+                is_list = getattr(body, "__origin__", None) is list
+                model: type[BaseModel] = body.__args__[0] if is_list else body
+                definition = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(definition.pop("$defs", {}))
+                schemas[model.__name__] = definition
+                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                schema["paths"][path]["post"]["requestBody"] = {
+                    "required": True, "content": {"application/json": {"schema": {"type": "array", "items": ref} if is_list else ref}},
+                }
+            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            schema["security"] = [{"bearer": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

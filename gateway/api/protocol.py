@@ -8,10 +8,11 @@ honour with a non-default value (`n` > 1, penalties) are refused with 400.
 
 from __future__ import annotations
 
-import math
+import functools
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 
 class APIError(Exception):
@@ -28,21 +29,33 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"), "code": self.code}}
 
 
+# Every number a client sends has a finite bound, checked here before any work (README, "Limits").
+MAX_ADAPTER_SCALE = 100.0  # |scale| of a request's adapter
+MAX_LORA_ENTRIES = 32
+MAX_STOP = 4  # OpenAI's; llama-server's /completion takes up to MAX_LLAMA_STOP
+MAX_LLAMA_STOP = 16
+MAX_STOP_CHARS = 256
+MAX_TOP_K = 100_000
+MAX_TOKENS = 1_000_000  # and at most what fits the context (gateway/admission.py)
+MAX_MESSAGES = 1024
+MAX_NAME_CHARS = 256  # model and adapter names, cache salts
+MAX_SEED = 2**63
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: `false` is not 0, "1" is not 1 (a JSON number is still accepted for a float)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class LoraEntry(_Body):
-    id: int | None = Field(None, ge=0)
-    name: str | None = None
-    scale: float = 1.0
+    id: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    scale: float = Field(1.0, ge=-MAX_ADAPTER_SCALE, le=MAX_ADAPTER_SCALE, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _one_ref(self) -> LoraEntry:
         if (self.id is None) == (self.name is None):
             raise ValueError("each lora entry needs exactly one of 'id' and 'name'")
-        if not math.isfinite(self.scale):
-            raise ValueError("lora scale must be a finite number")
         return self
 
 
@@ -50,21 +63,34 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
-    model: str | None = None
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # vLLM/llama.cpp extension; 0 or -1: off
-    n: int = 1
+def _stops(value: str | list[str] | None, most: int) -> list[str]:
+    stops = [] if value is None else [value] if isinstance(value, str) else list(value)
+    if len(stops) > most or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise ValueError(f"stop takes at most {most} non-empty strings of at most {MAX_STOP_CHARS} characters")
+    return stops
+
+
+class _Generation(_Body):
+    """What every generation endpoint takes besides its own fields."""
+
+    lora: list[LoraEntry] | None = Field(None, max_length=MAX_LORA_ENTRIES)
+    cache_salt: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    ignore_eos: bool = False
+    timeout_s: float | None = Field(None, gt=0, le=24 * 3600, allow_inf_nan=False)  # this request's deadline (at most the server's)
+
+
+class _Sampling(_Generation):
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    temperature: float = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)  # vLLM/llama.cpp extension; 0 or -1: off
+    n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    lora: list[LoraEntry] | None = None
-    cache_salt: str | None = Field(None, max_length=256)
+    seed: int | None = Field(None, ge=0, lt=MAX_SEED)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _supported(self) -> _Sampling:
@@ -72,19 +98,17 @@ class _Sampling(_Body):
             raise ValueError("only n=1 is supported")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported (use 0)")
-        stops = self.stop_list
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes at most 4 non-empty strings")
+        _stops(self.stop, MAX_STOP)
         return self
 
     @property
     def stop_list(self) -> list[str]:
-        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return _stops(self.stop, MAX_STOP)
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS)  # null: the server's default
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
@@ -116,33 +140,31 @@ class ChatMessage(_Body):
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
     @property
     def token_limit(self) -> int | None:
+        """The completion's limit; None: the server's default."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class LlamaCompletionRequest(_Body):
+class LlamaCompletionRequest(_Generation):
     """llama-server's `POST /completion`."""
 
     prompt: str | list[int]
-    n_predict: int = Field(-1, ge=-1)
-    temperature: float = Field(0.8, ge=0.0, le=100.0)
-    top_p: float = Field(0.95, gt=0.0, le=1.0)
-    top_k: int = Field(40, ge=0)
-    seed: int | None = Field(None, ge=-1, lt=2**63)  # -1: random, as llama-server
+    n_predict: int | None = Field(None, ge=-1, le=MAX_TOKENS)  # absent: the server's default; -1: until the end of generation
+    temperature: float = Field(0.8, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float = Field(0.95, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(40, ge=0, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=-1, lt=MAX_SEED)  # -1: random, as llama-server
     stop: list[str] = Field(default_factory=list)
     stream: bool = False
     cache_prompt: bool = True
-    ignore_eos: bool = False
     n_probs: int = Field(0, ge=0, le=20)
-    lora: list[LoraEntry] | None = None
-    cache_salt: str | None = Field(None, max_length=256)
 
     @field_validator("prompt")
     @classmethod
@@ -151,23 +173,65 @@ class LlamaCompletionRequest(_Body):
             raise ValueError("the prompt is empty")
         return value
 
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, value: list[str]) -> list[str]:
+        return _stops(value, MAX_LLAMA_STOP)
+
 
 class LoraScale(_Body):
-    id: int = Field(ge=0)
-    scale: float
-
-    @field_validator("scale")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("scale must be a finite number")
-        return value
+    id: int = Field(ge=0, le=MAX_TOKENS)
+    scale: float = Field(ge=-MAX_ADAPTER_SCALE, le=MAX_ADAPTER_SCALE, allow_inf_nan=False)
 
 
-def parse(model: type[BaseModel], data: Any) -> Any:
-    """Validate a JSON body; a bad one is a 400 naming the field."""
+MAX_JSON_DEPTH = 32
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def load_json(body: bytes) -> Any:
+    """A request body's JSON: 400 when malformed, nested deeper than MAX_JSON_DEPTH, holding
+    NaN or Infinity, or a string that is not valid Unicode (a lone surrogate)."""
     try:
-        return model.model_validate(data)
+        data = json.loads(body, parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+        raise APIError(400, f"malformed JSON body: {e}", "invalid_json") from e
+    except RecursionError as e:
+        raise APIError(400, f"JSON body nested deeper than {MAX_JSON_DEPTH} levels", "invalid_json") from e
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            _check_unicode(value)
+        elif isinstance(value, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise APIError(400, f"JSON body nested deeper than {MAX_JSON_DEPTH} levels", "invalid_json")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    _check_unicode(key)
+                stack.append((item, depth + 1))
+    return data
+
+
+def _check_unicode(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"a string in the body is not valid Unicode (a lone surrogate U+{ord(text[e.start]):04X})", "invalid_json") from e
+
+
+@functools.cache
+def _adapter(model: Any) -> TypeAdapter:
+    return TypeAdapter(model, config=None if isinstance(model, type) and issubclass(model, BaseModel) else ConfigDict(strict=True))
+
+
+def parse(model: Any, data: Any) -> Any:
+    """Validate a JSON body against a model (or a list of one); a bad one is a 400 naming the field."""
+    try:
+        return _adapter(model).validate_python(data)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"] if not isinstance(p, str) or not p.startswith(("function-", "list[", "str", "int")))

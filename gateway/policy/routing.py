@@ -14,6 +14,9 @@ requests a replica was sent recently (a decaying count), since bounding
 in-flight requests alone keeps no balance when traffic is light (everything in
 flight is 0 or 1, so the hot prefix's replica gets every request it is idle
 for).
+A replica whose slots and queue are full is no candidate (`ReplicasBusy` when
+none is left: the gateway answers 503 with Retry-After); with a shared tier, a
+replica with a free slot comes before any whose slots are all taken.
 `random` and `least_loaded` (in flight) are there to compare against.
 """
 
@@ -35,6 +38,12 @@ class ReplicaView:
     in_flight: int = 0
     is_healthy: bool = True
     recent: float = 0.0  # requests routed here lately (exponentially decayed count)
+    num_slots: int = 1 << 30  # requests it runs at once; more wait in its queue
+    capacity: int = 1 << 30  # requests it may hold: its slots plus its queue
+
+    @property
+    def has_free_slot(self) -> bool:
+        return self.in_flight < self.num_slots
 
     @property
     def load(self) -> float:
@@ -60,6 +69,10 @@ class NoCandidateError(LookupError):
     """No healthy replica holds every adapter the request needs."""
 
 
+class ReplicasBusy(NoCandidateError):
+    """Replicas hold the adapters, but every one of them is full (its slots and queue)."""
+
+
 def candidates(replicas: Sequence[ReplicaView], adapters: Collection[str], exclude: Collection[str] = ()) -> list[ReplicaView]:
     needed = frozenset(adapters)
     holding = [r for r in replicas if needed <= r.adapters]
@@ -68,7 +81,10 @@ def candidates(replicas: Sequence[ReplicaView], adapters: Collection[str], exclu
     healthy = [r for r in holding if r.is_healthy and r.replica_id not in exclude]
     if not healthy:
         raise NoCandidateError(f"no healthy replica for adapters {', '.join(sorted(needed)) or '(base model)'}: all {len(holding)} are down or failed")
-    return healthy
+    room = [r for r in healthy if r.in_flight < r.capacity]
+    if not room:
+        raise ReplicasBusy(f"every replica for adapters {', '.join(sorted(needed)) or '(base model)'} is full: try again shortly")
+    return room
 
 
 def affinity_key(adapter_set_fingerprint: str, prompt_ids: Sequence[int], chunk_tokens: int) -> bytes:
@@ -99,7 +115,8 @@ def choose(pool: Sequence[ReplicaView], key: bytes, policy: str = "affinity", ep
     ranked = sorted(pool, key=lambda r: _rank(key, r.replica_id), reverse=True)
     load_bound = _bound(pool, lambda r: r.load, eps)
     not_busy = ranked
-    if shared_cache:
+    if shared_cache:  # never queue behind a full replica's slots while another has one free: start soonest
+        ranked = [r for r in ranked if r.has_free_slot] or ranked
         in_flight_bound = _bound(pool, lambda r: r.in_flight, eps)
         not_busy = [r for r in ranked if r.in_flight + 1 <= in_flight_bound] or [min(ranked, key=lambda r: r.in_flight)]
     return next((r for r in not_busy if r.load + 1 <= load_bound), None) or min(not_busy, key=lambda r: r.load)

@@ -41,6 +41,7 @@ def multi_shard_values() -> dict:
         "gateway": {"ingress": {"enabled": True, "className": "nginx", "host": "llm.example.com",
                                 "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]}},
         "serviceMonitor": {"enabled": True},
+        "operator": {"key": "sk-ops"},
         "ray": {"worker": {"replicas": 6, "minReplicas": 6, "maxReplicas": 12}},
     }
 
@@ -86,6 +87,17 @@ def test_the_multi_shard_install_has_ingress_monitoring_and_the_tenants_secret()
     config = yaml.safe_load(docs[("RayService", "lp-loraplex")]["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]
     assert config["cache"]["redis_url"] == "rediss://cache.internal:6380/0" and config["tenants_file"] == "/etc/loraplex/tenants/tenants.yaml"
     assert [s["replicas"] for s in config["shards"]] == [2, 2, 2]
+    monitor = docs[("ServiceMonitor", "lp-loraplex")]["spec"]["endpoints"][0]
+    assert monitor["bearerTokenSecret"] == {"name": "lp-loraplex-operator", "key": "operator-key"}
+    assert docs[("Secret", "lp-loraplex-operator")]["stringData"]["operator-key"] == "sk-ops"
+    assert config["operator_key_file"] == "/etc/loraplex/operator/operator-key"
+
+
+def test_monitoring_without_an_operator_key_is_refused() -> None:
+    values = multi_shard_values()
+    values.pop("operator")
+    with pytest.raises(helm.HelmError, match="serviceMonitor.enabled needs operator.key"):
+        render(values)
 
 
 def test_serve_config_v2_builds_what_loraplex_serve_deploys_for_the_same_config(tmp_path) -> None:

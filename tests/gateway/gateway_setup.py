@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import redis
+import redis.asyncio
 
 from gateway.api.app import create_app
 from gateway.catalog import Catalog
@@ -16,7 +16,7 @@ from tests.tinymodels import TinyModel, invocation_metadata, random_lora, write_
 
 ATTN = ["blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.1.attn_output.weight"]
 INVOCATION = [250, 12]
-KEYS = {"t1": "key-one", "t2": "key-two", "shared": "key-shared", "shared2": "key-shared-2", "limited": "key-limited"}
+KEYS = {"t1": "key-one", "t2": "key-two", "shared": "key-shared", "shared2": "key-shared-2", "limited": "key-limited", "thrifty": "key-thrifty", "operator": "key-operator"}
 
 
 def digest(key: str) -> str:
@@ -34,9 +34,11 @@ def tiny_config(model: TinyModel, directory: Path, prefix: str, **overrides):
             {"id": "t1", "key_sha256": [digest(KEYS["t1"])]},
             {"id": "t2", "key_sha256": [digest(KEYS["t2"])], "adapters": ["b"]},
             {"id": "limited", "key_sha256": [digest(KEYS["limited"])], "requests_per_min": 2, "tokens_per_min": 100},
+            {"id": "thrifty", "key_sha256": [digest(KEYS["thrifty"])], "tokens_per_min": 100},
             {"id": "shared", "key_sha256": [digest(KEYS["shared"])], "shared_cache": True},
             {"id": "shared2", "key_sha256": [digest(KEYS["shared2"])], "shared_cache": True},
         ],
+        "operator_key_sha256": [digest(KEYS["operator"])],
         "cache": {"key_prefix": prefix, "chunk_tokens": 8},
         "engine": {"num_slots": 4, "max_step_tokens": 64},
         "http": {"max_body_bytes": 4096},
@@ -50,7 +52,7 @@ def local_app(config):
     from tests.gateway.local_pool import LocalShardPool
 
     pool = LocalShardPool(config)
-    limiter = RateLimiter(redis.Redis(socket_timeout=1), config.cache.key_prefix)
+    limiter = RateLimiter(redis.asyncio.Redis(socket_timeout=1), config.cache.key_prefix)
     app = create_app()
     app.state.gateway = Gateway(config, Catalog(config), pool, limiter)
     return app, pool

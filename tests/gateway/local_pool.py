@@ -5,6 +5,7 @@ that many deltas of its next request."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from gateway.config import ServeConfig
@@ -25,11 +26,12 @@ class LocalShardPool:
         if replica_id in self.killed:
             raise WorkerFailed(f"replica {replica_id} is dead")
         sent = 0
-        async for delta in self.workers[replica_id].generate(call):
-            if replica_id in self.killed or self.fail_after.get(replica_id) == sent:
-                raise WorkerFailed(f"replica {replica_id} died")
-            sent += 1
-            yield delta
+        async with aclosing(self.workers[replica_id].generate(call)) as deltas:  # a replica that dies stops its request
+            async for delta in deltas:
+                if replica_id in self.killed or self.fail_after.get(replica_id) == sent:
+                    raise WorkerFailed(f"replica {replica_id} died")
+                sent += 1
+                yield delta
 
     async def health(self, replica_id: str) -> dict[str, Any]:
         if replica_id in self.killed:

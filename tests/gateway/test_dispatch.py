@@ -30,8 +30,12 @@ def gateway(config):
     return Gateway(config, Catalog(config), FakePool(config), RateLimiter())
 
 
+def prepare(gateway: Gateway, adapters: dict[str, float], max_tokens: int = 3, tenant: str = "t1"):
+    return asyncio.run(gateway.admission.prepare(gateway.tenants.by_id[tenant], PROMPT, SamplingParams(max_tokens=max_tokens), adapters))
+
+
 def run(gateway: Gateway, adapters: dict[str, float], max_tokens: int = 3, tenant: str = "t1", stream: bool = False):
-    prepared = gateway.admission.prepare(gateway.tenants.by_id[tenant], PROMPT, SamplingParams(max_tokens=max_tokens), adapters)
+    prepared = prepare(gateway, adapters, max_tokens, tenant)
 
     async def go():
         if not stream:
@@ -78,7 +82,7 @@ def test_a_replica_dying_mid_stream_ends_the_stream_but_a_whole_request_goes_els
     assert [d.token_ids for d in streamed[:2]] == [(11,), (12,)]
     assert streamed[-1].finish_reason == "error" and "mid-stream" in streamed[-1].error and len(streamed) == 3
     assert not {v.replica_id: v.is_healthy for v in gateway.views()}["s2-0"]
-    probe = gateway.admission.prepare(gateway.tenants.by_id["t1"], PROMPT, SamplingParams(max_tokens=4), {"alo": 1.0})
+    probe = prepare(gateway, {"alo": 1.0}, 4)
     favourite = choose(candidates(gateway.views(), {"alo": 1.0}), probe.affinity).replica_id
     gateway.pool.fail_after[favourite] = 2
     _, whole = run(gateway, {"alo": 1.0}, max_tokens=4)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
 import redis
+import redis.asyncio
 
 from gateway.api.protocol import APIError
 from gateway.ratelimit import RateLimiter
@@ -20,18 +22,33 @@ class Clock:
         return self.now
 
 
+class Limiter:
+    """The async limiter driven from sync test code, on one event loop."""
+
+    def __init__(self, client, prefix: str, clock: Clock) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.limiter = RateLimiter(client, prefix, clock)
+
+    def check(self, tenant: Tenant, tokens: int) -> None:
+        self.loop.run_until_complete(self.limiter.check(tenant, tokens))
+
+
 @pytest.fixture(params=["redis", "local"])
 def limiter(request):
     prefix = f"loraplex-test-{uuid.uuid4().hex}"
-    client = redis.Redis() if request.param == "redis" else None
+    client = redis.asyncio.Redis() if request.param == "redis" else None
     clock = Clock()
-    yield RateLimiter(client, prefix, clock), clock
+    rl = Limiter(client, prefix, clock)
+    yield rl, clock
     if client is not None:
-        for key in client.scan_iter(f"{prefix}:*"):
-            client.delete(key)
+        rl.loop.run_until_complete(client.aclose())
+    rl.loop.close()
+    sync = redis.Redis()
+    for key in sync.scan_iter(f"{prefix}:*"):
+        sync.delete(key)
 
 
-def allowed(limiter: RateLimiter, tenant: Tenant, tokens: int = 1) -> bool:
+def allowed(limiter: Limiter, tenant: Tenant, tokens: int = 1) -> bool:
     try:
         limiter.check(tenant, tokens)
         return True
@@ -69,3 +86,20 @@ def test_tenants_do_not_share_limits_and_unlimited_tenants_pass(limiter) -> None
     assert allowed(rl, a) and not allowed(rl, a)
     assert allowed(rl, b)
     assert all(allowed(rl, Tenant("free", None)) for _ in range(100))
+
+
+def test_a_request_that_could_never_pass_is_400_not_429(limiter) -> None:
+    rl, _ = limiter
+    tenant = Tenant("t", None, tokens_per_min=100)
+    with pytest.raises(APIError) as e:
+        rl.check(tenant, 101)
+    assert e.value.status == 400 and "more than tenant 't' may use in a minute (100)" in e.value.message
+    assert allowed(rl, tenant, 100)  # and it took nothing
+
+
+def test_a_rejected_request_still_counts_as_a_request(limiter) -> None:
+    rl, _ = limiter
+    tenant = Tenant("t", None, requests_per_min=6, tokens_per_min=100)  # a burst of one request
+    with pytest.raises(APIError):
+        rl.check(tenant, 101)  # refused for its tokens, but it was a request
+    assert not allowed(rl, tenant, 1)

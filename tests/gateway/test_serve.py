@@ -26,6 +26,7 @@ from tests.redis_server import free_port
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KEYS = {"demo": "sk-test-demo", "acme": "sk-test-acme", "limited": "sk-test-limited"}
 CHAT = [{"role": "user", "content": "What is copper?"}]
+OPERATOR = {"Authorization": "Bearer sk-loraplex-operator"}  # deploy/serve.yaml's operator key
 
 
 @pytest.fixture(scope="module")
@@ -164,15 +165,15 @@ def test_a_repeated_prompt_reports_cached_tokens_but_not_across_tenants(server) 
 
 def test_health_and_metrics(server) -> None:
     oa(server).chat.completions.create(model="caps", messages=CHAT, temperature=0, max_tokens=2)
-    health = httpx.get(f"{server}/health", timeout=30).json()
+    health = httpx.get(f"{server}/health", headers=OPERATOR, timeout=30).json()
     assert health["status"] == "ok" and health["redis"] == "ok" and set(health["shards"]) == {"styles", "checks"}
-    text = httpx.get(f"{server}/metrics", timeout=30).text
+    text = httpx.get(f"{server}/metrics", headers=OPERATOR, timeout=30).text
     assert 'loraplex_gateway_requests_total{adapter="caps",endpoint="chat",status="200",tenant="demo"}' in text
     assert 'loraplex_cache_lookups_total{replica="styles-0"}' in text
 
 
 def test_killing_a_replica_loses_no_non_streaming_request(server) -> None:
-    health = httpx.get(f"{server}/health", timeout=30).json()
+    health = httpx.get(f"{server}/health", headers=OPERATOR, timeout=30).json()
     pid = health["shards"]["checks"]["replicas"][0]["pid"]
 
     def ask(i: int) -> httpx.Response:
@@ -188,6 +189,6 @@ def test_killing_a_replica_loses_no_non_streaming_request(server) -> None:
     assert [r.status_code for r in responses] == [200] * 6, [r.text for r in responses if r.status_code != 200]
     assert all(r.json()["usage"]["completion_tokens"] == 40 for r in responses)
     assert {r.headers["x-loraplex-replica"] for r in responses} == {"styles-0"}  # the retried ones too
-    failures = [line for line in httpx.get(f"{server}/metrics", timeout=30).text.splitlines()
+    failures = [line for line in httpx.get(f"{server}/metrics", headers=OPERATOR, timeout=30).text.splitlines()
                 if line.startswith('loraplex_gateway_replica_failures_total{replica="checks-0"}')]
     assert failures and float(failures[0].split()[-1]) >= 1  # requests were running there when it died

@@ -3,9 +3,10 @@
 Plain frozen data (it crosses Ray Serve handles as pickles). A worker streams
 one `Delta` per engine step that produced something for the request; the last
 has `finish_reason` set and carries the summary (usage, timings, prompt
-log-probabilities, the aLoRA's activation index). A request the worker refuses
-before any work gets one finishing `Delta` with `status` set: the HTTP status
-its fault deserves.
+log-probabilities, the aLoRA's activation index). A request that fails carries
+the HTTP status its failure deserves in `status`: a request the worker refuses
+before any work gets a single such `Delta` (400 for the request's own fault, 503
+when the worker is too busy to take it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class WorkerCall:
     cache_salt: str = ""  # the tenant's prefix-cache namespace (SPEC §5)
     cache_prompt: bool = True  # False: neither reuse nor store this request's KV
     tenant: str = ""  # the worker shares prompt tokens and free KV slots fairly between tenants
+    timeout_s: float | None = None  # from when the worker gets it: past this, the request ends with status 503 or 504
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +52,10 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when the request asked for them
     finish_reason: str | None = None  # stop | length | cancelled | error, on the last delta
     error: str | None = None
-    status: int | None = None  # set when the worker refused the request (nothing ran)
+    status: int | None = None  # with an error: the HTTP status it deserves (400: the request's fault; 503: busy, try elsewhere)
     # on the last delta only
     usage: Usage | None = None
+    queue_time_s: float = 0.0  # arrival to its first engine step
     prompt_time_s: float = 0.0  # arrival to first token
     decode_time_s: float = 0.0  # first token to finish
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # echo with logprobs; the first prompt token has none
@@ -67,5 +70,5 @@ class Delta:
         return cls(finish_reason="error", error=message, status=status)
 
     @classmethod
-    def failed(cls, message: str) -> Delta:
-        return cls(finish_reason="error", error=message)
+    def failed(cls, message: str, status: int | None = None) -> Delta:
+        return cls(finish_reason="error", error=message, status=status)

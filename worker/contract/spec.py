@@ -29,6 +29,7 @@ class EngineConfig:
     num_seq_slots: int = 16  # sequences decoding at once (KV sequence slots)
     slot_len: int | None = None  # KV positions per sequence slot (default: the context length, at most 2048)
     max_step_tokens: int = 256  # tokens per forward pass: prefill chunks fill what decoding leaves
+    max_waiting: int = 32  # requests that may wait for a KV slot; beyond, a replica refuses with 503 (the gateway stops earlier)
 
     def __post_init__(self) -> None:
         if self.num_seq_slots < 1:
@@ -37,6 +38,8 @@ class EngineConfig:
             raise ValueError(f"slot_len must be >= 2, got {self.slot_len}")
         if self.max_step_tokens < self.num_seq_slots:  # else decoding alone can use up every step
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must be at least num_slots ({self.num_seq_slots})")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
 
 
 @dataclass(frozen=True)

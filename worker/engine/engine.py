@@ -46,6 +46,7 @@ class EngineRequest:
     cache_salt: str = ""  # the tenant's prefix-cache namespace (SPEC §5)
     cache_prompt: bool = True  # False: neither reuse nor store this request's KV
     tenant: str = ""  # whose request: the scheduler shares prompt tokens and free slots fairly between tenants
+    timeout_s: float | None = None  # its deadline, from arrival: past it, the request ends (Engine.expire)
 
 
 @dataclass(eq=False)
@@ -58,7 +59,12 @@ class _State:
     stop: StopMatcher
     result: GenerationResult
     arrived_s: float
+    first_step_s: float | None = None
     first_token_s: float | None = None
+
+    @property
+    def deadline_s(self) -> float | None:
+        return None if self.request.timeout_s is None else self.arrived_s + self.request.timeout_s
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -162,6 +168,17 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def expire(self) -> list[RequestOutput]:
+        """End the requests past their deadline: 503 when one never got a first token (the
+        worker was too busy), 504 once it had started."""
+        now = self.clock()
+        late = [s for s in self._states.values() if s.deadline_s is not None and now >= s.deadline_s]
+        return [
+            self._finish(s, "error", f"the request did not finish within its deadline of {s.request.timeout_s:g} s",
+                         status=504 if s.first_token_s is not None else 503)
+            for s in late
+        ]
+
     def result(self, request_id: str) -> GenerationResult | None:
         state = self._states.get(request_id)
         return None if state is None else state.result
@@ -172,13 +189,18 @@ class Engine:
         spans = self.scheduler.schedule()
         if not spans:
             return []
+        now = self.clock()
+        for span in spans:
+            state = self._states[span.seq.request_id]
+            if state.first_step_s is None:
+                state.first_step_s = now
         try:
             if self.prefix is not None:
                 self.prefix.load(spans, self.kv)
             outputs = self.runner.run([self._span_input(span) for span in spans], self.kv)
         except Exception as e:  # the whole pass failed: fail its requests, keep serving
             log.exception("forward pass failed")
-            return [self._finish(self._states[s.seq.request_id], "error", f"internal error: {e}") for s in spans]
+            return [self._finish(self._states[s.seq.request_id], "error", f"internal error: {e}", status=500) for s in spans]
         for span in spans:
             span.seq.num_computed += span.length
         if self.prefix is not None:
@@ -205,7 +227,7 @@ class Engine:
                 delta = self._advance(state, span, out)
             except Exception as e:  # one request's failure stays its own
                 log.exception("request %s failed", span.seq.request_id)
-                delta = self._finish(state, "error", f"internal error: {e}")
+                delta = self._finish(state, "error", f"internal error: {e}", status=500)
             if delta is not None:
                 deltas.append(delta)
         return deltas
@@ -221,7 +243,7 @@ class Engine:
         if state.is_at_limit:  # max_tokens 0
             return self._finish(state, "length")
         if not out.is_finite:
-            return self._finish(state, "error", "the model's output for this request is not finite (are its adapter scales too large?)")
+            return self._finish(state, "error", "the model's output for this request is not finite (are its adapter scales too large?)", status=400)
         if state.first_token_s is None:
             state.first_token_s = self.clock()
         token = out.token
@@ -240,7 +262,7 @@ class Engine:
             return self._finish(state, "length", delta=delta)
         return RequestOutput(seq.request_id, [token], text, [out.logprob] if out.logprob else None)
 
-    def _finish(self, state: _State, reason: str, error: str | None = None, delta: tuple | None = None) -> RequestOutput:
+    def _finish(self, state: _State, reason: str, error: str | None = None, delta: tuple | None = None, status: int | None = None) -> RequestOutput:
         token_ids, text, entry = delta or ([], "", None)
         if reason in ("stop", "length") and state.decoder is not None:
             tail = state.stop.feed(state.decoder.flush()) + state.stop.flush()
@@ -249,10 +271,11 @@ class Engine:
             if state.stop.is_stopped:  # the last character completed a stop string
                 reason = "stop"
         result = state.result
-        result.finish_reason, result.error = reason, error
+        result.finish_reason, result.error, result.error_status = reason, error, status
         now = self.clock()
         first = now if state.first_token_s is None else state.first_token_s
         result.prompt_time_s, result.decode_time_s = first - state.arrived_s, now - first
+        result.queue_time_s = (state.first_step_s or now) - state.arrived_s
         self.scheduler.finish(state.seq)
         if self.prefix is not None:
             self.prefix.forget(state.seq.request_id)

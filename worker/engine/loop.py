@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from worker.engine.engine import Engine, EngineRequest
 from worker.engine.outputs import RequestOutput
@@ -17,16 +17,31 @@ from worker.engine.outputs import RequestOutput
 log = logging.getLogger(__name__)
 
 
-class RequestStream:
-    """Deltas of one request, in order; iteration ends after the finishing delta."""
+class Overloaded(RuntimeError):
+    """The worker's queue is full: the request may go to another replica, or come back later."""
 
-    def __init__(self, loop: EngineLoop, request_id: str) -> None:
+
+class RequestStream:
+    """Deltas of one request, in order; iteration ends after the finishing delta. With
+    `on_output`, each delta goes to that callback instead, called on the engine's thread
+    (it must not block: e.g. `call_soon_threadsafe` into an asyncio queue)."""
+
+    def __init__(self, loop: EngineLoop, request_id: str, on_output: Callable[[RequestOutput], None] | None = None) -> None:
         self.request_id = request_id
         self._loop = loop
         self._queue: queue.Queue[RequestOutput] = queue.Queue()
+        self._on_output = on_output
 
     def put(self, output: RequestOutput) -> None:
-        self._queue.put(output)
+        if self._on_output is None:
+            self._queue.put(output)
+            return
+        try:
+            self._on_output(output)
+        except Exception as e:  # the receiver is gone (its event loop closed): stop computing for it
+            log.info("request %s: its output could not be delivered (%s); cancelling it", self.request_id, e)
+            if not output.is_finished:
+                self.cancel()
 
     def get(self, timeout_s: float | None = None) -> RequestOutput:
         return self._queue.get(timeout=timeout_s)
@@ -43,8 +58,9 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, max_waiting: int | None = None) -> None:
         self.engine = engine
+        self.max_waiting = max_waiting  # requests waiting for a KV slot beyond which submit refuses (Overloaded)
         self._inbox: list[tuple[str, object]] = []
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Condition()
@@ -52,21 +68,24 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, request: EngineRequest) -> RequestStream:
-        """Queue a request; a bad one raises here (RequestError, ValueError) and changes nothing.
+    def submit(self, request: EngineRequest, on_output: Callable[[RequestOutput], None] | None = None) -> RequestStream:
+        """Queue a request; a bad one raises here (RequestError, ValueError) and changes nothing;
+        Overloaded when `max_waiting` requests already wait for a slot.
 
         The prefix-cache lookup (a Redis round trip at most) runs here, in the
         caller's thread, not in the engine's step loop.
         """
         arrived_s = self.engine.clock()
         self.engine.check(request)
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            raise Overloaded(f"the worker is busy: {self.num_waiting} requests are waiting for a slot")
         hit = self.engine.lookup(request)
         with self._wake:
             if self._closed:
                 raise RuntimeError("the engine loop is closed")
             if request.request_id in self._streams:
                 raise ValueError(f"request id {request.request_id!r} is already running")
-            stream = self._streams[request.request_id] = RequestStream(self, request.request_id)
+            stream = self._streams[request.request_id] = RequestStream(self, request.request_id, on_output)
             self._inbox.append(("add", (request, hit, arrived_s)))
             self._wake.notify()
         return stream
@@ -76,6 +95,11 @@ class EngineLoop:
         with self._wake:
             self._inbox.append(("cancel", (request_id, stream)))
             self._wake.notify()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet given a KV slot (an estimate: read outside the engine's thread)."""
+        return self.engine.scheduler.num_waiting + sum(kind == "add" for kind, _ in list(self._inbox))
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -122,7 +146,7 @@ class EngineLoop:
                         break
                     commands, self._inbox = self._inbox, []
                 self._apply(commands)
-                for out in self.engine.step():
+                for out in [*self.engine.expire(), *self.engine.step()]:
                     self._deliver(out)
         except Exception as e:  # a bug, not a request: stop taking work, end every stream
             log.exception("engine loop failed")

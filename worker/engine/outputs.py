@@ -15,10 +15,12 @@ class GenerationResult:
     text: str = ""
     finish_reason: str | None = None  # stop | length | cancelled | error
     error: str | None = None
+    error_status: int | None = None  # with an error: the HTTP status it deserves (400: the request's own fault)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first prompt token has none
     alora_activation: int | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    queue_time_s: float = 0.0  # arrival to its first step
     prompt_time_s: float = 0.0  # arrival to first token
     decode_time_s: float = 0.0  # first token to finish
 

@@ -46,6 +46,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
+{{- define "loraplex.operatorSecret" -}}
+{{- if .Values.operator.existingSecret -}}
+{{- .Values.operator.existingSecret -}}
+{{- else if .Values.operator.key -}}
+{{- printf "%s-operator" (include "loraplex.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The loraplex config the application is built from: the values' config plus what
      the cluster decides (Redis, the Secrets' mount paths, the HTTP port). */}}
 {{- define "loraplex.config" -}}
@@ -56,6 +64,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if include "loraplex.redisPasswordSecret" . }}{{- $_ := set $cache "redis_password_file" "/etc/loraplex/redis/password" -}}{{- end -}}
 {{- $_ := set $config "cache" $cache -}}
 {{- if include "loraplex.tenantsSecret" . }}{{- $_ := set $config "tenants_file" "/etc/loraplex/tenants/tenants.yaml" -}}{{- end -}}
+{{- if include "loraplex.operatorSecret" . }}{{- $_ := set $config "operator_key_file" "/etc/loraplex/operator/operator-key" -}}{{- end -}}
 {{- $_ := set $config "http" (dict "host" "0.0.0.0" "port" 8000) -}}
 {{- toYaml $config -}}
 {{- end -}}
@@ -71,7 +80,7 @@ applications:
 {{ include "loraplex.config" . | indent 8 }}
 {{- end -}}
 
-{{/* Volumes and mounts every Ray pod gets: models, tenants, Redis password. */}}
+{{/* Volumes and mounts every Ray pod gets: models, tenants, Redis password, operator key. */}}
 {{- define "loraplex.volumes" -}}
 - name: models
 {{- if .Values.models.existingClaim }}
@@ -94,6 +103,12 @@ applications:
     secretName: {{ . }}
     items: [{key: password, path: password}]
 {{- end }}
+{{- with include "loraplex.operatorSecret" . }}
+- name: operator-key
+  secret:
+    secretName: {{ . }}
+    items: [{key: operator-key, path: operator-key}]
+{{- end }}
 {{- end -}}
 
 {{- define "loraplex.volumeMounts" -}}
@@ -108,6 +123,11 @@ applications:
 {{- if include "loraplex.redisPasswordSecret" . }}
 - name: redis-password
   mountPath: /etc/loraplex/redis
+  readOnly: true
+{{- end }}
+{{- if include "loraplex.operatorSecret" . }}
+- name: operator-key
+  mountPath: /etc/loraplex/operator
   readOnly: true
 {{- end }}
 {{- end -}}

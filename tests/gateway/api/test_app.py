@@ -170,11 +170,12 @@ def test_malformed_and_oversized_bodies(client) -> None:
 
 
 def test_rate_limits_are_429_with_retry_after(client) -> None:
-    def call(max_tokens: int = 1):
-        return client.post("/v1/completions", headers=auth("limited"), json={"model": "b", "prompt": [1, 2], "max_tokens": max_tokens})
+    def call(max_tokens: int = 1, tenant: str = "limited"):
+        return client.post("/v1/completions", headers=auth(tenant), json={"model": "b", "prompt": [1, 2], "max_tokens": max_tokens})
 
-    too_many_tokens = call(max_tokens=120)  # 122 tokens > 100 per minute, alone
-    assert too_many_tokens.status_code == 429 and "100 tokens per minute" in too_many_tokens.json()["error"]["message"]
+    too_many_tokens = call(max_tokens=120, tenant="thrifty")  # 122 tokens > 100 per minute, alone: it could never pass
+    assert too_many_tokens.status_code == 400 and "may use in a minute (100)" in too_many_tokens.json()["error"]["message"]
+    assert call(max_tokens=90, tenant="thrifty").status_code == 200  # the refused one took nothing
     codes = [call() for _ in range(5)]  # 2 per minute (a window may turn over once meanwhile)
     assert codes[0].status_code == 200
     limited = [r for r in codes if r.status_code == 429]
@@ -218,19 +219,19 @@ def test_a_dead_replica_loses_no_request_and_health_says_so(served) -> None:
         for i in range(4):  # whichever replica affinity picks, the request lands on the live one
             r = client.post("/v1/completions", headers=auth(), json={"model": "alo", "prompt": [i, 1, 2, 3], "max_tokens": 2})
             assert r.status_code == 200 and r.headers["x-loraplex-replica"] == "s1-1"
-        health = client.get("/health").json()
+        health = client.get("/health", headers=auth("operator")).json()
         assert health["status"] == "degraded" and health["shards"]["s1"]["healthy"] == 1
         pool.killed.add("s1-1")
         r = client.post("/v1/completions", headers=auth(), json={"model": "alo", "prompt": [9, 1, 2, 3], "max_tokens": 2})
         assert r.status_code == 503 and "no healthy replica" in r.json()["error"]["message"]
-        assert client.get("/health").status_code == 503
+        assert client.get("/health", headers=auth("operator")).status_code == 503
     finally:
         pool.killed.clear()
 
 
 def test_metrics_count_requests_tokens_routes_and_the_cache(client) -> None:
     client.post("/v1/completions", headers=auth(), json={"model": "b", "prompt": PROMPT, "max_tokens": 2})
-    text = client.get("/metrics").text
+    text = client.get("/metrics", headers=auth("operator")).text
     assert 'loraplex_gateway_requests_total{adapter="b",endpoint="completions",status="200",tenant="t1"}' in text
     assert "loraplex_gateway_route_decisions_total" in text and "loraplex_gateway_ttft_seconds_bucket" in text
     assert 'loraplex_cache_lookups_total{replica="s2-0"}' in text
@@ -277,7 +278,7 @@ def test_a_stream_closed_early_frees_the_workers_slot(served) -> None:
     engine = pool.workers["s2-0"].loop.engine
 
     async def read_one_delta_and_leave() -> None:
-        prepared = gateway.admission.prepare(gateway.tenants.by_id["t1"], PROMPT, SamplingParams(max_tokens=90, ignore_eos=True), {"b": 1.0})
+        prepared = await gateway.admission.prepare(gateway.tenants.by_id["t1"], PROMPT, SamplingParams(max_tokens=90, ignore_eos=True), {"b": 1.0})
         stream = gateway.stream(prepared)
         await anext(stream)
         assert engine.has_work()
