@@ -55,22 +55,30 @@ class CircuitBreaker:
         self.failures_to_open, self.cooldown_s, self._clock = failures_to_open, cooldown_s, clock
         self.consecutive_failures = 0
         self.opened_at: float | None = None
+        self.is_probing = False  # open, and one caller is trying Redis again
 
     @property
     def is_open(self) -> bool:
         return self.opened_at is not None
 
     def allow(self) -> bool:
-        """Closed: yes. Open: only once the cool-down has passed (a probe)."""
-        return self.opened_at is None or self._clock() - self.opened_at >= self.cooldown_s
+        """Closed: yes. Open: once the cool-down has passed, one caller (the probe) until it
+        reports back; every other caller meanwhile: no."""
+        if self.opened_at is None:
+            return True
+        if self.is_probing or self._clock() - self.opened_at < self.cooldown_s:
+            return False
+        self.is_probing = True
+        return True
 
     def record_success(self) -> None:
-        self.consecutive_failures, self.opened_at = 0, None
+        self.consecutive_failures, self.opened_at, self.is_probing = 0, None, False
 
     def record_failure(self) -> None:
         self.consecutive_failures += 1
         if self.consecutive_failures >= self.failures_to_open or self.opened_at is not None:
             self.opened_at = self._clock()  # (re)open; a failed probe restarts the cool-down
+        self.is_probing = False
 
 
 def read_password_file(path: str) -> str:

@@ -42,7 +42,7 @@ class Catalog:
         # a text longer than this cannot fit the context whatever it says: refused before tokenizing
         longest = max((len(self.tokenizer.token_text(i)) for i in range(self.tokenizer.vocab_size)), default=1)
         self.max_prompt_chars = self.max_positions * max(longest, 1)
-        self.base_fingerprint = base_fingerprint(self.base)
+        self.base_fingerprint = base_fingerprint(self.base, config.fingerprint_path())
         self.adapters: dict[str, AdapterInfo] = {}
         for entry in config.adapters:
             path = config.resolve(entry.path)

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cache.l2 import RedisConfig, read_password_file
 from cache.prefix import PrefixCacheConfig
 from gateway.policy.routing import POLICIES
-from worker.contract.spec import DTYPES, WEIGHT_FORMATS, DeviceSettings, EngineConfig, PinnedAdapter, WorkerSpec
+from worker.contract.spec import DEFAULT_FINGERPRINT_DIR, DTYPES, WEIGHT_FORMATS, DeviceSettings, EngineConfig, PinnedAdapter, WorkerSpec
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.yaml"
@@ -147,6 +147,7 @@ class ServeConfig(_Strict):
     engine: EngineSettings = EngineSettings()
     http: HTTPSettings = HTTPSettings()
     routing: Literal[POLICIES] = POLICIES[0]  # gateway/policy/routing.py
+    fingerprint_dir: str | None = DEFAULT_FINGERPRINT_DIR  # base-model fingerprints kept between processes; null: none
     base_dir: str = "."  # where relative paths start (set from the file's location)
 
     @model_validator(mode="after")
@@ -203,7 +204,11 @@ class ServeConfig(_Strict):
             engine=self.engine.engine_config(),
             device=self.engine.device_settings(device, threads),
             cache=self.cache.prefix_cache_config(),
+            fingerprint_dir=None if self.fingerprint_path() is None else str(self.fingerprint_path()),
         )
+
+    def fingerprint_path(self) -> Path | None:
+        return None if self.fingerprint_dir is None else self.resolve(self.fingerprint_dir)
 
 
 def _unique(what: str, names: list[str]) -> None:

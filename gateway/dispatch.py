@@ -73,6 +73,15 @@ class Gateway:
         self._in_flight[replica.replica_id] = self._in_flight.get(replica.replica_id, 0) + 1
         return replica
 
+    def _next(self, prepared: Prepared, tried: set[str], busy: Delta | None) -> ReplicaView:
+        """The next replica to try; when none is left after a full one refused, that refusal."""
+        try:
+            return self._attempt(prepared, tried)
+        except APIError:
+            if busy is not None:
+                raise self.error_of(busy, prepared) from None
+            raise
+
     def _failed(self, replica: ReplicaView, error: Exception, what_next: str) -> None:
         """The replica itself failed (it died or could not be reached): down for a while."""
         self._failed_until[replica.replica_id] = self._clock() + FAILED_REPLICA_COOLDOWN_S
@@ -110,15 +119,17 @@ class Gateway:
         refusal for the request's own sake is its APIError, never retried. After the first,
         a failure ends the stream with an error delta."""
         tried: set[str] = set()
+        busy: Delta | None = None  # the last refusal of a full replica
         while True:
             call = self._call(prepared)
-            replica = self._attempt(prepared, tried)
+            replica = self._next(prepared, tried, busy)
             started = False
             try:
                 async with aclosing(_until(self.pool.stream(replica.replica_id, call), self._deadline(call))) as deltas:
                     async for delta in deltas:
                         if not started and delta.status is not None:  # nothing ran
                             if delta.status == 503 and len(tried) < MAX_ATTEMPTS:
+                                busy = delta
                                 break  # that replica is full: another may not be
                             raise self.error_of(delta, prepared)
                         started = True
@@ -146,15 +157,17 @@ class Gateway:
         reached the client yet, so a replica failing at any point sends the whole request to
         another (once); an error delta is the request's APIError."""
         tried: set[str] = set()
+        busy: Delta | None = None
         while True:
             call = self._call(prepared)
-            replica = self._attempt(prepared, tried)
+            replica = self._next(prepared, tried, busy)
             deltas: list[Delta] = []
             try:
                 async with aclosing(_until(self.pool.stream(replica.replica_id, call), self._deadline(call))) as stream:
                     async for delta in stream:
                         if not deltas:
                             if delta.status == 503 and len(tried) < MAX_ATTEMPTS:
+                                busy = delta
                                 break  # that replica is full: another may not be
                             if on_first is not None:
                                 on_first()

@@ -48,7 +48,7 @@ class ShardWorker:
         self.adapter_slots = {adapter.name: slot for slot, adapter in enumerate(spec.adapters)}
         self.runner = ModelRunner.from_paths(spec.model_path, [adapter.path for adapter in spec.adapters], device)
         self.tokenizer = GGUFTokenizer(self.runner.base)
-        self.prefix_cache = open_prefix_cache(self.runner, spec.cache)
+        self.prefix_cache = open_prefix_cache(self.runner, spec.cache, fingerprint_dir=spec.fingerprint_dir)
         self.loop = EngineLoop(Engine(self.runner, self.tokenizer, spec.engine, prefix_cache=self.prefix_cache), spec.engine.max_waiting)
 
     def request(self, call: WorkerCall) -> EngineRequest:

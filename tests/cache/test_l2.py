@@ -28,6 +28,7 @@ def test_breaker_opens_after_consecutive_failures_and_probes_after_cooldown() ->
     assert breaker.is_open and not breaker.allow()
     clock.now = 5.0
     assert breaker.allow()  # one probe
+    assert not breaker.allow() and not breaker.allow()  # and only one, until it reports back
     breaker.record_failure()  # the probe failed: closed for another cool-down
     assert not breaker.allow()
     clock.now = 10.0

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -17,11 +18,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import redis
 import yaml
 
 from tests.gateway.gateway_setup import digest
-from tests.redis_server import free_port
+from tests.redis_server import RedisServer, free_port
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KEYS = {"demo": "sk-test-demo", "acme": "sk-test-acme", "limited": "sk-test-limited"}
@@ -30,7 +30,15 @@ OPERATOR = {"Authorization": "Bearer sk-loraplex-operator"}  # deploy/serve.yaml
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def private_redis():
+    """A Redis of the server's own: the fault tests stop and kill it."""
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, private_redis):
     prefix = f"loraplex-test-{uuid.uuid4().hex}"
     port = free_port()
     config = yaml.safe_load((DEPLOY / "serve.yaml").read_text())
@@ -42,6 +50,7 @@ def server(tmp_path_factory):
         {"id": "limited", "key_sha256": [digest(KEYS["limited"])], "requests_per_min": 1},
     ]
     config["cache"]["key_prefix"] = prefix
+    config["cache"]["redis_url"] = private_redis.url
     config["http"] = {"host": "127.0.0.1", "port": port}
     path = tmp_path_factory.mktemp("serve") / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -58,17 +67,18 @@ def server(tmp_path_factory):
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             pytest.fail("loraplex serve did not start:\n" + "".join(output))
+    rest: list[str] = []
+    drain = threading.Thread(target=lambda: rest.extend(process.stdout), daemon=True)  # a full pipe would block the server
+    drain.start()
     yield url
     process.send_signal(signal.SIGINT)  # what Ctrl-C does
     try:
-        rest = process.communicate(timeout=60)[0]
+        process.wait(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         pytest.fail("loraplex serve did not stop on SIGINT")
-    assert "shutting down" in rest and process.returncode == 0
-    client = redis.Redis()
-    for key in client.scan_iter(f"{prefix}:*"):
-        client.delete(key)
+    drain.join(10)
+    assert "shutting down" in "".join(rest) and process.returncode == 0
 
 
 def oa(url: str, tenant: str = "demo") -> openai.OpenAI:
@@ -172,6 +182,68 @@ def test_health_and_metrics(server) -> None:
     assert 'loraplex_cache_lookups_total{replica="styles-0"}' in text
 
 
+POISON = [  # acme sees one adapter (json): id 0
+    {"model": "json", "prompt": "hi", "max_tokens": 1, "lora": [{"id": 0, "scale": 3.5e38}]},
+    {"model": "json", "prompt": "hi", "max_tokens": 4, "temperature": 1.0, "lora": [{"id": 0, "scale": 1e30}]},
+    {"model": "json", "prompt": [False], "max_tokens": 1},
+    {"model": "json", "prompt": "\ud800", "max_tokens": 1},
+    {"model": "json", "prompt": "hi", "stop": ["x"] * 50},
+]
+
+
+def test_one_tenants_poison_requests_never_fail_anothers(server) -> None:
+    def poison(i: int) -> int:
+        if i % 6 == 5:
+            return httpx.post(f"{server}/lora-adapters", headers=auth("acme"), json=[{"id": 0, "scale": 1e39}], timeout=60).status_code
+        body = json.dumps(POISON[i % len(POISON)])  # ASCII-escaped: "\\ud800" stays a lone surrogate on the wire
+        return httpx.post(f"{server}/v1/completions", headers={**auth("acme"), "content-type": "application/json"}, content=body,
+                          timeout=60).status_code
+
+    def steady(i: int) -> int:
+        body = {"model": "caps", "prompt": f"Copper number {i} is", "max_tokens": 4, "temperature": 0}
+        return httpx.post(f"{server}/v1/completions", headers=auth(), json=body, timeout=120).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        hostile = pool.map(poison, range(30))
+        quiet = pool.map(steady, range(12))
+        hostile, quiet = list(hostile), list(quiet)
+    assert quiet == [200] * 12  # the other tenant lost nothing
+    assert all(400 <= code < 500 for code in hostile), hostile  # each poison is its own 4xx
+    health = httpx.get(f"{server}/health", headers=OPERATOR, timeout=30).json()
+    assert health["status"] == "ok" and all(r["healthy"] for s in health["shards"].values() for r in s["replicas"])
+
+
+def test_redis_stopped_then_killed_and_restarted_fails_no_request(server, private_redis) -> None:
+    asked = iter(range(1000))
+
+    def ask(same: bool = False) -> openai.types.chat.ChatCompletion:  # a new prompt each time (but the first chunk): Redis is asked
+        question = "What is lead?" if same else f"What is metal number {next(asked)}? Answer in a word or two, please."
+        messages = [{"role": "system", "content": "You answer in one short sentence. " * 6}, {"role": "user", "content": question}]
+        return oa(server).chat.completions.create(model="json", messages=messages, max_tokens=2, temperature=0)
+
+    ask(same=True)
+    assert ask(same=True).usage.prompt_tokens_details.cached_tokens >= 32  # the cache works
+    os.kill(private_redis.process.pid, signal.SIGSTOP)  # Redis hangs: every call would wait
+    answered, degraded = 0, False
+    try:
+        stop_at = time.monotonic() + 10
+        while time.monotonic() < stop_at:
+            assert ask().choices[0].finish_reason in ("stop", "length")
+            answered += 1
+            degraded = degraded or httpx.get(f"{server}/health", headers=OPERATOR, timeout=30).json()["redis"] == "degraded"
+    finally:
+        private_redis.stop()  # SIGKILL, while stopped
+    assert answered >= 3 and degraded
+    for _ in range(3):
+        assert ask().choices[0].finish_reason in ("stop", "length")  # no Redis at all
+    private_redis.start()  # back, empty, on the same port
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server}/health", headers=OPERATOR, timeout=30).json()["redis"] != "ok":
+        assert time.monotonic() < deadline, "the cache never went back to Redis"
+        ask()
+        time.sleep(1)
+
+
 def test_killing_a_replica_loses_no_non_streaming_request(server) -> None:
     health = httpx.get(f"{server}/health", headers=OPERATOR, timeout=30).json()
     pid = health["shards"]["checks"]["replicas"][0]["pid"]
@@ -181,11 +253,22 @@ def test_killing_a_replica_loses_no_non_streaming_request(server) -> None:
                 "ignore_eos": True}
         return httpx.post(f"{server}/v1/chat/completions", headers=auth(), json=body, timeout=180)
 
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+    def stream(i: int) -> list[dict]:
+        body = {"model": "verify", "prompt": f"Metal {i}:", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server}/v1/completions", headers=auth(), json=body, timeout=180) as r:
+            assert r.status_code == 200
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+    with concurrent.futures.ThreadPoolExecutor(9) as pool:
         futures = [pool.submit(ask, i) for i in range(6)]
+        streams = [pool.submit(stream, i) for i in range(3)]  # verify lives on checks only: these die with it
         time.sleep(1.5)
         os.kill(pid, signal.SIGKILL)
         responses = [f.result() for f in futures]
+        events = [s.result() for s in streams]
+    for received in events:  # a clean end: tokens, then one error event that names nothing internal
+        assert "error" in received[-1] and received[-1]["error"]["message"] == "the worker failed mid-stream", received[-1]
+        assert all("choices" in e for e in received[:-1])
     assert [r.status_code for r in responses] == [200] * 6, [r.text for r in responses if r.status_code != 200]
     assert all(r.json()["usage"]["completion_tokens"] == 40 for r in responses)
     assert {r.headers["x-loraplex-replica"] for r in responses} == {"styles-0"}  # the retried ones too

@@ -16,6 +16,7 @@ DTYPES = ("float32", "float16", "bfloat16")  # compute (and KV) dtypes
 # auto: f16 on the CPU in float32, dense elsewhere | dense: the compute dtype | f16, q4: CPU formats (worker/model/quant.py)
 WEIGHT_FORMATS = ("auto", "dense", "f16", "q4")
 DEFAULT_SLOT_LEN = 2048  # KV positions per sequence unless configured (at most the model's context)
+DEFAULT_FINGERPRINT_DIR = "~/.cache/loraplex/fingerprints"  # where base-model fingerprints persist between processes
 _DEVICE = re.compile(r"^[a-z][a-z_]*(:\d+)?$")  # torch checks the type itself (worker/model/device.py)
 
 
@@ -79,3 +80,4 @@ class WorkerSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
     device: DeviceSettings = field(default_factory=DeviceSettings)
     cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
+    fingerprint_dir: str | None = None  # the base's fingerprint, kept on disk: no re-hashing of the model per process

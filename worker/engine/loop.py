@@ -77,8 +77,8 @@ class EngineLoop:
         """
         arrived_s = self.engine.clock()
         self.engine.check(request)
-        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-            raise Overloaded(f"the worker is busy: {self.num_waiting} requests are waiting for a slot")
+        if self.max_waiting is not None and self.num_queued >= self.max_waiting:
+            raise Overloaded(f"the worker is busy: {self.num_queued} requests are waiting for a slot")
         hit = self.engine.lookup(request)
         with self._wake:
             if self._closed:
@@ -97,9 +97,12 @@ class EngineLoop:
             self._wake.notify()
 
     @property
-    def num_waiting(self) -> int:
-        """Requests not yet given a KV slot (an estimate: read outside the engine's thread)."""
-        return self.engine.scheduler.num_waiting + sum(kind == "add" for kind, _ in list(self._inbox))
+    def num_queued(self) -> int:
+        """Requests that will wait for a KV slot: those not given one yet, beyond the free slots
+        (an estimate: read outside the engine's thread)."""
+        scheduler = self.engine.scheduler
+        pending = scheduler.num_waiting + sum(kind == "add" for kind, _ in list(self._inbox))
+        return max(0, pending - scheduler.num_free_slots)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()

@@ -33,17 +33,17 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 log = logging.getLogger(__name__)
 
 
-def cache_model_id(runner: ModelRunner) -> str:
-    return model_id(base_fingerprint(runner.base), runner.config.weight_format, runner.config.dtype)
+def cache_model_id(runner: ModelRunner, fingerprint_dir: str | None = None) -> str:
+    return model_id(base_fingerprint(runner.base, fingerprint_dir), runner.config.weight_format, runner.config.dtype)
 
 
-def chunk_geometry(runner: ModelRunner, chunk_tokens: int) -> ChunkGeometry:
+def chunk_geometry(runner: ModelRunner, chunk_tokens: int, fingerprint_dir: str | None = None) -> ChunkGeometry:
     hp = runner.hparams
-    return ChunkGeometry(cache_model_id(runner), runner.config.dtype, (hp.num_layers, hp.num_kv_heads, chunk_tokens, hp.head_dim))
+    return ChunkGeometry(cache_model_id(runner, fingerprint_dir), runner.config.dtype, (hp.num_layers, hp.num_kv_heads, chunk_tokens, hp.head_dim))
 
 
-def open_prefix_cache(runner: ModelRunner, config: PrefixCacheConfig, client=None) -> PrefixCache:
-    return PrefixCache(config, chunk_geometry(runner, config.chunk_tokens), client)
+def open_prefix_cache(runner: ModelRunner, config: PrefixCacheConfig, client=None, fingerprint_dir: str | None = None) -> PrefixCache:
+    return PrefixCache(config, chunk_geometry(runner, config.chunk_tokens, fingerprint_dir), client)
 
 
 @dataclass

@@ -8,12 +8,16 @@ the prefix cache's keys carry their own version (cache/keys.py).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
 from worker.formats.gguf_file import GGUFFile
 from worker.formats.hashing import TaggedHasher
+
+log = logging.getLogger(__name__)
 
 FINGERPRINT_VERSION = 1
 
@@ -53,18 +57,31 @@ def base_fingerprint(gguf: GGUFFile, cache_dir: Path | None = None) -> str:
     disk_file = None
     if cache_dir is not None:
         name = hashlib.blake2b(repr(memo_key).encode(), digest_size=16).hexdigest()
-        disk_file = cache_dir / f"base-{name}.txt"
-        if disk_file.is_file():
-            _memo[memo_key] = disk_file.read_text().strip()
-            return _memo[memo_key]
+        disk_file = Path(cache_dir) / f"base-{name}.txt"
+        stored = _read_digest(disk_file)
+        if stored is not None:
+            _memo[memo_key] = stored
+            return stored
     digest = base_fingerprint_uncached(gguf)
     _memo[memo_key] = digest
     if disk_file is not None:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = disk_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(digest)
-        tmp.replace(disk_file)
+        try:
+            disk_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = disk_file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(digest)
+            tmp.replace(disk_file)
+        except OSError as e:  # a read-only or full disk only costs the next process a re-hash
+            log.warning("could not keep the base fingerprint in %s: %s", disk_file, e)
     return digest
+
+
+def _read_digest(path: Path) -> str | None:
+    """A stored digest, or None when there is none or it is not one (then it is computed again)."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return text if re.fullmatch(r"[0-9a-f]{64}", text) else None
 
 
 def adapter_fingerprint(gguf: GGUFFile, alpha: float, invocation_tokens: tuple[int, ...] | None) -> str:

@@ -101,3 +101,22 @@ def test_base_fingerprint_cache_by_path_size_mtime(tmp_path, tiny_llama, monkeyp
     assert base_fingerprint(GGUFFile(path), cache_dir) == first and len(calls) == 1
     os.utime(path, ns=(1, 1))  # touched: hash again
     assert base_fingerprint(GGUFFile(path), cache_dir) == first and len(calls) == 2
+
+
+def test_the_base_fingerprint_persists_on_disk_and_a_bad_file_is_recomputed(tiny_llama, tmp_path, monkeypatch) -> None:
+    gguf = GGUFFile(tiny_llama.path)
+    expected = base_fingerprint_uncached(gguf)
+    monkeypatch.setattr(fp_module, "_memo", {})
+    assert base_fingerprint(gguf, tmp_path / "fp") == expected
+    (stored,) = (tmp_path / "fp").iterdir()
+    monkeypatch.setattr(fp_module, "_memo", {})  # another process: nothing in memory
+    monkeypatch.setattr(fp_module, "base_fingerprint_uncached", lambda g: pytest.fail("re-hashed the base"))
+    assert base_fingerprint(gguf, tmp_path / "fp") == expected
+    stored.write_text("not a digest")
+    monkeypatch.setattr(fp_module, "_memo", {})
+    monkeypatch.setattr(fp_module, "base_fingerprint_uncached", lambda g: "f" * 64)
+    assert base_fingerprint(gguf, tmp_path / "fp") == "f" * 64  # computed again, not trusted
+    read_only = tmp_path / "ro"
+    read_only.write_text("a file where the directory should be")
+    monkeypatch.setattr(fp_module, "_memo", {})
+    assert base_fingerprint(gguf, read_only) == "f" * 64  # cannot keep it: still answers
