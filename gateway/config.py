@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -108,6 +109,7 @@ class EngineSettings(_Strict):
     num_slots: int = Field(EngineConfig.num_seq_slots, ge=1)  # KV sequence slots: requests decoding at once
     max_step_tokens: int = Field(EngineConfig.max_step_tokens, ge=1)
     max_waiting: int = Field(EngineConfig.max_waiting, ge=0)  # requests queued per replica beyond its slots
+    reserved_slots: int = Field(EngineConfig.reserved_slots, ge=0)  # slots a busy tenant leaves to the others
     slot_len: int | None = Field(EngineConfig.slot_len, ge=2)
     dtype: Literal[DTYPES] = DeviceSettings.dtype
     weights: Literal[WEIGHT_FORMATS] = DeviceSettings.weights
@@ -120,7 +122,7 @@ class EngineSettings(_Strict):
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(num_seq_slots=self.num_slots, slot_len=self.slot_len, max_step_tokens=self.max_step_tokens,
-                            max_waiting=self.max_waiting)
+                            max_waiting=self.max_waiting, reserved_slots=self.reserved_slots)
 
     def device_settings(self, device: str, threads: int | None) -> DeviceSettings:
         return DeviceSettings(device=device, dtype=self.dtype, weights=self.weights, threads=self.threads or threads)
@@ -201,7 +203,7 @@ class ServeConfig(_Strict):
             shard=shard,
             model_path=str(self.model_path()),
             adapters=tuple(PinnedAdapter(name, str(self.adapter_path(name))) for name in spec.adapters),
-            engine=self.engine.engine_config(),
+            engine=replace(self.engine.engine_config(), is_multi_tenant=len(self.tenants) > 1),
             device=self.engine.device_settings(device, threads),
             cache=self.cache.prefix_cache_config(),
             fingerprint_dir=None if self.fingerprint_path() is None else str(self.fingerprint_path()),

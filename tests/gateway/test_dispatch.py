@@ -88,3 +88,36 @@ def test_a_replica_dying_mid_stream_ends_the_stream_but_a_whole_request_goes_els
     _, whole = run(gateway, {"alo": 1.0}, max_tokens=4)
     assert [d.token_ids for d in whole] == [d.token_ids for d in deltas]  # the whole request, again, on the other replica
     assert [r for r, _ in gateway.pool.calls[-2:]] == [favourite, ({"s1-0", "s1-1"} - {favourite}).pop()]
+
+
+def test_health_and_metrics_ask_every_replica_at_once_within_a_timeout(config, monkeypatch) -> None:
+    import gateway.dispatch as dispatch
+
+    class Slow(FakePool):
+        in_flight = peak = 0
+
+        async def _answer(self, value):
+            Slow.in_flight += 1
+            Slow.peak = max(Slow.peak, Slow.in_flight)
+            try:
+                await asyncio.sleep(0.2 if value != "hang" else 60)
+            finally:
+                Slow.in_flight -= 1
+            return value
+
+        async def health(self, replica_id: str):
+            return await self._answer("hang" if replica_id == "s2-0" else {"cache": {"redis": "off"}})
+
+        async def metrics(self, replica_id: str):
+            return await self._answer("hang" if replica_id == "s2-0" else "")
+
+    monkeypatch.setattr(dispatch, "HEALTH_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(dispatch._within, "__defaults__", (0.5,))
+    gateway = Gateway(config, Catalog(config), Slow(config), RateLimiter())
+    health = asyncio.run(gateway.full_health())
+    assert Slow.peak == 3  # all three replicas at once
+    assert health["shards"]["s2"]["replicas"][0] == {"id": "s2-0", "in_flight": 0, "healthy": False, "error": "TimeoutError"}
+    assert health["status"] == "down"  # s2's only replica did not answer in time
+    Slow.peak = 0
+    asyncio.run(gateway.full_metrics())
+    assert Slow.peak == 3

@@ -31,6 +31,8 @@ class EngineConfig:
     slot_len: int | None = None  # KV positions per sequence slot (default: the context length, at most 2048)
     max_step_tokens: int = 256  # tokens per forward pass: prefill chunks fill what decoding leaves
     max_waiting: int = 32  # requests that may wait for a KV slot; beyond, a replica refuses with 503 (the gateway stops earlier)
+    reserved_slots: int = 1  # KV slots a busy tenant may not take while other tenants exist (worker/engine/scheduler.py)
+    is_multi_tenant: bool = False  # several tenants may come: reserve from the start, not once a second one is seen
 
     def __post_init__(self) -> None:
         if self.num_seq_slots < 1:
@@ -39,8 +41,8 @@ class EngineConfig:
             raise ValueError(f"slot_len must be >= 2, got {self.slot_len}")
         if self.max_step_tokens < self.num_seq_slots:  # else decoding alone can use up every step
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must be at least num_slots ({self.num_seq_slots})")
-        if self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_waiting < 0 or self.reserved_slots < 0:
+            raise ValueError(f"max_waiting and reserved_slots must be >= 0, got {self.max_waiting} and {self.reserved_slots}")
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.slot_len = slot_length(config.slot_len, runner.hparams.context_length)
         self.kv = runner.allocate_kv(config.num_seq_slots, self.slot_len)
-        self.scheduler = Scheduler(config.num_seq_slots, self.slot_len, config.max_step_tokens)
+        self.scheduler = Scheduler(config.num_seq_slots, self.slot_len, config.max_step_tokens, config.reserved_slots, config.is_multi_tenant)
         self.eog_ids = tokenizer.eog_ids if tokenizer is not None else frozenset()
         self._eog_sorted = tuple(sorted(self.eog_ids))
         self._states: dict[str, _State] = {}

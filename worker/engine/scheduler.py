@@ -13,6 +13,12 @@ another tenant's first token (least attained service). A group that comes
 back after being idle starts level with the least served busy group: no
 credit for its idle time, and no debt for the time it had the worker to
 itself. With one group this is arrival order.
+
+When several groups may come (`is_multi_tenant`, or once a second one has
+been seen), a group that already runs sequences may not take the last
+`reserved_slots` free slots: they wait for a group with nothing running, so
+a tenant that arrives while another floods the worker starts at once instead
+of waiting for a slot to free.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class Scheduler:
     num_seq_slots: int
     slot_len: int
     max_step_tokens: int
+    reserved_slots: int = 1  # kept for groups with nothing running (when there is more than one group)
+    is_multi_tenant: bool = False
     running: list[Sequence] = field(default_factory=list)
     _queues: dict[str, deque[Sequence]] = field(default_factory=dict)  # waiting, per group in arrival order
     _free_slots: list[int] = field(init=False)
@@ -89,7 +97,7 @@ class Scheduler:
         # then prompts, fairly between groups: running ones, and waiting ones while a slot is free
         prefilling = [seq for seq in self.running if seq.is_prefilling]
         while budget > 0:
-            admissible = [queue[0] for queue in self._queues.values()] if self._free_slots else []  # each group's first
+            admissible = [queue[0] for group, queue in self._queues.items() if self._may_take_slot(group)]  # each group's first
             seq = min(prefilling + admissible, key=self._turn, default=None)
             if seq is None:
                 break
@@ -104,6 +112,12 @@ class Scheduler:
         if active:
             self._floor = max(self._floor, min(self._served[g] for g in active))
         return spans
+
+    def _may_take_slot(self, group: str) -> bool:
+        if not self._free_slots:
+            return False
+        reserve = min(self.reserved_slots, self.num_seq_slots - 1) if self.is_multi_tenant or len(self._served) > 1 else 0
+        return len(self._free_slots) > reserve or not any(seq.group == group for seq in self.running)
 
     def _active(self) -> set[str]:
         return {seq.group for seq in self.running} | set(self._queues)

@@ -129,3 +129,40 @@ def test_a_group_that_was_served_alone_keeps_no_debt_once_others_arrive() -> Non
         s.add(grouped(f"a{i + 3}", "a", 40))
     served = tokens_per_group(s, steps=4)
     assert served["a"] > 0 and served["b"] > 0  # a's time alone is not held against it
+
+
+def test_a_flooding_group_leaves_a_slot_for_another_once_it_has_seen_one() -> None:
+    alone = Scheduler(num_seq_slots=4, slot_len=64, max_step_tokens=64)
+    for i in range(6):
+        alone.add(grouped(f"n{i}", "noisy", 8))
+    alone.schedule()
+    assert len(alone.running) == 4  # one group: every slot is its own
+
+    s = Scheduler(num_seq_slots=4, slot_len=64, max_step_tokens=64)
+    first = grouped("q0", "quiet", 4)
+    s.add(first)
+    advance(s.schedule())
+    s.finish(first)  # the quiet tenant came and went
+    for i in range(6):
+        s.add(grouped(f"n{i}", "noisy", 8))
+    advance(s.schedule())
+    assert len(s.running) == 3 and s.num_free_slots == 1  # the last slot is kept for someone else
+    s.add(grouped("q1", "quiet", 4))
+    spans = s.schedule()
+    assert any(span.seq.request_id == "q1" for span in spans) and s.num_free_slots == 0  # it starts at once
+    one = Scheduler(num_seq_slots=1, slot_len=64, max_step_tokens=8, reserved_slots=1)
+    q = grouped("q", "quiet", 2)
+    one.add(q)
+    advance(one.schedule())
+    one.finish(q)
+    one.add(grouped("n", "noisy", 2))
+    one.schedule()
+    assert len(one.running) == 1  # a single slot is never held back
+
+
+def test_a_multi_tenant_worker_reserves_a_slot_from_the_start() -> None:
+    s = Scheduler(num_seq_slots=4, slot_len=64, max_step_tokens=64, is_multi_tenant=True)
+    for i in range(6):
+        s.add(grouped(f"n{i}", "noisy", 8))
+    s.schedule()
+    assert len(s.running) == 3  # no other tenant seen yet, but the deployment has some

@@ -1,0 +1,70 @@
+"""`loraplex serve` as a child process for the benchmarks: started from a config mapping,
+ready when it says so, its output drained (a full pipe would block it), stopped as Ctrl-C
+does; and the memory of every process it started (the driver, Ray's, the replicas)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil  # a Ray dependency
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Server:
+    def __init__(self, config: dict, base: Path, port: int, timeout_s: float = 600.0) -> None:
+        path = base / f"serve-{uuid.uuid4().hex[:6]}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.url = f"http://127.0.0.1:{port}"
+        self.output: list[str] = []
+        self.process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout_s
+        for line in self.process.stdout:
+            self.output.append(line)
+            if "ready in" in line:
+                break
+            if time.monotonic() > deadline:
+                self.process.kill()
+                raise RuntimeError("the server did not start:\n" + "".join(self.output))
+        else:
+            raise RuntimeError("the server exited:\n" + "".join(self.output))
+        self._drain = threading.Thread(target=lambda: self.output.extend(self.process.stdout), daemon=True)
+        self._drain.start()
+
+    def rss_bytes(self) -> dict[int, tuple[str, int]]:
+        """pid -> (command, resident bytes) of the server and every process under it."""
+        out = {}
+        try:
+            root = psutil.Process(self.process.pid)
+            for proc in [root, *root.children(recursive=True)]:
+                try:
+                    out[proc.pid] = (" ".join(proc.cmdline())[:80], proc.memory_info().rss)
+                except psutil.Error:  # gone meanwhile
+                    continue
+        except psutil.Error:
+            pass
+        return out
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def base_config(prefix: str) -> dict:
+    """deploy/serve.yaml with absolute adapter paths and a cache namespace of its own."""
+    config = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
+    for adapter in config["adapters"]:
+        adapter["path"] = str(ROOT / "deploy" / adapter["path"])
+    config["cache"]["key_prefix"] = prefix
+    return config
