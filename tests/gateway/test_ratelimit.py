@@ -103,3 +103,42 @@ def test_a_rejected_request_still_counts_as_a_request(limiter) -> None:
     with pytest.raises(APIError):
         rl.check(tenant, 101)  # refused for its tokens, but it was a request
     assert not allowed(rl, tenant, 1)
+
+
+def test_a_hung_redis_never_stalls_the_event_loop() -> None:
+    import os
+    import signal
+
+    from cache.l2 import RedisConfig, connect
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start()
+    os.kill(server.process.pid, signal.SIGSTOP)  # accepts connections, never answers
+    try:
+        client = connect(RedisConfig(url=server.url, timeout_s=0.3), is_async=True)
+        limiter = RateLimiter(client, f"loraplex-test-{uuid.uuid4().hex}")
+        tenant = Tenant("t", None, requests_per_min=60)
+
+        async def run() -> tuple[int, float]:
+            ticks = 0
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.01)
+                    ticks += 1
+
+            beat = asyncio.create_task(ticker())
+            started = asyncio.get_running_loop().time()
+            await limiter.admit(tenant)  # waits for Redis' timeout, then counts here
+            took = asyncio.get_running_loop().time() - started
+            beat.cancel()
+            await client.aclose()
+            return ticks, took
+
+        ticks, took = asyncio.run(run())
+        assert took < 2.0 and ticks >= 10  # the loop kept running while the limiter waited
+        assert asyncio.run(limiter.admit(tenant)) is None  # and next time it does not even ask Redis for a while
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()

@@ -1,0 +1,70 @@
+"""A shard replica's side of the wire contract: WorkerCall in, Deltas out, on a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cache.prefix import PrefixCacheConfig
+from tests.helpers import TEST_DEVICE
+from tests.tinymodels import random_lora, write_adapter
+from worker.contract.calls import WorkerCall
+from worker.contract.params import SamplingParams
+from worker.contract.spec import DeviceSettings, EngineConfig, PinnedAdapter, WorkerSpec
+from worker.shard import ShardWorker
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_llama, tmp_path_factory):
+    path = write_adapter(tmp_path_factory.mktemp("shard") / "a.gguf", random_lora(tiny_llama, ["blk.0.attn_q.weight"], 4, seed=3))
+    spec = WorkerSpec("s", str(tiny_llama.path), (PinnedAdapter("a", str(path)),), EngineConfig(num_seq_slots=2, slot_len=64, max_waiting=4),
+                      DeviceSettings(device=TEST_DEVICE.device), PrefixCacheConfig(chunk_tokens=8))
+    shard = ShardWorker(spec)
+    yield shard
+    shard.close()
+
+
+def call(i: int, max_tokens: int = 6, **kw) -> WorkerCall:
+    return WorkerCall(f"r{i}", (5, 6, 7, i % 50 + 10), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), **kw)
+
+
+async def collect(worker: ShardWorker, c: WorkerCall) -> list:
+    return [delta async for delta in worker.generate(c)]
+
+
+def test_deltas_stream_back_without_an_executor_thread_per_waiting_request(worker, monkeypatch) -> None:
+    threads = []
+    original = asyncio.to_thread
+    monkeypatch.setattr(asyncio, "to_thread", lambda f, *a, **k: threads.append(f) or original(f, *a, **k))
+
+    async def run() -> list[list]:
+        return await asyncio.gather(*(collect(worker, call(i, adapters={"a": 1.0} if i % 2 else {})) for i in range(6)))
+
+    results = asyncio.run(run())  # 6 requests on 2 slots: 4 wait
+    assert len(threads) == 6  # one hop per request (its submission, with the cache lookup), none per delta
+    for deltas in results:
+        assert [d.finish_reason for d in deltas][-1] == "length" and sum(len(d.token_ids) for d in deltas) == 6
+        assert deltas[-1].usage.completion_tokens == 6 and deltas[-1].queue_time_s >= 0
+
+
+def test_a_request_the_worker_cannot_run_is_a_refusal_not_an_exception(worker) -> None:
+    unknown = asyncio.run(collect(worker, call(1, adapters={"zz": 1.0})))
+    assert len(unknown) == 1 and unknown[0].status == 400 and "not on shard" in unknown[0].error
+    too_long = asyncio.run(collect(worker, call(2, max_tokens=500)))
+    assert too_long[0].status == 400 and "exceeds the context length" in too_long[0].error
+
+
+def test_a_full_queue_refuses_with_503_and_a_deadline_ends_a_request(worker) -> None:
+    async def run():
+        long = [asyncio.create_task(collect(worker, call(10 + i, max_tokens=40))) for i in range(6)]  # 2 run, 4 wait: full
+        await asyncio.sleep(0.05)
+        refused = await collect(worker, call(20))
+        done = await asyncio.gather(*long)
+        late = await collect(worker, call(21, max_tokens=50, timeout_s=0.01))
+        return refused, late, done
+
+    refused, late, done = asyncio.run(run())
+    assert refused[0].status == 503 and "busy" in refused[0].error
+    assert late[-1].finish_reason == "error" and late[-1].status in (503, 504) and "deadline" in late[-1].error
+    assert all(d[-1].finish_reason == "length" for d in done)
