@@ -28,6 +28,11 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec(arch="qwen3", tied=True, seed=3))
+
+
+@pytest.fixture(scope="session")
 def llamacpp_reference() -> dict:
     return json.loads((FIXTURES / "smollm2-llamacpp.json").read_text())
 

@@ -68,15 +68,18 @@ class TinySpec:
 
 
 def hf_model(spec: TinySpec) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
-    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if spec.arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
-    config = config_cls(
+    config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[spec.arch]
+    extra = {"head_dim": spec.embed_dim // spec.num_heads, "attention_bias": False} if spec.arch == "qwen3" else {}
+    config = getattr(transformers, config_cls)(
         vocab_size=spec.vocab_size, hidden_size=spec.embed_dim, intermediate_size=spec.ffn_dim,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.context_length, rms_norm_eps=spec.rms_eps, rope_theta=spec.rope_base,
-        tie_word_embeddings=spec.tied, initializer_range=spec.init_std,
+        tie_word_embeddings=spec.tied, initializer_range=spec.init_std, **extra,
     )
+    model_cls = getattr(transformers, model_cls)
     torch.manual_seed(spec.seed)
     model = model_cls(config).eval()
     with torch.no_grad():  # norms and biases away from their trivial init
@@ -101,6 +104,9 @@ def gguf_tensors_from_hf(spec: TinySpec, state: dict[str, torch.Tensor]) -> dict
         if module.endswith("input_layernorm") or module.endswith("post_attention_layernorm"):
             layer = module.split(".")[2]
             out[f"blk.{layer}.{'attn_norm' if 'input' in module else 'ffn_norm'}.weight"] = array
+            continue
+        if module.endswith(("self_attn.q_norm", "self_attn.k_norm")):  # qwen3
+            out[f"blk.{module.split('.')[2]}.attn_{module[-6]}_norm.weight"] = array
             continue
         if spec.tied and module == "lm_head":
             continue
@@ -131,6 +137,9 @@ def write_base(path: Path, spec: TinySpec, tensors: dict[str, np.ndarray]) -> Pa
     tokens, types, merges = tiny_vocab()
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "smollm" if arch == "llama" else "qwen2")
+    if arch == "qwen3":
+        w.add_uint32(f"{arch}.attention.key_length", spec.embed_dim // spec.num_heads)
+        w.add_uint32(f"{arch}.attention.value_length", spec.embed_dim // spec.num_heads)
     w.add_array("tokenizer.ggml.tokens", tokens)
     w.add_key_value("tokenizer.ggml.token_type", types, GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
     w.add_array("tokenizer.ggml.merges", merges)

@@ -20,7 +20,7 @@ class RopeStyle(Enum):
     NEOX = "neox"
 
 
-ROPE_STYLE_BY_ARCH = {"llama": RopeStyle.ADJACENT_PAIRS, "qwen2": RopeStyle.NEOX}
+ROPE_STYLE_BY_ARCH = {"llama": RopeStyle.ADJACENT_PAIRS, "qwen2": RopeStyle.NEOX, "qwen3": RopeStyle.NEOX}
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class ModelHParams:
     has_rope_freq_factors: bool  # llama 3.1 style per-frequency divisors (rope_freqs.weight)
     rms_norm_eps: float
     has_qkv_bias: bool
+    has_qk_norm: bool  # qwen3: RMSNorm over each head of q and k before RoPE (attn_q_norm, attn_k_norm)
     is_output_tied: bool  # no output.weight: the output projection reuses token_embd
 
     @classmethod
@@ -92,5 +93,6 @@ class ModelHParams:
             has_rope_freq_factors="rope_freqs.weight" in gguf.tensors,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             has_qkv_bias="blk.0.attn_q.bias" in gguf.tensors,
+            has_qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
             is_output_tied="output.weight" not in gguf.tensors,
         )

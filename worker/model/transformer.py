@@ -1,4 +1,4 @@
-"""Decoder-only transformer for llama and qwen2 GGUF models.
+"""Decoder-only transformer for llama, qwen2 and qwen3 GGUF models.
 
 Modules are named after GGUF tensors (`blk.3.attn_q` holds `blk.3.attn_q.weight`)
 so weights and adapters map by name. Knows nothing of LoRA: adapters wrap the
@@ -74,6 +74,10 @@ class Block(nn.Module):
         self.attn_k = nn.Linear(hp.embed_dim, kv_dim, bias=hp.has_qkv_bias)
         self.attn_v = nn.Linear(hp.embed_dim, kv_dim, bias=hp.has_qkv_bias)
         self.attn_output = nn.Linear(q_dim, hp.embed_dim, bias=False)
+        if hp.has_qk_norm:  # per head, over head_dim (qwen3)
+            self.attn_q_norm = RMSNorm(hp.head_dim, hp.rms_norm_eps)
+            self.attn_k_norm = RMSNorm(hp.head_dim, hp.rms_norm_eps)
+        self.has_qk_norm = hp.has_qk_norm
         self.ffn_norm = RMSNorm(hp.embed_dim, hp.rms_norm_eps)
         self.ffn_gate = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
         self.ffn_up = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
@@ -83,8 +87,11 @@ class Block(nn.Module):
         # x: [N, d] new tokens of every sequence in the batch
         num_tokens = x.shape[0]
         h = self.attn_norm(x)
-        q = rope(self.attn_q(h).view(num_tokens, self.num_heads, self.head_dim), rope_tables)
-        k = rope(self.attn_k(h).view(num_tokens, self.num_kv_heads, self.head_dim), rope_tables)
+        q = self.attn_q(h).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.attn_k(h).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
+        q, k = rope(q, rope_tables), rope(k, rope_tables)
         v = self.attn_v(h).view(num_tokens, self.num_kv_heads, self.head_dim)
         x = x + self.attn_output(attention(self.index, q, k, v, cache, plan))
         h = self.ffn_norm(x)

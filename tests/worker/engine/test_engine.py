@@ -289,3 +289,15 @@ def test_a_quiet_tenants_first_token_does_not_wait_for_a_noisy_tenants_backlog(r
     assert shared >= 15  # as one tenant: behind 240 prompt tokens at 16 a step
     assert fair <= 2  # as another tenant: right after the first noisy chunk
     assert tokens == run_alone(runner, tokenizer, same_tenant).token_ids  # the order changes when, not what
+
+
+def test_a_qwen3_model_batches_mixed_adapters_as_it_runs_them_alone(tiny_qwen3, tmp_path) -> None:
+    targets = ["blk.0.attn_q.weight", "blk.1.attn_v.weight", "blk.0.ffn_down.weight"]
+    paths = [write_adapter(tmp_path / f"q{i}.gguf", random_lora(tiny_qwen3, targets, 4, seed=20 + i), arch="qwen3") for i in range(2)]
+    runner = ModelRunner.from_paths(tiny_qwen3.path, paths, TEST_DEVICE)
+    tokenizer = GGUFTokenizer(GGUFFile(tiny_qwen3.path))
+    requests = [EngineRequest(f"q{i}", [5 + i, 77, 140, 3, 200, 9], GREEDY, a) for i, a in enumerate([{0: 1.0}, {1: 0.8}, {}, {0: 0.5, 1: 0.5}])]
+    together = Engine(runner, tokenizer, EngineConfig(num_seq_slots=4, slot_len=64, max_step_tokens=7)).run_all(requests)
+    for request in requests:
+        assert together[request.request_id].token_ids == run_alone(runner, tokenizer, request).token_ids
+    assert len({tuple(r.token_ids) for r in together.values()}) > 1

@@ -55,6 +55,7 @@ def ours(tiny, gguf_path: Path, scale: float = 1.0) -> torch.Tensor:
         ("tiny_llama", ALL_LINEAR + ["embed_tokens", "lm_head"]),
         ("tiny_llama_tied", ALL_LINEAR + ["embed_tokens"]),
         ("tiny_qwen2", ALL_LINEAR),
+        ("tiny_qwen3", ALL_LINEAR + ["embed_tokens"]),
     ],
 )
 def test_converted_adapter_matches_peft(fixture, targets, tmp_path, request) -> None:

@@ -23,7 +23,7 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama_tied", "tiny_qwen2"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama_tied", "tiny_qwen2", "tiny_qwen3"])
 def test_logits_match_transformers(fixture: str, request: pytest.FixtureRequest) -> None:
     tiny = request.getfixturevalue(fixture)
     runner = ModelRunner.from_paths(tiny.path, [], TEST_DEVICE)
@@ -33,9 +33,12 @@ def test_logits_match_transformers(fixture: str, request: pytest.FixtureRequest)
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
 
 
-def test_hparams_from_metadata(tiny_llama, tiny_qwen2) -> None:
+def test_hparams_from_metadata(tiny_llama, tiny_qwen2, tiny_qwen3) -> None:
     llama = ModelHParams.from_gguf(GGUFFile(tiny_llama.path))
     qwen = ModelHParams.from_gguf(GGUFFile(tiny_qwen2.path))
+    qwen3 = ModelHParams.from_gguf(GGUFFile(tiny_qwen3.path))
+    assert (qwen3.rope_style, qwen3.has_qkv_bias, qwen3.has_qk_norm) == (RopeStyle.NEOX, False, True)
+    assert not qwen.has_qk_norm and not llama.has_qk_norm
     assert (llama.rope_style, llama.has_qkv_bias, llama.is_output_tied) == (RopeStyle.ADJACENT_PAIRS, False, False)
     assert (qwen.rope_style, qwen.has_qkv_bias, qwen.is_output_tied) == (RopeStyle.NEOX, True, True)
     assert (llama.num_heads, llama.num_kv_heads, llama.head_dim, llama.num_layers) == (4, 2, 16, 2)
