@@ -33,6 +33,13 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """Seven layers: five within the sliding window of 8, one global, one within again; a 1e6 global RoPE base."""
+    spec = TinySpec(arch="gemma3", tied=True, seed=4, num_layers=7, num_kv_heads=1, rope_base=1e6, context_length=64)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), spec)
+
+
+@pytest.fixture(scope="session")
 def llamacpp_reference() -> dict:
     return json.loads((FIXTURES / "smollm2-llamacpp.json").read_text())
 

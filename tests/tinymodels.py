@@ -59,6 +59,7 @@ class TinySpec:
     tied: bool = False
     seed: int = 0
     init_std: float = 0.2
+    sliding_window: int = 8  # gemma3
     weight_type: GGMLQuantizationType = GGMLQuantizationType.F32
     extra_metadata: dict = field(default_factory=dict)
 
@@ -71,8 +72,13 @@ def hf_model(spec: TinySpec) -> torch.nn.Module:
     import transformers
 
     config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[spec.arch]
-    extra = {"head_dim": spec.embed_dim // spec.num_heads, "attention_bias": False} if spec.arch == "qwen3" else {}
+                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}[spec.arch]
+    head_dim = spec.embed_dim // spec.num_heads
+    extra: dict = {}
+    if spec.arch == "qwen3":
+        extra = {"head_dim": head_dim, "attention_bias": False}
+    elif spec.arch == "gemma3":  # q scaled by 1/sqrt(head_dim), as llama.cpp does below 27B
+        extra = {"head_dim": head_dim, "sliding_window": spec.sliding_window, "query_pre_attn_scalar": head_dim}
     config = getattr(transformers, config_cls)(
         vocab_size=spec.vocab_size, hidden_size=spec.embed_dim, intermediate_size=spec.ffn_dim,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
@@ -91,6 +97,13 @@ def hf_model(spec: TinySpec) -> torch.nn.Module:
     return model
 
 
+_GEMMA3_NORMS = {
+    "input_layernorm": "blk.{layer}.attn_norm.weight", "post_attention_layernorm": "blk.{layer}.post_attention_norm.weight",
+    "pre_feedforward_layernorm": "blk.{layer}.ffn_norm.weight", "post_feedforward_layernorm": "blk.{layer}.post_ffw_norm.weight",
+    "q_norm": "blk.{layer}.attn_q_norm.weight", "k_norm": "blk.{layer}.attn_k_norm.weight", "norm": "output_norm.weight",
+}
+
+
 def gguf_tensors_from_hf(spec: TinySpec, state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """HF state dict -> GGUF tensor names and layouts (numpy axes, as GGUFWriter takes them)."""
     out = {}
@@ -98,6 +111,9 @@ def gguf_tensors_from_hf(spec: TinySpec, state: dict[str, torch.Tensor]) -> dict
     for key, tensor in state.items():
         array = tensor.detach().float().numpy().copy()
         module, _, kind = key.rpartition(".")
+        if spec.arch == "gemma3" and module.endswith("norm"):  # Gemma's norms scale by 1 + w; llama.cpp's converter adds the 1
+            out[_GEMMA3_NORMS[module.rpartition(".")[2]].format(layer=module.split(".")[2] if ".layers." in module else "")] = array + 1
+            continue
         if module == "model.norm":
             out["output_norm.weight"] = array
             continue
@@ -137,9 +153,11 @@ def write_base(path: Path, spec: TinySpec, tensors: dict[str, np.ndarray]) -> Pa
     tokens, types, merges = tiny_vocab()
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "smollm" if arch == "llama" else "qwen2")
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         w.add_uint32(f"{arch}.attention.key_length", spec.embed_dim // spec.num_heads)
         w.add_uint32(f"{arch}.attention.value_length", spec.embed_dim // spec.num_heads)
+    if arch == "gemma3":
+        w.add_uint32(f"{arch}.attention.sliding_window", spec.sliding_window)
     w.add_array("tokenizer.ggml.tokens", tokens)
     w.add_key_value("tokenizer.ggml.token_type", types, GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
     w.add_array("tokenizer.ggml.merges", merges)

@@ -148,7 +148,7 @@ class ModelRunner:
         scales, active = mapping.token_scales(mapped, self.num_adapter_slots)
         return StepInputs(
             ids=torch.tensor(token_ids, dtype=torch.long, device=device),
-            plan=AttentionPlan.build(segments, device),
+            plan=AttentionPlan.build(segments, device, self.hparams.sliding_window),
             token_scales=torch.from_numpy(scales).to(device),
             active_slots=active,
             logit_rows=_row_index(logit_rows, len(token_ids), device),
@@ -192,7 +192,7 @@ class ModelRunner:
         per-token adapter scales [N, num_adapter_slots] -> float32 logits [len(logit_rows), V]."""
         device = self.config.torch_device
         step = StepInputs(
-            ids=torch.tensor(token_ids, dtype=torch.long, device=device), plan=AttentionPlan.build(segments, device),
+            ids=torch.tensor(token_ids, dtype=torch.long, device=device), plan=AttentionPlan.build(segments, device, self.hparams.sliding_window),
             token_scales=token_scales.to(device), active_slots=active_slots, logit_rows=_row_index(logit_rows, len(token_ids), device),
         )
         return self._forward(step, kv)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -20,7 +21,9 @@ class RopeStyle(Enum):
     NEOX = "neox"
 
 
-ROPE_STYLE_BY_ARCH = {"llama": RopeStyle.ADJACENT_PAIRS, "qwen2": RopeStyle.NEOX, "qwen3": RopeStyle.NEOX}
+ROPE_STYLE_BY_ARCH = {"llama": RopeStyle.ADJACENT_PAIRS, "qwen2": RopeStyle.NEOX, "qwen3": RopeStyle.NEOX, "gemma3": RopeStyle.NEOX}
+GEMMA3_SWA_PATTERN = 6  # llama.cpp: of every 6 layers, the first 5 attend within the window, the 6th to everything
+GEMMA3_SWA_ROPE_BASE = 10000.0  # llama.cpp's rope base for gemma3's sliding-window layers (when the GGUF names none)
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,17 @@ class ModelHParams:
     has_qkv_bias: bool
     has_qk_norm: bool  # qwen3: RMSNorm over each head of q and k before RoPE (attn_q_norm, attn_k_norm)
     is_output_tied: bool  # no output.weight: the output projection reuses token_embd
+    # gemma3 (defaults: the llama family's)
+    embedding_scale: float = 1.0  # token embeddings are multiplied by this (gemma3: sqrt(embed_dim))
+    ffn_activation: str = "silu"  # of the gate: silu | gelu_tanh
+    has_post_norms: bool = False  # RMSNorm of the attention and FFN outputs before their residual adds
+    attention_scale: float | None = None  # of q.k; None: 1 / sqrt(head_dim)
+    sliding_window: int | None = None  # keys a sliding-window layer sees: the last `sliding_window` positions
+    swa_layers: tuple[bool, ...] = ()  # per layer: attends within the sliding window
+    rope_base_swa: float | None = None  # the sliding-window layers' own RoPE base (their scaling is 1)
+
+    def is_swa(self, layer: int) -> bool:
+        return bool(self.swa_layers) and self.swa_layers[layer]
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> ModelHParams:
@@ -75,6 +89,7 @@ class ModelHParams:
         embd = gguf.tensors.get("token_embd.weight")
         if embd is None:
             raise UnsupportedModelError(f"{gguf.path}: tensor token_embd.weight is missing")
+        gemma = _gemma3(gguf, arch, key, embed_dim, num_heads, head_dim, int(key("block_count"))) if arch == "gemma3" else {}
         return cls(
             arch=arch,
             name=str(gguf.get("general.name", gguf.path.stem)),
@@ -95,4 +110,21 @@ class ModelHParams:
             has_qkv_bias="blk.0.attn_q.bias" in gguf.tensors,
             has_qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
             is_output_tied="output.weight" not in gguf.tensors,
+            **gemma,
         )
+
+
+def _gemma3(gguf: GGUFFile, arch: str, key, embed_dim: int, num_heads: int, head_dim: int, num_layers: int) -> dict:
+    """Gemma 3's hyper-parameters as llama.cpp derives them (src/llama-model.cpp, LLM_ARCH_GEMMA3)."""
+    window = int(key("attention.sliding_window", 0))
+    swa = tuple(window > 0 and i % GEMMA3_SWA_PATTERN < GEMMA3_SWA_PATTERN - 1 for i in range(num_layers))
+    is_27b = num_layers == 62  # llama.cpp scales q by the model size's rule, not by query_pre_attn_scalar
+    return {
+        "embedding_scale": math.sqrt(embed_dim),
+        "ffn_activation": "gelu_tanh",
+        "has_post_norms": True,
+        "attention_scale": 1.0 / math.sqrt(embed_dim / num_heads if is_27b else head_dim),
+        "sliding_window": window or None,
+        "swa_layers": swa if window else (),
+        "rope_base_swa": float(gguf.get(f"{arch}.rope.freq_base_swa", GEMMA3_SWA_ROPE_BASE)) if window else None,
+    }

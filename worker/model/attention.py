@@ -65,18 +65,20 @@ class AttentionPlan:
     decode_first_slot: int  # they span sequence slots [first, first + span)
     decode_index: torch.Tensor | None  # [Bd] seq_slot - first
     decode_mask: torch.Tensor | None  # [span, 1, 1, kv_len] True where a key is visible
+    decode_mask_swa: torch.Tensor | None  # the same for sliding-window layers: only the last `window` positions
     is_all_decode_span: bool  # every slot in the span decodes, in row order
     is_decode_only: bool  # ... and nothing else runs: rows are the span's slots in order
+    window: int | None = None  # the sliding window of the model's windowed layers
 
     @classmethod
-    def build(cls, segments: Sequence[Segment], device: torch.device) -> AttentionPlan:
+    def build(cls, segments: Sequence[Segment], device: torch.device, window: int | None = None) -> AttentionPlan:
         seq_slots, positions = [], []
         for seg in segments:
             seq_slots += [seg.seq_slot] * seg.length
             positions += range(seg.start, seg.start + seg.length)
         chunks = [s for s in segments if s.length > 1]
         decodes = [s for s in segments if s.length == 1]
-        decode_rows = decode_index = decode_mask = None
+        decode_rows = decode_index = decode_mask = decode_mask_swa = None
         first = 0
         is_all = False
         if decodes:
@@ -92,26 +94,38 @@ class AttentionPlan:
             decode_rows = torch.tensor([s.row for s in decodes], dtype=torch.long, device=device)
             decode_index = torch.tensor(index, dtype=torch.long, device=device)
             decode_mask = visible.view(span, 1, 1, kv_len).to(device)
+            if window is not None:  # keys within the window: position > start - window
+                recent = torch.arange(kv_len)[None, :] > torch.tensor([[s.start - window] for s in _in_span_order(decodes, first, span)])
+                decode_mask_swa = (visible & recent).view(span, 1, 1, kv_len).to(device)
         return cls(
             torch.tensor(seq_slots, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
-            chunks, decode_rows, first, decode_index, decode_mask, is_all,
-            is_all and not chunks and [s.row for s in decodes] == list(range(len(decodes))),
+            chunks, decode_rows, first, decode_index, decode_mask, decode_mask_swa, is_all,
+            is_all and not chunks and [s.row for s in decodes] == list(range(len(decodes))), window,
         )
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def _in_span_order(decodes: Sequence[Segment], first: int, span: int) -> list[Segment]:
+    """One segment per slot of the span (slots that do not decode get a stand-in at position 0)."""
+    by_slot = {s.seq_slot - first: s for s in decodes}
+    return [by_slot.get(i, Segment(first + i, 0, 1, 0)) for i in range(span)]
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float | None) -> torch.Tensor:
     """q [B, Hkv, G*T, D] (heads grouped by their kv head), keys/values [B, Hkv, S, D],
     visible broadcastable to [B, Hkv, G*T, S] -> [B, Hkv, G*T, D]."""
-    scores = torch.matmul(q * q.shape[-1] ** -0.5, keys.transpose(-1, -2))  # scaled first: no fp16 overflow
+    scores = torch.matmul(q * (q.shape[-1] ** -0.5 if scale is None else scale), keys.transpose(-1, -2))  # scaled first: no fp16 overflow
     scores.masked_fill_(~visible, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype), values)
 
 
-def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
+def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, plan: AttentionPlan,
+              is_swa: bool = False, scale: float | None = None) -> torch.Tensor:
     """q [N, H, D], k/v [N, Hkv, D] for the new tokens -> attention output [N, H*D].
 
-    Writes the new keys and values into their slots first.
+    Writes the new keys and values into their slots first. A sliding-window layer (`is_swa`)
+    sees only the last `plan.window` positions; every position's K and V stay in the slot
+    (a cached prefix is the same whatever the window). `scale` multiplies q.k (default 1/sqrt(D)).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -127,7 +141,9 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cac
         key_pos = torch.arange(end, device=q.device)
         query_pos = torch.arange(seg.start, end, device=q.device).repeat(group)
         visible = key_pos[None, :] <= query_pos[:, None]  # [G*T, S], heads major
-        o = _attend(qs, k_layer[seg.seq_slot : seg.seq_slot + 1, :, :end], v_layer[seg.seq_slot : seg.seq_slot + 1, :, :end], visible)
+        if is_swa:
+            visible &= key_pos[None, :] > query_pos[:, None] - plan.window
+        o = _attend(qs, k_layer[seg.seq_slot : seg.seq_slot + 1, :, :end], v_layer[seg.seq_slot : seg.seq_slot + 1, :, :end], visible, scale)
         out[seg.row : seg.row + seg.length] = o.view(num_kv_heads, group, seg.length, head_dim).permute(2, 0, 1, 3).reshape(seg.length, num_heads, head_dim)
     if plan.decode_rows is not None:
         span, kv_len = plan.decode_mask.shape[0], plan.decode_mask.shape[-1]
@@ -136,7 +152,8 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cac
         if not plan.is_all_decode_span:
             qd = qd.new_zeros(span, num_heads, head_dim).index_copy_(0, plan.decode_index, qd)
         keys, values = k_layer[first : first + span, :, :kv_len], v_layer[first : first + span, :, :kv_len]
-        o = F.scaled_dot_product_attention(qd.unsqueeze(2), keys, values, attn_mask=plan.decode_mask, enable_gqa=True)
+        mask = plan.decode_mask_swa if is_swa else plan.decode_mask
+        o = F.scaled_dot_product_attention(qd.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True, scale=scale)
         o = o.view(span, num_heads, head_dim)
         if plan.is_decode_only:
             return o.reshape(num_tokens, num_heads * head_dim)

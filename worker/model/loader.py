@@ -46,6 +46,8 @@ def load_model(gguf: GGUFFile, config: DeviceConfig) -> LoadedModel:
     freq_factors = torch.from_numpy(gguf.load("rope_freqs.weight").copy()) if hp.has_rope_freq_factors else None
     with torch.device(config.torch_device):
         model.rope = Rotary(hp, freq_factors)
+        if hp.rope_base_swa is not None:
+            model.rope_swa = Rotary(hp, base=hp.rope_base_swa, freq_scale=1.0)
     model.eval().requires_grad_(False)
     if config.weight_format == "f16":
         quant.pack_f16(model, gguf)

@@ -1,4 +1,4 @@
-"""Decoder-only transformer for llama, qwen2 and qwen3 GGUF models.
+"""Decoder-only transformer for llama, qwen2, qwen3 and gemma3 GGUF models.
 
 Modules are named after GGUF tensors (`blk.3.attn_q` holds `blk.3.attn_q.weight`)
 so weights and adapters map by name. Knows nothing of LoRA: adapters wrap the
@@ -14,6 +14,8 @@ from torch import nn
 from worker.formats.hparams import ModelHParams, RopeStyle
 from worker.model.attention import AttentionPlan, KVCache, attention
 
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -28,12 +30,14 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """RoPE tables for every position up to the context length."""
 
-    def __init__(self, hp: ModelHParams, freq_factors: torch.Tensor | None = None) -> None:
+    def __init__(self, hp: ModelHParams, freq_factors: torch.Tensor | None = None, base: float | None = None, freq_scale: float | None = None) -> None:
         super().__init__()
         self.style = hp.rope_style
         self.rope_dim = hp.rope_dim
+        base = hp.rope_base if base is None else base
+        freq_scale = hp.rope_freq_scale if freq_scale is None else freq_scale
         exponents = torch.arange(0, hp.rope_dim, 2, dtype=torch.float64) / hp.rope_dim
-        inv_freq = hp.rope_freq_scale / (hp.rope_base**exponents)  # [rope_dim/2]
+        inv_freq = freq_scale / (base**exponents)  # [rope_dim/2]
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.to(inv_freq.device, torch.float64)
         angles = torch.outer(torch.arange(hp.context_length, dtype=torch.float64), inv_freq)
@@ -74,10 +78,16 @@ class Block(nn.Module):
         self.attn_k = nn.Linear(hp.embed_dim, kv_dim, bias=hp.has_qkv_bias)
         self.attn_v = nn.Linear(hp.embed_dim, kv_dim, bias=hp.has_qkv_bias)
         self.attn_output = nn.Linear(q_dim, hp.embed_dim, bias=False)
-        if hp.has_qk_norm:  # per head, over head_dim (qwen3)
+        if hp.has_qk_norm:  # per head, over head_dim (qwen3, gemma3)
             self.attn_q_norm = RMSNorm(hp.head_dim, hp.rms_norm_eps)
             self.attn_k_norm = RMSNorm(hp.head_dim, hp.rms_norm_eps)
-        self.has_qk_norm = hp.has_qk_norm
+        if hp.has_post_norms:  # of each sublayer's output, before its residual add (gemma3)
+            self.post_attention_norm = RMSNorm(hp.embed_dim, hp.rms_norm_eps)
+            self.post_ffw_norm = RMSNorm(hp.embed_dim, hp.rms_norm_eps)
+        self.has_qk_norm, self.has_post_norms = hp.has_qk_norm, hp.has_post_norms
+        self.is_swa = hp.is_swa(index)
+        self.attention_scale = hp.attention_scale
+        self.activation = ACTIVATIONS[hp.ffn_activation]
         self.ffn_norm = RMSNorm(hp.embed_dim, hp.rms_norm_eps)
         self.ffn_gate = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
         self.ffn_up = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
@@ -93,9 +103,11 @@ class Block(nn.Module):
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         q, k = rope(q, rope_tables), rope(k, rope_tables)
         v = self.attn_v(h).view(num_tokens, self.num_kv_heads, self.head_dim)
-        x = x + self.attn_output(attention(self.index, q, k, v, cache, plan))
+        a = self.attn_output(attention(self.index, q, k, v, cache, plan, self.is_swa, self.attention_scale))
+        x = x + (self.post_attention_norm(a) if self.has_post_norms else a)
         h = self.ffn_norm(x)
-        return x + self.ffn_down(F.silu(self.ffn_gate(h)) * self.ffn_up(h))
+        f = self.ffn_down(self.activation(self.ffn_gate(h)) * self.ffn_up(h))
+        return x + (self.post_ffw_norm(f) if self.has_post_norms else f)
 
 
 class Transformer(nn.Module):
@@ -107,6 +119,7 @@ class Transformer(nn.Module):
         self.output_norm = RMSNorm(hp.embed_dim, hp.rms_norm_eps)
         self.output = nn.Linear(hp.embed_dim, hp.vocab_size, bias=False)
         self.rope = Rotary(hp)
+        self.rope_swa = Rotary(hp, base=hp.rope_base_swa, freq_scale=1.0) if hp.rope_base_swa is not None else None
 
     def tie_output(self) -> None:
         """Use the token embedding as output projection (GGUF without output.weight)."""
@@ -115,9 +128,15 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
         """input_ids [N] (flattened over sequences, see AttentionPlan) -> final hidden states [N, embed_dim]."""
         x = self.token_embd(input_ids)
+        if self.hp.embedding_scale != 1.0:
+            x = x * self.hp.embedding_scale
         rope_tables = self.rope.tables(plan.positions)
+        swa_tables = self.rope_swa.tables(plan.positions) if self.rope_swa is not None else None
         for block in self.blk:
-            x = block(x, rope_tables, self.rope, cache, plan)
+            if block.is_swa and self.rope_swa is not None:  # the windowed layers' own RoPE base
+                x = block(x, swa_tables, self.rope_swa, cache, plan)
+            else:
+                x = block(x, rope_tables, self.rope, cache, plan)
         return self.output_norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -238,3 +238,15 @@ def test_redis_down_means_uncached_success_then_caching_resumes_when_it_returns(
         assert fresh.cached_tokens == 32  # written after Redis came back, read by another worker
     finally:
         server.stop()
+
+
+def test_a_gemma3_prefix_longer_than_its_sliding_window_comes_back_whole(tiny_gemma3, redis_prefix) -> None:
+    """Every position's K and V are cached, not only the window's: a hit continues exactly as a cold run."""
+    runner = ModelRunner.from_paths(tiny_gemma3.path, [], TEST_DEVICE)
+    assert runner.hparams.sliding_window < len(PROMPT) // 4
+    uncached = run(runner, None)
+    first = run(runner, open_cache(runner, redis_prefix))
+    second = run(runner, open_cache(runner, redis_prefix))
+    assert (first.cached_tokens, second.cached_tokens) == (0, 40)
+    assert_same_output(first, uncached)
+    assert_same_output(second, uncached)
