@@ -70,6 +70,15 @@ def gemma3_reference() -> dict:
 
 
 @pytest.fixture(scope="session")
+def gemma3_runner(gemma3_path):
+    """Gemma 3 270M with llama.cpp's reference adapter (gemma3-small.gguf) in slot 0, loaded once."""
+    from tests.helpers import TEST_DEVICE
+    from worker.engine.runner import ModelRunner
+
+    return ModelRunner.from_paths(gemma3_path, [FIXTURES / "gemma3-small.gguf"], TEST_DEVICE)
+
+
+@pytest.fixture(scope="session")
 def gemma3_tokenizer(gemma3_path):
     from worker.formats.gguf_file import GGUFFile
     from worker.formats.tokenizer import GGUFTokenizer

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -21,7 +20,8 @@ import pytest
 import yaml
 
 from tests.gateway.gateway_setup import digest
-from tests.redis_server import RedisServer, free_port
+from tests.gateway.serve_process import running_serve
+from tests.redis_server import RedisServer
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KEYS = {"demo": "sk-test-demo", "acme": "sk-test-acme", "limited": "sk-test-limited"}
@@ -40,7 +40,6 @@ def private_redis():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, private_redis):
     prefix = f"loraplex-test-{uuid.uuid4().hex}"
-    port = free_port()
     config = yaml.safe_load((DEPLOY / "serve.yaml").read_text())
     for adapter in config["adapters"]:
         adapter["path"] = str(DEPLOY / adapter["path"])
@@ -51,34 +50,8 @@ def server(tmp_path_factory, private_redis):
     ]
     config["cache"]["key_prefix"] = prefix
     config["cache"]["redis_url"] = private_redis.url
-    config["http"] = {"host": "127.0.0.1", "port": port}
-    path = tmp_path_factory.mktemp("serve") / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    output = []
-    while True:
-        line = process.stdout.readline()
-        output.append(line)
-        if "ready in" in line:
-            break
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail("loraplex serve did not start:\n" + "".join(output))
-    rest: list[str] = []
-    drain = threading.Thread(target=lambda: rest.extend(process.stdout), daemon=True)  # a full pipe would block the server
-    drain.start()
-    yield url
-    process.send_signal(signal.SIGINT)  # what Ctrl-C does
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail("loraplex serve did not stop on SIGINT")
-    drain.join(10)
-    assert "shutting down" in "".join(rest) and process.returncode == 0
+    with running_serve(config, tmp_path_factory.mktemp("serve")) as url:
+        yield url
 
 
 def oa(url: str, tenant: str = "demo") -> openai.OpenAI:

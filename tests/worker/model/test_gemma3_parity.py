@@ -9,29 +9,16 @@ import hashlib
 
 import pytest
 
-from tests.helpers import TEST_DEVICE
+from tests.conftest import FIXTURES
 from worker.contract.params import SamplingParams
 from worker.engine.generate import generate
-from worker.engine.runner import ModelRunner
 
 SCALES = {"base": 0.0, "small@1.0": 1.0, "small@0.5": 0.5}
 NEAR_TIE = 0.35
 
 
-@pytest.fixture(scope="module")
-def gemma3_runner(gemma3_path, small_gemma3_adapter_path):
-    return ModelRunner.from_paths(gemma3_path, [small_gemma3_adapter_path], TEST_DEVICE)
-
-
-@pytest.fixture(scope="module")
-def small_gemma3_adapter_path():
-    from tests.conftest import FIXTURES
-
-    return FIXTURES / "gemma3-small.gguf"
-
-
-def test_reference_adapter_is_the_one_llama_cpp_used(small_gemma3_adapter_path, gemma3_reference) -> None:
-    digest = hashlib.sha256(small_gemma3_adapter_path.read_bytes()).hexdigest()
+def test_reference_adapter_is_the_one_llama_cpp_used(gemma3_reference) -> None:
+    digest = hashlib.sha256((FIXTURES / "gemma3-small.gguf").read_bytes()).hexdigest()
     assert digest == gemma3_reference["adapter_sha256"]["gemma3-small.gguf"]
 
 
