@@ -40,6 +40,20 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """llama with 4 experts, 2 per token (GGUF architecture llama, expert_count 4)."""
+    spec = TinySpec(arch="llama", seed=5, num_experts=4, num_experts_used=2, ffn_dim=48)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), spec, name="tiny-mixtral.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3moe(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """8 experts of width 32, 3 per token."""
+    spec = TinySpec(arch="qwen3moe", tied=True, seed=6, num_experts=8, num_experts_used=3, ffn_dim=32)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), spec)
+
+
+@pytest.fixture(scope="session")
 def llamacpp_reference() -> dict:
     return json.loads((FIXTURES / "smollm2-llamacpp.json").read_text())
 

@@ -60,6 +60,8 @@ class TinySpec:
     seed: int = 0
     init_std: float = 0.2
     sliding_window: int = 8  # gemma3
+    num_experts: int = 0  # > 0: MoE (llama: Mixtral; qwen3moe needs it); ffn_dim is then each expert's width
+    num_experts_used: int = 2
     weight_type: GGMLQuantizationType = GGMLQuantizationType.F32
     extra_metadata: dict = field(default_factory=dict)
 
@@ -71,12 +73,19 @@ class TinySpec:
 def hf_model(spec: TinySpec) -> torch.nn.Module:
     import transformers
 
+    family = "mixtral" if spec.arch == "llama" and spec.num_experts else spec.arch
     config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}[spec.arch]
+                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+                             "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}[family]
     head_dim = spec.embed_dim // spec.num_heads
     extra: dict = {}
     if spec.arch == "qwen3":
         extra = {"head_dim": head_dim, "attention_bias": False}
+    elif spec.arch == "qwen3moe":
+        extra = {"head_dim": head_dim, "attention_bias": False, "num_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_used,
+                 "moe_intermediate_size": spec.ffn_dim, "norm_topk_prob": True}  # llama.cpp always renormalises the top-k
+    elif family == "mixtral":
+        extra = {"num_local_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_used}
     elif spec.arch == "gemma3":  # q scaled by 1/sqrt(head_dim), as llama.cpp does below 27B
         extra = {"head_dim": head_dim, "sliding_window": spec.sliding_window, "query_pre_attn_scalar": head_dim}
     config = getattr(transformers, config_cls)(
@@ -126,6 +135,14 @@ def gguf_tensors_from_hf(spec: TinySpec, state: dict[str, torch.Tensor]) -> dict
             continue
         if spec.tied and module == "lm_head":
             continue
+        if module.endswith(".mlp.experts"):  # transformers keeps experts fused: gate_up [E, 2ff, d], down [E, d, ff]
+            layer = module.split(".")[2]
+            if kind == "gate_up_proj":
+                gate, up = np.split(array, 2, axis=1)
+                out[f"blk.{layer}.ffn_gate_exps.weight"], out[f"blk.{layer}.ffn_up_exps.weight"] = gate.copy(), up.copy()
+            else:
+                out[f"blk.{layer}.ffn_down_exps.weight"] = array
+            continue
         target = gguf_target(module)
         assert target is not None, key
         name = target.removesuffix(".weight") + "." + kind
@@ -153,7 +170,12 @@ def write_base(path: Path, spec: TinySpec, tensors: dict[str, np.ndarray]) -> Pa
     tokens, types, merges = tiny_vocab()
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "smollm" if arch == "llama" else "qwen2")
-    if arch in ("qwen3", "gemma3"):
+    if spec.num_experts:
+        w.add_uint32(f"{arch}.expert_count", spec.num_experts)
+        w.add_uint32(f"{arch}.expert_used_count", spec.num_experts_used)
+    if arch == "qwen3moe":
+        w.add_uint32(f"{arch}.expert_feed_forward_length", spec.ffn_dim)
+    if arch in ("qwen3", "qwen3moe", "gemma3"):
         w.add_uint32(f"{arch}.attention.key_length", spec.embed_dim // spec.num_heads)
         w.add_uint32(f"{arch}.attention.value_length", spec.embed_dim // spec.num_heads)
     if arch == "gemma3":
@@ -168,7 +190,7 @@ def write_base(path: Path, spec: TinySpec, tensors: dict[str, np.ndarray]) -> Pa
     for key, value in spec.extra_metadata.items():
         w.add_key_value(key, value[1], value[0])
     for name, array in tensors.items():
-        is_matrix = array.ndim == 2 and name != "rope_freqs.weight"
+        is_matrix = array.ndim in (2, 3) and name != "rope_freqs.weight"  # 3-D: experts
         if is_matrix and spec.weight_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             w.add_tensor(name, quantize(array, spec.weight_type), raw_dtype=spec.weight_type)
         elif is_matrix and spec.weight_type == GGMLQuantizationType.F16:

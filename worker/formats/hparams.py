@@ -21,7 +21,13 @@ class RopeStyle(Enum):
     NEOX = "neox"
 
 
-ROPE_STYLE_BY_ARCH = {"llama": RopeStyle.ADJACENT_PAIRS, "qwen2": RopeStyle.NEOX, "qwen3": RopeStyle.NEOX, "gemma3": RopeStyle.NEOX}
+ROPE_STYLE_BY_ARCH = {
+    "llama": RopeStyle.ADJACENT_PAIRS,  # with expert_count > 0: Mixtral
+    "qwen2": RopeStyle.NEOX,
+    "qwen3": RopeStyle.NEOX,
+    "qwen3moe": RopeStyle.NEOX,
+    "gemma3": RopeStyle.NEOX,
+}
 GEMMA3_SWA_PATTERN = 6  # llama.cpp: of every 6 layers, the first 5 attend within the window, the 6th to everything
 GEMMA3_SWA_ROPE_BASE = 10000.0  # llama.cpp's rope base for gemma3's sliding-window layers (when the GGUF names none)
 
@@ -55,6 +61,14 @@ class ModelHParams:
     sliding_window: int | None = None  # keys a sliding-window layer sees: the last `sliding_window` positions
     swa_layers: tuple[bool, ...] = ()  # per layer: attends within the sliding window
     rope_base_swa: float | None = None  # the sliding-window layers' own RoPE base (their scaling is 1)
+    # mixture of experts (llama with expert_count > 0, qwen3moe): every layer's FFN is routed
+    expert_count: int = 0
+    expert_used_count: int = 0  # experts each token goes to (top-k of the router's softmax)
+    expert_ffn_dim: int = 0  # each expert's FFN width
+
+    @property
+    def is_moe(self) -> bool:
+        return self.expert_count > 0
 
     def is_swa(self, layer: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[layer]
@@ -74,8 +88,7 @@ class ModelHParams:
                 raise UnsupportedModelError(f"{gguf.path}: metadata key {arch}.{name} is missing")
             return value
 
-        if int(key("expert_count", 0)) > 0:
-            raise UnsupportedModelError(f"{gguf.path}: mixture-of-experts models are not supported")
+        experts = _experts(gguf, arch, key)
         num_heads = int(key("attention.head_count"))
         num_kv_heads = int(key("attention.head_count_kv", num_heads))
         embed_dim = int(key("embedding_length"))
@@ -97,7 +110,7 @@ class ModelHParams:
             context_length=int(key("context_length")),
             num_layers=int(key("block_count")),
             embed_dim=embed_dim,
-            ffn_dim=int(key("feed_forward_length")),
+            ffn_dim=int(key("feed_forward_length", 0 if experts else None)),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -111,7 +124,29 @@ class ModelHParams:
             has_qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
             is_output_tied="output.weight" not in gguf.tensors,
             **gemma,
+            **experts,
         )
+
+
+def _experts(gguf: GGUFFile, arch: str, key) -> dict:
+    """The MoE hyper-parameters as llama.cpp reads them for llama and qwen3moe ({} for a dense model)."""
+    count = int(key("expert_count", 0))
+    if count == 0:
+        if arch == "qwen3moe":
+            raise UnsupportedModelError(f"{gguf.path}: qwen3moe needs {arch}.expert_count > 0")
+        return {}
+    used = key("expert_used_count", 0)
+    if isinstance(used, list):  # per layer; llama and qwen3moe use one value
+        if len(set(used)) != 1:
+            raise UnsupportedModelError(f"{gguf.path}: a different {arch}.expert_used_count per layer is not supported")
+        used = used[0]
+    used = int(used)
+    if not 0 < used <= count:
+        raise UnsupportedModelError(f"{gguf.path}: {arch}.expert_used_count is {used}, not between 1 and expert_count ({count})")
+    ffn = int(key("expert_feed_forward_length", 0)) if arch == "qwen3moe" else 0
+    if ffn == 0:  # llama: the FFN width is the experts'; qwen3moe without the key: llama.cpp's n_ff / n_expert_used
+        ffn = int(key("feed_forward_length")) // (used if arch == "qwen3moe" else 1)
+    return {"expert_count": count, "expert_used_count": used, "expert_ffn_dim": ffn}
 
 
 def _gemma3(gguf: GGUFFile, arch: str, key, embed_dim: int, num_heads: int, head_dim: int, num_layers: int) -> dict:

@@ -34,6 +34,8 @@ _LAYER_MODULES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # an MoE router (qwen3moe; Mixtral in transformers 5)
+    "block_sparse_moe.gate": "ffn_gate_inp",  # Mixtral's router, as transformers 4 names it
 }
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?P<module>.+?)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"

@@ -1,4 +1,4 @@
-"""Decoder-only transformer for llama, qwen2, qwen3 and gemma3 GGUF models.
+"""Decoder-only transformer for llama (Mixtral too), qwen2, qwen3, qwen3moe and gemma3 GGUF models.
 
 Modules are named after GGUF tensors (`blk.3.attn_q` holds `blk.3.attn_q.weight`)
 so weights and adapters map by name. Knows nothing of LoRA: adapters wrap the
@@ -13,6 +13,7 @@ from torch import nn
 
 from worker.formats.hparams import ModelHParams, RopeStyle
 from worker.model.attention import AttentionPlan, KVCache, attention
+from worker.model.moe import ExpertLinear, moe_ffn
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -89,9 +90,16 @@ class Block(nn.Module):
         self.attention_scale = hp.attention_scale
         self.activation = ACTIVATIONS[hp.ffn_activation]
         self.ffn_norm = RMSNorm(hp.embed_dim, hp.rms_norm_eps)
-        self.ffn_gate = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
-        self.ffn_up = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
-        self.ffn_down = nn.Linear(hp.ffn_dim, hp.embed_dim, bias=False)
+        self.num_experts_used = hp.expert_used_count
+        if hp.is_moe:  # the router and the experts (worker/model/moe.py)
+            self.ffn_gate_inp = nn.Linear(hp.embed_dim, hp.expert_count, bias=False)
+            self.ffn_gate_exps = ExpertLinear(hp.expert_count, hp.embed_dim, hp.expert_ffn_dim)
+            self.ffn_up_exps = ExpertLinear(hp.expert_count, hp.embed_dim, hp.expert_ffn_dim)
+            self.ffn_down_exps = ExpertLinear(hp.expert_count, hp.expert_ffn_dim, hp.embed_dim)
+        else:
+            self.ffn_gate = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
+            self.ffn_up = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
+            self.ffn_down = nn.Linear(hp.ffn_dim, hp.embed_dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, ...], rope: Rotary, cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
         # x: [N, d] new tokens of every sequence in the batch
@@ -106,7 +114,10 @@ class Block(nn.Module):
         a = self.attn_output(attention(self.index, q, k, v, cache, plan, self.is_swa, self.attention_scale))
         x = x + (self.post_attention_norm(a) if self.has_post_norms else a)
         h = self.ffn_norm(x)
-        f = self.ffn_down(self.activation(self.ffn_gate(h)) * self.ffn_up(h))
+        if self.num_experts_used:
+            f = moe_ffn(h, self, self.num_experts_used, self.activation)
+        else:
+            f = self.ffn_down(self.activation(self.ffn_gate(h)) * self.ffn_up(h))
         return x + (self.post_ffw_norm(f) if self.has_post_norms else f)
 
 

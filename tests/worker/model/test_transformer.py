@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -23,7 +25,7 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama_tied", "tiny_qwen2", "tiny_qwen3", "tiny_gemma3"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama_tied", "tiny_qwen2", "tiny_qwen3", "tiny_gemma3", "tiny_mixtral", "tiny_qwen3moe"])
 def test_logits_match_transformers(fixture: str, request: pytest.FixtureRequest) -> None:
     tiny = request.getfixturevalue(fixture)
     runner = ModelRunner.from_paths(tiny.path, [], TEST_DEVICE)
@@ -51,7 +53,7 @@ def test_untied_model_has_separate_output(tiny_llama, tiny_llama_tied) -> None:
     assert tied.output.weight.data_ptr() == tied.token_embd.weight.data_ptr()
 
 
-@pytest.mark.parametrize(("fixture", "atol"), [("tiny_llama", 1e-5), ("tiny_gemma3", 1e-4)])  # gemma3: past its sliding window
+@pytest.mark.parametrize(("fixture", "atol"), [("tiny_llama", 1e-5), ("tiny_gemma3", 1e-4), ("tiny_qwen3moe", 1e-5)])  # gemma3: past its sliding window
 def test_incremental_decode_matches_full_forward(fixture: str, atol: float, request: pytest.FixtureRequest) -> None:
     runner = ModelRunner.from_paths(request.getfixturevalue(fixture).path, [], TEST_DEVICE)
     full = prompt_logits(runner, IDS)
@@ -112,6 +114,21 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path) -> None:
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(UnsupportedModelError, match="architecture 'gptneox' is not supported"):
+        ModelHParams.from_gguf(GGUFFile(path))
+
+
+def test_moe_hyper_parameters_come_from_metadata(tiny_mixtral, tiny_qwen3moe) -> None:
+    mixtral = ModelHParams.from_gguf(GGUFFile(tiny_mixtral.path))
+    qwen = ModelHParams.from_gguf(GGUFFile(tiny_qwen3moe.path))
+    assert (mixtral.arch, mixtral.expert_count, mixtral.expert_used_count, mixtral.expert_ffn_dim, mixtral.rope_style) == ("llama", 4, 2, 48, RopeStyle.ADJACENT_PAIRS)
+    assert (qwen.expert_count, qwen.expert_used_count, qwen.expert_ffn_dim, qwen.has_qk_norm, qwen.rope_style) == (8, 3, 32, True, RopeStyle.NEOX)
+
+
+@pytest.mark.parametrize(("used", "message"), [(0, "expert_used_count is 0, not between 1 and expert_count"), (5, "expert_used_count is 5")])
+def test_an_moe_base_with_an_impossible_expert_count_is_refused(tiny_mixtral, tmp_path, used, message) -> None:
+    spec = replace(tiny_mixtral.spec, num_experts_used=used)
+    path = write_base(tmp_path / "bad.gguf", spec, tiny_mixtral.tensors)
+    with pytest.raises(UnsupportedModelError, match=message):
         ModelHParams.from_gguf(GGUFFile(path))
 
 
