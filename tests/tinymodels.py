@@ -226,12 +226,14 @@ def make_tiny_model(directory: Path, spec: TinySpec | None = None, name: str | N
 
 def random_lora(model: TinyModel, targets: list[str], rank: int, seed: int, std: float = 0.3) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """target -> (A, B) in the SPEC's numpy layouts: linear A (r, k), B (d, r);
-    token_embd A (V, r), B (d, r)."""
+    token_embd A (V, r), B (d, r); experts A (E, r, k), B (E, d, r)."""
     rng = np.random.default_rng(seed)
     out = {}
     for target in targets:
-        d, k = model.tensors[target].shape  # numpy (out, in); token_embd is (V, d)
-        if target == "token_embd.weight":
+        *experts, d, k = model.tensors[target].shape  # numpy (out, in); token_embd is (V, d); experts (E, out, in)
+        if experts:
+            a, b = rng.normal(0, std, (*experts, rank, k)), rng.normal(0, std, (*experts, d, rank))
+        elif target == "token_embd.weight":
             a, b = rng.normal(0, std, (d, rank)), rng.normal(0, std, (k, rank))
         else:
             a, b = rng.normal(0, std, (rank, k)), rng.normal(0, std, (d, rank))

@@ -74,6 +74,7 @@ class LoRAAdapter:
         """(A, B) as float32 numpy. Linear targets: A (r, k), B (d, r).
 
         token_embd: A (V, r), B (d, r); the delta of token t is B @ A[t].
+        Experts (*_exps): A (E, r, k), B (E, d, r); expert e's delta is B[e] @ A[e].
         """
         pair = self.pairs[target]
         return self.gguf.load(pair.a.name), self.gguf.load(pair.b.name)
@@ -138,6 +139,11 @@ def _check_shape(target: str, a: TensorInfo, b: TensorInfo, base: TensorInfo | N
             raise AdapterError(f"tensor '{target}' has incorrect shape")
         return
     if base is not None and (base.ne(0) != a.ne(0) or base.ne(1) != b.ne(1)):
+        raise AdapterError(f"tensor '{target}' has incorrect shape")
+    # Experts (*_exps, ne = [k, d, n_expert]): A.ne = [k, r, n_expert], B.ne = [r, d, n_expert]. llama.cpp
+    # does not compare the expert axis and reads out of bounds later; here it is part of the shape.
+    experts = base.ne(2) if base is not None else a.ne(2)
+    if a.ne(2) != experts or b.ne(2) != experts or max(a.ne(3), b.ne(3), base.ne(3) if base is not None else 1) != 1:
         raise AdapterError(f"tensor '{target}' has incorrect shape")
     if a.ne(1) != b.ne(0):
         raise AdapterError("lora_a tensor is not transposed")

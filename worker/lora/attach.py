@@ -11,9 +11,10 @@ from torch import nn
 from worker.formats.adapter import LoRAAdapter
 from worker.lora.backend import LoRABackend, TorchLoRABackend
 from worker.lora.batch import LoRABatch
-from worker.lora.layers import LoRAEmbedding, LoRALinear
+from worker.lora.layers import LoRAEmbedding, LoRAExpertLinear, LoRALinear
 from worker.lora.weights import StackedLoRA, stack
 from worker.model.device import DeviceConfig
+from worker.model.moe import ExpertLinear
 
 
 @dataclass
@@ -42,6 +43,8 @@ def attach_lora(model: nn.Module, adapters: Sequence[LoRAAdapter], config: Devic
             module = None
         if (isinstance(module, nn.Linear) and module.weight.dim() == 2) or getattr(module, "is_packed_linear", False):
             wrapper: nn.Module = LoRALinear(module, stack(adapters, target, False, config, layouts), batch, backend)
+        elif isinstance(module, ExpertLinear):
+            wrapper = LoRAExpertLinear(module, stack(adapters, target, False, config, layouts), batch, backend)
         elif isinstance(module, nn.Embedding):
             wrapper = LoRAEmbedding(module, stack(adapters, target, True, config, layouts), batch, backend)
         else:

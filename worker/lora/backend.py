@@ -15,6 +15,12 @@ class LoRABackend(Protocol):
     def add_embedding(self, out: torch.Tensor, a_rows: torch.Tensor, b: torch.Tensor, scales: torch.Tensor) -> None:
         """out [N, d] += (a_rows [N, R] * scales [N, R]) @ b.T [R, d]"""
 
+    def add_experts(
+        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, segments: list[tuple[int, int, int]]
+    ) -> None:
+        """For each (expert e, start, end) of `segments`, rows start:end of x [P, k] were routed to e:
+        out[start:end] += ((x[start:end] @ a[e].T) * scales[start:end]) @ b[e].T, with a [E, R, k], b [E, d, R]."""
+
 
 class TorchLoRABackend:
     """Reference backend: plain torch matmuls, any device."""
@@ -24,3 +30,11 @@ class TorchLoRABackend:
 
     def add_embedding(self, out: torch.Tensor, a_rows: torch.Tensor, b: torch.Tensor, scales: torch.Tensor) -> None:
         out.addmm_(a_rows * scales, b.t())
+
+    def add_experts(
+        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, segments: list[tuple[int, int, int]]
+    ) -> None:
+        # Grouped by expert: one pair of matmuls per expert the pass routed to, as the base does
+        # (ggml's mul_mat_id); the rows of one expert are contiguous, so every operand is a view.
+        for e, start, end in segments:
+            out[start:end].addmm_(torch.mm(x[start:end], a[e].t()).mul_(scales[start:end]), b[e].t())

@@ -9,6 +9,7 @@ from torch import nn
 from worker.lora.backend import LoRABackend
 from worker.lora.batch import LoRABatch
 from worker.lora.weights import StackedLoRA
+from worker.model.moe import ExpertLinear, Routes
 
 
 class LoRALinear(nn.Module):
@@ -45,4 +46,23 @@ class LoRAEmbedding(nn.Module):
         if cols is not None:
             a_rows = a_rows.index_select(1, cols)
         self.backend.add_embedding(y.view(-1, y.shape[-1]), a_rows, b, scales)
+        return y
+
+
+class LoRAExpertLinear(nn.Module):
+    """Expert delta (llama.cpp's build_lora_mm_id): each (token, expert) pair's row gets the
+    A and B of the expert the router chose, scaled by its token's adapter scales."""
+
+    def __init__(self, base: ExpertLinear, stacked: StackedLoRA, batch: LoRABatch, backend: LoRABackend) -> None:
+        super().__init__()
+        self.base, self.stacked, self.batch, self.backend = base, stacked, batch, backend
+
+    def forward(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
+        y = self.base(x, routes)
+        selected = self.stacked.select(self.batch, x.dtype)
+        if selected is None:
+            return y
+        cols, b, scales = selected
+        a = self.stacked.a if cols is None else self.stacked.a.index_select(1, cols)
+        self.backend.add_experts(y, x, a, b, scales.index_select(0, routes.token), routes.segments())
         return y

@@ -6,7 +6,8 @@ serves any mix of adapters in a batch:
 
 where `column_scales[t, c]` is the runtime scale, for token `t`, of the adapter slot
 owning rank column `c` (zero where that adapter is off). `alpha / rank` is folded
-into B when stacking.
+into B when stacking. Expert targets (`*_exps`) stack the same way with a leading
+expert axis: A [E, R, k], B [E, d, R].
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ _MAX_CACHED_COLUMN_SETS = 256
 class StackedLoRA:
     """One target's adapters stacked along the rank axis."""
 
-    a: torch.Tensor  # linear: [R, k]; embedding: [V, R]
-    b: torch.Tensor  # [d, R], alpha/rank folded in
+    a: torch.Tensor  # linear: [R, k]; embedding: [V, R]; experts: [E, R, k]
+    b: torch.Tensor  # [d, R] (experts: [E, d, R]), alpha/rank folded in
     column_slots: torch.Tensor  # [R] adapter slot of each rank column, on the compute device
     column_slots_host: list[int]
     adapter_slots: frozenset[int] = field(init=False)
@@ -66,7 +67,7 @@ class StackedLoRA:
         column_slots = self._active_column_slots.get(used)
         if column_slots is None:
             column_slots = self._active_column_slots[used] = self.column_slots.index_select(0, cols)
-        return cols, self.b.index_select(1, cols), batch.column_scales(column_slots, used, dtype)
+        return cols, self.b.index_select(-1, cols), batch.column_scales(column_slots, used, dtype)
 
 
 def stack(
@@ -83,8 +84,8 @@ def stack(
         a_parts.append(a)
         b_parts.append(b * adapter.scale(pair, 1.0))
         column_slots += [slot] * pair.rank
-    a_cat = to_torch(np.concatenate(a_parts, axis=1 if is_embedding else 0), config)
-    b_cat = to_torch(np.concatenate(b_parts, axis=1), config)
+    a_cat = to_torch(np.concatenate(a_parts, axis=-1 if is_embedding else -2), config)
+    b_cat = to_torch(np.concatenate(b_parts, axis=-1), config)
     shared = layouts.get(tuple(column_slots))
     if shared is not None:
         stacked = StackedLoRA(a_cat, b_cat, shared.column_slots, column_slots)

@@ -1,0 +1,90 @@
+"""LoRA on MoE experts (SPEC §2, llama.cpp's build_lora_mm_id): each (token, expert) pair gets the
+delta of the expert the router chose, equal to the merged weights W_e + s * B_e A_e."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from tests.helpers import TEST_DEVICE, prompt_logits
+from tests.tinymodels import random_lora, write_adapter
+from tests.worker.lora.test_layers import IDS, merged
+from worker.contract.params import SamplingParams
+from worker.contract.spec import EngineConfig
+from worker.engine.engine import Engine, EngineRequest
+from worker.engine.runner import ModelRunner
+from worker.formats.adapter import AdapterError, load_adapter
+from worker.formats.gguf_file import GGUFFile
+from worker.formats.tokenizer import GGUFTokenizer
+from worker.lora.layers import LoRAExpertLinear, LoRALinear
+
+EXPERT_TARGETS = ["blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight", "blk.1.ffn_up_exps.weight"]
+MOE_TARGETS = EXPERT_TARGETS + ["blk.1.ffn_gate_inp.weight", "blk.0.attn_v.weight"]  # the router and attention too
+
+
+@pytest.mark.parametrize("fixture", ["tiny_mixtral", "tiny_qwen3moe"])
+def test_expert_adapter_equals_merged_expert_weights(fixture, tmp_path, request) -> None:
+    tiny = request.getfixturevalue(fixture)
+    pairs = random_lora(tiny, MOE_TARGETS, rank=4, seed=11)
+    runner = ModelRunner.from_paths(tiny.path, [write_adapter(tmp_path / "e.gguf", pairs, arch=tiny.spec.arch)], TEST_DEVICE)
+    assert isinstance(runner.model.blk[0].ffn_gate_exps, LoRAExpertLinear) and isinstance(runner.model.blk[1].ffn_gate_inp, LoRALinear)
+    expected = prompt_logits(merged(tiny, tmp_path, "m", [(pairs, 0.7 * 8.0 / 4)]), IDS)
+    ours = prompt_logits(runner, IDS, {0: 0.7})
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(ours, prompt_logits(runner, IDS), atol=1e-2)
+
+
+def test_stacked_expert_adapters_of_mixed_ranks_and_types_equal_their_merged_sum(tiny_qwen3moe, tmp_path) -> None:
+    first = random_lora(tiny_qwen3moe, EXPERT_TARGETS[:3], rank=4, seed=12)
+    second = random_lora(tiny_qwen3moe, EXPERT_TARGETS[1:], rank=8, seed=13)
+    paths = [write_adapter(tmp_path / "1.gguf", first, arch="qwen3moe", alpha=8.0),
+             write_adapter(tmp_path / "2.gguf", second, arch="qwen3moe", alpha=None, tensor_type=GGMLQuantizationType.F16)]
+    runner = ModelRunner.from_paths(tiny_qwen3moe.path, paths, TEST_DEVICE)
+    second_f16 = {t: (a.astype(np.float16).astype(np.float32), b.astype(np.float16).astype(np.float32)) for t, (a, b) in second.items()}
+    expected = prompt_logits(merged(tiny_qwen3moe, tmp_path, "m", [(first, 0.5 * 8 / 4), (second_f16, -0.3)]), IDS)
+    torch.testing.assert_close(prompt_logits(runner, IDS, {0: 0.5, 1: -0.3}), expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(prompt_logits(runner, IDS, {0: 0.5}), expected, atol=1e-2)
+
+
+def test_mixed_adapter_batches_route_each_token_to_its_own_experts_deltas(tiny_mixtral, tmp_path) -> None:
+    """Four requests (adapter A, adapter B, none, both) decoded together, prefilled in chunks beside each
+    other: each equals itself alone, token for token, logprob for logprob."""
+    paths = [write_adapter(tmp_path / f"m{i}.gguf", random_lora(tiny_mixtral, MOE_TARGETS, 4, seed=20 + i)) for i in range(2)]
+    runner = ModelRunner.from_paths(tiny_mixtral.path, paths, TEST_DEVICE)
+    tokenizer = GGUFTokenizer(GGUFFile(tiny_mixtral.path))
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    prompts = [[(13 * i + 5 * j) % 250 + 3 for j in range(9 + 3 * i)] for i in range(4)]
+    requests = [EngineRequest(f"r{i}", p, greedy, a) for i, (p, a) in enumerate(zip(prompts, [{0: 1.0}, {1: 0.8}, {}, {0: 0.5, 1: 0.5}]))]
+    together = Engine(runner, tokenizer, EngineConfig(num_seq_slots=4, slot_len=64, max_step_tokens=6)).run_all(requests)
+    for request in requests:
+        alone = Engine(runner, tokenizer, EngineConfig(num_seq_slots=1, slot_len=64)).run_all([request])[request.request_id]
+        assert together[request.request_id].token_ids == alone.token_ids
+        for a, b in zip(together[request.request_id].logprobs, alone.logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert len({tuple(r.token_ids) for r in together.values()}) > 1
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a, b: (a[:3], b[:3]), "tensor 'blk.0.ffn_up_exps.weight' has incorrect shape"),  # 3 experts for a base of 8
+        (lambda a, b: (a[0], b[0]), "tensor 'blk.0.ffn_up_exps.weight' has incorrect shape"),  # a dense pair on an expert tensor
+        (lambda a, b: (a, b[:, :, :2]), "lora_a tensor is not transposed"),  # ranks differ
+        (lambda a, b: (np.swapaxes(a, 1, 2).copy(), np.swapaxes(b, 1, 2).copy()), "tensor 'blk.0.ffn_up_exps.weight' has incorrect shape"),
+    ],
+)
+def test_an_expert_pair_of_the_wrong_shape_is_rejected_with_llamacpps_message(tiny_qwen3moe, tmp_path, change, message) -> None:
+    a, b = random_lora(tiny_qwen3moe, ["blk.0.ffn_up_exps.weight"], 4, seed=1)["blk.0.ffn_up_exps.weight"]
+    path = write_adapter(tmp_path / "bad.gguf", {"blk.0.ffn_up_exps.weight": change(a, b)}, arch="qwen3moe")
+    with pytest.raises(AdapterError) as error:
+        load_adapter(path, GGUFFile(tiny_qwen3moe.path))
+    assert error.value.message == message
+
+
+def test_a_dense_pair_with_an_expert_axis_is_rejected(tiny_llama, tmp_path) -> None:
+    a, b = random_lora(tiny_llama, ["blk.0.attn_q.weight"], 4, seed=1)["blk.0.attn_q.weight"]
+    path = write_adapter(tmp_path / "bad.gguf", {"blk.0.attn_q.weight": (np.stack([a, a]), np.stack([b, b]))})
+    with pytest.raises(AdapterError, match=r"^tensor 'blk.0.attn_q.weight' has incorrect shape$"):
+        load_adapter(path, GGUFFile(tiny_llama.path))
