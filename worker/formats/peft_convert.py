@@ -23,6 +23,7 @@ from gguf.quants import quantize
 from worker.formats.adapter import INVOCATION_KEY
 from worker.formats.gguf_file import GGUFFile
 from worker.formats.hparams import ModelHParams, RopeStyle
+from worker.formats.peft_experts import ExpertConversionError, expert_pairs, is_expert_module
 from worker.formats.safetensors_file import StoredTensor, read_safetensors
 from worker.formats.tokenizer import GGUFTokenizer
 
@@ -84,6 +85,12 @@ def _pattern_value(patterns: dict[str, float], module: str, default: float) -> f
         if re.match(rf"(.*\.)?({key})$", module):
             return value
     return default
+
+
+def _peft_scale(config: dict, options: ConvertOptions, alpha: float, module: str, rank: int) -> float:
+    """The scale PEFT gives `module` (alpha_pattern and rsLoRA included)."""
+    module_alpha = alpha if options.alpha is not None else _pattern_value(config.get("alpha_pattern") or {}, module, float(config.get("lora_alpha", alpha)))
+    return module_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
 def _read_config(peft_dir: Path) -> dict:
@@ -169,9 +176,18 @@ def convert_peft_to_gguf(peft_dir: str | os.PathLike[str], base_path: str | os.P
         raise ConversionError(f"invocation token {bad[0]} is out of range (vocabulary size {hp.vocab_size})")
 
     pairs = _collect_pairs(read_safetensors(weights_path))
+    expert_modules = {m: halves for m, halves in pairs.items() if is_expert_module(m)}
+    pairs = {m: halves for m, halves in pairs.items() if m not in expert_modules}
     unsupported = sorted(m for m in pairs if gguf_target(m) is None)
     if unsupported:
-        raise ConversionError(f"unsupported target modules: {', '.join(unsupported)} (supported: q/k/v/o_proj, gate/up/down_proj, embed_tokens, lm_head)")
+        raise ConversionError(
+            f"unsupported target modules: {', '.join(unsupported)} "
+            "(supported: q/k/v/o_proj, gate/up/down_proj, embed_tokens, lm_head, an MoE router and its experts)"
+        )
+    try:
+        experts = expert_pairs(expert_modules, hp, lambda m, r: _peft_scale(config, options, alpha, m, r), alpha) if expert_modules else {}
+    except ExpertConversionError as e:
+        raise ConversionError(str(e)) from e
     writer = GGUFWriter(str(out_path), hp.arch)
     writer.add_string("general.type", "adapter")
     writer.add_string("adapter.type", "lora")
@@ -193,11 +209,7 @@ def convert_peft_to_gguf(peft_dir: str | os.PathLike[str], base_path: str | os.P
             raise ConversionError(f"module {module} lacks {a_key} or {b_key}")
         a, b = halves[a_key], halves[b_key]
         rank = a.data.shape[0]
-        module_alpha = _pattern_value(config.get("alpha_pattern") or {}, module, float(config.get("lora_alpha", alpha)))
-        if options.alpha is not None:
-            module_alpha = alpha
-        peft_scale = module_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-        fold = peft_scale / (alpha / rank)
+        fold = _peft_scale(config, options, alpha, module, rank) / (alpha / rank)
         b_values = None
         is_rescaled = not math.isclose(fold, 1.0, rel_tol=1e-6)
         if is_rescaled:
@@ -209,6 +221,10 @@ def convert_peft_to_gguf(peft_dir: str | os.PathLike[str], base_path: str | os.P
             a = StoredTensor(a.dtype, np.ascontiguousarray(a.data.T))
         _write_tensor(writer, f"{target}.lora_a", a, None, options.outtype)
         _write_tensor(writer, f"{target}.lora_b", b, b_values, options.outtype, is_rescaled)
+        targets.append(target)
+    for target, (a_values, b_values) in sorted(experts.items()):  # already scaled: written as F32 unless told otherwise
+        _write_tensor(writer, f"{target}.lora_a", StoredTensor("F32", a_values), None, options.outtype)
+        _write_tensor(writer, f"{target}.lora_b", StoredTensor("F32", b_values), None, options.outtype)
         targets.append(target)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
