@@ -165,7 +165,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-prefix", help="adapter.lora.prompt_prefix metadata")
     p.add_argument("--outtype", default="auto", choices=["auto", "f32", "f16", "bf16"], help="tensor type (auto keeps the PEFT file's)")
     p.set_defaults(handler="worker.cli.convert:run")
+
+    p = sub.add_parser("export-lora", help="write a base GGUF with LoRA adapters merged into its weights")
+    p.add_argument("--model", "-m", required=True, metavar="BASE.gguf")
+    p.add_argument("--lora", required=True, action="append", type=_lora_with_scale, metavar="PATH[:SCALE]", help="an adapter to merge (repeatable; scale 1 by default)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.gguf")
+    p.add_argument("--outtype", default="f16", choices=["f16", "f32", "same"], help="type of the merged tensors (same: the base's where gguf can quantize it, else F16); the others keep their bytes")
+    p.set_defaults(handler="worker.cli.export:run")
     return parser
+
+
+def _lora_with_scale(value: str) -> tuple[str, float]:
+    """PATH or PATH:SCALE; a path may hold colons itself, so only a numeric last part is a scale."""
+    path, sep, scale = value.rpartition(":")
+    if sep:
+        try:
+            return path, float(scale)
+        except ValueError:
+            pass
+    return value, 1.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
