@@ -30,7 +30,10 @@ from worker.formats.gguf_file import GGUFFile
 from worker.formats.hparams import ModelHParams
 from worker.model.device import DeviceConfig
 
-TARGETS = {"attn": ["attn_q", "attn_k", "attn_v", "attn_output"], "all": ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]}
+TARGETS = {
+    "attn": ["attn_q", "attn_k", "attn_v", "attn_output"],
+    "all": ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"],
+}  # of a model's layers, those it has (dense FFN or MoE experts)
 
 
 def write_random_adapters(base: GGUFFile, directory: Path, num: int, rank: int, targets: str, seed: int) -> list[Path]:
@@ -45,10 +48,12 @@ def write_random_adapters(base: GGUFFile, directory: Path, num: int, rank: int, 
         w.add_float32("adapter.lora.alpha", float(rank))
         for layer in range(hp.num_layers):
             for name in TARGETS[targets]:
-                info = base.tensors[f"blk.{layer}.{name}.weight"]
-                d_in, d_out = info.ne(0), info.ne(1)
-                w.add_tensor(f"blk.{layer}.{name}.weight.lora_a", (rng.standard_normal((rank, d_in)) / d_in**0.5).astype(np.float32))
-                w.add_tensor(f"blk.{layer}.{name}.weight.lora_b", (rng.standard_normal((d_out, rank)) * 0.01).astype(np.float32))
+                info = base.tensors.get(f"blk.{layer}.{name}.weight")
+                if info is None:
+                    continue
+                d_in, d_out, experts = info.ne(0), info.ne(1), (info.ne(2),) if len(info.shape) == 3 else ()
+                w.add_tensor(f"blk.{layer}.{name}.weight.lora_a", (rng.standard_normal((*experts, rank, d_in)) / d_in**0.5).astype(np.float32))
+                w.add_tensor(f"blk.{layer}.{name}.weight.lora_b", (rng.standard_normal((*experts, d_out, rank)) * 0.01).astype(np.float32))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
@@ -121,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         print(f"writing {args.adapters} random rank-{args.rank} adapters ({args.targets})...", file=sys.stderr)
         paths = write_random_adapters(base, Path(tmp), args.adapters, args.rank, args.targets, args.seed)
+        started = time.perf_counter()
         runner = ModelRunner(base, [load_adapter(p, base) for p in paths], config)
+        load_s = time.perf_counter() - started
     vocab = runner.hparams.vocab_size
     same = [0] * args.requests
     spread = [i % args.adapters for i in range(args.requests)]
@@ -144,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {model_path.name} on {config.device} ({config.dtype}), {torch.get_num_threads()} threads; "
           f"{args.requests} requests x ({args.prompt_tokens} prompt + {args.max_tokens} new) tokens; "
           f"{args.adapters} rank-{args.rank} adapters on {args.targets}")
+    print(f"loaded the base and {args.adapters} adapters in {load_s:.2f} s")
     print(f"decode step reads {one / 1e6:.1f} MB with 1 adapter, {many / 1e6:.1f} MB with {args.adapters}")
     for name in workloads:
         print(f"{name:12s} {rate[name]:8.1f} decode tokens/s")

@@ -14,7 +14,6 @@ from worker.lora.batch import LoRABatch
 from worker.lora.layers import LoRAEmbedding, LoRAExpertLinear, LoRALinear
 from worker.lora.weights import StackedLoRA, stack
 from worker.model.device import DeviceConfig
-from worker.model.moe import ExpertLinear
 
 
 @dataclass
@@ -43,7 +42,7 @@ def attach_lora(model: nn.Module, adapters: Sequence[LoRAAdapter], config: Devic
             module = None
         if (isinstance(module, nn.Linear) and module.weight.dim() == 2) or getattr(module, "is_packed_linear", False):
             wrapper: nn.Module = LoRALinear(module, stack(adapters, target, False, config, layouts), batch, backend)
-        elif isinstance(module, ExpertLinear):
+        elif getattr(module, "is_expert_linear", False):
             wrapper = LoRAExpertLinear(module, stack(adapters, target, False, config, layouts), batch, backend)
         elif isinstance(module, nn.Embedding):
             wrapper = LoRAEmbedding(module, stack(adapters, target, True, config, layouts), batch, backend)

@@ -9,7 +9,7 @@ from torch import nn
 from worker.lora.backend import LoRABackend
 from worker.lora.batch import LoRABatch
 from worker.lora.weights import StackedLoRA
-from worker.model.moe import ExpertLinear, Routes
+from worker.model.moe import Routes
 
 
 class LoRALinear(nn.Module):
@@ -53,7 +53,7 @@ class LoRAExpertLinear(nn.Module):
     """Expert delta (llama.cpp's build_lora_mm_id): each (token, expert) pair's row gets the
     A and B of the expert the router chose, scaled by its token's adapter scales."""
 
-    def __init__(self, base: ExpertLinear, stacked: StackedLoRA, batch: LoRABatch, backend: LoRABackend) -> None:
+    def __init__(self, base: nn.Module, stacked: StackedLoRA, batch: LoRABatch, backend: LoRABackend) -> None:
         super().__init__()
         self.base, self.stacked, self.batch, self.backend = base, stacked, batch, backend
 

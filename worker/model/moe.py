@@ -54,19 +54,18 @@ class Routes:
 class ExpertLinear(nn.Module):
     """`n_expert` linears without bias; `forward` maps each pair's row through its expert."""
 
+    is_expert_linear = True  # what LoRA wraps (worker/model/quant.py's fp16 form has it too)
+
     def __init__(self, num_experts: int, in_features: int, out_features: int) -> None:
         super().__init__()
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
 
-    def expert_weight(self, e: int) -> torch.Tensor:
-        return self.weight[e]
-
     def forward(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
         # x: [P, in], rows in `routes` order -> [P, out]
         out = x.new_empty(x.shape[0], self.out_features)
         for e, start, end in routes.segments():
-            torch.mm(x[start:end], self.expert_weight(e).t(), out=out[start:end])
+            torch.mm(x[start:end], self.weight[e].t(), out=out[start:end])
         return out
 
 

@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from worker.formats.gguf_file import GGUFFile
+from worker.model.moe import ExpertLinear, Routes
 
 Q4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 GROUP = 32
@@ -58,18 +59,37 @@ class F16Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class F16ExpertLinear(nn.Module):
+    """MoE experts (worker/model/moe.py) as one fbgemm fp16 matrix per expert."""
+
+    is_expert_linear = True
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.num_experts, self.out_features, self.in_features = weight.shape
+        self.packed = [torch.ops.quantized.linear_prepack_fp16(w.detach().float(), None) for w in weight]
+        self.weight_bytes = 2 * weight.numel()
+
+    def forward(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], self.out_features)
+        for e, start, end in routes.segments():
+            out[start:end] = torch.ops.quantized.linear_dynamic_fp16(x[start:end], self.packed[e])
+        return out
+
+
 def pack_f16(model: nn.Module, gguf: GGUFFile) -> int:
-    """Replace every linear whose GGUF weight is quantized (the tied output too, when
-    the embedding is) with an F16Linear; returns how many were replaced."""
+    """Replace every linear (and MoE expert set) whose GGUF weight is quantized (the tied
+    output too, when the embedding is) with its fp16 form; returns how many were replaced."""
     replaced = 0
     for path, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, (nn.Linear, ExpertLinear)):
             continue
         info = gguf.tensors.get(f"{path}.weight") or (gguf.tensors.get("token_embd.weight") if path == "output" else None)
         if info is None or info.type in DENSE_TYPES:
             continue
         parent, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, F16Linear(module.weight, module.bias))
+        packed = F16ExpertLinear(module.weight) if isinstance(module, ExpertLinear) else F16Linear(module.weight, module.bias)
+        setattr(model.get_submodule(parent) if parent else model, child, packed)
         replaced += 1
     return replaced
 

@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from tests.helpers import TEST_DEVICE, prompt_logits
-from tests.tinymodels import random_lora, write_adapter
+from tests.tinymodels import TinySpec, make_tiny_model, random_lora, write_adapter
 from tests.worker.lora.test_layers import IDS, merged
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig
@@ -19,6 +19,9 @@ from worker.formats.adapter import AdapterError, load_adapter
 from worker.formats.gguf_file import GGUFFile
 from worker.formats.tokenizer import GGUFTokenizer
 from worker.lora.layers import LoRAExpertLinear, LoRALinear
+from worker.model.device import DeviceConfig
+from worker.model.moe import ExpertLinear, Routes
+from worker.model.quant import F16ExpertLinear
 
 EXPERT_TARGETS = ["blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight", "blk.1.ffn_up_exps.weight"]
 MOE_TARGETS = EXPERT_TARGETS + ["blk.1.ffn_gate_inp.weight", "blk.0.attn_v.weight"]  # the router and attention too
@@ -88,3 +91,24 @@ def test_a_dense_pair_with_an_expert_axis_is_rejected(tiny_llama, tmp_path) -> N
     path = write_adapter(tmp_path / "bad.gguf", {"blk.0.attn_q.weight": (np.stack([a, a]), np.stack([b, b]))})
     with pytest.raises(AdapterError, match=r"^tensor 'blk.0.attn_q.weight' has incorrect shape$"):
         load_adapter(path, GGUFFile(tiny_llama.path))
+
+
+def test_quantized_experts_are_packed_as_fp16_on_the_cpu_and_keep_their_adapters(tmp_path) -> None:
+    """Q8_0 experts go to fbgemm's fp16 kernel (the CPU default for quantized weights), one matrix per
+    expert; with an expert adapter on top they give what fp32 weights give."""
+    tiny = make_tiny_model(tmp_path, TinySpec(arch="qwen3moe", tied=True, seed=9, num_experts=4, num_experts_used=2, ffn_dim=64,
+                                              weight_type=GGMLQuantizationType.Q8_0))
+    adapter = write_adapter(tmp_path / "e.gguf", random_lora(tiny, MOE_TARGETS, rank=4, seed=14), arch="qwen3moe")
+    packed = ModelRunner.from_paths(tiny.path, [adapter], DeviceConfig(device="cpu"))
+    if not isinstance(packed.model.blk[0].ffn_gate_exps.base, F16ExpertLinear):
+        pytest.skip("fbgemm's fp16 kernel is not available here")  # the fp32 path is covered above
+    dense = ModelRunner.from_paths(tiny.path, [adapter], DeviceConfig(device="cpu", weights="dense"))
+    f32, f16 = dense.model.blk[1].ffn_down_exps.base, packed.model.blk[1].ffn_down_exps.base
+    assert isinstance(f32, ExpertLinear)
+    routes = Routes.top_k(torch.randn(7, 4), 2)  # 14 (token, expert) pairs
+    x = torch.randn(14, f32.in_features)
+    by_expert = torch.cat([x[s:e] @ f32.weight[i].half().float().t() for i, s, e in routes.segments()])  # weights rounded to fp16
+    torch.testing.assert_close(f16(x, routes), by_expert, atol=1e-4, rtol=1e-4)
+    ours, reference = prompt_logits(packed, IDS, {0: 1.0}), prompt_logits(dense, IDS, {0: 1.0})
+    torch.testing.assert_close(ours, reference, atol=5e-2, rtol=1e-2)  # 2^-11 relative per weight, through the model
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
