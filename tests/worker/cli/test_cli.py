@@ -9,7 +9,12 @@ import sys
 import pytest
 
 from gateway.cli import main as cli_main
+from tests.helpers import TEST_DEVICE
 from tests.tinymodels import random_lora, write_adapter
+from worker.contract.params import SamplingParams
+from worker.contract.spec import EngineConfig
+from worker.engine.engine import Engine, EngineRequest
+from worker.engine.runner import ModelRunner
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -35,6 +40,22 @@ def test_generate_json_with_lora_echo_and_logprobs(tiny_llama, tmp_path, capsys)
     assert len(out["logprobs"]) == 4 and all(len(e["top"]) == 3 for e in out["logprobs"])
     assert out["prompt_logprobs"][0] is None and len(out["prompt_logprobs"]) == 3
     assert out["finish_reason"] == "length" and out["timings"]["load_s"] > 0
+
+
+@pytest.mark.parametrize("fixture", ["tiny_mixtral", "tiny_qwen3moe"])
+def test_generate_on_an_moe_base_with_an_expert_adapter_equals_the_engine(fixture, tmp_path, capsys, request) -> None:
+    tiny = request.getfixturevalue(fixture)
+    targets = ["blk.0.ffn_gate_exps.weight", "blk.1.ffn_down_exps.weight", "blk.0.ffn_gate_inp.weight"]
+    adapter = write_adapter(tmp_path / "e.gguf", random_lora(tiny, targets, 4, seed=3), arch=tiny.spec.arch)
+    args = ["generate", "--model", str(tiny.path), "--prompt", "hello there", "--n-predict", "6", "--temperature", "0", "--ignore-eos", "--json"]
+    assert cli_main(args + ["--lora", f"{adapter}:0.8"]) == 0
+    with_adapter = json.loads(capsys.readouterr().out)
+    assert cli_main(args) == 0
+    base = json.loads(capsys.readouterr().out)
+    runner = ModelRunner.from_paths(tiny.path, [adapter], TEST_DEVICE)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = Engine(runner, None, EngineConfig(num_seq_slots=1, slot_len=64)).run_all([EngineRequest("r", with_adapter["prompt_tokens"], params, {0: 0.8})])["r"]
+    assert with_adapter["tokens"] == expected.token_ids and with_adapter["tokens"] != base["tokens"]
 
 
 def test_generate_chat_on_tiny_model_uses_its_template(tiny_llama, capsys) -> None:

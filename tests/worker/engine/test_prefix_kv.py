@@ -250,3 +250,18 @@ def test_a_gemma3_prefix_longer_than_its_sliding_window_comes_back_whole(tiny_ge
     assert (first.cached_tokens, second.cached_tokens) == (0, 40)
     assert_same_output(first, uncached)
     assert_same_output(second, uncached)
+
+
+def test_an_moe_base_with_an_expert_adapter_continues_from_a_hit_as_from_a_cold_run(tiny_qwen3moe, redis_prefix, tmp_path) -> None:
+    """The KV of a Qwen3-MoE prefix computed with an adapter on the experts, cached and loaded back;
+    the base's own run does not hit it (the adapter fingerprint is in the key)."""
+    targets = ["blk.0.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight", "blk.0.attn_k.weight"]
+    adapter = write_adapter(tmp_path / "e.gguf", random_lora(tiny_qwen3moe, targets, 4, seed=24), arch="qwen3moe")
+    runner = ModelRunner.from_paths(tiny_qwen3moe.path, [adapter], TEST_DEVICE)
+    uncached = run(runner, None, adapters={0: 1.0})
+    first = run(runner, open_cache(runner, redis_prefix), adapters={0: 1.0})
+    second = run(runner, open_cache(runner, redis_prefix), adapters={0: 1.0})
+    base = run(runner, open_cache(runner, redis_prefix))
+    assert (first.cached_tokens, second.cached_tokens, base.cached_tokens) == (0, 40, 0)
+    assert_same_output(second, uncached)
+    assert base.token_ids != uncached.token_ids
