@@ -40,6 +40,12 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """Fused attn_qkv and gate/up (ffn_up of 2 * ffn_dim rows)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), TinySpec(arch="phi3", seed=7))
+
+
+@pytest.fixture(scope="session")
 def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     """llama with 4 experts, 2 per token (GGUF architecture llama, expert_count 4)."""
     spec = TinySpec(arch="llama", seed=5, num_experts=4, num_experts_used=2, ffn_dim=48)

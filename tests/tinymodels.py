@@ -76,7 +76,8 @@ def hf_model(spec: TinySpec) -> torch.nn.Module:
     family = "mixtral" if spec.arch == "llama" and spec.num_experts else spec.arch
     config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
-                             "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}[family]
+                             "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+                             "phi3": ("Phi3Config", "Phi3ForCausalLM")}[family]
     head_dim = spec.embed_dim // spec.num_heads
     extra: dict = {}
     if spec.arch == "qwen3":
@@ -84,6 +85,8 @@ def hf_model(spec: TinySpec) -> torch.nn.Module:
     elif spec.arch == "qwen3moe":
         extra = {"head_dim": head_dim, "attention_bias": False, "num_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_used,
                  "moe_intermediate_size": spec.ffn_dim, "norm_topk_prob": True}  # llama.cpp always renormalises the top-k
+    elif spec.arch == "phi3":  # its defaults name token ids past the tiny vocabulary
+        extra = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     elif family == "mixtral":
         extra = {"num_local_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_used}
     elif spec.arch == "gemma3":  # q scaled by 1/sqrt(head_dim), as llama.cpp does below 27B

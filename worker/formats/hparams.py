@@ -27,6 +27,7 @@ ROPE_STYLE_BY_ARCH = {
     "qwen3": RopeStyle.NEOX,
     "qwen3moe": RopeStyle.NEOX,
     "gemma3": RopeStyle.NEOX,
+    "phi3": RopeStyle.NEOX,  # fused attn_qkv and gate/up (ffn_up [d, 2 ff])
 }
 GEMMA3_SWA_PATTERN = 6  # llama.cpp: of every 6 layers, the first 5 attend within the window, the 6th to everything
 GEMMA3_SWA_ROPE_BASE = 10000.0  # llama.cpp's rope base for gemma3's sliding-window layers (when the GGUF names none)
@@ -65,6 +66,9 @@ class ModelHParams:
     expert_count: int = 0
     expert_used_count: int = 0  # experts each token goes to (top-k of the router's softmax)
     expert_ffn_dim: int = 0  # each expert's FFN width
+    # phi3: q, k and v in one attn_qkv matrix; gate and up in one ffn_up of 2 * ffn_dim rows (gate first)
+    has_fused_qkv: bool = False
+    has_fused_gate_up: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -103,6 +107,9 @@ class ModelHParams:
         if embd is None:
             raise UnsupportedModelError(f"{gguf.path}: tensor token_embd.weight is missing")
         gemma = _gemma3(gguf, arch, key, embed_dim, num_heads, head_dim, int(key("block_count"))) if arch == "gemma3" else {}
+        if arch == "phi3" and ("rope_factors_long.weight" in gguf.tensors or "rope_factors_short.weight" in gguf.tensors):
+            # llama.cpp picks the long or short factors by the context the server runs with; we run one context
+            raise UnsupportedModelError(f"{gguf.path}: phi3 with long-context RoPE factors (rope_factors_long/short) is not supported")
         return cls(
             arch=arch,
             name=str(gguf.get("general.name", gguf.path.stem)),
@@ -123,6 +130,8 @@ class ModelHParams:
             has_qkv_bias="blk.0.attn_q.bias" in gguf.tensors,
             has_qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
             is_output_tied="output.weight" not in gguf.tensors,
+            has_fused_qkv="blk.0.attn_qkv.weight" in gguf.tensors,
+            has_fused_gate_up=arch == "phi3",
             **gemma,
             **experts,
         )

@@ -35,6 +35,8 @@ _LAYER_MODULES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",  # phi3's fused projections
+    "mlp.gate_up_proj": "ffn_up",
     "mlp.gate": "ffn_gate_inp",  # an MoE router (qwen3moe; Mixtral in transformers 5)
     "block_sparse_moe.gate": "ffn_gate_inp",  # Mixtral's router, as transformers 4 names it
 }

@@ -1,4 +1,4 @@
-"""Decoder-only transformer for llama (Mixtral too), qwen2, qwen3, qwen3moe and gemma3 GGUF models.
+"""Decoder-only transformer for llama (Mixtral too), qwen2, qwen3, qwen3moe, gemma3 and phi3 GGUF models.
 
 Modules are named after GGUF tensors (`blk.3.attn_q` holds `blk.3.attn_q.weight`)
 so weights and adapters map by name. Knows nothing of LoRA: adapters wrap the
@@ -75,9 +75,13 @@ class Block(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = hp.num_heads, hp.num_kv_heads, hp.head_dim
         q_dim, kv_dim = hp.num_heads * hp.head_dim, hp.num_kv_heads * hp.head_dim
         self.attn_norm = RMSNorm(hp.embed_dim, hp.rms_norm_eps)
-        self.attn_q = nn.Linear(hp.embed_dim, q_dim, bias=hp.has_qkv_bias)
-        self.attn_k = nn.Linear(hp.embed_dim, kv_dim, bias=hp.has_qkv_bias)
-        self.attn_v = nn.Linear(hp.embed_dim, kv_dim, bias=hp.has_qkv_bias)
+        self.qkv_split = (q_dim, kv_dim, kv_dim) if hp.has_fused_qkv else None
+        if hp.has_fused_qkv:  # phi3: one matrix, rows q then k then v
+            self.attn_qkv = nn.Linear(hp.embed_dim, q_dim + 2 * kv_dim, bias=hp.has_qkv_bias)
+        else:
+            self.attn_q = nn.Linear(hp.embed_dim, q_dim, bias=hp.has_qkv_bias)
+            self.attn_k = nn.Linear(hp.embed_dim, kv_dim, bias=hp.has_qkv_bias)
+            self.attn_v = nn.Linear(hp.embed_dim, kv_dim, bias=hp.has_qkv_bias)
         self.attn_output = nn.Linear(q_dim, hp.embed_dim, bias=False)
         if hp.has_qk_norm:  # per head, over head_dim (qwen3, gemma3)
             self.attn_q_norm = RMSNorm(hp.head_dim, hp.rms_norm_eps)
@@ -96,26 +100,37 @@ class Block(nn.Module):
             self.ffn_gate_exps = ExpertLinear(hp.expert_count, hp.embed_dim, hp.expert_ffn_dim)
             self.ffn_up_exps = ExpertLinear(hp.expert_count, hp.embed_dim, hp.expert_ffn_dim)
             self.ffn_down_exps = ExpertLinear(hp.expert_count, hp.expert_ffn_dim, hp.embed_dim)
+        elif hp.has_fused_gate_up:  # phi3: ffn_up holds the gate's rows, then the up projection's
+            self.ffn_up = nn.Linear(hp.embed_dim, 2 * hp.ffn_dim, bias=False)
+            self.ffn_down = nn.Linear(hp.ffn_dim, hp.embed_dim, bias=False)
         else:
             self.ffn_gate = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
             self.ffn_up = nn.Linear(hp.embed_dim, hp.ffn_dim, bias=False)
             self.ffn_down = nn.Linear(hp.ffn_dim, hp.embed_dim, bias=False)
+        self.has_fused_gate_up = hp.has_fused_gate_up
 
     def forward(self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, ...], rope: Rotary, cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
         # x: [N, d] new tokens of every sequence in the batch
         num_tokens = x.shape[0]
         h = self.attn_norm(x)
-        q = self.attn_q(h).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.attn_k(h).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv_split is not None:
+            q, k, v = self.attn_qkv(h).split(self.qkv_split, dim=-1)
+        else:
+            q, k, v = self.attn_q(h), self.attn_k(h), self.attn_v(h)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         q, k = rope(q, rope_tables), rope(k, rope_tables)
-        v = self.attn_v(h).view(num_tokens, self.num_kv_heads, self.head_dim)
         a = self.attn_output(attention(self.index, q, k, v, cache, plan, self.is_swa, self.attention_scale))
         x = x + (self.post_attention_norm(a) if self.has_post_norms else a)
         h = self.ffn_norm(x)
         if self.num_experts_used:
             f = moe_ffn(h, self, self.num_experts_used, self.activation)
+        elif self.has_fused_gate_up:
+            gate, up = self.ffn_up(h).chunk(2, dim=-1)
+            f = self.ffn_down(self.activation(gate) * up)
         else:
             f = self.ffn_down(self.activation(self.ffn_gate(h)) * self.ffn_up(h))
         return x + (self.post_ffw_norm(f) if self.has_post_norms else f)

@@ -69,6 +69,16 @@ def test_converted_adapter_matches_peft(fixture, targets, tmp_path, request) -> 
         assert not torch.allclose(peft_logits(model, IDS), ours(tiny, out), atol=1e-2)
 
 
+def test_phi3_adapter_targets_its_fused_qkv_and_gate_up_tensors(tiny_phi3, tmp_path) -> None:
+    model = make_peft(tiny_phi3, tmp_path / "peft", seed=4, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    out = tmp_path / "phi3.gguf"
+    written = convert_peft_to_gguf(tmp_path / "peft", tiny_phi3.path, out, ConvertOptions())
+    assert "blk.0.attn_qkv.weight" in written and "blk.1.ffn_up.weight" in written and len(written) == 4 * tiny_phi3.spec.num_layers
+    torch.testing.assert_close(ours(tiny_phi3, out), peft_logits(model, IDS), atol=2e-4, rtol=1e-4)
+    with model.disable_adapter():
+        assert not torch.allclose(peft_logits(model, IDS), ours(tiny_phi3, out), atol=1e-2)
+
+
 def test_rslora_rank_and_alpha_patterns_are_folded(tiny_llama, tmp_path) -> None:
     model = make_peft(
         tiny_llama, tmp_path / "peft", seed=2, use_rslora=True,

@@ -25,7 +25,7 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama_tied", "tiny_qwen2", "tiny_qwen3", "tiny_gemma3", "tiny_mixtral", "tiny_qwen3moe"])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama_tied", "tiny_qwen2", "tiny_qwen3", "tiny_gemma3", "tiny_mixtral", "tiny_qwen3moe", "tiny_phi3"])
 def test_logits_match_transformers(fixture: str, request: pytest.FixtureRequest) -> None:
     tiny = request.getfixturevalue(fixture)
     runner = ModelRunner.from_paths(tiny.path, [], TEST_DEVICE)
@@ -64,7 +64,10 @@ def test_incremental_decode_matches_full_forward(fixture: str, atol: float, requ
     torch.testing.assert_close(torch.cat(steps).cpu(), full, atol=atol, rtol=atol)
 
 
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.F16])
+@pytest.mark.parametrize("qtype", [
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1, GGMLQuantizationType.BF16, GGMLQuantizationType.F16,
+])
 def test_quantized_base_loads_dequantized_weights(tmp_path, qtype) -> None:
     tiny = make_tiny_model(tmp_path, TinySpec(weight_type=qtype))
     runner = ModelRunner.from_paths(tiny.path, [], DeviceConfig(device=TEST_DEVICE.device, weights="dense"))
