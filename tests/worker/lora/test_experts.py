@@ -39,18 +39,6 @@ def test_expert_adapter_equals_merged_expert_weights(fixture, tmp_path, request)
     assert not torch.allclose(ours, prompt_logits(runner, IDS), atol=1e-2)
 
 
-def test_stacked_expert_adapters_of_mixed_ranks_and_types_equal_their_merged_sum(tiny_qwen3moe, tmp_path) -> None:
-    first = random_lora(tiny_qwen3moe, EXPERT_TARGETS[:3], rank=4, seed=12)
-    second = random_lora(tiny_qwen3moe, EXPERT_TARGETS[1:], rank=8, seed=13)
-    paths = [write_adapter(tmp_path / "1.gguf", first, arch="qwen3moe", alpha=8.0),
-             write_adapter(tmp_path / "2.gguf", second, arch="qwen3moe", alpha=None, tensor_type=GGMLQuantizationType.F16)]
-    runner = ModelRunner.from_paths(tiny_qwen3moe.path, paths, TEST_DEVICE)
-    second_f16 = {t: (a.astype(np.float16).astype(np.float32), b.astype(np.float16).astype(np.float32)) for t, (a, b) in second.items()}
-    expected = prompt_logits(merged(tiny_qwen3moe, tmp_path, "m", [(first, 0.5 * 8 / 4), (second_f16, -0.3)]), IDS)
-    torch.testing.assert_close(prompt_logits(runner, IDS, {0: 0.5, 1: -0.3}), expected, atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(prompt_logits(runner, IDS, {0: 0.5}), expected, atol=1e-2)
-
-
 def test_mixed_adapter_batches_route_each_token_to_its_own_experts_deltas(tiny_mixtral, tmp_path) -> None:
     """Four requests (adapter A, adapter B, none, both) decoded together, prefilled in chunks beside each
     other: each equals itself alone, token for token, logprob for logprob."""

@@ -89,13 +89,21 @@ def test_output_adapter_on_untied_model(tiny_llama, tmp_path) -> None:
     torch.testing.assert_close(prompt_logits(runner, IDS, {0: 1.0}), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_two_stacked_adapters_equal_merged_sum(tiny_llama, tmp_path) -> None:
-    first = random_lora(tiny_llama, LINEAR_TARGETS[:5], rank=4, seed=6)
-    second = random_lora(tiny_llama, LINEAR_TARGETS[2:] + ["token_embd.weight"], rank=8, seed=7)  # mixed ranks, overlap
-    paths = [write_adapter(tmp_path / "1.gguf", first, alpha=8.0), write_adapter(tmp_path / "2.gguf", second, alpha=None, tensor_type=GGMLQuantizationType.F16)]
-    runner = ModelRunner.from_paths(tiny_llama.path, paths, TEST_DEVICE)
+EXPERT_TARGETS = ["blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight", "blk.1.ffn_up_exps.weight",
+                  "blk.1.ffn_gate_inp.weight", "blk.0.attn_v.weight", "blk.1.attn_output.weight"]  # MoE experts, the router, attention
+
+
+@pytest.mark.parametrize(("fixture", "targets"), [("tiny_llama", LINEAR_TARGETS), ("tiny_qwen3moe", EXPERT_TARGETS)])
+def test_two_stacked_adapters_equal_merged_sum(fixture, targets, tmp_path, request) -> None:
+    tiny = request.getfixturevalue(fixture)
+    arch = tiny.spec.arch
+    first = random_lora(tiny, targets[:5], rank=4, seed=6)
+    second = random_lora(tiny, targets[2:] + ["token_embd.weight"], rank=8, seed=7)  # mixed ranks, overlap
+    paths = [write_adapter(tmp_path / "1.gguf", first, alpha=8.0, arch=arch),
+             write_adapter(tmp_path / "2.gguf", second, alpha=None, tensor_type=GGMLQuantizationType.F16, arch=arch)]
+    runner = ModelRunner.from_paths(tiny.path, paths, TEST_DEVICE)
     second_f16 = {t: (a.astype(np.float16).astype(np.float32), b.astype(np.float16).astype(np.float32)) for t, (a, b) in second.items()}
-    expected = prompt_logits(merged(tiny_llama, tmp_path, "m", [(first, 0.5 * 8 / 4), (second_f16, -0.3)]), IDS)
+    expected = prompt_logits(merged(tiny, tmp_path, "m", [(first, 0.5 * 8 / 4), (second_f16, -0.3)]), IDS)
     torch.testing.assert_close(prompt_logits(runner, IDS, {0: 0.5, 1: -0.3}), expected, atol=1e-4, rtol=1e-4)
     # each alone differs from both together: the scales are independent
     assert not torch.allclose(prompt_logits(runner, IDS, {0: 0.5}), expected, atol=1e-2)
