@@ -83,6 +83,9 @@ class Admission:
             raise APIError(400, f"prompt token id {bad[0]} is out of range (vocabulary size {vocab})", "invalid_prompt")
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", "invalid_prompt")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise APIError(400, f"logit_bias token id {bad[0]} is out of range (vocabulary size {vocab})", "invalid_value")
         limit = self.catalog.max_positions
         wanted = params.max_tokens if params.max_tokens != -1 else 0
         if len(prompt_ids) + wanted > limit or len(prompt_ids) >= limit:

@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int)
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less probable than this times the most probable")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="llama.cpp's repetition penalty over the last --repeat-last-n tokens")
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--repeat-last-n", type=int, default=64, metavar="N", help="the penalties' window, prompt included (-1: all, 0: off)")
+    p.add_argument("--logit-bias", metavar="ID(+|-)BIAS", type=_logit_bias, action="append", default=[],
+                   help="add BIAS to token ID's logit, e.g. 15043+1 or 15043-100 (a ban); repeatable")
     p.add_argument("--ignore-eos", action="store_true", help="mask end-of-generation tokens; generate all N")
     p.add_argument("--echo", action="store_true", help="include the prompt (and its logprobs with --logprobs)")
     p.add_argument("--logprobs", type=int, metavar="K", help="report the top-K log-probabilities per position")
@@ -173,6 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outtype", default="f16", choices=["f16", "f32", "same"], help="type of the merged tensors (same: the base's where gguf can quantize it, else F16); the others keep their bytes")
     p.set_defaults(handler="worker.cli.export:run")
     return parser
+
+
+def _logit_bias(value: str) -> tuple[int, float]:
+    """llama.cpp's `--logit-bias TOKEN_ID(+/-)BIAS`."""
+    for sign in "+-":
+        token, sep, bias = value.partition(sign)
+        if sep and token.isdigit():
+            try:
+                return int(token), float(sign + bias)
+            except ValueError:
+                break
+    raise argparse.ArgumentTypeError(f"expected TOKEN_ID+BIAS or TOKEN_ID-BIAS, got {value!r}")
 
 
 def _lora_with_scale(value: str) -> tuple[str, float]:

@@ -57,9 +57,20 @@ def _sampling(gateway: Gateway, num_prompt_tokens: int, max_tokens: int | None, 
         return SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
             top_k=max(body.top_k, 0), seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, echo=echo, stop=tuple(body.stop_list),
+            logit_bias=body.bias_pairs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repeat_penalty=body.repetition_penalty, min_p=body.min_p,
         )
     except ValueError as e:
         raise APIError(400, str(e), "invalid_value") from e
+
+
+def _llama_bias(gateway: Gateway, body: LlamaCompletionRequest) -> tuple[tuple[int, float], ...]:
+    """llama-server's logit_bias: a string entry biases each of its tokens."""
+    pairs = []
+    for token, bias in body.bias_entries():
+        ids = [token] if isinstance(token, int) else gateway.catalog.tokenizer.encode(token, add_special=False)
+        pairs += [(t, bias) for t in ids]
+    return tuple(pairs)
 
 
 def _headers(prepared: Prepared) -> dict[str, str]:
@@ -241,7 +252,10 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         try:
             params = SamplingParams(max_tokens=n_predict, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     seed=None if body.seed in (None, -1) else body.seed, ignore_eos=body.ignore_eos,
-                                    logprobs=body.n_probs or None, stop=tuple(body.stop))
+                                    logprobs=body.n_probs or None, stop=tuple(body.stop),
+                                    logit_bias=_llama_bias(gateway, body), min_p=body.min_p, repeat_penalty=body.repeat_penalty,
+                                    presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                    penalty_last_n=body.repeat_last_n, penalize_prompt=True)
         except ValueError as e:
             raise APIError(400, str(e), "invalid_value") from e
         prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, body.cache_prompt, body.timeout_s)

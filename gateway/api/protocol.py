@@ -1,9 +1,11 @@
 """Request bodies of the APIs we serve (SPEC §6), validated with pydantic, and the
 OpenAI-style error (torch-free).
 
-Fields a client may send that we do not use (`user`, `logit_bias` at its
-default, ...) are ignored, as OpenAI-compatible servers do; fields we cannot
-honour with a non-default value (`n` > 1, penalties) are refused with 400.
+Fields a client may send that change nothing we compute (`user`, `metadata`,
+`store`, ...) are ignored, as OpenAI-compatible servers do; fields OpenAI
+defines that we cannot honour with a non-default value (`n` > 1,
+`response_format` other than text, `tools`, ...) are refused by name with 400,
+never silently ignored.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ MAX_TOKENS = 1_000_000  # and at most what fits the context (gateway/admission.p
 MAX_MESSAGES = 1024
 MAX_NAME_CHARS = 256  # model and adapter names, cache salts
 MAX_SEED = 2**63
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
+# OpenAI fields we do not support, and the value that means "not used"
+_UNSUPPORTED_AT = {"tools": (None, []), "functions": (None, []), "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"),
+                   "parallel_tool_calls": (None, True, False), "suffix": (None, ""), "best_of": (None, 1), "audio": (None,),
+                   "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,)}
 
 
 class _Body(BaseModel):
@@ -89,21 +96,47 @@ class _Sampling(_Generation):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=MAX_SEED)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)  # over the generated tokens, as OpenAI
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)  # vLLM's extension (here over the generated tokens too)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)  # vLLM's extension
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, unused in _UNSUPPORTED_AT.items():
+                if name in data and data[name] not in unused:
+                    raise ValueError(f"'{name}' is not supported by this server")
+        return data
 
     @model_validator(mode="after")
     def _supported(self) -> _Sampling:
         if self.n != 1:
             raise ValueError("only n=1 is supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported (use 0)")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError(f"response_format of type {self.response_format.get('type')!r} is not supported by this server (only 'text')")
         _stops(self.stop, MAX_STOP)
+        self.bias_pairs  # noqa: B018  (checks the keys)
         return self
 
     @property
     def stop_list(self) -> list[str]:
         return _stops(self.stop, MAX_STOP)
+
+    @property
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias): OpenAI's keys are token ids as strings."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or len(key) > 12:
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100 <= bias <= 100 or bias != bias:
+                raise ValueError(f"logit_bias values must be between -100 and 100, got {bias}")
+            pairs.append((int(key), float(bias)))
+        return tuple(pairs)
 
 
 class CompletionRequest(_Sampling):
@@ -165,6 +198,40 @@ class LlamaCompletionRequest(_Generation):
     stream: bool = False
     cache_prompt: bool = True
     n_probs: int = Field(0, ge=0, le=20)
+    # llama.cpp's sampler defaults; its penalties count the last repeat_last_n tokens of prompt and output
+    min_p: float = Field(0.05, ge=0.0, le=1.0, allow_inf_nan=False)
+    repeat_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    repeat_last_n: int = Field(64, ge=-1, le=MAX_TOKENS)  # -1: the whole context, 0: off
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    # [[token, bias], ...] or {"token": bias}; a token is an id or a string (each of its tokens); bias false bans
+    logit_bias: list[list[Any]] | dict[str, Any] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+
+    def bias_entries(self) -> list[tuple[int | str, float]]:
+        """(token id or text, bias) with `false` as -100 (a ban)."""
+        raw = self.logit_bias or []
+        items = list(raw.items()) if isinstance(raw, dict) else raw
+        entries = []
+        for item in items:
+            if isinstance(item, tuple | list) and len(item) == 2:
+                token, bias = item
+            else:
+                raise ValueError("logit_bias entries are [token, bias] pairs")
+            if isinstance(raw, dict) and isinstance(token, str) and token.lstrip("-").isdigit():
+                token = int(token)
+            if bias is False:
+                bias = -100.0
+            if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values are numbers between -100 and 100 or false, got {bias!r}")
+            if isinstance(token, bool) or not isinstance(token, int | str) or (isinstance(token, int) and token < 0):
+                raise ValueError(f"logit_bias tokens are token ids or strings, got {token!r}")
+            entries.append((token, float(bias)))
+        return entries
+
+    @model_validator(mode="after")
+    def _check_bias(self) -> LlamaCompletionRequest:
+        self.bias_entries()
+        return self
 
     @field_validator("prompt")
     @classmethod

@@ -89,11 +89,13 @@ def build_requests(lines, args: argparse.Namespace, tokenizer: GGUFTokenizer | N
     for index, item in enumerate(lines):
         at = f"{where}:{item['_line']}"
         defaults = {"max_tokens": args.n_predict, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                    "seed": args.seed, "ignore_eos": args.ignore_eos}
+                    "seed": args.seed, "ignore_eos": args.ignore_eos, "min_p": args.min_p, "repeat_penalty": args.repeat_penalty,
+                    "presence_penalty": args.presence_penalty, "frequency_penalty": args.frequency_penalty, "penalty_last_n": args.repeat_last_n}
         try:
             stop = item.get("stop", [])
             stop = (stop,) if isinstance(stop, str) else tuple(stop)
-            params = SamplingParams(**{k: item.get(k, v) for k, v in defaults.items()}, stop=stop)
+            bias = tuple((int(t), float(b)) for t, b in item["logit_bias"]) if "logit_bias" in item else tuple(args.logit_bias)
+            params = SamplingParams(**{k: item.get(k, v) for k, v in defaults.items()}, stop=stop, logit_bias=bias, penalize_prompt=True)
             if "prompt_tokens" in item:
                 prompt = [int(t) for t in item["prompt_tokens"]]
             elif tokenizer is None:

@@ -75,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(
             max_tokens=args.n_predict, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs, echo=args.echo,
+            min_p=args.min_p, repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty, penalty_last_n=args.repeat_last_n, penalize_prompt=True,
+            logit_bias=tuple(args.logit_bias),
         )
         model_path = resolve_model_path(args.model)
         if args.batch_file:

@@ -18,6 +18,14 @@ class SamplingParams:
     echo: bool = False  # also report the prompt (and its log-probabilities with `logprobs`)
     stop: tuple[str, ...] = ()  # finish when the text contains one (it is not returned)
     stop_token_ids: tuple[int, ...] = ()  # finish on these tokens too (not returned), like end of generation
+    # Logit processing, before greedy or sampled choice (the reported log-probabilities stay the model's).
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); -100 or less bans the token
+    presence_penalty: float = 0.0  # minus this from the logit of every token in the penalty window
+    frequency_penalty: float = 0.0  # minus this times the token's count in the window
+    repeat_penalty: float = 1.0  # llama.cpp's: a windowed token's logit l becomes l / p if l > 0 else l * p
+    penalty_last_n: int = -1  # the window: the last n tokens of it; -1: all of them, 0: none
+    penalize_prompt: bool = False  # the window spans prompt and generated tokens (llama.cpp), else generated only (OpenAI)
+    min_p: float = 0.0  # sampling drops tokens less probable than min_p times the most probable one
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and math.isfinite(self.top_p)):
@@ -36,3 +44,27 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise ValueError(f"logit_bias maps token ids to numbers between -100 and 100, got {token}: {bias}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise ValueError(f"{name} must be between -2 and 2, got {value}")
+        if not (math.isfinite(self.repeat_penalty) and 0 < self.repeat_penalty <= 10):
+            raise ValueError(f"repeat_penalty must be in (0, 10], got {self.repeat_penalty}")
+        if self.penalty_last_n < -1:
+            raise ValueError(f"penalty_last_n must be >= -1, got {self.penalty_last_n}")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.penalty_last_n != 0 and (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repeat_penalty != 1)
+
+    def penalty_window(self, token_ids: list[int], num_prompt_tokens: int) -> list[int]:
+        """The tokens the penalties count, of a sequence's prompt + generated `token_ids`."""
+        if not self.has_penalties:
+            return []
+        tokens = token_ids if self.penalize_prompt else token_ids[num_prompt_tokens:]
+        return tokens if self.penalty_last_n == -1 else tokens[-self.penalty_last_n :]

@@ -109,6 +109,9 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is out of range (vocabulary size {vocab})")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:  # the gateway checks too; here it keeps a bad one from failing a whole pass
+            raise RequestError(f"logit_bias token id {bad[0]} is out of range (vocabulary size {vocab})")
         if params.max_tokens == -1:
             if len(prompt) >= self.slot_len:
                 raise RequestError(f"the prompt ({len(prompt)} tokens) does not fit the context length ({self.slot_len})")
@@ -212,7 +215,8 @@ class Engine:
         params = state.request.params
         sample = None
         if span.samples and not state.is_at_limit:
-            sample = SampleSpec(params, state.generator, self._eog_sorted if params.ignore_eos else ())
+            sample = SampleSpec(params, state.generator, self._eog_sorted if params.ignore_eos else (),
+                                params.penalty_window(seq.token_ids, seq.num_prompt_tokens))
         targets: list[int] = []
         if state.wants_prompt_logprobs and span.start < seq.num_prompt_tokens:  # row i predicts prompt token start + i + 1
             targets = seq.token_ids[span.start + 1 : min(span.start + span.length + 1, seq.num_prompt_tokens)]

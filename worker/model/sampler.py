@@ -1,5 +1,6 @@
-"""Next tokens for a whole batch of logit rows at once: greedy, temperature, top-k, top-p,
-each row with its own parameters and seeded generator.
+"""Next tokens for a whole batch of logit rows at once: logit bias and repetition penalties,
+then greedy, or temperature, top-k, top-p and min-p, each row with its own parameters and
+seeded generator. Rows that ask for none of the logit processing pay nothing for it.
 
 `SamplingBatch.build` moves a step's per-row parameters to the device (and draws each
 row's uniform number) before the forward pass is queued; `sample` then runs on the
@@ -34,6 +35,7 @@ class SampleSpec:
     params: SamplingParams
     generator: torch.Generator
     banned_ids: tuple[int, ...] = ()  # never chosen (ignore_eos: the end-of-generation tokens)
+    penalized: tuple[int, ...] | list[int] = ()  # the penalty window's tokens (SamplingParams.penalty_window)
 
     @property
     def is_greedy(self) -> bool:
@@ -46,6 +48,8 @@ class SamplingBatch:
 
     num_rows: int
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (row, token) pairs to mask
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, token, added) of logit_bias
+    penalties: Penalties | None
     drawn: torch.Tensor | None  # [D] rows that sample (the others are greedy)
     temperature: torch.Tensor | None  # [D, 1]
     top_k: torch.Tensor | None  # [D, 1], 0: off
@@ -53,28 +57,81 @@ class SamplingBatch:
     top_p: torch.Tensor | None  # [D, 1], > 1 where off
     uniform: torch.Tensor | None  # [D] each row's draw in [0, 1), from its own generator
 
+    min_p: torch.Tensor | None = None  # [D, 1], 0 where off
+
     @classmethod
     def build(cls, specs: Sequence[SampleSpec], vocab_size: int, device: torch.device) -> SamplingBatch:
+        # a bias of -100 or less is a ban, as OpenAI documents it ("should result in a ban")
         banned = [(i, t) for i, spec in enumerate(specs) for t in spec.banned_ids]
+        banned += [(i, t) for i, spec in enumerate(specs) for t, b in spec.params.logit_bias if b <= -100]
         banned_index = None
         if banned:
             rows, cols = zip(*banned)
             banned_index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        biased = [(i, t, b) for i, spec in enumerate(specs) for t, b in spec.params.logit_bias if b > -100]
+        bias = None
+        if biased:
+            rows, cols, added = zip(*biased)
+            bias = (torch.tensor(rows, device=device), torch.tensor(cols, device=device), torch.tensor(added, dtype=torch.float32, device=device))
+        penalties = Penalties.build(specs, vocab_size, device)
         drawn = [i for i, spec in enumerate(specs) if not spec.is_greedy]
         if not drawn:
-            return cls(len(specs), banned_index, None, None, None, 0, None, None)
+            return cls(len(specs), banned_index, bias, penalties, None, None, None, 0, None, None)
         params = [specs[i].params for i in drawn]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
         return cls(
             num_rows=len(specs),
             banned=banned_index,
+            bias=bias,
+            penalties=penalties,
             drawn=torch.tensor(drawn, device=device),
             temperature=torch.tensor([[p.temperature] for p in params], device=device),
             top_k=torch.tensor([[k] for k in top_k], device=device) if any(top_k) else None,
             top_k_max=max(top_k),
             top_p=torch.tensor([[p.top_p if p.top_p < 1 else 2.0] for p in params], device=device) if any(p.top_p < 1 for p in params) else None,
             uniform=torch.cat([torch.rand(1, generator=specs[i].generator, device=device) for i in drawn]),
+            min_p=torch.tensor([[p.min_p] for p in params], device=device) if any(p.min_p > 0 for p in params) else None,
         )
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Presence, frequency and repeat penalties of the rows that have them, from each row's
+    token counts over its penalty window, counted on the device."""
+
+    rows: torch.Tensor  # [R] the rows penalized
+    counts: torch.Tensor  # [R, V] each token's count in the row's window
+    presence: torch.Tensor  # [R, 1]
+    frequency: torch.Tensor  # [R, 1]
+    repeat: torch.Tensor | None  # [R, 1], None when every row's is 1
+
+    @classmethod
+    def build(cls, specs: Sequence[SampleSpec], vocab_size: int, device: torch.device) -> Penalties | None:
+        rows = [i for i, spec in enumerate(specs) if spec.params.has_penalties and len(spec.penalized)]
+        if not rows:
+            return None
+        width = max(len(specs[i].penalized) for i in rows)
+        ids = torch.full((len(rows), width), vocab_size, dtype=torch.long)  # vocab_size: padding, counted in a spare column
+        for r, i in enumerate(rows):
+            ids[r, : len(specs[i].penalized)] = torch.tensor(list(specs[i].penalized), dtype=torch.long)
+        ids = ids.to(device).clamp_(0, vocab_size)
+        counts = torch.zeros(len(rows), vocab_size + 1, device=device).scatter_add_(1, ids, torch.ones(ids.shape, device=device))[:, :vocab_size]
+        params = [specs[i].params for i in rows]
+        return cls(
+            rows=torch.tensor(rows, device=device),
+            counts=counts,
+            presence=torch.tensor([[p.presence_penalty] for p in params], device=device),
+            frequency=torch.tensor([[p.frequency_penalty] for p in params], device=device),
+            repeat=torch.tensor([[p.repeat_penalty] for p in params], device=device) if any(p.repeat_penalty != 1 for p in params) else None,
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        rows = logits.index_select(0, self.rows)
+        seen = self.counts > 0
+        if self.repeat is not None:
+            rows = torch.where(seen, torch.where(rows > 0, rows / self.repeat, rows * self.repeat), rows)
+        rows = rows - self.frequency * self.counts - self.presence * seen
+        return logits.index_copy(0, self.rows, rows)
 
 
 def is_distribution(logits: torch.Tensor) -> torch.Tensor:
@@ -86,6 +143,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [M, V] float32 -> tokens [M] (long, on the logits' device); -1 for a row that is
     not a distribution (NaN or +inf logits), which must fail its own request only."""
     valid = is_distribution(logits)
+    if batch.bias is not None:
+        rows, cols, added = batch.bias
+        logits = logits.index_put((rows, cols), added, accumulate=True)
+    if batch.penalties is not None:
+        logits = batch.penalties.apply(logits)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     tokens = logits.argmax(dim=-1)
@@ -96,7 +158,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [D, V] of rows that sample -> tokens [D]: temperature, then top-k, then top-p
-    (a token is dropped when the mass before it already reaches top_p; the first always stays)."""
+    (a token is dropped when the mass before it already reaches top_p; the first always stays),
+    then min-p (a token less probable than min_p times the most probable is dropped)."""
     vocab = logits.shape[-1]
     scaled = logits / batch.temperature
     if batch.top_k is not None:
@@ -108,6 +171,9 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs = torch.softmax(ordered, dim=-1)
         drop = (probs.cumsum(dim=-1) - probs) >= batch.top_p
         scaled = scaled.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
+    if batch.min_p is not None:  # p < min_p * p_max  <=>  logit < max logit + log(min_p)
+        floor = scaled.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)  # [D, V]
     # the first token whose cumulative mass passes u * total: never one of probability 0
     return (cdf <= (batch.uniform * cdf[:, -1])[:, None]).sum(dim=-1).clamp_max(vocab - 1)

@@ -152,6 +152,15 @@ def test_unknown_and_forbidden_adapters_look_the_same(client) -> None:
     ({"prompt": "hi", "lora": [{"id": 0, "name": "a"}]}, "exactly one of 'id' and 'name'"),
     ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, "between -100 and 100"),
+    ({"prompt": "hi", "logit_bias": {"hello": 1}}, "logit_bias keys are token ids"),
+    ({"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias token id 99999 is out of range"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "hi", "min_p": 1.5}, "min_p"),
+    # OpenAI fields we do not support are refused by name, never ignored
+    ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format of type 'json_object' is not supported"),
+    ({"prompt": "hi", "best_of": 3}, "'best_of' is not supported"),
+    ({"prompt": "hi", "suffix": "end"}, "'suffix' is not supported"),
 ])
 def test_bad_fields_are_400_and_name_the_problem(client, body, fragment) -> None:
     r = client.post("/v1/completions", headers=auth(), json=body)
@@ -182,6 +191,45 @@ def test_rate_limits_are_429_with_retry_after(client) -> None:
     assert limited and 1 <= int(limited[0].headers["retry-after"]) <= 60
     assert "2 requests per minute" in limited[0].json()["error"]["message"]
     assert {r.status_code for r in codes} == {200, 429}
+
+
+def test_chat_tools_are_refused_by_name_until_they_are_supported(client) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError, match="'tools' is not supported"):
+        api(client).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=tools)
+    # their "unused" values are fine
+    ok = api(client).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, tools=[],
+                                             tool_choice="none", response_format={"type": "text"})
+    assert ok.choices[0].message.content is not None
+
+
+def test_logit_bias_bans_and_forces_tokens_through_the_openai_client(client) -> None:
+    oa = api(client)
+    forced = oa.completions.create(model="a", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3, logit_bias={"77": 100},
+                                   extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == oa.completions.create(model="a", prompt=[77] * 6, max_tokens=0, echo=True).choices[0].text
+    greedy = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 3, "temperature": 0}).json()["tokens"]
+    whole = oa.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, temperature=0)  # the base, as /completion here
+    banned = oa.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, temperature=0, logit_bias={str(greedy[0]): -100})
+    assert banned.choices[0].text != whole.choices[0].text
+
+
+def test_llama_server_logit_bias_penalties_and_min_p(client) -> None:
+    def tokens(**kw) -> list[int]:
+        r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 8, "temperature": 0, "ignore_eos": True, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    greedy = tokens()
+    assert tokens(logit_bias=[[greedy[0], False]])[0] != greedy[0]  # false bans, as in llama-server
+    assert tokens(logit_bias={str(greedy[0]): -100})[0] != greedy[0]
+    assert set(tokens(logit_bias=[[9, 100]])) == {9}
+    # a heavy repeat penalty over the context: no token of the last 64 comes back while it is in the window
+    penalized = tokens(repeat_penalty=10.0, presence_penalty=2.0, frequency_penalty=2.0)
+    assert not set(penalized) & set(PROMPT) and len(set(penalized)) == len(penalized)
+    assert tokens(repeat_penalty=10.0, repeat_last_n=0) == greedy  # a window of 0 turns it off
+    bad = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "logit_bias": [[5, "up"]]})
+    assert bad.status_code == 400 and "logit_bias" in bad.json()["error"]["message"]
 
 
 def test_llama_server_completion_and_lora_adapters(client) -> None:

@@ -131,3 +131,15 @@ def test_inspect_not_gguf_exits_2(tmp_path) -> None:
     path.write_text("hello")
     done = run_cli("inspect", str(path))
     assert done.returncode == 2 and "not a valid GGUF file" in done.stderr
+
+
+def test_generate_takes_llamacpps_sampling_flags(tiny_llama, capsys) -> None:
+    args = ["generate", "--model", str(tiny_llama.path), "--prompt-tokens", "5,77,140", "--n-predict", "5", "--temperature", "0", "--ignore-eos", "--json"]
+    assert cli_main(args) == 0
+    greedy = json.loads(capsys.readouterr().out)["tokens"]
+    assert cli_main(args + ["--logit-bias", "9+100"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == [9] * 5
+    assert cli_main(args + ["--logit-bias", f"{greedy[0]}-100", "--repeat-penalty", "1.3", "--min-p", "0.05"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"][0] != greedy[0]
+    assert cli_main(args + ["--logit-bias", "99999+1"]) == 2
+    assert "logit_bias token id 99999 is out of range" in capsys.readouterr().err
