@@ -13,6 +13,7 @@ from worker.contract.spec import slot_length
 from worker.formats.adapter import load_adapter
 from worker.formats.fingerprint import adapter_set_fingerprint, base_fingerprint
 from worker.formats.gguf_file import GGUFFile
+from worker.formats.grammar import check, ll_tokenizer
 from worker.formats.hparams import ModelHParams
 from worker.formats.tokenizer import GGUFTokenizer
 
@@ -43,6 +44,7 @@ class Catalog:
         longest = max((len(self.tokenizer.token_text(i)) for i in range(self.tokenizer.vocab_size)), default=1)
         self.max_prompt_chars = self.max_positions * max(longest, 1)
         self.base_fingerprint = base_fingerprint(self.base, config.fingerprint_path())
+        self._ll_tokenizer = None  # llguidance's view of the tokenizer, for checking grammars
         self.adapters: dict[str, AdapterInfo] = {}
         for entry in config.adapters:
             path = config.resolve(entry.path)
@@ -50,6 +52,12 @@ class Catalog:
             self.adapters[entry.name] = AdapterInfo(
                 entry.name, path, adapter.fingerprint, adapter.task_name, adapter.prompt_prefix, adapter.invocation_tokens,
             )
+
+    def check_grammar(self, grammar: str) -> None:
+        """GrammarError when the model cannot be made to follow `grammar` (the tokenizer is built once)."""
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = ll_tokenizer(self.tokenizer, self.hparams.vocab_size)
+        check(grammar, self._ll_tokenizer)
 
     def adapter_set_fingerprint(self, scales: dict[str, float]) -> str:
         return adapter_set_fingerprint(self.base_fingerprint, [(self.adapters[n].fingerprint, s) for n, s in scales.items()])

@@ -31,6 +31,7 @@ from gateway.tenants import Tenant
 from worker.contract.calls import Delta
 from worker.contract.params import SamplingParams
 from worker.formats.chat_template import ChatTemplateError, encode_chat
+from worker.formats.grammar import GrammarError, gbnf_grammar, json_object_grammar, json_schema_grammar
 from worker.formats.tokenizer import TokenizerError
 
 log = logging.getLogger(__name__)
@@ -58,10 +59,25 @@ def _sampling(gateway: Gateway, num_prompt_tokens: int, max_tokens: int | None, 
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
             top_k=max(body.top_k, 0), seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, echo=echo, stop=tuple(body.stop_list),
             logit_bias=body.bias_pairs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repeat_penalty=body.repetition_penalty, min_p=body.min_p,
+            repeat_penalty=body.repetition_penalty, min_p=body.min_p, grammar=_grammar(gateway, body, "response_format"),
         )
     except ValueError as e:
         raise APIError(400, str(e), "invalid_value") from e
+
+
+def _grammar(gateway: Gateway, body, field: str) -> str | None:
+    """The body's grammar (response_format, json_schema or grammar) compiled and checked against the
+    model: a 400 naming what cannot be enforced, never a silent fallback to free text."""
+    source = body.grammar_source()
+    if source is None:
+        return None
+    kind, spec = source
+    try:
+        grammar = json_object_grammar() if kind == "json_object" else json_schema_grammar(spec) if kind == "json_schema" else gbnf_grammar(spec)
+        gateway.catalog.check_grammar(grammar)
+    except GrammarError as e:
+        raise APIError(400, f"{field}: {e}", "invalid_grammar") from e
+    return grammar
 
 
 def _llama_bias(gateway: Gateway, body: LlamaCompletionRequest) -> tuple[tuple[int, float], ...]:
@@ -255,7 +271,8 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
                                     logprobs=body.n_probs or None, stop=tuple(body.stop),
                                     logit_bias=_llama_bias(gateway, body), min_p=body.min_p, repeat_penalty=body.repeat_penalty,
                                     presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                                    penalty_last_n=body.repeat_last_n, penalize_prompt=True)
+                                    penalty_last_n=body.repeat_last_n, penalize_prompt=True,
+                                    grammar=_grammar(gateway, body, "json_schema" if body.json_schema is not None else "grammar"))
         except ValueError as e:
             raise APIError(400, str(e), "invalid_value") from e
         prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, body.cache_prompt, body.timeout_s)

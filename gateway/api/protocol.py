@@ -116,8 +116,7 @@ class _Sampling(_Generation):
     def _supported(self) -> _Sampling:
         if self.n != 1:
             raise ValueError("only n=1 is supported")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError(f"response_format of type {self.response_format.get('type')!r} is not supported by this server (only 'text')")
+        self.grammar_source()  # checks the shape of response_format
         _stops(self.stop, MAX_STOP)
         self.bias_pairs  # noqa: B018  (checks the keys)
         return self
@@ -125,6 +124,20 @@ class _Sampling(_Generation):
     @property
     def stop_list(self) -> list[str]:
         return _stops(self.stop, MAX_STOP)
+
+    def grammar_source(self) -> tuple[str, Any] | None:
+        """What response_format asks to enforce: ("json_schema", schema), ("json_object", None), or None."""
+        fmt = self.response_format
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return "json_object", None
+        if fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
+                raise ValueError("response_format json_schema needs a 'json_schema' object with a 'schema'")
+            return "json_schema", spec.get("schema", {})
+        raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {fmt.get('type')!r}")
 
     @property
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -228,10 +241,20 @@ class LlamaCompletionRequest(_Generation):
             entries.append((token, float(bias)))
         return entries
 
+    json_schema: dict[str, Any] | bool | None = None  # the output follows this JSON Schema
+    grammar: str | None = None  # or this GBNF grammar
+
     @model_validator(mode="after")
     def _check_bias(self) -> LlamaCompletionRequest:
         self.bias_entries()
+        if self.json_schema is not None and self.grammar:
+            raise ValueError("give either json_schema or grammar, not both")
         return self
+
+    def grammar_source(self) -> tuple[str, Any] | None:
+        if self.grammar:
+            return "gbnf", self.grammar
+        return ("json_schema", self.json_schema) if self.json_schema is not None else None
 
     @field_validator("prompt")
     @classmethod

@@ -26,6 +26,7 @@ class SamplingParams:
     penalty_last_n: int = -1  # the window: the last n tokens of it; -1: all of them, 0: none
     penalize_prompt: bool = False  # the window spans prompt and generated tokens (llama.cpp), else generated only (OpenAI)
     min_p: float = 0.0  # sampling drops tokens less probable than min_p times the most probable one
+    grammar: str | None = None  # an llguidance grammar (worker/formats/grammar.py) every generated token must follow
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and math.isfinite(self.top_p)):

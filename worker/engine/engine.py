@@ -14,12 +14,14 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from cache.prefix import PrefixCache
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig, slot_length
+from worker.engine.constraint import GrammarRefused, Grammars, allowed_tokens
 from worker.engine.outputs import GenerationResult, RequestOutput
 from worker.engine.prefix_kv import CacheHit, PrefixKV
 from worker.engine.runner import ModelRunner, SpanInput, SpanOutput
@@ -61,6 +63,7 @@ class _State:
     arrived_s: float
     first_step_s: float | None = None
     first_token_s: float | None = None
+    matcher: Any = None  # llguidance.LLMatcher of a request with a grammar
 
     @property
     def deadline_s(self) -> float | None:
@@ -89,6 +92,7 @@ class Engine:
         self.scheduler = Scheduler(config.num_seq_slots, self.slot_len, config.max_step_tokens, config.reserved_slots, config.is_multi_tenant)
         self.eog_ids = tokenizer.eog_ids if tokenizer is not None else frozenset()
         self._eog_sorted = tuple(sorted(self.eog_ids))
+        self.grammars = Grammars(tokenizer, runner.hparams.vocab_size)
         self._states: dict[str, _State] = {}
         self.clock = clock
 
@@ -148,6 +152,10 @@ class Engine:
         if hit is None:
             hit = self.lookup(request)
         params = request.params
+        try:
+            matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+        except GrammarRefused as e:
+            raise RequestError(str(e)) from e
         seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), max_len, group=request.tenant)
         seq.num_cached = hit.num_tokens if hit is not None else 0
         result = GenerationResult(list(request.prompt_ids), alora_activation=adapters.activation, cached_tokens=seq.num_cached)
@@ -156,7 +164,7 @@ class Engine:
         state = _State(
             request, seq, adapters, make_generator(params.seed, self.runner.config.torch_device),
             IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None,
-            StopMatcher(params.stop), result, arrived_s,
+            StopMatcher(params.stop), result, arrived_s, matcher=matcher,
         )
         self._states[request.request_id] = state
         if hit is not None and self.prefix is not None:
@@ -216,7 +224,8 @@ class Engine:
         sample = None
         if span.samples and not state.is_at_limit:
             sample = SampleSpec(params, state.generator, self._eog_sorted if params.ignore_eos else (),
-                                params.penalty_window(seq.token_ids, seq.num_prompt_tokens))
+                                params.penalty_window(seq.token_ids, seq.num_prompt_tokens),
+                                allowed_tokens(state.matcher) if state.matcher is not None else None)
         targets: list[int] = []
         if state.wants_prompt_logprobs and span.start < seq.num_prompt_tokens:  # row i predicts prompt token start + i + 1
             targets = seq.token_ids[span.start + 1 : min(span.start + span.length + 1, seq.num_prompt_tokens)]
@@ -253,6 +262,8 @@ class Engine:
         token = out.token
         if token in self.eog_ids or token in params.stop_token_ids:
             return self._finish(state, "stop")
+        if state.matcher is not None and not state.matcher.consume_token(token):
+            return self._finish(state, "error", f"internal error: the grammar refused token {token}: {state.matcher.get_error()}", status=500)
         seq.token_ids.append(token)
         result.token_ids.append(token)
         if out.logprob is not None:
@@ -260,7 +271,7 @@ class Engine:
         text = state.stop.feed(state.decoder.push(token)) if state.decoder is not None else ""
         result.text += text
         delta = ([token], text, out.logprob)
-        if state.stop.is_stopped:
+        if state.stop.is_stopped or (state.matcher is not None and state.matcher.is_stopped()):  # the grammar is complete
             return self._finish(state, "stop", delta=delta)
         if len(seq.token_ids) >= seq.max_len:
             return self._finish(state, "length", delta=delta)

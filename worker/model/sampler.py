@@ -36,6 +36,7 @@ class SampleSpec:
     generator: torch.Generator
     banned_ids: tuple[int, ...] = ()  # never chosen (ignore_eos: the end-of-generation tokens)
     penalized: tuple[int, ...] | list[int] = ()  # the penalty window's tokens (SamplingParams.penalty_window)
+    allowed: torch.Tensor | None = None  # a grammar's bitmask, int32 words on the host: bit i of word w allows token 32 w + i
 
     @property
     def is_greedy(self) -> bool:
@@ -58,6 +59,7 @@ class SamplingBatch:
     uniform: torch.Tensor | None  # [D] each row's draw in [0, 1), from its own generator
 
     min_p: torch.Tensor | None = None  # [D, 1], 0 where off
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [G], bitmask words [G, W]) of rows under a grammar
 
     @classmethod
     def build(cls, specs: Sequence[SampleSpec], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -74,9 +76,14 @@ class SamplingBatch:
             rows, cols, added = zip(*biased)
             bias = (torch.tensor(rows, device=device), torch.tensor(cols, device=device), torch.tensor(added, dtype=torch.float32, device=device))
         penalties = Penalties.build(specs, vocab_size, device)
+        constrained = [i for i, spec in enumerate(specs) if spec.allowed is not None]
+        allowed = None
+        if constrained:  # one host-to-device copy for every grammar row of the step
+            words = torch.stack([specs[i].allowed for i in constrained]).to(device, non_blocking=True)
+            allowed = (torch.tensor(constrained, device=device), words)
         drawn = [i for i, spec in enumerate(specs) if not spec.is_greedy]
         if not drawn:
-            return cls(len(specs), banned_index, bias, penalties, None, None, None, 0, None, None)
+            return cls(len(specs), banned_index, bias, penalties, None, None, None, 0, None, None, allowed=allowed)
         params = [specs[i].params for i in drawn]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
         return cls(
@@ -91,6 +98,7 @@ class SamplingBatch:
             top_p=torch.tensor([[p.top_p if p.top_p < 1 else 2.0] for p in params], device=device) if any(p.top_p < 1 for p in params) else None,
             uniform=torch.cat([torch.rand(1, generator=specs[i].generator, device=device) for i in drawn]),
             min_p=torch.tensor([[p.min_p] for p in params], device=device) if any(p.min_p > 0 for p in params) else None,
+            allowed=allowed,
         )
 
 
@@ -150,10 +158,23 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = batch.penalties.apply(logits)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+    if batch.allowed is not None:
+        logits = _constrain(logits, *batch.allowed)
     tokens = logits.argmax(dim=-1)
     if batch.drawn is not None:
         tokens = tokens.index_copy(0, batch.drawn, _draw(logits.index_select(0, batch.drawn), batch))
     return torch.where(valid, tokens, torch.full_like(tokens, -1))
+
+
+def _constrain(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """-inf for every token a row's grammar bitmask does not allow."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [G, 32 W]
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    constrained = logits.index_select(0, rows).masked_fill(~allowed[:, :vocab], float("-inf"))
+    return logits.index_copy(0, rows, constrained)
 
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

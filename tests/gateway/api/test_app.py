@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 
+import jsonschema
 import openai
 import pytest
 import redis
@@ -158,7 +159,9 @@ def test_unknown_and_forbidden_adapters_look_the_same(client) -> None:
     ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "hi", "min_p": 1.5}, "min_p"),
     # OpenAI fields we do not support are refused by name, never ignored
-    ({"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format of type 'json_object' is not supported"),
+    ({"prompt": "hi", "response_format": {"type": "xml"}}, "response_format type must be 'text', 'json_object' or 'json_schema'"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "format": "fancy"}}}},
+     "response_format: Unknown format: fancy"),
     ({"prompt": "hi", "best_of": 3}, "'best_of' is not supported"),
     ({"prompt": "hi", "suffix": "end"}, "'suffix' is not supported"),
 ])
@@ -199,7 +202,7 @@ def test_chat_tools_are_refused_by_name_until_they_are_supported(client) -> None
         api(client).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=tools)
     # their "unused" values are fine
     ok = api(client).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, tools=[],
-                                             tool_choice="none", response_format={"type": "text"})
+                                             tool_choice="none")
     assert ok.choices[0].message.content is not None
 
 
@@ -230,6 +233,44 @@ def test_llama_server_logit_bias_penalties_and_min_p(client) -> None:
     assert tokens(repeat_penalty=10.0, repeat_last_n=0) == greedy  # a window of 0 turns it off
     bad = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "logit_bias": [[5, "up"]]})
     assert bad.status_code == 400 and "logit_bias" in bad.json()["error"]["message"]
+
+
+SCHEMA = {"type": "object", "properties": {"pick": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 1, "maximum": 9},
+                                         "more": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}},
+          "required": ["pick", "n", "more"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_and_json_object_through_the_openai_client(client) -> None:
+    oa = api(client)
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
+    for model, seed in (("tiny", 1), ("a", 2), ("b", 3)):  # the base and two adapters
+        chat = oa.chat.completions.create(model=model, messages=[{"role": "user", "content": "pick one"}], max_tokens=40,
+                                          temperature=1.0, seed=seed, response_format=fmt)
+        assert chat.choices[0].finish_reason == "stop", chat.choices[0].message.content
+        jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
+    # completions take it as an extra field, as vLLM's do
+    text = oa.completions.create(model="a", prompt=PROMPT, max_tokens=40, temperature=0, extra_body={"response_format": fmt}).choices[0].text
+    jsonschema.validate(json.loads(text), SCHEMA)
+    streamed = oa.completions.create(model="a", prompt=PROMPT, max_tokens=40, temperature=0, extra_body={"response_format": fmt}, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+    cut = oa.completions.create(model="a", prompt=PROMPT, max_tokens=4, temperature=0, extra_body={"response_format": fmt})
+    assert cut.choices[0].finish_reason == "length" and text.startswith(cut.choices[0].text)
+    obj = oa.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0, extra_body={"response_format": {"type": "json_object"}}).choices[0]
+    assert obj.finish_reason == "length" or isinstance(json.loads(obj.text), dict)
+    assert obj.text.startswith("{")
+
+
+def test_llama_server_json_schema_and_gbnf_grammar(client) -> None:
+    def complete(**kw):
+        r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 40, "temperature": 0.8, "seed": 5, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    jsonschema.validate(json.loads(complete(json_schema=SCHEMA)["content"]), SCHEMA)
+    answer = complete(grammar='root ::= ("yes" | "no") "!"')["content"]
+    assert answer in ("yes!", "no!")
+    bad = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "grammar": "root ::= ("})
+    assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("grammar:")
 
 
 def test_llama_server_completion_and_lora_adapters(client) -> None:
