@@ -15,11 +15,14 @@ import uuid
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
 
 from tests.gateway.gateway_setup import digest
+from tests.gateway.json_schemas import schemas
 from tests.gateway.serve_process import running_serve
 from tests.redis_server import RedisServer
 
@@ -60,6 +63,39 @@ def oa(url: str, tenant: str = "demo") -> openai.OpenAI:
 
 def auth(tenant: str = "demo") -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
+def _drawn_schemas(count: int) -> list[dict]:
+    """`count` schemas from hypothesis, the same every run (derandomized)."""
+    drawn: list[dict] = []
+
+    @settings(max_examples=count, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(schemas())
+    def draw(schema: dict) -> None:
+        drawn.append(schema)
+
+    draw()
+    return drawn
+
+
+def test_200_random_json_schemas_are_obeyed_on_the_base_and_on_adapters_in_mixed_batches(server) -> None:
+    """Each answer parses and validates against its schema; eight requests at a time, cycling over
+    the base and two adapters, so every batch mixes them (and their grammars)."""
+    drawn = _drawn_schemas(200)
+    assert len({json.dumps(s, sort_keys=True) for s in drawn}) > 150
+    models = ["smollm2-135m-instruct", "caps", "json"]
+
+    def ask(i: int) -> tuple[int, str, str]:
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": drawn[i], "strict": True}}
+        reply = oa(server).chat.completions.create(model=models[i % 3], messages=[{"role": "user", "content": "Reply with JSON."}],
+                                                   max_tokens=200, temperature=0.8, seed=i, response_format=fmt)
+        return i, reply.choices[0].finish_reason, reply.choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(len(drawn))))
+    for i, finish, content in answers:
+        assert finish == "stop", (drawn[i], content)
+        jsonschema.validate(json.loads(content), drawn[i])
 
 
 def test_chat_matches_loraplex_generate_streamed_or_not(server) -> None:
