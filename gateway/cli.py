@@ -115,6 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     _device_flags(p)
     p.set_defaults(handler="bench.bench_engine:run")
 
+    p = sub.add_parser("bench-structured", help="decode speed of mixed-adapter requests with and without a JSON schema each")
+    p.add_argument("--model", metavar="BASE.gguf", help="base model (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--requests", type=_positive_int, default=16, metavar="M", help="requests, each on its own random adapter")
+    p.add_argument("--rank", type=_positive_int, default=8)
+    p.add_argument("--max-tokens", type=_positive_int, default=64, metavar="G")
+    p.add_argument("--rounds", type=_positive_int, default=2, help="rounds of the two runs, interleaved")
+    p.add_argument("--seed", type=int, default=0)
+    _device_flags(p)
+    p.set_defaults(handler="bench.bench_structured:run")
+
     p = sub.add_parser("serve", help="serve the OpenAI and llama-server APIs on a local Ray (Ray Serve)")
     p.add_argument("--config", metavar="FILE.yaml", help="deployment config (default: deploy/serve.yaml: the default model, example adapters and tenants)")
     p.add_argument("--host", help="override http.host")
