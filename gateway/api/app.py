@@ -23,14 +23,25 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 
 from gateway.admission import Prepared
-from gateway.api.formats import ChatFormatter, CompletionFormatter, llama_completion, sse, token_str
-from gateway.api.protocol import APIError, ChatRequest, CompletionRequest, LlamaCompletionRequest, LoraScale, load_json, parse
+from gateway.api.formats import ChatFormatter, CompletionFormatter, llama_completion, llama_probabilities, sse, token_str
+from gateway.api.protocol import (
+    APIError,
+    ApplyTemplateRequest,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LlamaCompletionRequest,
+    LoraScale,
+    TokenizeRequest,
+    load_json,
+    parse,
+)
 from gateway.dispatch import Gateway
 from gateway.metrics import adapter_label
 from gateway.tenants import Tenant
 from worker.contract.calls import Delta
 from worker.contract.params import SamplingParams
-from worker.formats.chat_template import ChatTemplateError, encode_chat
+from worker.formats.chat_template import ChatTemplateError, encode_chat, render_chat
 from worker.formats.grammar import GrammarError, gbnf_grammar, json_object_grammar, json_schema_grammar
 from worker.formats.tokenizer import TokenizerError
 
@@ -78,6 +89,22 @@ def _grammar(gateway: Gateway, body, field: str) -> str | None:
     except GrammarError as e:
         raise APIError(400, f"{field}: {e}", "invalid_grammar") from e
     return grammar
+
+
+def _settings_of(params: SamplingParams) -> dict[str, Any]:
+    return {
+        "n_predict": params.max_tokens, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+        "min_p": params.min_p, "repeat_penalty": params.repeat_penalty, "repeat_last_n": params.penalty_last_n,
+        "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+        "seed": -1 if params.seed is None else params.seed, "ignore_eos": params.ignore_eos, "stop": list(params.stop),
+        "n_probs": params.logprobs or 0, "logit_bias": [[t, b] for t, b in params.logit_bias], "grammar": "" if params.grammar is None else "<set>",
+    }
+
+
+def _generation_settings(gateway: Gateway, params: SamplingParams, body: LlamaCompletionRequest) -> dict[str, Any]:
+    """What /completion reports it ran with (llama-server's `generation_settings`)."""
+    return {**_settings_of(params), "model": gateway.catalog.model_name, "n_ctx": gateway.catalog.max_positions,
+            "cache_prompt": body.cache_prompt}
 
 
 def _llama_bias(gateway: Gateway, body: LlamaCompletionRequest) -> tuple[tuple[int, float], ...]:
@@ -179,6 +206,9 @@ BODIES: dict[str, Any] = {  # what each POST takes, for the OpenAPI document (pa
     "/v1/chat/completions": ChatRequest,
     "/completion": LlamaCompletionRequest,
     "/lora-adapters": list[LoraScale],
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+    "/apply-template": ApplyTemplateRequest,
 }
 
 
@@ -277,10 +307,74 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
             raise APIError(400, str(e), "invalid_value") from e
         prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, body.cache_prompt, body.timeout_s)
 
-        def chunk(delta: Delta, first: bool) -> dict[str, Any]:
-            return llama_completion([delta], model) if delta.is_finished else {"content": delta.text, "tokens": list(delta.token_ids), "stop": False}
+        tokenizer = gateway.catalog.tokenizer
+        settings = _generation_settings(gateway, params, body)
 
-        return await _respond(gateway, prepared, body.stream, "completion", lambda d: llama_completion(d, model), chunk, done_marker=False)
+        def chunk(delta: Delta, first: bool) -> dict[str, Any]:
+            if delta.is_finished:
+                return llama_completion([delta], model, tokenizer, settings)
+            out = {"index": 0, "content": delta.text, "tokens": list(delta.token_ids), "stop": False}
+            if delta.logprobs:
+                out["completion_probabilities"] = llama_probabilities(tokenizer, delta.logprobs)
+            return out
+
+        return await _respond(gateway, prepared, body.stream, "completion", lambda d: llama_completion(d, model, tokenizer, settings), chunk,
+                              done_marker=False)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        gateway, _, body = await _begin(request, TokenizeRequest)
+        tokenizer = gateway.catalog.tokenizer
+        ids = await _off_loop(gateway, len(body.content), lambda: tokenizer.encode(body.content, add_special=body.add_special,
+                                                                                     parse_special=body.parse_special))
+        if not body.with_pieces:
+            return {"tokens": ids}
+        pieces = []
+        for token_id in ids:
+            piece = tokenizer.token_bytes(token_id, skip_special=False)
+            try:  # llama-server: the piece as text when it is valid UTF-8, else its bytes
+                pieces.append({"id": token_id, "piece": piece.decode("utf-8")})
+            except UnicodeDecodeError:
+                pieces.append({"id": token_id, "piece": list(piece)})
+        return {"tokens": pieces}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        gateway, _, body = await _begin(request, DetokenizeRequest)
+        vocab = gateway.catalog.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range (vocabulary size {vocab})", "invalid_value")
+        return {"content": gateway.catalog.tokenizer.decode(body.tokens, skip_special=False)}
+
+    @app.post("/apply-template")
+    async def apply_template(request: Request) -> dict[str, Any]:
+        gateway, _, body = await _begin(request, ApplyTemplateRequest)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            return {"prompt": render_chat(gateway.catalog.tokenizer, messages)}
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "invalid_prompt") from e
+
+    @app.get("/props")
+    async def props(request: Request) -> dict[str, Any]:
+        """llama-server's server properties, as the calling tenant sees them (no paths, no other tenant)."""
+        gateway, tenant, _ = await _begin(request)
+        catalog = gateway.catalog
+        tokenizer = catalog.tokenizer
+        defaults = SamplingParams(max_tokens=-1, temperature=0.8, top_p=0.95, top_k=40, min_p=0.05, penalty_last_n=64, penalize_prompt=True)
+        return {
+            "default_generation_settings": {"n_ctx": catalog.max_positions, "params": _settings_of(defaults)},
+            "total_slots": gateway.config.engine.num_slots,  # per replica
+            "model_path": catalog.model_name,
+            "model_alias": catalog.model_name,
+            "chat_template": tokenizer.chat_template or "",
+            "bos_token": token_str(tokenizer, tokenizer.bos_id) if tokenizer.bos_id is not None else "",
+            "eos_token": token_str(tokenizer, tokenizer.eos_id) if tokenizer.eos_id is not None else "",
+            "modalities": {"vision": False, "audio": False},
+            "build_info": "loraplex",
+            "lora_adapters": len(gateway.admission.adapter_names(tenant)),
+        }
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

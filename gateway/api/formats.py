@@ -131,15 +131,27 @@ class ChatFormatter:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": [], "usage": usage(final)}
 
 
-def llama_completion(deltas: list[Delta], model: str) -> dict[str, Any]:
+def _llama_token(tokenizer: GGUFTokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    piece = tokenizer.token_bytes(token_id, skip_special=False)
+    return {"id": token_id, "token": piece.decode("utf-8", errors="replace"), "bytes": list(piece), "logprob": logprob}
+
+
+def llama_probabilities(tokenizer: GGUFTokenizer, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """llama-server's `completion_probabilities`: each generated token and its top `n_probs`."""
+    return [{**_llama_token(tokenizer, e.token_id, e.logprob), "top_logprobs": [_llama_token(tokenizer, t, lp) for t, lp in e.top]} for e in entries]
+
+
+def llama_completion(deltas: list[Delta], model: str, tokenizer: GGUFTokenizer | None = None, settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """llama-server's /completion answer (the fields its clients and tests read)."""
     final = deltas[-1]
     u = final.usage or _NO_USAGE
-    return {
+    out = {
+        "index": 0, "id_slot": 0,
         "content": "".join(d.text for d in deltas),
         "tokens": [t for d in deltas for t in d.token_ids],
         "model": model, "stop": True,
         "stop_type": "limit" if final.finish_reason == "length" else "eos",
+        "stopping_word": "", "truncated": False,
         "tokens_predicted": u.completion_tokens, "tokens_evaluated": u.prompt_tokens, "tokens_cached": u.cached_tokens,
         "timings": {
             "prompt_n": u.prompt_tokens - u.cached_tokens, "prompt_ms": final.prompt_time_s * 1e3,
@@ -147,3 +159,9 @@ def llama_completion(deltas: list[Delta], model: str) -> dict[str, Any]:
             "predicted_per_second": u.completion_tokens / final.decode_time_s if final.decode_time_s > 0 else None,
         },
     }
+    if settings is not None:
+        out["generation_settings"] = settings
+    entries = [e for d in deltas for e in (d.logprobs or ())]
+    if tokenizer is not None and entries:
+        out["completion_probabilities"] = llama_probabilities(tokenizer, entries)
+    return out

@@ -243,6 +243,14 @@ class LlamaCompletionRequest(_Generation):
 
     json_schema: dict[str, Any] | bool | None = None  # the output follows this JSON Schema
     grammar: str | None = None  # or this GBNF grammar
+    post_sampling_probs: bool = False
+
+    @field_validator("post_sampling_probs")
+    @classmethod
+    def _pre_sampling_only(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("post_sampling_probs is not supported by this server: n_probs reports the model's log-probabilities")
+        return value
 
     @model_validator(mode="after")
     def _check_bias(self) -> LlamaCompletionRequest:
@@ -267,6 +275,23 @@ class LlamaCompletionRequest(_Generation):
     @classmethod
     def _bounded_stops(cls, value: list[str]) -> list[str]:
         return _stops(value, MAX_LLAMA_STOP)
+
+
+class TokenizeRequest(_Body):
+    """llama-server's `POST /tokenize`."""
+
+    content: str = Field(max_length=4_000_000)
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int] = Field(max_length=MAX_TOKENS)
+
+
+class ApplyTemplateRequest(_Body):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
 
 
 class LoraScale(_Body):

@@ -273,6 +273,39 @@ def test_llama_server_json_schema_and_gbnf_grammar(client) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("grammar:")
 
 
+def test_llama_server_n_probs_and_the_fields_its_clients_read(client) -> None:
+    body = {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "ignore_eos": True, "n_probs": 3}
+    whole = client.post("/completion", headers=auth(), json=body).json()
+    probs = whole["completion_probabilities"]
+    assert [p["id"] for p in probs] == whole["tokens"] and all(len(p["top_logprobs"]) == 3 for p in probs)
+    assert all(p["top_logprobs"][0]["id"] == p["id"] and p["logprob"] == p["top_logprobs"][0]["logprob"] for p in probs)  # greedy: the top one
+    assert all(bytes(p["bytes"]).decode("utf-8", "replace") == p["token"] for p in probs)
+    assert (whole["index"], whole["stopping_word"], whole["truncated"]) == (0, "", False)
+    settings = whole["generation_settings"]
+    assert (settings["n_predict"], settings["n_probs"], settings["temperature"], settings["min_p"]) == (4, 3, 0.0, 0.05)
+    streamed = client.post("/completion", headers=auth(), json={**body, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert [p for e in events for p in e.get("completion_probabilities", [])] == probs
+    refused = client.post("/completion", headers=auth(), json={**body, "post_sampling_probs": True})
+    assert refused.status_code == 400 and "post_sampling_probs is not supported" in refused.json()["error"]["message"]
+
+
+def test_llama_server_tokenize_detokenize_apply_template_and_props(client) -> None:
+    tokens = client.post("/tokenize", headers=auth(), json={"content": "hello there"}).json()["tokens"]
+    assert client.post("/detokenize", headers=auth(), json={"tokens": tokens}).json()["content"] == "hello there"
+    pieces = client.post("/tokenize", headers=auth(), json={"content": "hello <|im_end|>", "with_pieces": True}).json()["tokens"]
+    assert "".join(p["piece"] for p in pieces) == "hello <|im_end|>" and pieces[-1]["piece"] == "<|im_end|>"  # parse_special by default
+    literal = client.post("/tokenize", headers=auth(), json={"content": "<|im_end|>", "parse_special": False}).json()["tokens"]
+    assert len(literal) > 1
+    prompt = client.post("/apply-template", headers=auth(), json={"messages": [{"role": "user", "content": "hi"}]}).json()["prompt"]
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    props = client.get("/props", headers=auth()).json()
+    assert props["chat_template"] and props["default_generation_settings"]["n_ctx"] == 128 and "/" not in props["model_path"]
+    bad = client.post("/detokenize", headers=auth(), json={"tokens": [10**6]})
+    assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"]
+    assert client.post("/tokenize", json={"content": "x"}).status_code == 401
+
+
 def test_llama_server_completion_and_lora_adapters(client) -> None:
     listing = client.get("/lora-adapters", headers=auth()).json()
     assert [(e["id"], e["name"], e["scale"]) for e in listing] == [(0, "a", 0.0), (1, "b", 0.0), (2, "alo", 0.0), (3, "alo2", 0.0)]
