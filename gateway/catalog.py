@@ -5,6 +5,7 @@ beyond the adapters' own small tensors (for their fingerprints)."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class Catalog:
         self.max_prompt_chars = self.max_positions * max(longest, 1)
         self.base_fingerprint = base_fingerprint(self.base, config.fingerprint_path())
         self._ll_tokenizer = None  # llguidance's view of the tokenizer, for checking grammars
+        self._ll_lock = threading.Lock()
         self.adapters: dict[str, AdapterInfo] = {}
         for entry in config.adapters:
             path = config.resolve(entry.path)
@@ -54,9 +56,11 @@ class Catalog:
             )
 
     def check_grammar(self, grammar: str) -> None:
-        """GrammarError when the model cannot be made to follow `grammar` (the tokenizer is built once)."""
-        if self._ll_tokenizer is None:
-            self._ll_tokenizer = ll_tokenizer(self.tokenizer, self.hparams.vocab_size)
+        """GrammarError when the model cannot be made to follow `grammar` (the tokenizer is built once;
+        called from worker threads)."""
+        with self._ll_lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = ll_tokenizer(self.tokenizer, self.hparams.vocab_size)
         check(grammar, self._ll_tokenizer)
 
     def adapter_set_fingerprint(self, scales: dict[str, float]) -> str:

@@ -62,7 +62,7 @@ async def _json_body(request: Request, gateway: Gateway) -> Any:
 
 
 def _sampling(gateway: Gateway, num_prompt_tokens: int, max_tokens: int | None, body, logprobs: int | None = None,
-              echo: bool = False) -> SamplingParams:
+              echo: bool = False, grammar: str | None = None) -> SamplingParams:
     if max_tokens is None:
         max_tokens = gateway.admission.default_max_tokens(num_prompt_tokens)
     try:
@@ -70,7 +70,7 @@ def _sampling(gateway: Gateway, num_prompt_tokens: int, max_tokens: int | None, 
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
             top_k=max(body.top_k, 0), seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, echo=echo, stop=tuple(body.stop_list),
             logit_bias=body.bias_pairs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repeat_penalty=body.repetition_penalty, min_p=body.min_p, grammar=_grammar(gateway, body, "response_format"),
+            repeat_penalty=body.repetition_penalty, min_p=body.min_p, grammar=grammar,
         )
     except ValueError as e:
         raise APIError(400, str(e), "invalid_value") from e
@@ -105,6 +105,14 @@ def _generation_settings(gateway: Gateway, params: SamplingParams, body: LlamaCo
     """What /completion reports it ran with (llama-server's `generation_settings`)."""
     return {**_settings_of(params), "model": gateway.catalog.model_name, "n_ctx": gateway.catalog.max_positions,
             "cache_prompt": body.cache_prompt}
+
+
+async def _compiled_grammar(gateway: Gateway, body, field: str) -> str | None:
+    """`_grammar` off the event loop: checking a schema builds a parser (and, the first time, the
+    tokenizer's llguidance form), which must not hold up other requests."""
+    if body.grammar_source() is None:
+        return None
+    return await asyncio.to_thread(_grammar, gateway, body, field)
 
 
 def _llama_bias(gateway: Gateway, body: LlamaCompletionRequest) -> tuple[tuple[int, float], ...]:
@@ -269,7 +277,8 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         gateway, tenant, body = await _begin(request, CompletionRequest)
         scales = gateway.admission.resolve_scales(tenant, body.model, body.lora)
         tokenizer, prompt = gateway.catalog.tokenizer, await _tokens(gateway, body.prompt)
-        params = _sampling(gateway, len(prompt), body.max_tokens, body, body.logprobs, body.echo)
+        grammar = await _compiled_grammar(gateway, body, "response_format")
+        params = _sampling(gateway, len(prompt), body.max_tokens, body, body.logprobs, body.echo, grammar)
         prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, timeout_s=body.timeout_s)
         fmt = CompletionFormatter(tokenizer, body.model or gateway.catalog.model_name, prompt, body.echo, body.logprobs)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -283,7 +292,8 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         size = sum(len(m["content"]) for m in messages)
         prompt = await _off_loop(gateway, size, lambda: encode_chat(gateway.catalog.tokenizer, messages))
         k = (body.top_logprobs or 0) if body.logprobs else None
-        params = _sampling(gateway, len(prompt), body.token_limit, body, k)
+        grammar = await _compiled_grammar(gateway, body, "response_format")
+        params = _sampling(gateway, len(prompt), body.token_limit, body, k, grammar=grammar)
         prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, timeout_s=body.timeout_s)
         fmt = ChatFormatter(gateway.catalog.tokenizer, body.model or gateway.catalog.model_name, k)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -295,6 +305,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         scales = gateway.admission.resolve_scales(tenant, None, body.lora)
         model, prompt = gateway.catalog.model_name, await _tokens(gateway, body.prompt)
         n_predict = gateway.admission.default_max_tokens(len(prompt)) if body.n_predict is None else body.n_predict
+        grammar = await _compiled_grammar(gateway, body, "json_schema" if body.json_schema is not None else "grammar")
         try:
             params = SamplingParams(max_tokens=n_predict, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     seed=None if body.seed in (None, -1) else body.seed, ignore_eos=body.ignore_eos,
@@ -302,7 +313,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
                                     logit_bias=_llama_bias(gateway, body), min_p=body.min_p, repeat_penalty=body.repeat_penalty,
                                     presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                     penalty_last_n=body.repeat_last_n, penalize_prompt=True,
-                                    grammar=_grammar(gateway, body, "json_schema" if body.json_schema is not None else "grammar"))
+                                    grammar=grammar)
         except ValueError as e:
             raise APIError(400, str(e), "invalid_value") from e
         prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, body.cache_prompt, body.timeout_s)

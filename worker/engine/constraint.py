@@ -4,11 +4,13 @@ bitmask (one bit per token, applied on the device with the rest of the batch's p
 after it, the sampled token advances the matcher. Requests without a grammar pay nothing.
 
 Compiled grammars are kept by their text (LRU), and each request starts from a copy, so a schema
-sent again is not compiled again.
+sent again is not compiled again. The engine loop compiles a request's grammar in the submitting
+thread (`Engine.check`), so a slow schema never stalls the step loop; the cache is locked for that.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 
@@ -31,25 +33,29 @@ class Grammars:
         self._ll: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self.compile_s: list[float] = []  # each compilation's seconds (benchmarks read it)
+        self._lock = threading.Lock()
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher for `grammar`; GrammarRefused when it cannot be enforced."""
-        compiled = self._compiled.get(grammar)
-        if compiled is None:
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+                return compiled.deep_copy()
             if self._tokenizer is None:
                 raise GrammarRefused("structured output needs the model's tokenizer, which is not supported here")
             if self._ll is None:
                 self._ll = ll_tokenizer(self._tokenizer, self._vocab_size)
-            started = time.perf_counter()
-            compiled = llguidance.LLMatcher(self._ll, grammar, log_level=0)
+            tokenizer = self._ll
+        started = time.perf_counter()  # outside the lock: compiling drops the GIL and may take a while
+        compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if compiled.is_error():
+            raise GrammarRefused(f"the grammar cannot be enforced: {compiled.get_error()}")
+        with self._lock:
             self.compile_s.append(time.perf_counter() - started)
-            if compiled.is_error():
-                raise GrammarRefused(f"the grammar cannot be enforced: {compiled.get_error()}")
             self._compiled[grammar] = compiled
             if len(self._compiled) > self._capacity:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(grammar)
         return compiled.deep_copy()
 
 

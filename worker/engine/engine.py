@@ -99,8 +99,15 @@ class Engine:
     # requests in
 
     def check(self, request: EngineRequest) -> int:
-        """Validate before any work; returns the KV positions the request needs."""
-        return self._prepare(request)[0]
+        """Validate before any work; returns the KV positions the request needs. A grammar is
+        compiled here (the engine loop calls this off its thread), so `add_request` finds it cached."""
+        needed = self._prepare(request)[0]
+        if request.params.grammar is not None:
+            try:
+                self.grammars.matcher(request.params.grammar)
+            except GrammarRefused as e:
+                raise RequestError(str(e)) from e
+        return needed
 
     def _prepare(self, request: EngineRequest) -> tuple[int, RequestAdapters]:
         prompt, params = request.prompt_ids, request.params
