@@ -150,8 +150,8 @@ def llama_completion(deltas: list[Delta], model: str, tokenizer: GGUFTokenizer |
         "content": "".join(d.text for d in deltas),
         "tokens": [t for d in deltas for t in d.token_ids],
         "model": model, "stop": True,
-        "stop_type": "limit" if final.finish_reason == "length" else "eos",
-        "stopping_word": "", "truncated": False,
+        "stop_type": "limit" if final.finish_reason == "length" else "word" if final.stop_word else "eos",
+        "stopping_word": final.stop_word or "", "truncated": False,
         "tokens_predicted": u.completion_tokens, "tokens_evaluated": u.prompt_tokens, "tokens_cached": u.cached_tokens,
         "timings": {
             "prompt_n": u.prompt_tokens - u.cached_tokens, "prompt_ms": final.prompt_time_s * 1e3,

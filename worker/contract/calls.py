@@ -60,6 +60,7 @@ class Delta:
     decode_time_s: float = 0.0  # first token to finish
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # echo with logprobs; the first prompt token has none
     alora_activation: int | None = None
+    stop_word: str | None = None  # on the last delta: the stop string that ended the request, if one did
 
     @property
     def is_finished(self) -> bool:

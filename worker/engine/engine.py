@@ -294,6 +294,7 @@ class Engine:
                 reason = "stop"
         result = state.result
         result.finish_reason, result.error, result.error_status = reason, error, status
+        result.stop_word = state.stop.matched
         now = self.clock()
         first = now if state.first_token_s is None else state.first_token_s
         result.prompt_time_s, result.decode_time_s = first - state.arrived_s, now - first

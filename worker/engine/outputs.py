@@ -23,6 +23,7 @@ class GenerationResult:
     queue_time_s: float = 0.0  # arrival to its first step
     prompt_time_s: float = 0.0  # arrival to first token
     decode_time_s: float = 0.0  # first token to finish
+    stop_word: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass(frozen=True)

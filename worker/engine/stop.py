@@ -15,6 +15,7 @@ class StopMatcher:
         self._stops = [s for s in stops if s]
         self._held = ""
         self.is_stopped = False
+        self.matched: str | None = None  # the stop string found (the earliest in the text)
 
     def feed(self, text: str) -> str:
         """Add newly decoded text; returns what may be emitted now."""
@@ -23,8 +24,9 @@ class StopMatcher:
         if not self._stops:
             return text
         pending = self._held + text
-        cut = min((i for i in (pending.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self._stops if (i := pending.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda f: (f[0], -len(f[1])))
             self.is_stopped, self._held = True, ""
             return pending[:cut]
         keep = self._partial_suffix(pending)

@@ -286,6 +286,11 @@ def test_llama_server_n_probs_and_the_fields_its_clients_read(client) -> None:
     streamed = client.post("/completion", headers=auth(), json={**body, "stream": True})
     events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert [p for e in events for p in e.get("completion_probabilities", [])] == probs
+    assert whole["stop_type"] == "limit"
+    text = client.post("/completion", headers=auth(), json={**body, "n_predict": 12, "n_probs": 0}).json()["content"]
+    word = text[3:5]
+    stopped = client.post("/completion", headers=auth(), json={**body, "n_predict": 12, "n_probs": 0, "stop": ["zzzz", word]}).json()
+    assert (stopped["stop_type"], stopped["stopping_word"]) == ("word", word) and stopped["content"] == text[: text.find(word)]
     refused = client.post("/completion", headers=auth(), json={**body, "post_sampling_probs": True})
     assert refused.status_code == 400 and "post_sampling_probs is not supported" in refused.json()["error"]["message"]
 

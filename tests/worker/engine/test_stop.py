@@ -32,3 +32,13 @@ def test_earliest_of_several_stops_wins() -> None:
 def test_no_stops_passes_text_through() -> None:
     matcher = StopMatcher([])
     assert matcher.feed("abc") == "abc" and not matcher.is_stopped
+
+
+def test_the_stop_string_found_is_remembered_the_earliest_and_then_the_longest() -> None:
+    matcher = StopMatcher(["lo w", "o", "hello"])
+    assert matcher.feed("hel") == ""  # "hel" may start "hello": held back
+    matcher.feed("lo world")
+    assert matcher.is_stopped and matcher.matched == "hello"
+    other = StopMatcher(["b", "ab"])
+    assert other.feed("xab") == "x" and other.matched == "ab"
+    assert StopMatcher(["q"]).matched is None
