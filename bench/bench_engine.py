@@ -110,12 +110,18 @@ def run_policy(runner: ModelRunner, groups: list[list[EngineRequest]], args: arg
             if not engine.has_work():
                 continue
             is_decode = not any(seq.is_prefilling for seq in engine.scheduler.running) and not engine.scheduler.num_waiting
-            started = time.perf_counter()
-            outputs = engine.step()
+            seconds, tokens = timed_step(engine)
             if is_decode:
-                decode_s += time.perf_counter() - started
-                decode_tokens += sum(len(o.token_ids) for o in outputs)
+                decode_s += seconds
+                decode_tokens += tokens
     return decode_s, decode_tokens
+
+
+def timed_step(engine: Engine) -> tuple[float, int]:
+    """One engine step: (its seconds, the tokens it produced)."""
+    started = time.perf_counter()
+    outputs = engine.step()
+    return time.perf_counter() - started, sum(len(o.token_ids) for o in outputs)
 
 
 def run(args: argparse.Namespace) -> int:

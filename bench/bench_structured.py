@@ -13,13 +13,12 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.bench_engine import write_random_adapters
+from bench.bench_engine import timed_step, write_random_adapters
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig
 from worker.engine.engine import Engine, EngineRequest
@@ -62,11 +61,9 @@ def _decode_rate(engine: Engine, requests: list[EngineRequest]) -> tuple[float, 
     seconds, tokens = 0.0, 0
     while engine.has_work():
         full = len(engine.scheduler.running) == len(requests) and not any(s.is_prefilling for s in engine.scheduler.running)
-        started = time.perf_counter()
-        outputs = engine.step()
+        step_s, step_tokens = timed_step(engine)
         if full:
-            seconds += time.perf_counter() - started
-            tokens += sum(len(o.token_ids) for o in outputs)
+            seconds, tokens = seconds + step_s, tokens + step_tokens
     return seconds, tokens
 
 
