@@ -12,6 +12,7 @@ refused before tokenizing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -40,13 +41,14 @@ from gateway.dispatch import Gateway
 from gateway.metrics import adapter_label
 from gateway.tenants import Tenant
 from worker.contract.calls import Delta
-from worker.contract.params import SamplingParams
+from worker.contract.params import MAX_LOGIT_BIAS, SamplingParams
 from worker.formats.chat_template import ChatTemplateError, encode_chat, render_chat
 from worker.formats.grammar import GrammarError, gbnf_grammar, json_object_grammar, json_schema_grammar
 from worker.formats.tokenizer import TokenizerError
 
 log = logging.getLogger(__name__)
 OFF_LOOP_CHARS = 4096  # texts longer than this are tokenized in a worker thread
+OFF_LOOP_TOKENS = 4096  # token lists longer than this are decoded in a worker thread
 
 
 async def _json_body(request: Request, gateway: Gateway) -> Any:
@@ -107,6 +109,15 @@ def _generation_settings(gateway: Gateway, params: SamplingParams, body: LlamaCo
             "cache_prompt": body.cache_prompt}
 
 
+def _piece(tokenizer, token_id: int) -> dict[str, Any]:
+    """llama-server's /tokenize piece: text when it is valid UTF-8, else its bytes."""
+    piece = tokenizer.token_bytes(token_id, skip_special=False)
+    try:
+        return {"id": token_id, "piece": piece.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"id": token_id, "piece": list(piece)}
+
+
 async def _compiled_grammar(gateway: Gateway, body, field: str) -> str | None:
     """`_grammar` off the event loop: checking a schema builds a parser (and, the first time, the
     tokenizer's llguidance form), which must not hold up other requests."""
@@ -115,13 +126,23 @@ async def _compiled_grammar(gateway: Gateway, body, field: str) -> str | None:
     return await asyncio.to_thread(_grammar, gateway, body, field)
 
 
+MAX_BIAS_TEXT_CHARS = 16_384  # of every string in one request's logit_bias together
+
+
 def _llama_bias(gateway: Gateway, body: LlamaCompletionRequest) -> tuple[tuple[int, float], ...]:
-    """llama-server's logit_bias: a string entry biases each of its tokens."""
-    pairs = []
-    for token, bias in body.bias_entries():
+    """llama-server's logit_bias: a string entry biases each of its tokens (a later entry for
+    the same token replaces an earlier one); the strings and the tokens they give are bounded."""
+    entries = body.bias_entries()
+    chars = sum(len(token) for token, _ in entries if isinstance(token, str))
+    if chars > MAX_BIAS_TEXT_CHARS:
+        raise APIError(400, f"logit_bias strings total {chars} characters, over {MAX_BIAS_TEXT_CHARS}", "invalid_value")
+    biases: dict[int, float] = {}
+    for token, bias in entries:
         ids = [token] if isinstance(token, int) else gateway.catalog.tokenizer.encode(token, add_special=False)
-        pairs += [(t, bias) for t in ids]
-    return tuple(pairs)
+        biases.update((t, bias) for t in ids)
+    if len(biases) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"logit_bias covers {len(biases)} tokens, over {MAX_LOGIT_BIAS}", "invalid_value")
+    return tuple(biases.items())
 
 
 def _headers(prepared: Prepared) -> dict[str, str]:
@@ -235,8 +256,8 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         await gateway.limiter.admit(tenant)
         return gateway, tenant, None if model is None else parse(model, await _json_body(request, gateway))
 
-    async def _off_loop(gateway: Gateway, size: int, work: Callable[[], list[int]]) -> list[int]:
-        """Tokenizing: refused when the text cannot fit the context; off the event loop when large."""
+    async def _off_loop(gateway: Gateway, size: int, work: Callable[[], Any]) -> Any:
+        """Tokenizing or rendering: refused when the text cannot fit the context; off the event loop when large."""
         if size > gateway.catalog.max_prompt_chars:
             raise APIError(400, f"the prompt ({size} characters) cannot fit the model's context of {gateway.catalog.max_positions} tokens",
                            "context_length_exceeded")
@@ -336,18 +357,12 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     async def tokenize(request: Request) -> dict[str, Any]:
         gateway, _, body = await _begin(request, TokenizeRequest)
         tokenizer = gateway.catalog.tokenizer
-        ids = await _off_loop(gateway, len(body.content), lambda: tokenizer.encode(body.content, add_special=body.add_special,
-                                                                                     parse_special=body.parse_special))
-        if not body.with_pieces:
-            return {"tokens": ids}
-        pieces = []
-        for token_id in ids:
-            piece = tokenizer.token_bytes(token_id, skip_special=False)
-            try:  # llama-server: the piece as text when it is valid UTF-8, else its bytes
-                pieces.append({"id": token_id, "piece": piece.decode("utf-8")})
-            except UnicodeDecodeError:
-                pieces.append({"id": token_id, "piece": list(piece)})
-        return {"tokens": pieces}
+
+        def work() -> list:
+            ids = tokenizer.encode(body.content, add_special=body.add_special, parse_special=body.parse_special)
+            return ids if not body.with_pieces else [_piece(tokenizer, t) for t in ids]
+
+        return {"tokens": await _off_loop(gateway, len(body.content), work)}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
@@ -356,16 +371,15 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is out of range (vocabulary size {vocab})", "invalid_value")
-        return {"content": gateway.catalog.tokenizer.decode(body.tokens, skip_special=False)}
+        decode = functools.partial(gateway.catalog.tokenizer.decode, body.tokens, skip_special=False)
+        return {"content": await asyncio.to_thread(decode) if len(body.tokens) > OFF_LOOP_TOKENS else decode()}
 
     @app.post("/apply-template")
     async def apply_template(request: Request) -> dict[str, Any]:
         gateway, _, body = await _begin(request, ApplyTemplateRequest)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            return {"prompt": render_chat(gateway.catalog.tokenizer, messages)}
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), "invalid_prompt") from e
+        size = sum(len(m["content"]) for m in messages)
+        return {"prompt": await _off_loop(gateway, size, lambda: render_chat(gateway.catalog.tokenizer, messages))}
 
     @app.get("/props")
     async def props(request: Request) -> dict[str, Any]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+MAX_LOGIT_BIAS = 4096  # biased tokens per request (after a string's are counted)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -45,6 +47,8 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias:
             if token < 0 or not (math.isfinite(bias) and -100 <= bias <= 100):
                 raise ValueError(f"logit_bias maps token ids to numbers between -100 and 100, got {token}: {bias}")

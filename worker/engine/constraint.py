@@ -17,7 +17,7 @@ from collections import OrderedDict
 import llguidance
 import torch
 
-from worker.formats.grammar import ll_tokenizer
+from worker.formats.grammar import first_mask_error, ll_tokenizer
 from worker.formats.tokenizer import GGUFTokenizer
 
 MAX_CACHED_GRAMMARS = 256
@@ -49,8 +49,9 @@ class Grammars:
             tokenizer = self._ll
         started = time.perf_counter()  # outside the lock: compiling drops the GIL and may take a while
         compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if compiled.is_error():
-            raise GrammarRefused(f"the grammar cannot be enforced: {compiled.get_error()}")
+        problem = first_mask_error(compiled.deep_copy()) if not compiled.is_error() else compiled.get_error()
+        if problem:
+            raise GrammarRefused(f"the grammar cannot be enforced: {problem}")
         with self._lock:
             self.compile_s.append(time.perf_counter() - started)
             self._compiled[grammar] = compiled

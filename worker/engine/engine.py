@@ -262,6 +262,9 @@ class Engine:
             return None
         if state.is_at_limit:  # max_tokens 0
             return self._finish(state, "length")
+        if out.nothing_allowed:
+            return self._finish(state, "error", "no token may come next: this request's grammar, logit_bias and ignore_eos together allow none",
+                                status=400)
         if not out.is_finite:
             return self._finish(state, "error", "the model's output for this request is not finite (are its adapter scales too large?)", status=400)
         if state.first_token_s is None:

@@ -27,7 +27,7 @@ from worker.lora.mapping import RequestAdapters
 from worker.model.attention import AttentionPlan, KVCache, Segment
 from worker.model.device import DeviceConfig
 from worker.model.loader import load_model
-from worker.model.sampler import SampleSpec, SamplingBatch, sample
+from worker.model.sampler import NOTHING_ALLOWED, SampleSpec, SamplingBatch, sample
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class SpanOutput:
     logprob: TokenLogprob | None = None  # of the sampled token, when asked
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     is_finite: bool = True  # False: this sequence's logits were NaN or infinite (nothing was sampled)
+    nothing_allowed: bool = False  # its bans, biases and grammar left no token to sample
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,8 @@ def _assemble(spans: Sequence[SpanInput], host: list[np.ndarray]) -> list[SpanOu
         if span.sample is not None:
             token = int(sampled[s])
             s += 1
-            out.is_finite = token >= 0
+            out.is_finite = token != -1
+            out.nothing_allowed = token == NOTHING_ALLOWED
             out.token = token if token >= 0 else None
             if span.logprobs is not None:
                 out.logprob = _entry(token, chosen[lp], top_ids, top_values, lp, k) if token >= 0 else None

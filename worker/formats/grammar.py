@@ -34,7 +34,11 @@ class GrammarError(ValueError):
 
 def json_schema_grammar(schema: Any) -> str:
     """A JSON Schema (a dict, or true/false) -> llguidance grammar."""
-    if not isinstance(schema, dict | bool):
+    if schema is False:
+        raise GrammarError("the JSON schema false allows no value")
+    if schema is True:  # any JSON value
+        schema = {}
+    if not isinstance(schema, dict):
         raise GrammarError(f"a JSON schema is an object, got {type(schema).__name__}")
     text = json.dumps(schema)
     if len(text) > MAX_GRAMMAR_CHARS:
@@ -92,3 +96,14 @@ def check(grammar: str, tokenizer: llguidance.LLTokenizer) -> None:
     message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if message:
         raise GrammarError(message)
+    problem = first_mask_error(llguidance.LLMatcher(tokenizer, grammar, log_level=0))
+    if problem:
+        raise GrammarError(problem)
+
+
+def first_mask_error(matcher: llguidance.LLMatcher) -> str | None:
+    """Why a fresh matcher cannot even start (a schema that can generate nothing, such as a $ref
+    cycle, passes validation and fails only on its first mask), or None."""
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    return matcher.get_error() if matcher.is_error() else None

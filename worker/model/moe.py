@@ -74,5 +74,5 @@ def moe_ffn(h: torch.Tensor, block: nn.Module, num_used: int, activation) -> tor
     routes = Routes.top_k(block.ffn_gate_inp(h), num_used)
     rows = h.index_select(0, routes.token)  # [P, d]
     act = activation(block.ffn_gate_exps(rows, routes)) * block.ffn_up_exps(rows, routes)
-    down = block.ffn_down_exps(act, routes) * routes.weight.to(h.dtype).unsqueeze(1)
-    return torch.zeros_like(h).index_add_(0, routes.token, down)
+    down = block.ffn_down_exps(act, routes).float() * routes.weight.unsqueeze(1)  # weighted and summed in fp32, as ggml
+    return torch.zeros(h.shape, dtype=torch.float32, device=h.device).index_add_(0, routes.token, down).to(h.dtype)

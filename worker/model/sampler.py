@@ -20,6 +20,7 @@ import torch
 from worker.contract.params import SamplingParams
 
 GREEDY_BELOW = 1e-5  # a temperature this small (0 included) overflows logits / T: greedy
+NOTHING_ALLOWED = -2  # what `sample` gives a row that no token may follow
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -149,7 +150,8 @@ def is_distribution(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [M, V] float32 -> tokens [M] (long, on the logits' device); -1 for a row that is
-    not a distribution (NaN or +inf logits), which must fail its own request only."""
+    not a distribution (NaN or +inf logits), -2 for a row whose bans, biases and grammar leave
+    no token at all; either must fail its own request only."""
     valid = is_distribution(logits)
     if batch.bias is not None:
         rows, cols, added = batch.bias
@@ -163,6 +165,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     tokens = logits.argmax(dim=-1)
     if batch.drawn is not None:
         tokens = tokens.index_copy(0, batch.drawn, _draw(logits.index_select(0, batch.drawn), batch))
+    if batch.banned is not None or batch.allowed is not None or batch.bias is not None:
+        tokens = torch.where(torch.isfinite(logits).any(dim=-1), tokens, torch.full_like(tokens, NOTHING_ALLOWED))
     return torch.where(valid, tokens, torch.full_like(tokens, -1))
 
 
@@ -178,11 +182,15 @@ def _constrain(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) ->
 
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [D, V] of rows that sample -> tokens [D]: temperature, then top-k, then top-p
-    (a token is dropped when the mass before it already reaches top_p; the first always stays),
-    then min-p (a token less probable than min_p times the most probable is dropped)."""
+    """logits [D, V] of rows that sample -> tokens [D]: min-p (a token less probable than min_p
+    times the most probable is dropped, judged before temperature as llama.cpp does), temperature,
+    then top-k, then top-p (a token is dropped when the mass before it already reaches top_p;
+    the first always stays)."""
     vocab = logits.shape[-1]
     scaled = logits / batch.temperature
+    if batch.min_p is not None:  # on the untempered distribution, as llama.cpp: p < min_p * p_max <=> logit < max + log(min_p)
+        floor = logits.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)
+        scaled = scaled.masked_fill(logits < floor, float("-inf"))
     if batch.top_k is not None:
         kth = torch.topk(scaled, batch.top_k_max, dim=-1).values.gather(1, batch.top_k.clamp_min(1) - 1)  # [D, 1]
         kth = torch.where(batch.top_k > 0, kth, torch.full_like(kth, float("-inf")))
@@ -192,9 +200,6 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs = torch.softmax(ordered, dim=-1)
         drop = (probs.cumsum(dim=-1) - probs) >= batch.top_p
         scaled = scaled.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
-    if batch.min_p is not None:  # p < min_p * p_max  <=>  logit < max logit + log(min_p)
-        floor = scaled.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)
-        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)  # [D, V]
     # the first token whose cumulative mass passes u * total: never one of probability 0
     return (cdf <= (batch.uniform * cdf[:, -1])[:, None]).sum(dim=-1).clamp_max(vocab - 1)

@@ -271,6 +271,21 @@ def test_llama_server_json_schema_and_gbnf_grammar(client) -> None:
     assert answer in ("yes!", "no!")
     bad = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "grammar": "root ::= ("})
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("grammar:")
+    cycle = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    empty = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "json_schema": cycle})
+    assert empty.status_code == 400 and empty.json()["error"]["message"].startswith("json_schema:")
+
+
+
+def test_llama_server_logit_bias_strings_are_bounded(client, monkeypatch) -> None:
+    import gateway.api.app as app_module
+
+    monkeypatch.setattr(app_module, "MAX_BIAS_TEXT_CHARS", 100)  # the test server's bodies are small
+    long_bias = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "logit_bias": [["hello world " * 10, 1]]})
+    assert long_bias.status_code == 400 and "logit_bias strings total 120 characters, over 100" in long_bias.json()["error"]["message"]
+    monkeypatch.setattr(app_module, "MAX_LOGIT_BIAS", 3)
+    many = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "logit_bias": [["hello there, world", 1]]})
+    assert many.status_code == 400 and "over 3" in many.json()["error"]["message"]
 
 
 def test_llama_server_n_probs_and_the_fields_its_clients_read(client) -> None:

@@ -87,3 +87,26 @@ def test_a_schema_sent_again_is_not_compiled_again(setup) -> None:
     grammar = json_schema_grammar({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
     engine.run_all([EngineRequest(f"r{i}", [5, 77], SamplingParams(max_tokens=12, temperature=0, grammar=grammar)) for i in range(3)])
     assert len(engine.grammars.compile_s) == 1
+
+
+def test_constraints_that_leave_no_token_fail_the_request_alone_with_a_400(setup) -> None:
+    runner, tokenizer = setup
+    ban_all = tuple((t, -100.0) for t in range(runner.hparams.vocab_size))
+    requests = [EngineRequest("none", [5, 77], SamplingParams(max_tokens=4, temperature=0, logit_bias=ban_all)),
+                EngineRequest("fine", [5, 77], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))]
+    results = run(setup, requests)
+    assert (results["none"].finish_reason, results["none"].error_status) == ("error", 400)
+    assert "allow none" in results["none"].error and results["fine"].finish_reason == "length"
+
+
+def test_a_schema_that_can_generate_nothing_is_refused_before_it_runs(setup) -> None:
+    runner, tokenizer = setup
+    cycle = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=2, slot_len=64))
+    with pytest.raises(RequestError, match="the grammar cannot be enforced"):
+        engine.check(EngineRequest("c", [5], SamplingParams(max_tokens=4, grammar=json_schema_grammar(cycle))))
+    with pytest.raises(GrammarError, match="allows no value"):
+        json_schema_grammar(False)
+    anything = run(setup, [EngineRequest("t", [5, 77], SamplingParams(max_tokens=30, temperature=0, grammar=json_schema_grammar(True)))])["t"]
+    if anything.finish_reason == "stop":
+        json.loads(anything.text)  # `true`: any JSON value

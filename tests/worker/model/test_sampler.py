@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from worker.contract.params import SamplingParams
-from worker.model.sampler import SampleSpec, SamplingBatch, make_generator, sample
+from worker.model.sampler import NOTHING_ALLOWED, SampleSpec, SamplingBatch, make_generator, sample
 
 CPU = torch.device("cpu")
 VOCAB = 50
@@ -119,3 +119,19 @@ def test_processing_of_one_row_leaves_the_others_as_they_were() -> None:
     rows = [SampleSpec(plain[0], make_generator(1, CPU)), SampleSpec(busy, make_generator(2, CPU), (), [1, 2]), SampleSpec(plain[1], make_generator(0, CPU))]
     together = sample(logits, SamplingBatch.build(rows, VOCAB, CPU)).tolist()
     assert together[0] == draw(logits[0:1], specs(plain[0]))[0] and together[2] == int(logits[2].argmax())
+
+
+def test_a_row_with_nothing_left_to_choose_is_flagged_not_given_token_0() -> None:
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(6))
+    none_left = torch.zeros(2, dtype=torch.int32)  # a grammar bitmask allowing nothing
+    rows = [SampleSpec(SamplingParams(temperature=0), make_generator(0, CPU), (), (), none_left),
+            SampleSpec(SamplingParams(temperature=1.0, seed=1), make_generator(1, CPU), tuple(range(VOCAB)))]
+    assert sample(logits, SamplingBatch.build(rows, VOCAB, CPU)).tolist() == [NOTHING_ALLOWED, NOTHING_ALLOWED]
+    plain = [SampleSpec(SamplingParams(temperature=0), make_generator(0, CPU), (5,))]
+    assert draw(logits[:1], plain) == [int(logits[0].masked_fill(torch.arange(VOCAB) == 5, float("-inf")).argmax())]
+
+
+def test_min_p_is_judged_before_temperature_as_llama_cpp_does() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.12, 0.08] + [1e-9] * (VOCAB - 4)]))
+    hot = _empirical(logits, SamplingParams(temperature=3.0, top_p=1.0, top_k=0, min_p=0.2), [])  # keeps p >= 0.1 before temperature
+    assert hot[3:].sum() == 0 and hot[2] > 0
