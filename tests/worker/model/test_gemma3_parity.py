@@ -10,11 +10,9 @@ import hashlib
 import pytest
 
 from tests.conftest import FIXTURES
+from tests.helpers import LLAMACPP_SCALES, teacher_forced_against_llama_cpp
 from worker.contract.params import SamplingParams
 from worker.engine.generate import generate
-
-SCALES = {"base": 0.0, "small@1.0": 1.0, "small@0.5": 0.5}
-NEAR_TIE = 0.35
 
 
 def test_reference_adapter_is_the_one_llama_cpp_used(gemma3_reference) -> None:
@@ -23,24 +21,9 @@ def test_reference_adapter_is_the_one_llama_cpp_used(gemma3_reference) -> None:
 
 
 def test_teacher_forced_completions_match_llama_cpp(gemma3_runner, gemma3_tokenizer, gemma3_reference) -> None:
-    total = matched = 0
-    report = []
-    for case in gemma3_reference["completions"]:
-        prompt = case["prompt_tokens"]
-        params = SamplingParams(max_tokens=0, temperature=0, echo=True, logprobs=5, ignore_eos=True)
-        result = generate(gemma3_runner, prompt + case["tokens"], params, {0: SCALES[case["config"]]}, gemma3_tokenizer)
-        for i, step in enumerate(case["steps"]):
-            ours = result.prompt_logprobs[len(prompt) + i].top[0][0]
-            reference = dict((token, lp) for token, lp in step["top"])
-            total += 1
-            if ours == step["top"][0][0]:
-                matched += 1
-                continue
-            gap = step["top"][0][1] - reference.get(ours, float("-inf"))
-            report.append((case["config"], i, ours, step["top"][0][0], gap))
-            assert gap <= NEAR_TIE, f"{case['config']} step {i}: we pick {ours}, llama.cpp {step['top'][0][0]}, gap {gap:.3f}"
+    matched, total, misses = teacher_forced_against_llama_cpp(gemma3_runner, gemma3_tokenizer, gemma3_reference)
     assert total == sum(len(c["steps"]) for c in gemma3_reference["completions"])
-    assert matched / total >= 0.95, report
+    assert matched / total >= 0.95, misses
 
 
 @pytest.mark.parametrize("config", ["base", "small@1.0"])
@@ -52,5 +35,5 @@ def test_greedy_generation_follows_llama_cpp_up_to_its_first_near_tie(gemma3_run
         tie = next((i for i, s in enumerate(case["steps"]) if s["top"][0][1] - s["top"][1][1] < 0.1), len(case["steps"]))
         prompt = gemma3_tokenizer.encode(case["prompt"], parse_special=True)
         params = SamplingParams(max_tokens=len(case["tokens"]), temperature=0, ignore_eos=True)
-        result = generate(gemma3_runner, prompt, params, {0: SCALES[config]}, gemma3_tokenizer)
+        result = generate(gemma3_runner, prompt, params, {0: LLAMACPP_SCALES[config]}, gemma3_tokenizer)
         assert tie >= 8 and result.token_ids[:tie] == case["tokens"][:tie], (case["prompt"], tie)
