@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 
 from gateway.admission import Prepared
-from gateway.api.formats import ChatFormatter, CompletionFormatter, llama_completion, llama_probabilities, sse, token_str
+from gateway.api.formats import ChatFormatter, CompletionFormatter, llama_completion, llama_probabilities, sse, token_str, tokenize_piece
 from gateway.api.protocol import (
     APIError,
     ApplyTemplateRequest,
@@ -37,13 +37,12 @@ from gateway.api.protocol import (
     load_json,
     parse,
 )
+from gateway.api.sampling import compiled_grammar, llama_params, openai_params, settings_of
 from gateway.dispatch import Gateway
 from gateway.metrics import adapter_label
 from gateway.tenants import Tenant
 from worker.contract.calls import Delta
-from worker.contract.params import MAX_LOGIT_BIAS, SamplingParams
 from worker.formats.chat_template import ChatTemplateError, encode_chat, render_chat
-from worker.formats.grammar import GrammarError, gbnf_grammar, json_object_grammar, json_schema_grammar
 from worker.formats.tokenizer import TokenizerError
 
 log = logging.getLogger(__name__)
@@ -61,88 +60,6 @@ async def _json_body(request: Request, gateway: Gateway) -> Any:
         if len(body) > limit:
             raise APIError(413, f"request body over {limit} bytes", "body_too_large")
     return load_json(bytes(body))
-
-
-def _sampling(gateway: Gateway, num_prompt_tokens: int, max_tokens: int | None, body, logprobs: int | None = None,
-              echo: bool = False, grammar: str | None = None) -> SamplingParams:
-    if max_tokens is None:
-        max_tokens = gateway.admission.default_max_tokens(num_prompt_tokens)
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-            top_k=max(body.top_k, 0), seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, echo=echo, stop=tuple(body.stop_list),
-            logit_bias=body.bias_pairs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repeat_penalty=body.repetition_penalty, min_p=body.min_p, grammar=grammar,
-        )
-    except ValueError as e:
-        raise APIError(400, str(e), "invalid_value") from e
-
-
-def _grammar(gateway: Gateway, body, field: str) -> str | None:
-    """The body's grammar (response_format, json_schema or grammar) compiled and checked against the
-    model: a 400 naming what cannot be enforced, never a silent fallback to free text."""
-    source = body.grammar_source()
-    if source is None:
-        return None
-    kind, spec = source
-    try:
-        grammar = json_object_grammar() if kind == "json_object" else json_schema_grammar(spec) if kind == "json_schema" else gbnf_grammar(spec)
-        gateway.catalog.check_grammar(grammar)
-    except GrammarError as e:
-        raise APIError(400, f"{field}: {e}", "invalid_grammar") from e
-    return grammar
-
-
-def _settings_of(params: SamplingParams) -> dict[str, Any]:
-    return {
-        "n_predict": params.max_tokens, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-        "min_p": params.min_p, "repeat_penalty": params.repeat_penalty, "repeat_last_n": params.penalty_last_n,
-        "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
-        "seed": -1 if params.seed is None else params.seed, "ignore_eos": params.ignore_eos, "stop": list(params.stop),
-        "n_probs": params.logprobs or 0, "logit_bias": [[t, b] for t, b in params.logit_bias], "grammar": "" if params.grammar is None else "<set>",
-    }
-
-
-def _generation_settings(gateway: Gateway, params: SamplingParams, body: LlamaCompletionRequest) -> dict[str, Any]:
-    """What /completion reports it ran with (llama-server's `generation_settings`)."""
-    return {**_settings_of(params), "model": gateway.catalog.model_name, "n_ctx": gateway.catalog.max_positions,
-            "cache_prompt": body.cache_prompt}
-
-
-def _piece(tokenizer, token_id: int) -> dict[str, Any]:
-    """llama-server's /tokenize piece: text when it is valid UTF-8, else its bytes."""
-    piece = tokenizer.token_bytes(token_id, skip_special=False)
-    try:
-        return {"id": token_id, "piece": piece.decode("utf-8")}
-    except UnicodeDecodeError:
-        return {"id": token_id, "piece": list(piece)}
-
-
-async def _compiled_grammar(gateway: Gateway, body, field: str) -> str | None:
-    """`_grammar` off the event loop: checking a schema builds a parser (and, the first time, the
-    tokenizer's llguidance form), which must not hold up other requests."""
-    if body.grammar_source() is None:
-        return None
-    return await asyncio.to_thread(_grammar, gateway, body, field)
-
-
-MAX_BIAS_TEXT_CHARS = 16_384  # of every string in one request's logit_bias together
-
-
-def _llama_bias(gateway: Gateway, body: LlamaCompletionRequest) -> tuple[tuple[int, float], ...]:
-    """llama-server's logit_bias: a string entry biases each of its tokens (a later entry for
-    the same token replaces an earlier one); the strings and the tokens they give are bounded."""
-    entries = body.bias_entries()
-    chars = sum(len(token) for token, _ in entries if isinstance(token, str))
-    if chars > MAX_BIAS_TEXT_CHARS:
-        raise APIError(400, f"logit_bias strings total {chars} characters, over {MAX_BIAS_TEXT_CHARS}", "invalid_value")
-    biases: dict[int, float] = {}
-    for token, bias in entries:
-        ids = [token] if isinstance(token, int) else gateway.catalog.tokenizer.encode(token, add_special=False)
-        biases.update((t, bias) for t in ids)
-    if len(biases) > MAX_LOGIT_BIAS:
-        raise APIError(400, f"logit_bias covers {len(biases)} tokens, over {MAX_LOGIT_BIAS}", "invalid_value")
-    return tuple(biases.items())
 
 
 def _headers(prepared: Prepared) -> dict[str, str]:
@@ -298,8 +215,8 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         gateway, tenant, body = await _begin(request, CompletionRequest)
         scales = gateway.admission.resolve_scales(tenant, body.model, body.lora)
         tokenizer, prompt = gateway.catalog.tokenizer, await _tokens(gateway, body.prompt)
-        grammar = await _compiled_grammar(gateway, body, "response_format")
-        params = _sampling(gateway, len(prompt), body.max_tokens, body, body.logprobs, body.echo, grammar)
+        grammar = await compiled_grammar(gateway, body, "response_format")
+        params = openai_params(gateway, len(prompt), body.max_tokens, body, body.logprobs, body.echo, grammar)
         prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, timeout_s=body.timeout_s)
         fmt = CompletionFormatter(tokenizer, body.model or gateway.catalog.model_name, prompt, body.echo, body.logprobs)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -313,8 +230,8 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         size = sum(len(m["content"]) for m in messages)
         prompt = await _off_loop(gateway, size, lambda: encode_chat(gateway.catalog.tokenizer, messages))
         k = (body.top_logprobs or 0) if body.logprobs else None
-        grammar = await _compiled_grammar(gateway, body, "response_format")
-        params = _sampling(gateway, len(prompt), body.token_limit, body, k, grammar=grammar)
+        grammar = await compiled_grammar(gateway, body, "response_format")
+        params = openai_params(gateway, len(prompt), body.token_limit, body, k, grammar=grammar)
         prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, timeout_s=body.timeout_s)
         fmt = ChatFormatter(gateway.catalog.tokenizer, body.model or gateway.catalog.model_name, k)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -325,22 +242,12 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         gateway, tenant, body = await _begin(request, LlamaCompletionRequest)
         scales = gateway.admission.resolve_scales(tenant, None, body.lora)
         model, prompt = gateway.catalog.model_name, await _tokens(gateway, body.prompt)
-        n_predict = gateway.admission.default_max_tokens(len(prompt)) if body.n_predict is None else body.n_predict
-        grammar = await _compiled_grammar(gateway, body, "json_schema" if body.json_schema is not None else "grammar")
-        try:
-            params = SamplingParams(max_tokens=n_predict, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                    seed=None if body.seed in (None, -1) else body.seed, ignore_eos=body.ignore_eos,
-                                    logprobs=body.n_probs or None, stop=tuple(body.stop),
-                                    logit_bias=_llama_bias(gateway, body), min_p=body.min_p, repeat_penalty=body.repeat_penalty,
-                                    presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                                    penalty_last_n=body.repeat_last_n, penalize_prompt=True,
-                                    grammar=grammar)
-        except ValueError as e:
-            raise APIError(400, str(e), "invalid_value") from e
+        grammar = await compiled_grammar(gateway, body, "json_schema" if body.json_schema is not None else "grammar")
+        params = llama_params(gateway, len(prompt), body, grammar)
         prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, body.cache_prompt, body.timeout_s)
 
         tokenizer = gateway.catalog.tokenizer
-        settings = _generation_settings(gateway, params, body)
+        settings = {**settings_of(params), "model": model, "n_ctx": gateway.catalog.max_positions, "cache_prompt": body.cache_prompt}
 
         def chunk(delta: Delta, first: bool) -> dict[str, Any]:
             if delta.is_finished:
@@ -360,7 +267,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
 
         def work() -> list:
             ids = tokenizer.encode(body.content, add_special=body.add_special, parse_special=body.parse_special)
-            return ids if not body.with_pieces else [_piece(tokenizer, t) for t in ids]
+            return ids if not body.with_pieces else [tokenize_piece(tokenizer, t) for t in ids]
 
         return {"tokens": await _off_loop(gateway, len(body.content), work)}
 
@@ -387,9 +294,9 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         gateway, tenant, _ = await _begin(request)
         catalog = gateway.catalog
         tokenizer = catalog.tokenizer
-        defaults = SamplingParams(max_tokens=-1, temperature=0.8, top_p=0.95, top_k=40, min_p=0.05, penalty_last_n=64, penalize_prompt=True)
+        defaults = llama_params(gateway, 1, LlamaCompletionRequest(prompt=[0]))  # what a /completion that sets nothing gets
         return {
-            "default_generation_settings": {"n_ctx": catalog.max_positions, "params": _settings_of(defaults)},
+            "default_generation_settings": {"n_ctx": catalog.max_positions, "params": settings_of(defaults)},
             "total_slots": gateway.config.engine.num_slots,  # per replica
             "model_path": catalog.model_name,
             "model_alias": catalog.model_name,

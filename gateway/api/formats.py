@@ -131,6 +131,15 @@ class ChatFormatter:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": [], "usage": usage(final)}
 
 
+def tokenize_piece(tokenizer: GGUFTokenizer, token_id: int) -> dict[str, Any]:
+    """llama-server's /tokenize piece: text when it is valid UTF-8, else its bytes."""
+    piece = tokenizer.token_bytes(token_id, skip_special=False)
+    try:
+        return {"id": token_id, "piece": piece.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"id": token_id, "piece": list(piece)}
+
+
 def _llama_token(tokenizer: GGUFTokenizer, token_id: int, logprob: float) -> dict[str, Any]:
     piece = tokenizer.token_bytes(token_id, skip_special=False)
     return {"id": token_id, "token": piece.decode("utf-8", errors="replace"), "bytes": list(piece), "logprob": logprob}

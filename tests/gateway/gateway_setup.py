@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import openai
 import redis.asyncio
 
 from gateway.api.app import create_app
@@ -56,3 +57,18 @@ def local_app(config):
     app = create_app()
     app.state.gateway = Gateway(config, Catalog(config), pool, limiter)
     return app, pool
+
+
+PROMPT = [(5 * i + 7) % 240 for i in range(30)]
+SCHEMA = {"type": "object", "properties": {"pick": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 1, "maximum": 9},
+                                         "more": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}},
+          "required": ["pick", "n", "more"], "additionalProperties": False}
+
+
+def api(client, key="t1") -> openai.OpenAI:
+    """The openai client over an in-process app's TestClient, as tenant `key`."""
+    return openai.OpenAI(base_url="http://testserver/v1", api_key=KEYS[key], http_client=client, max_retries=0)
+
+
+def auth(key="t1") -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[key]}"}

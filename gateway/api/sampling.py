@@ -1,0 +1,93 @@
+"""What a request body asks of the sampler (torch-free): OpenAI's and llama-server's fields as
+`SamplingParams`, each with its own defaults and penalty window, logit biases resolved to token
+ids, and grammars compiled and checked against the model (a 400 naming what cannot be enforced,
+never a silent fallback to free text)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from gateway.api.protocol import APIError, LlamaCompletionRequest
+from gateway.dispatch import Gateway
+from worker.contract.params import MAX_LOGIT_BIAS, SamplingParams
+from worker.formats.grammar import GrammarError, gbnf_grammar, json_object_grammar, json_schema_grammar
+
+MAX_BIAS_TEXT_CHARS = 16_384  # of every string in one request's logit_bias together
+
+
+def _checked(make) -> SamplingParams:
+    try:
+        return make()
+    except ValueError as e:
+        raise APIError(400, str(e), "invalid_value") from e
+
+
+def openai_params(gateway: Gateway, num_prompt_tokens: int, max_tokens: int | None, body, logprobs: int | None = None,
+                  echo: bool = False, grammar: str | None = None) -> SamplingParams:
+    """Completions and chat: penalties over the generated tokens, as OpenAI counts them."""
+    if max_tokens is None:
+        max_tokens = gateway.admission.default_max_tokens(num_prompt_tokens)
+    return _checked(lambda: SamplingParams(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+        top_k=max(body.top_k, 0), seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, echo=echo, stop=tuple(body.stop_list),
+        logit_bias=body.bias_pairs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repeat_penalty=body.repetition_penalty, min_p=body.min_p, grammar=grammar,
+    ))
+
+
+def llama_params(gateway: Gateway, num_prompt_tokens: int, body: LlamaCompletionRequest, grammar: str | None = None) -> SamplingParams:
+    """/completion: llama.cpp's defaults, its penalties over the last repeat_last_n tokens of prompt and output."""
+    n_predict = gateway.admission.default_max_tokens(num_prompt_tokens) if body.n_predict is None else body.n_predict
+    return _checked(lambda: SamplingParams(
+        max_tokens=n_predict, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        seed=None if body.seed in (None, -1) else body.seed, ignore_eos=body.ignore_eos, logprobs=body.n_probs or None,
+        stop=tuple(body.stop), logit_bias=_llama_bias(gateway, body), min_p=body.min_p, repeat_penalty=body.repeat_penalty,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        penalty_last_n=body.repeat_last_n, penalize_prompt=True, grammar=grammar,
+    ))
+
+
+def settings_of(params: SamplingParams) -> dict[str, Any]:
+    """The parameters as llama-server reports them (`generation_settings`, `/props`)."""
+    return {
+        "n_predict": params.max_tokens, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+        "min_p": params.min_p, "repeat_penalty": params.repeat_penalty, "repeat_last_n": params.penalty_last_n,
+        "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+        "seed": -1 if params.seed is None else params.seed, "ignore_eos": params.ignore_eos, "stop": list(params.stop),
+        "n_probs": params.logprobs or 0, "logit_bias": [[t, b] for t, b in params.logit_bias], "grammar": "" if params.grammar is None else "<set>",
+    }
+
+
+async def compiled_grammar(gateway: Gateway, body, field: str) -> str | None:
+    """The body's grammar (response_format, json_schema or grammar), compiled and checked off the
+    event loop: checking builds a parser (and, the first time, the tokenizer's llguidance form)."""
+    if body.grammar_source() is None:
+        return None
+    return await asyncio.to_thread(_grammar, gateway, body, field)
+
+
+def _grammar(gateway: Gateway, body, field: str) -> str:
+    kind, spec = body.grammar_source()
+    try:
+        grammar = json_object_grammar() if kind == "json_object" else json_schema_grammar(spec) if kind == "json_schema" else gbnf_grammar(spec)
+        gateway.catalog.check_grammar(grammar)
+    except GrammarError as e:
+        raise APIError(400, f"{field}: {e}", "invalid_grammar") from e
+    return grammar
+
+
+def _llama_bias(gateway: Gateway, body: LlamaCompletionRequest) -> tuple[tuple[int, float], ...]:
+    """llama-server's logit_bias: a string entry biases each of its tokens (a later entry for
+    the same token replaces an earlier one); the strings and the tokens they give are bounded."""
+    entries = body.bias_entries()
+    chars = sum(len(token) for token, _ in entries if isinstance(token, str))
+    if chars > MAX_BIAS_TEXT_CHARS:
+        raise APIError(400, f"logit_bias strings total {chars} characters, over {MAX_BIAS_TEXT_CHARS}", "invalid_value")
+    biases: dict[int, float] = {}
+    for token, bias in entries:
+        ids = [token] if isinstance(token, int) else gateway.catalog.tokenizer.encode(token, add_special=False)
+        biases.update((t, bias) for t in ids)
+    if len(biases) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"logit_bias covers {len(biases)} tokens, over {MAX_LOGIT_BIAS}", "invalid_value")
+    return tuple(biases.items())

@@ -1,0 +1,122 @@
+"""llama-server's API (/completion, /tokenize, /detokenize, /apply-template, /props,
+/lora-adapters) over in-process workers on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+
+from tests.gateway.gateway_setup import INVOCATION, PROMPT, SCHEMA, auth
+
+
+def test_llama_server_logit_bias_penalties_and_min_p(client) -> None:
+    def tokens(**kw) -> list[int]:
+        r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 8, "temperature": 0, "ignore_eos": True, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    greedy = tokens()
+    assert tokens(logit_bias=[[greedy[0], False]])[0] != greedy[0]  # false bans, as in llama-server
+    assert tokens(logit_bias={str(greedy[0]): -100})[0] != greedy[0]
+    assert set(tokens(logit_bias=[[9, 100]])) == {9}
+    # a heavy repeat penalty over the context: no token of the last 64 comes back while it is in the window
+    penalized = tokens(repeat_penalty=10.0, presence_penalty=2.0, frequency_penalty=2.0)
+    assert not set(penalized) & set(PROMPT) and len(set(penalized)) == len(penalized)
+    assert tokens(repeat_penalty=10.0, repeat_last_n=0) == greedy  # a window of 0 turns it off
+    bad = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "logit_bias": [[5, "up"]]})
+    assert bad.status_code == 400 and "logit_bias" in bad.json()["error"]["message"]
+
+
+def test_llama_server_json_schema_and_gbnf_grammar(client) -> None:
+    def complete(**kw):
+        r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 40, "temperature": 0.8, "seed": 5, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    jsonschema.validate(json.loads(complete(json_schema=SCHEMA)["content"]), SCHEMA)
+    answer = complete(grammar='root ::= ("yes" | "no") "!"')["content"]
+    assert answer in ("yes!", "no!")
+    bad = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "grammar": "root ::= ("})
+    assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("grammar:")
+    cycle = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    empty = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "json_schema": cycle})
+    assert empty.status_code == 400 and empty.json()["error"]["message"].startswith("json_schema:")
+
+
+
+def test_llama_server_logit_bias_strings_are_bounded(client, monkeypatch) -> None:
+    import gateway.api.sampling as app_module
+
+    monkeypatch.setattr(app_module, "MAX_BIAS_TEXT_CHARS", 100)  # the test server's bodies are small
+    long_bias = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "logit_bias": [["hello world " * 10, 1]]})
+    assert long_bias.status_code == 400 and "logit_bias strings total 120 characters, over 100" in long_bias.json()["error"]["message"]
+    monkeypatch.setattr(app_module, "MAX_LOGIT_BIAS", 3)
+    many = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "logit_bias": [["hello there, world", 1]]})
+    assert many.status_code == 400 and "over 3" in many.json()["error"]["message"]
+
+
+def test_llama_server_n_probs_and_the_fields_its_clients_read(client) -> None:
+    body = {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "ignore_eos": True, "n_probs": 3}
+    whole = client.post("/completion", headers=auth(), json=body).json()
+    probs = whole["completion_probabilities"]
+    assert [p["id"] for p in probs] == whole["tokens"] and all(len(p["top_logprobs"]) == 3 for p in probs)
+    assert all(p["top_logprobs"][0]["id"] == p["id"] and p["logprob"] == p["top_logprobs"][0]["logprob"] for p in probs)  # greedy: the top one
+    assert all(bytes(p["bytes"]).decode("utf-8", "replace") == p["token"] for p in probs)
+    assert (whole["index"], whole["stopping_word"], whole["truncated"]) == (0, "", False)
+    settings = whole["generation_settings"]
+    assert (settings["n_predict"], settings["n_probs"], settings["temperature"], settings["min_p"]) == (4, 3, 0.0, 0.05)
+    streamed = client.post("/completion", headers=auth(), json={**body, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert [p for e in events for p in e.get("completion_probabilities", [])] == probs
+    assert whole["stop_type"] == "limit"
+    text = client.post("/completion", headers=auth(), json={**body, "n_predict": 12, "n_probs": 0}).json()["content"]
+    word = text[3:5]
+    stopped = client.post("/completion", headers=auth(), json={**body, "n_predict": 12, "n_probs": 0, "stop": ["zzzz", word]}).json()
+    assert (stopped["stop_type"], stopped["stopping_word"]) == ("word", word) and stopped["content"] == text[: text.find(word)]
+    refused = client.post("/completion", headers=auth(), json={**body, "post_sampling_probs": True})
+    assert refused.status_code == 400 and "post_sampling_probs is not supported" in refused.json()["error"]["message"]
+
+
+def test_llama_server_tokenize_detokenize_apply_template_and_props(client) -> None:
+    tokens = client.post("/tokenize", headers=auth(), json={"content": "hello there"}).json()["tokens"]
+    assert client.post("/detokenize", headers=auth(), json={"tokens": tokens}).json()["content"] == "hello there"
+    pieces = client.post("/tokenize", headers=auth(), json={"content": "hello <|im_end|>", "with_pieces": True}).json()["tokens"]
+    assert "".join(p["piece"] for p in pieces) == "hello <|im_end|>" and pieces[-1]["piece"] == "<|im_end|>"  # parse_special by default
+    literal = client.post("/tokenize", headers=auth(), json={"content": "<|im_end|>", "parse_special": False}).json()["tokens"]
+    assert len(literal) > 1
+    prompt = client.post("/apply-template", headers=auth(), json={"messages": [{"role": "user", "content": "hi"}]}).json()["prompt"]
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    props = client.get("/props", headers=auth()).json()
+    assert props["chat_template"] and props["default_generation_settings"]["n_ctx"] == 128 and "/" not in props["model_path"]
+    bad = client.post("/detokenize", headers=auth(), json={"tokens": [10**6]})
+    assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"]
+    assert client.post("/tokenize", json={"content": "x"}).status_code == 401
+
+
+def test_llama_server_completion_and_lora_adapters(client) -> None:
+    listing = client.get("/lora-adapters", headers=auth()).json()
+    assert [(e["id"], e["name"], e["scale"]) for e in listing] == [(0, "a", 0.0), (1, "b", 0.0), (2, "alo", 0.0), (3, "alo2", 0.0)]
+    assert listing[2]["alora_invocation_tokens"] == INVOCATION
+
+    def complete(**kw):
+        r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 5, "temperature": 0, "ignore_eos": True, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    base = complete()
+    assert base["tokens_predicted"] == 5 and base["stop_type"] == "limit" and base["timings"]["predicted_n"] == 5
+    assert complete(lora=[{"id": 0, "scale": 0.0}])["tokens"] == base["tokens"]
+    with_a = complete(lora=[{"id": 0, "scale": 1.0}])
+    assert with_a["tokens"] != base["tokens"]
+    set_scales = client.post("/lora-adapters", headers=auth(), json=[{"id": 0, "scale": 1.0}])
+    assert set_scales.status_code == 200 and set_scales.json()[0]["scale"] == 1.0
+    try:
+        assert complete()["tokens"] == with_a["tokens"]  # the tenant's default scales apply without a `lora` field
+        assert complete(lora=[])["tokens"] == base["tokens"]  # an explicit list replaces them
+        assert client.get("/lora-adapters", headers=auth("t2")).json()[0]["scale"] == 0.0  # another tenant's defaults are its own
+    finally:
+        client.post("/lora-adapters", headers=auth(), json=[{"id": 0, "scale": 0.0}])
+    streamed = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 5, "temperature": 0, "ignore_eos": True, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["stop"] is True and "".join(e["content"] for e in events) == base["content"]
