@@ -36,12 +36,16 @@ class Grammars:
         self._lock = threading.Lock()
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
-        """A fresh matcher for `grammar`; GrammarRefused when it cannot be enforced."""
+        """A fresh matcher for `grammar` (a copy of the compiled one); GrammarRefused when it cannot be enforced."""
+        return self.compile(grammar).deep_copy()
+
+    def compile(self, grammar: str) -> llguidance.LLMatcher:
+        """The compiled `grammar`, from the cache when it is there; never advance it, copy it."""
         with self._lock:
             compiled = self._compiled.get(grammar)
             if compiled is not None:
                 self._compiled.move_to_end(grammar)
-                return compiled.deep_copy()
+                return compiled
             if self._tokenizer is None:
                 raise GrammarRefused("structured output needs the model's tokenizer, which is not supported here")
             if self._ll is None:
@@ -49,7 +53,7 @@ class Grammars:
             tokenizer = self._ll
         started = time.perf_counter()  # outside the lock: compiling drops the GIL and may take a while
         compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        problem = first_mask_error(compiled.deep_copy()) if not compiled.is_error() else compiled.get_error()
+        problem = first_mask_error(compiled)  # computing a mask leaves the matcher where it is
         if problem:
             raise GrammarRefused(f"the grammar cannot be enforced: {problem}")
         with self._lock:
@@ -57,7 +61,7 @@ class Grammars:
             self._compiled[grammar] = compiled
             if len(self._compiled) > self._capacity:
                 self._compiled.popitem(last=False)
-        return compiled.deep_copy()
+        return compiled
 
 
 def allowed_tokens(matcher: llguidance.LLMatcher) -> torch.Tensor:

@@ -104,7 +104,7 @@ class Engine:
         needed = self._prepare(request)[0]
         if request.params.grammar is not None:
             try:
-                self.grammars.matcher(request.params.grammar)
+                self.grammars.compile(request.params.grammar)
             except GrammarRefused as e:
                 raise RequestError(str(e)) from e
         return needed

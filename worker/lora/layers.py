@@ -64,5 +64,5 @@ class LoRAExpertLinear(nn.Module):
             return y
         cols, b, scales = selected
         a = self.stacked.a if cols is None else self.stacked.a.index_select(1, cols)
-        self.backend.add_experts(y, x, a, b, scales.index_select(0, routes.token), routes.segments())
+        self.backend.add_experts(y, x, a, b, scales.index_select(0, routes.token), routes.segments)
         return y

@@ -29,7 +29,7 @@ class Routes:
     token: torch.Tensor  # [P] the token of each pair
     expert: torch.Tensor  # [P] the expert of each pair (non-decreasing)
     weight: torch.Tensor  # [P] its routing weight
-    counts: list[int]  # [n_expert] pairs per expert, on the host
+    segments: list[tuple[int, int, int]]  # (expert, first pair, end) of every expert with pairs, on the host
 
     @classmethod
     def top_k(cls, logits: torch.Tensor, k: int) -> Routes:
@@ -38,17 +38,12 @@ class Routes:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(MIN_WEIGHT_SUM)
         flat = experts.reshape(-1)
         expert, order = flat.sort(stable=True)
-        counts = torch.bincount(flat, minlength=logits.shape[-1]).tolist()
-        return cls(order // k, expert, weights.reshape(-1)[order], counts)
-
-    def segments(self) -> list[tuple[int, int, int]]:
-        """(expert, first pair, end) for every expert with pairs."""
-        out, start = [], 0
-        for e, count in enumerate(self.counts):
+        segments, start = [], 0
+        for e, count in enumerate(torch.bincount(flat, minlength=logits.shape[-1]).tolist()):  # the layer's one host sync
             if count:
-                out.append((e, start, start + count))
+                segments.append((e, start, start + count))
                 start += count
-        return out
+        return cls(order // k, expert, weights.reshape(-1)[order], segments)
 
 
 class ExpertLinear(nn.Module):
@@ -64,7 +59,7 @@ class ExpertLinear(nn.Module):
     def forward(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
         # x: [P, in], rows in `routes` order -> [P, out]
         out = x.new_empty(x.shape[0], self.out_features)
-        for e, start, end in routes.segments():
+        for e, start, end in routes.segments:
             torch.mm(x[start:end], self.weight[e].t(), out=out[start:end])
         return out
 

@@ -72,7 +72,7 @@ class F16ExpertLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
         out = x.new_empty(x.shape[0], self.out_features)
-        for e, start, end in routes.segments():
+        for e, start, end in routes.segments:
             out[start:end] = torch.ops.quantized.linear_dynamic_fp16(x[start:end], self.packed[e])
         return out
 

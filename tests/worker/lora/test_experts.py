@@ -94,7 +94,7 @@ def test_quantized_experts_are_packed_as_fp16_on_the_cpu_and_keep_their_adapters
     assert isinstance(f32, ExpertLinear)
     routes = Routes.top_k(torch.randn(7, 4), 2)  # 14 (token, expert) pairs
     x = torch.randn(14, f32.in_features)
-    by_expert = torch.cat([x[s:e] @ f32.weight[i].half().float().t() for i, s, e in routes.segments()])  # weights rounded to fp16
+    by_expert = torch.cat([x[s:e] @ f32.weight[i].half().float().t() for i, s, e in routes.segments])  # weights rounded to fp16
     torch.testing.assert_close(f16(x, routes), by_expert, atol=1e-4, rtol=1e-4)
     ours, reference = prompt_logits(packed, IDS, {0: 1.0}), prompt_logits(dense, IDS, {0: 1.0})
     torch.testing.assert_close(ours, reference, atol=5e-2, rtol=1e-2)  # 2^-11 relative per weight, through the model
