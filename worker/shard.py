@@ -30,13 +30,13 @@ def delta_of(out: RequestOutput) -> Delta:
     logprobs = tuple(out.logprobs) if out.logprobs else None
     result = out.result
     if result is None:
-        return Delta(tuple(out.token_ids), out.text, logprobs, out.finish_reason, out.error)
+        return Delta(tuple(out.token_ids), out.text, logprobs, out.finish_reason, out.error, index=out.index, others_running=out.others_running)
     return Delta(
         tuple(out.token_ids), out.text, logprobs, out.finish_reason, out.error, result.error_status,
         usage=Usage(len(result.prompt_ids), len(result.token_ids), result.cached_tokens),
         queue_time_s=result.queue_time_s, prompt_time_s=result.prompt_time_s, decode_time_s=result.decode_time_s,
         prompt_logprobs=tuple(result.prompt_logprobs) if result.prompt_logprobs is not None else None,
-        alora_activation=result.alora_activation, stop_word=result.stop_word,
+        alora_activation=result.alora_activation, stop_word=result.stop_word, index=out.index, others_running=out.others_running,
     )
 
 
@@ -98,7 +98,7 @@ class ShardWorker:
         return {"shard": self.spec.shard, "adapters": list(self.adapter_slots), "pid": os.getpid(), "cache": self.prefix_cache.health()}
 
     def metrics(self) -> str:
-        return self.prefix_cache.prometheus()
+        return self.prefix_cache.prometheus() + self.loop.engine.counters.prometheus()
 
     def close(self) -> None:
         self.loop.close()

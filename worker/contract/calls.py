@@ -3,7 +3,10 @@
 Plain frozen data (it crosses Ray Serve handles as pickles). A worker streams
 one `Delta` per engine step that produced something for the request; the last
 has `finish_reason` set and carries the summary (usage, timings, prompt
-log-probabilities, the aLoRA's activation index). A request that fails carries
+log-probabilities, the aLoRA's activation index). A request with n > 1 choices
+streams every choice's deltas interleaved, each with its `index`; each choice's
+last carries its own summary, and the request is over once no other is running.
+A request that fails carries
 the HTTP status its failure deserves in `status`: a request the worker refuses
 before any work gets a single such `Delta` (400 for the request's own fault, 503
 when the worker is too busy to take it).
@@ -61,10 +64,13 @@ class Delta:
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # echo with logprobs; the first prompt token has none
     alora_activation: int | None = None
     stop_word: str | None = None  # on the last delta: the stop string that ended the request, if one did
+    index: int = 0  # which of the request's n choices
+    others_running: int = 0  # with finish_reason: choices of the request still running (0: the request is over)
 
     @property
     def is_finished(self) -> bool:
-        return self.finish_reason is not None
+        """The request is over: this choice has finished and no other is running."""
+        return self.finish_reason is not None and self.others_running == 0
 
     @classmethod
     def refused(cls, message: str, status: int = 400) -> Delta:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 MAX_LOGIT_BIAS = 4096  # biased tokens per request (after a string's are counted)
+MAX_CHOICES = 128  # n: choices per request (each takes a KV slot of its own)
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False  # mask end-of-generation tokens so generation runs to max_tokens
     logprobs: int | None = None  # report the top-K log-probabilities of each generated position
+    post_sampling_probs: bool = False  # ... of the distribution the token was drawn from (after every filter), not the model's
     echo: bool = False  # also report the prompt (and its log-probabilities with `logprobs`)
     stop: tuple[str, ...] = ()  # finish when the text contains one (it is not returned)
     stop_token_ids: tuple[int, ...] = ()  # finish on these tokens too (not returned), like end of generation
@@ -29,6 +31,10 @@ class SamplingParams:
     penalize_prompt: bool = False  # the window spans prompt and generated tokens (llama.cpp), else generated only (OpenAI)
     min_p: float = 0.0  # sampling drops tokens less probable than min_p times the most probable one
     grammar: str | None = None  # an llguidance grammar (worker/formats/grammar.py) every generated token must follow
+    n: int = 1  # choices sampled from one prefill of the prompt; choice i's generator is seeded with seed + i
+
+    def choice_seed(self, index: int) -> int | None:
+        return None if self.seed is None else (self.seed + index) % 2**63
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and math.isfinite(self.top_p)):
@@ -41,6 +47,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be between 1 and {MAX_CHOICES}, got {self.n}")
         if self.max_tokens < -1:
             raise ValueError(f"max_tokens must be >= 0 or -1, got {self.max_tokens}")
         if any(not s for s in self.stop):

@@ -6,6 +6,11 @@ sampled at once), postprocess (detokenize, stop, finish). The prefix cache sits
 beside the step: cached prefixes are loaded into newly admitted sequences' KV
 slots before the pass, newly computed chunks stored after it. Requests join and
 leave between steps.
+
+A request asking for n choices prefills its prompt once: its other choices
+sample their first tokens from the same logits and get a copy of the prompt's
+KV in their own slots (see the scheduler). Each choice then decodes, stops and
+finishes on its own; a choice that fails, or a cancel, ends them all.
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ class _State:
     matcher: Any = None  # llguidance.LLMatcher of a request with a grammar
 
     @property
+    def key(self) -> tuple[str, int]:
+        return self.seq.key
+
+    @property
     def deadline_s(self) -> float | None:
         return None if self.request.timeout_s is None else self.arrived_s + self.request.timeout_s
 
@@ -77,6 +86,27 @@ class _State:
     def is_at_limit(self) -> bool:
         """No token may be added (max_tokens 0)."""
         return len(self.result.token_ids) >= self.seq.max_len - self.seq.num_prompt_tokens
+
+
+@dataclass
+class EngineCounters:
+    """What the engine has computed since it started (read from any thread: plain counts)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt positions run through the model (not those loaded from the prefix cache or forked)
+    generated_tokens: int = 0
+    forked_prompt_tokens: int = 0  # prompt positions copied to a request's other choices instead of computed
+
+    HELP = {"steps": "engine steps (forward passes) run", "prompt_tokens": "prompt tokens computed (not loaded from the prefix cache or forked)",
+            "generated_tokens": "tokens generated", "forked_prompt_tokens": "prompt tokens a request's further choices copied instead of computing"}
+
+    def prometheus(self) -> str:
+        """The `loraplex_engine_*_total` counters in Prometheus' text format."""
+        lines = []
+        for name, help_text in self.HELP.items():
+            metric = f"loraplex_engine_{name}_total"
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter", f"{metric} {getattr(self, name)}"]
+        return "\n".join(lines) + "\n"
 
 
 class Engine:
@@ -93,7 +123,9 @@ class Engine:
         self.eog_ids = tokenizer.eog_ids if tokenizer is not None else frozenset()
         self._eog_sorted = tuple(sorted(self.eog_ids))
         self.grammars = Grammars(tokenizer, runner.hparams.vocab_size)
-        self._states: dict[str, _State] = {}
+        self._states: dict[tuple[str, int], _State] = {}  # by sequence key: request id and choice
+        self._requests: dict[str, list[_State]] = {}  # request id -> its choices still running
+        self.counters = EngineCounters()
         self.clock = clock
 
     # requests in
@@ -113,6 +145,8 @@ class Engine:
         prompt, params = request.prompt_ids, request.params
         if not prompt:
             raise RequestError("the prompt is empty")
+        if params.n > self.config.num_seq_slots:
+            raise RequestError(f"n ({params.n}) is more than this worker's {self.config.num_seq_slots} sequence slots")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the model's tokenizer, which is not supported here: use stop_token_ids")
         adapters = self.runner.resolve_adapters(prompt, request.adapters)  # slots exist, at most one aLoRA
@@ -153,35 +187,45 @@ class Engine:
     def add_request(self, request: EngineRequest, hit: CacheHit | None = None, arrived_s: float | None = None) -> None:
         """Queue a request; `hit` from `lookup` (done here when not given), `arrived_s` on `clock`."""
         arrived_s = self.clock() if arrived_s is None else arrived_s
-        if request.request_id in self._states:
+        if request.request_id in self._requests:
             raise RequestError(f"request id {request.request_id!r} is already running")
         max_len, adapters = self._prepare(request)
         if hit is None:
             hit = self.lookup(request)
-        params = request.params
+        num_cached = hit.num_tokens if hit is not None else 0
         try:
-            matcher = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+            choices = [self._new_state(request, i, max_len, adapters, num_cached, arrived_s) for i in range(request.params.n)]
         except GrammarRefused as e:
             raise RequestError(str(e)) from e
-        seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), max_len, group=request.tenant)
-        seq.num_cached = hit.num_tokens if hit is not None else 0
-        result = GenerationResult(list(request.prompt_ids), alora_activation=adapters.activation, cached_tokens=seq.num_cached)
+        leader = choices[0].seq
+        leader.num_cached = num_cached
+        for state in choices[1:]:
+            state.seq.fork_of = leader
+            leader.forks.append(state.seq)
+        for state in choices:
+            self._states[state.key] = state
+        self._requests[request.request_id] = choices
+        if hit is not None and self.prefix is not None:
+            self.prefix.track(leader.key, hit)
+        self.scheduler.add(leader)
+
+    def _new_state(self, request: EngineRequest, index: int, max_len: int, adapters: RequestAdapters, num_cached: int, arrived_s: float) -> _State:
+        params = request.params
+        seq = Sequence(request.request_id, list(request.prompt_ids), len(request.prompt_ids), max_len, group=request.tenant, index=index)
+        result = GenerationResult(list(request.prompt_ids), alora_activation=adapters.activation, cached_tokens=num_cached)
         if params.logprobs is not None:
             result.logprobs = []
-        state = _State(
-            request, seq, adapters, make_generator(params.seed, self.runner.config.torch_device),
+        return _State(
+            request, seq, adapters, make_generator(params.choice_seed(index), self.runner.config.torch_device),
             IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None,
-            StopMatcher(params.stop), result, arrived_s, matcher=matcher,
+            StopMatcher(params.stop), result, arrived_s,
+            matcher=self.grammars.matcher(params.grammar) if params.grammar is not None else None,
         )
-        self._states[request.request_id] = state
-        if hit is not None and self.prefix is not None:
-            self.prefix.track(request.request_id, hit)
-        self.scheduler.add(seq)
 
     def cancel(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its KV slot; None when it is not here."""
-        state = self._states.get(request_id)
-        return None if state is None else self._finish(state, "cancelled")
+        """Stop a request (every choice) now and free its KV slots; None when it is not here."""
+        choices = self._requests.get(request_id)
+        return None if not choices else self._finish(choices[0], "cancelled")
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -190,15 +234,15 @@ class Engine:
         """End the requests past their deadline: 503 when one never got a first token (the
         worker was too busy), 504 once it had started."""
         now = self.clock()
-        late = [s for s in self._states.values() if s.deadline_s is not None and now >= s.deadline_s]
+        late = [choices[0] for choices in self._requests.values() if choices[0].deadline_s is not None and now >= choices[0].deadline_s]
         return [
             self._finish(s, "error", f"the request did not finish within its deadline of {s.request.timeout_s:g} s",
                          status=504 if s.first_token_s is not None else 503)
             for s in late
         ]
 
-    def result(self, request_id: str) -> GenerationResult | None:
-        state = self._states.get(request_id)
+    def result(self, request_id: str, index: int = 0) -> GenerationResult | None:
+        state = self._states.get((request_id, index))
         return None if state is None else state.result
 
     # one step
@@ -209,24 +253,39 @@ class Engine:
             return []
         now = self.clock()
         for span in spans:
-            state = self._states[span.seq.request_id]
+            state = self._states[span.seq.key]
             if state.first_step_s is None:
                 state.first_step_s = now
+        position = {span.seq: i for i, span in enumerate(spans)}
         try:
             if self.prefix is not None:
                 self.prefix.load(spans, self.kv)
-            outputs = self.runner.run([self._span_input(span) for span in spans], self.kv)
+            outputs = self.runner.run([self._span_input(span, position) for span in spans], self.kv)
         except Exception as e:  # the whole pass failed: fail its requests, keep serving
             log.exception("forward pass failed")
-            return [self._finish(self._states[s.seq.request_id], "error", f"internal error: {e}", status=500) for s in spans]
+            return [self._finish(state, "error", f"internal error: {e}", status=500) for state in self._live(spans)]
+        self.counters.steps += 1
         for span in spans:
-            span.seq.num_computed += span.length
+            seq = span.seq
+            seq.num_computed += span.length
+            if span.fork_of is not None:  # a fork takes the prompt's KV, computed once
+                self.kv.copy_prefix(span.fork_of.seq_slot, seq.seq_slot, span.start)
+                self.counters.forked_prompt_tokens += span.start
+            elif span.start < seq.num_prompt_tokens:
+                self.counters.prompt_tokens += min(span.length, seq.num_prompt_tokens - span.start)
         if self.prefix is not None:
             self.prefix.store(spans, self.kv)  # the slots hold the new KV, even of requests finishing below
         return self._postprocess(spans, outputs)
 
-    def _span_input(self, span: Span) -> SpanInput:
-        state, seq = self._states[span.seq.request_id], span.seq
+    def _live(self, spans: list[Span]) -> Iterable[_State]:
+        """The states of the spans' sequences, skipping those a failed choice of theirs has ended."""
+        for span in spans:
+            state = self._states.get(span.seq.key)
+            if state is not None:
+                yield state
+
+    def _span_input(self, span: Span, position: Mapping[Sequence, int]) -> SpanInput:
+        state, seq = self._states[span.seq.key], span.seq
         params = state.request.params
         sample = None
         if span.samples and not state.is_at_limit:
@@ -237,16 +296,18 @@ class Engine:
         if state.wants_prompt_logprobs and span.start < seq.num_prompt_tokens:  # row i predicts prompt token start + i + 1
             targets = seq.token_ids[span.start + 1 : min(span.start + span.length + 1, seq.num_prompt_tokens)]
         return SpanInput(seq.seq_slot, span.start, seq.token_ids[span.start : span.start + span.length], state.adapters,
-                         sample, params.logprobs, targets)
+                         sample, params.logprobs, targets, None if span.fork_of is None else position[span.fork_of])
 
     def _postprocess(self, spans: list[Span], outputs: list[SpanOutput]) -> list[RequestOutput]:
         deltas = []
         for span, out in zip(spans, outputs):
-            state = self._states[span.seq.request_id]
+            state = self._states.get(span.seq.key)
+            if state is None:  # a choice of the same request failed earlier in this step, ending it
+                continue
             try:
                 delta = self._advance(state, span, out)
             except Exception as e:  # one request's failure stays its own
-                log.exception("request %s failed", span.seq.request_id)
+                log.exception("request %s (choice %d) failed", span.seq.request_id, span.seq.index)
                 delta = self._finish(state, "error", f"internal error: {e}", status=500)
             if delta is not None:
                 deltas.append(delta)
@@ -276,6 +337,7 @@ class Engine:
             return self._finish(state, "error", f"internal error: the grammar refused token {token}: {state.matcher.get_error()}", status=500)
         seq.token_ids.append(token)
         result.token_ids.append(token)
+        self.counters.generated_tokens += 1
         if out.logprob is not None:
             result.logprobs.append(out.logprob)
         text = state.stop.feed(state.decoder.push(token)) if state.decoder is not None else ""
@@ -285,9 +347,11 @@ class Engine:
             return self._finish(state, "stop", delta=delta)
         if len(seq.token_ids) >= seq.max_len:
             return self._finish(state, "length", delta=delta)
-        return RequestOutput(seq.request_id, [token], text, [out.logprob] if out.logprob else None)
+        return RequestOutput(seq.request_id, [token], text, [out.logprob] if out.logprob else None, index=seq.index)
 
     def _finish(self, state: _State, reason: str, error: str | None = None, delta: tuple | None = None, status: int | None = None) -> RequestOutput:
+        """End one choice; a cancel or an error ends the request's other choices first (without
+        outputs of their own), so the output returned is the request's last."""
         token_ids, text, entry = delta or ([], "", None)
         if reason in ("stop", "length") and state.decoder is not None:
             tail = state.stop.feed(state.decoder.flush()) + state.stop.flush()
@@ -295,6 +359,16 @@ class Engine:
             state.result.text += tail
             if state.stop.is_stopped:  # the last character completed a stop string
                 reason = "stop"
+        if reason in ("cancelled", "error"):
+            for other in list(self._requests.get(state.seq.request_id, ())):
+                if other is not state:
+                    self._retire(other, "cancelled")
+        self._retire(state, reason, error, status)
+        left = len(self._requests.get(state.seq.request_id, ()))
+        return RequestOutput(state.seq.request_id, token_ids, text, [entry] if entry else None, reason, error, state.result, state.seq.index, left)
+
+    def _retire(self, state: _State, reason: str, error: str | None = None, status: int | None = None) -> None:
+        """Record a choice's end and free its slot."""
         result = state.result
         result.finish_reason, result.error, result.error_status = reason, error, status
         result.stop_word = state.stop.matched
@@ -304,9 +378,12 @@ class Engine:
         result.queue_time_s = (state.first_step_s or now) - state.arrived_s
         self.scheduler.finish(state.seq)
         if self.prefix is not None:
-            self.prefix.forget(state.seq.request_id)
-        del self._states[state.seq.request_id]
-        return RequestOutput(state.seq.request_id, token_ids, text, [entry] if entry else None, reason, error, result)
+            self.prefix.forget(state.key)
+        del self._states[state.key]
+        choices = self._requests[state.seq.request_id]
+        choices.remove(state)
+        if not choices:
+            del self._requests[state.seq.request_id]
 
     # convenience
 
@@ -315,7 +392,7 @@ class Engine:
         results: dict[str, GenerationResult] = {}
         for request in requests:
             self.add_request(request)
-            results[request.request_id] = self._states[request.request_id].result
+            results[request.request_id] = self._states[(request.request_id, 0)].result
         while self.has_work():
             self.step()
         return results

@@ -37,7 +37,10 @@ class RequestOutput:
     finish_reason: str | None = None  # set on the last delta
     error: str | None = None
     result: GenerationResult | None = None  # the whole result, on the last delta (prompt logprobs, timings, ...)
+    index: int = 0  # which of the request's n choices this is
+    others_running: int = 0  # with finish_reason: the request's choices still running (0: the request is over)
 
     @property
     def is_finished(self) -> bool:
-        return self.finish_reason is not None
+        """The request is over (every choice has finished)."""
+        return self.finish_reason is not None and self.others_running == 0

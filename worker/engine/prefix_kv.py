@@ -135,23 +135,23 @@ class PrefixKV:
         if cache.geometry != chunk_geometry(runner, cache.chunk_tokens):
             raise ValueError("the prefix cache was opened for another model, weight format or dtype")
         self.cache, self.runner = cache, runner
-        self._hits: dict[str, CacheHit] = {}  # request id -> chunks still to load, and its store cursor
+        self._hits: dict[tuple[str, int], CacheHit] = {}  # sequence key -> chunks still to load, and its store cursor
 
     def lookup(self, prompt_ids: Sequence[int], adapters: RequestAdapters, salt: str, *, reuse: bool = True) -> CacheHit:
         """The request's cached prefix (thread-safe: call it off the engine's thread)."""
         root = request_root(self.runner, self.cache.geometry.model_id, adapters, salt)
         return lookup(self.cache, root, prompt_ids, adapters.activation, reuse=reuse)
 
-    def track(self, request_id: str, hit: CacheHit) -> None:
-        self._hits[request_id] = hit
+    def track(self, key: tuple[str, int], hit: CacheHit) -> None:
+        self._hits[key] = hit
 
-    def forget(self, request_id: str) -> None:
-        self._hits.pop(request_id, None)
+    def forget(self, key: tuple[str, int]) -> None:
+        self._hits.pop(key, None)
 
     def load(self, spans: Sequence[Span], kv: KVCache) -> None:
         """Copy newly admitted sequences' cached prefixes into their sequence slots."""
         for span in spans:
-            hit = self._hits.get(span.seq.request_id)
+            hit = self._hits.get(span.seq.key)
             if hit is not None and hit.chunks:
                 load_chunks(kv, span.seq.seq_slot, hit.chunks)
                 hit.chunks = []
@@ -159,7 +159,7 @@ class PrefixKV:
     def store(self, spans: Sequence[Span], kv: KVCache) -> None:
         """Hand each sequence's newly computed whole chunks to the cache (never fails a request)."""
         for span in spans:
-            seq, hit = span.seq, self._hits.get(span.seq.request_id)
+            seq, hit = span.seq, self._hits.get(span.seq.key)
             if hit is None:
                 continue
             first = hit.cursor.num_chunks
@@ -172,4 +172,4 @@ class PrefixKV:
             except Exception:
                 log.exception("request %s: could not store its KV in the prefix cache", seq.request_id)
                 self.cache.count_store_error(len(keys))
-                self.forget(seq.request_id)
+                self.forget(seq.key)

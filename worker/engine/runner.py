@@ -41,6 +41,7 @@ class SpanInput:
     sample: SampleSpec | None = None  # the last token's logits pick the next token
     logprobs: int | None = None  # top-K log-probabilities of the sampled token and of the prompt targets
     prompt_targets: Sequence[int] = ()  # row i predicts prompt token prompt_targets[i]: report its log-probability
+    logits_of: int | None = None  # a fork (no tokens): it samples the last logits of spans[logits_of], an earlier span
 
 
 @dataclass
@@ -66,6 +67,7 @@ class StepInputs:
     lp_rows: torch.Tensor | None = None  # [L] index into the logit rows: rows whose log-probabilities are reported
     lp_targets: torch.Tensor | None = None  # [L] the token each reports on (-i - 1: what sampling row i picked)
     lp_k_max: int = 0
+    post_lp: tuple[torch.Tensor, torch.Tensor] | None = None  # (lp rows, sampling rows): they report the sampler's final distribution
     empty: torch.Tensor | None = None
 
 
@@ -105,10 +107,14 @@ class ModelRunner:
         step = self.prepare(spans)
         logits = self._forward(step, kv)
         sampled = targets = chosen = top_values = top_ids = step.empty
+        final: list[torch.Tensor] | None = [] if step.post_lp is not None else None
         if step.sampling is not None:
-            sampled = sample(logits.index_select(0, step.sample_rows), step.sampling)
+            sampled = sample(logits.index_select(0, step.sample_rows), step.sampling, final)
         if step.lp_rows is not None:
             lps = torch.log_softmax(logits.index_select(0, step.lp_rows), dim=-1)  # the model's own distribution
+            if final:  # or, for some, what the sampler drew from
+                lp_index, sample_index = step.post_lp
+                lps = lps.index_copy(0, lp_index, torch.log_softmax(final[0].index_select(0, sample_index), dim=-1))
             targets = step.lp_targets
             if step.sampling is not None:  # -i - 1: the token sampled for sampling row i
                 of_sampled = sampled.index_select(0, (-targets - 1).clamp_min(0)).clamp_min(0)
@@ -127,8 +133,30 @@ class ModelRunner:
         segments, mapped, logit_rows = [], [], []
         sample_rows, sample_specs = [], []  # index into logit_rows, and how that row samples
         lp_rows, lp_targets, lp_k = [], [], []  # index into logit_rows, target token (-i - 1: sampling row i's), top-K
-        for span in spans:
+        post = []  # (index into lp_rows, sampling row) of rows reporting post-sampling log-probabilities
+        last_rows: dict[int, int] = {}  # span -> index into logit_rows of its last token's logits
+        ends: dict[int, int] = {}  # span -> row of its last token
+
+        def sampled_at(logit_row: int, span: SpanInput) -> None:  # the span picks its token from that row's logits
+            sample_rows.append(logit_row)
+            sample_specs.append(span.sample)
+            if span.logprobs is not None:
+                if span.sample.params.post_sampling_probs:
+                    post.append((len(lp_rows), len(sample_rows) - 1))
+                lp_rows.append(logit_row)
+                lp_targets.append(-len(sample_rows))
+                lp_k.append(span.logprobs)
+
+        for s, span in enumerate(spans):
             row, length = len(token_ids), len(span.token_ids)
+            if span.logits_of is not None:  # a fork: another sample from an earlier span's logits
+                if span.sample is not None:
+                    if span.logits_of not in last_rows:
+                        last_rows[span.logits_of] = len(logit_rows)
+                        logit_rows.append(ends[span.logits_of])
+                    sampled_at(last_rows[span.logits_of], span)
+                continue
+            ends[s] = row + length - 1
             token_ids += span.token_ids
             segments.append(Segment(span.seq_slot, row, length, span.start))
             mapped.append((span.adapters, span.start, length))
@@ -140,12 +168,8 @@ class ModelRunner:
             if span.sample is not None:
                 if not span.prompt_targets or logit_rows[-1] != row + length - 1:
                     logit_rows.append(row + length - 1)
-                sample_rows.append(len(logit_rows) - 1)
-                sample_specs.append(span.sample)
-                if span.logprobs is not None:
-                    lp_rows.append(len(logit_rows) - 1)
-                    lp_targets.append(-len(sample_rows))
-                    lp_k.append(span.logprobs)
+                last_rows[s] = len(logit_rows) - 1
+                sampled_at(len(logit_rows) - 1, span)
         scales, active = mapping.token_scales(mapped, self.num_adapter_slots)
         return StepInputs(
             ids=torch.tensor(token_ids, dtype=torch.long, device=device),
@@ -158,6 +182,7 @@ class ModelRunner:
             lp_rows=torch.tensor(lp_rows, dtype=torch.long, device=device) if lp_rows else None,
             lp_targets=torch.tensor(lp_targets, dtype=torch.long, device=device) if lp_rows else None,
             lp_k_max=max(lp_k, default=0),
+            post_lp=tuple(torch.tensor(column, dtype=torch.long, device=device) for column in zip(*post)) if post else None,
             empty=torch.empty(0, device=device),
         )
 

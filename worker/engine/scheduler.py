@@ -19,6 +19,12 @@ been seen), a group that already runs sequences may not take the last
 `reserved_slots` free slots: they wait for a group with nothing running, so
 a tenant that arrives while another floods the worker starts at once instead
 of waiting for a slot to free.
+
+A request with n > 1 choices is one queued sequence (choice 0) with its other
+choices as `forks`: all are admitted together (n free slots), choice 0 alone
+prefills, and in the step that computes its last prompt token each fork gets a
+span of no tokens that samples from the same logits; the engine then copies the
+prompt's KV into the forks' slots, and each decodes on its own from there.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class Span:
     seq: Sequence
     start: int
     length: int
+    fork_of: Sequence | None = None  # a fork's first span (no tokens): it samples `fork_of`'s logits and takes its prompt's KV
 
     @property
     def samples(self) -> bool:
@@ -90,14 +97,14 @@ class Scheduler:
         spans: list[Span] = []
         budget = self.max_step_tokens
         for seq in self.running:  # decoding first: one token each, always
-            if not seq.is_prefilling:
+            if not seq.is_prefilling and seq.fork_of is None:
                 spans.append(Span(seq, seq.num_computed, seq.num_pending))
                 budget -= seq.num_pending
                 self._served[seq.group] = self._served.get(seq.group, 0) + seq.num_pending
         # then prompts, fairly between groups: running ones, and waiting ones while a slot is free
         prefilling = [seq for seq in self.running if seq.is_prefilling]
         while budget > 0:
-            admissible = [queue[0] for group, queue in self._queues.items() if self._may_take_slot(group)]  # each group's first
+            admissible = [queue[0] for group, queue in self._queues.items() if self._may_take_slot(group, 1 + len(queue[0].forks))]
             seq = min(prefilling + admissible, key=self._turn, default=None)
             if seq is None:
                 break
@@ -108,16 +115,27 @@ class Scheduler:
             spans.append(Span(seq, seq.num_computed, min(seq.num_pending, budget)))
             budget -= spans[-1].length
             self._served[seq.group] = self._served.get(seq.group, 0) + spans[-1].length
+        spans += [Span(fork, span.start + span.length, 0, span.seq) for span in spans if span.samples for fork in self._forking(span.seq)]
         active = self._active()
         if active:
             self._floor = max(self._floor, min(self._served[g] for g in active))
         return spans
 
-    def _may_take_slot(self, group: str) -> bool:
-        if not self._free_slots:
+    def _forking(self, seq: Sequence) -> list[Sequence]:
+        """The forks that take `seq`'s prompt in this step (whose last prompt token it computes)."""
+        if len(seq.token_ids) != seq.num_prompt_tokens:
+            return []
+        forks = [fork for fork in seq.forks if fork.fork_of is seq and fork.status == Status.RUNNING]
+        for fork in forks:
+            fork.fork_of = None
+        return forks
+
+    def _may_take_slot(self, group: str, needed: int = 1) -> bool:
+        free = len(self._free_slots)
+        if free < needed:
             return False
-        reserve = min(self.reserved_slots, self.num_seq_slots - 1) if self.is_multi_tenant or len(self._served) > 1 else 0
-        return len(self._free_slots) > reserve or not any(seq.group == group for seq in self.running)
+        reserve = min(self.reserved_slots, self.num_seq_slots - needed) if self.is_multi_tenant or len(self._served) > 1 else 0
+        return free - needed >= reserve or not any(seq.group == group for seq in self.running)
 
     def _active(self) -> set[str]:
         return {seq.group for seq in self.running} | set(self._queues)
@@ -131,13 +149,16 @@ class Scheduler:
         seq.seq_slot, seq.status = self._free_slots.pop(0), Status.RUNNING
         seq.num_computed = seq.num_cached  # the engine loads those into the slot before the pass
         self.running.append(seq)
+        for fork in seq.forks:  # their slots wait for the prompt's KV (`_forking`)
+            fork.seq_slot, fork.status, fork.num_computed = self._free_slots.pop(0), Status.RUNNING, fork.num_prompt_tokens
+            self.running.append(fork)
 
     def finish(self, seq: Sequence) -> None:
         """Free its slot at once (completed, cancelled or failed)."""
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
             self._free_slots.append(seq.seq_slot)
-        elif seq.status == Status.WAITING:
+        elif seq.status == Status.WAITING and seq.fork_of is None:  # a waiting fork was never queued
             self._unqueue(seq)
         seq.status, seq.seq_slot = Status.FINISHED, None
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -24,6 +24,13 @@ class Sequence:
     num_cached: int = 0  # leading prompt tokens whose keys and values come from the prefix cache
     arrival: int = 0
     group: str = ""  # whose request (the tenant): tokens are shared fairly between groups
+    index: int = 0  # which of its request's n choices
+    forks: list[Sequence] = field(default_factory=list)  # the request's other choices (on choice 0): they take its prompt's KV
+    fork_of: Sequence | None = None  # a choice still waiting for the prompt's KV from this one
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.request_id, self.index
 
     @property
     def num_pending(self) -> int:

@@ -99,20 +99,21 @@ def literal_spans(text: str, contents: Sequence[str], has_control_text: Callable
     return spans
 
 
-def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]]) -> str:
-    """`messages` rendered with the model's template (a `GGUFTokenizer`'s), the generation prompt added."""
+def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], **extra: Any) -> str:
+    """`messages` rendered with the model's template (a `GGUFTokenizer`'s), the generation prompt
+    added; `extra` goes to the template too (`tools`)."""
     if not tokenizer.chat_template:
         raise ChatTemplateError("this model has no chat template (tokenizer.chat_template)")
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-    return ChatTemplate(tokenizer.chat_template, bos, eos).render(messages)
+    return ChatTemplate(tokenizer.chat_template, bos, eos).render(messages, **extra)
 
 
-def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]], **extra: Any) -> list[int]:
     """Render `messages` with the model's template and tokenize (a `GGUFTokenizer`), as
     llama-server does, except that control tokens come only from the template: text in a
     message's content that spells one (`<|im_start|>`) stays text."""
-    text = render_chat(tokenizer, messages)
+    text = render_chat(tokenizer, messages, **extra)
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     contents = [_message_text(m.get("content", "")) for m in messages]
     spans = literal_spans(text, contents, tokenizer.has_control_text)

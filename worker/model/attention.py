@@ -43,6 +43,11 @@ class KVCache:
     def num_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Positions 0..length of one sequence slot into another (on the device, every layer at once)."""
+        self.k[:, dst_slot, :, :length].copy_(self.k[:, src_slot, :, :length])
+        self.v[:, dst_slot, :, :length].copy_(self.v[:, src_slot, :, :length])
+
 
 @dataclass(frozen=True)
 class Segment:

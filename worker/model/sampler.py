@@ -148,10 +148,12 @@ def is_distribution(logits: torch.Tensor) -> torch.Tensor:
     return ~(torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def sample(logits: torch.Tensor, batch: SamplingBatch, final: list[torch.Tensor] | None = None) -> torch.Tensor:
     """logits [M, V] float32 -> tokens [M] (long, on the logits' device); -1 for a row that is
     not a distribution (NaN or +inf logits), -2 for a row whose bans, biases and grammar leave
-    no token at all; either must fail its own request only."""
+    no token at all; either must fail its own request only. With `final` (a list), the logits
+    each row was drawn from, after every filter, are appended to it ([M, V]; a greedy row's
+    are 0 at its token and -inf elsewhere): llama-server's post-sampling probabilities."""
     valid = is_distribution(logits)
     if batch.bias is not None:
         rows, cols, added = batch.bias
@@ -163,8 +165,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.allowed is not None:
         logits = _constrain(logits, *batch.allowed)
     tokens = logits.argmax(dim=-1)
+    filtered = None
     if batch.drawn is not None:
-        tokens = tokens.index_copy(0, batch.drawn, _draw(logits.index_select(0, batch.drawn), batch))
+        filtered = _filter(logits.index_select(0, batch.drawn), batch)
+        tokens = tokens.index_copy(0, batch.drawn, _draw(filtered, batch))
+    if final is not None:
+        chosen = torch.full_like(logits, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+        final.append(chosen if filtered is None else chosen.index_copy(0, batch.drawn, filtered))
     if batch.banned is not None or batch.allowed is not None or batch.bias is not None:
         tokens = torch.where(torch.isfinite(logits).any(dim=-1), tokens, torch.full_like(tokens, NOTHING_ALLOWED))
     return torch.where(valid, tokens, torch.full_like(tokens, -1))
@@ -181,12 +188,11 @@ def _constrain(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) ->
     return logits.index_copy(0, rows, constrained)
 
 
-def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [D, V] of rows that sample -> tokens [D]: min-p (a token less probable than min_p
-    times the most probable is dropped, judged before temperature as llama.cpp does), temperature,
-    then top-k, then top-p (a token is dropped when the mass before it already reaches top_p;
-    the first always stays)."""
-    vocab = logits.shape[-1]
+def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [D, V] of rows that sample -> what they are drawn from: min-p (a token less probable
+    than min_p times the most probable is dropped, judged before temperature as llama.cpp does),
+    temperature, then top-k, then top-p (a token is dropped when the mass before it already
+    reaches top_p; the first always stays); dropped tokens are -inf."""
     scaled = logits / batch.temperature
     if batch.min_p is not None:  # on the untempered distribution, as llama.cpp: p < min_p * p_max <=> logit < max + log(min_p)
         floor = logits.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)
@@ -200,6 +206,12 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs = torch.softmax(ordered, dim=-1)
         drop = (probs.cumsum(dim=-1) - probs) >= batch.top_p
         scaled = scaled.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
+    return scaled
+
+
+def _draw(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Filtered logits [D, V] -> tokens [D], each row by its own uniform draw."""
+    vocab = scaled.shape[-1]
     cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)  # [D, V]
     # the first token whose cumulative mass passes u * total: never one of probability 0
     return (cdf <= (batch.uniform * cdf[:, -1])[:, None]).sum(dim=-1).clamp_max(vocab - 1)

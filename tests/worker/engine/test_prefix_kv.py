@@ -265,3 +265,28 @@ def test_an_moe_base_with_an_expert_adapter_continues_from_a_hit_as_from_a_cold_
     assert (first.cached_tokens, second.cached_tokens, base.cached_tokens) == (0, 40, 0)
     assert_same_output(second, uncached)
     assert base.token_ids != uncached.token_ids
+
+
+def test_choices_share_a_cached_prefix_and_only_the_first_stores(runner, redis_prefix) -> None:
+    """n = 3 after a cached prefix: the forks copy loaded and computed KV alike."""
+    params = SamplingParams(max_tokens=6, temperature=1.0, top_k=0, seed=5, ignore_eos=True, logprobs=1, n=3)
+
+    def choices(cache):
+        engine = Engine(runner, None, EngineConfig(num_seq_slots=4, slot_len=128, max_step_tokens=16), prefix_cache=cache)
+        engine.add_request(EngineRequest("r", list(PROMPT), params, {0: 1.0}, cache_salt="t1"))
+        outs = []
+        while engine.has_work():
+            outs += engine.step()
+        return engine, {o.index: o.result for o in outs if o.finish_reason}
+
+    _, uncached = choices(None)
+    cache = open_cache(runner, redis_prefix)
+    choices(cache)
+    assert cache.flush()
+    stored = len(redis_values(redis_prefix))
+    assert stored == (len(PROMPT) + params.max_tokens - 1) // C  # choice 0 stores its chunks; the forks store none
+    engine, cached = choices(cache)
+    assert engine.counters.prompt_tokens == len(PROMPT) - 40
+    for i in range(3):
+        assert cached[i].cached_tokens == 40
+        assert_same_output(cached[i], uncached[i])

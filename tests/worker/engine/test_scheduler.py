@@ -166,3 +166,42 @@ def test_a_multi_tenant_worker_reserves_a_slot_from_the_start() -> None:
         s.add(grouped(f"n{i}", "noisy", 8))
     s.schedule()
     assert len(s.running) == 3  # no other tenant seen yet, but the deployment has some
+
+
+def forked(name: str, num_prompt: int, n: int) -> Sequence:
+    leader = seq(name, num_prompt)
+    for i in range(1, n):
+        fork = Sequence(name, list(leader.token_ids), num_prompt, leader.max_len, index=i, fork_of=leader)
+        leader.forks.append(fork)
+    return leader
+
+
+def test_choices_are_admitted_together_and_fork_in_the_step_that_ends_the_prompt() -> None:
+    s = Scheduler(num_seq_slots=4, slot_len=64, max_step_tokens=7)
+    other, leader = seq("o", 2), forked("r", 10, 3)
+    s.add(other)
+    s.add(leader)
+    s.add(seq("late", 2))
+    chunks = s.schedule()  # three slots left: the leader and its two forks take them; `late` waits
+    assert [(c.seq.request_id, c.seq.index, c.start, c.length) for c in chunks] == [("o", 0, 0, 2), ("r", 0, 0, 5)]
+    assert sorted(x.seq_slot for x in s.running) == [0, 1, 2, 3] and [x.request_id for x in s.waiting] == ["late"]
+    advance(chunks)
+    chunks = s.schedule()  # the leader's last prompt tokens, then each fork: no tokens, sampling the leader's logits
+    assert [(c.seq.request_id, c.seq.index, c.start, c.length) for c in chunks] == [("o", 0, 2, 1), ("r", 0, 5, 5), ("r", 1, 10, 0), ("r", 2, 10, 0)]
+    assert all(c.samples for c in chunks) and [c.fork_of for c in chunks[2:]] == [leader, leader]
+    advance(chunks)
+    chunks = s.schedule()  # every choice decodes on its own
+    assert [(c.seq.request_id, c.seq.index, c.start, c.length) for c in chunks] == [("o", 0, 3, 1), ("r", 0, 10, 1), ("r", 1, 10, 1), ("r", 2, 10, 1)]
+    assert all(c.fork_of is None for c in chunks)
+
+
+def test_a_waiting_request_with_forks_is_finished_whole() -> None:
+    s = Scheduler(num_seq_slots=2, slot_len=64, max_step_tokens=10)
+    s.add(seq("a", 2))
+    leader = forked("r", 4, 2)
+    s.add(leader)
+    s.schedule()  # one slot free: not enough for the two choices
+    assert [x.request_id for x in s.waiting] == ["r"] and s.num_free_slots == 1
+    for choice in [leader, *leader.forks]:
+        s.finish(choice)
+    assert not s.waiting and s.num_free_slots == 1
