@@ -9,6 +9,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.api.tools import template_style
 from gateway.config import ServeConfig
 from worker.contract.spec import slot_length
 from worker.formats.adapter import load_adapter
@@ -40,6 +41,7 @@ class Catalog:
         self.model_name = config.model_name or self.model_path.name.removesuffix(".gguf")
         self.hparams = ModelHParams.from_gguf(self.base)
         self.tokenizer = GGUFTokenizer(self.base)
+        self.tool_style = template_style(self.tokenizer.chat_template)  # how chat tools reach this model (gateway/api/tools.py)
         self.max_positions = slot_length(config.engine.slot_len, self.hparams.context_length)
         # a text longer than this cannot fit the context whatever it says: refused before tokenizing
         longest = max((len(self.tokenizer.token_text(i)) for i in range(self.tokenizer.vocab_size)), default=1)

@@ -58,6 +58,7 @@ class TinySpec:
     rms_eps: float = 1e-5
     tied: bool = False
     seed: int = 0
+    chat_template: str = CHATML
     init_std: float = 0.2
     sliding_window: int = 8  # gemma3
     num_experts: int = 0  # > 0: MoE (llama: Mixtral; qwen3moe needs it); ffn_dim is then each expert's width
@@ -189,7 +190,7 @@ def write_base(path: Path, spec: TinySpec, tensors: dict[str, np.ndarray]) -> Pa
     w.add_uint32("tokenizer.ggml.bos_token_id", 1)
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     w.add_bool("tokenizer.ggml.add_bos_token", False)
-    w.add_string("tokenizer.chat_template", CHATML)
+    w.add_string("tokenizer.chat_template", spec.chat_template)
     for key, value in spec.extra_metadata.items():
         w.add_key_value(key, value[1], value[0])
     for name, array in tensors.items():

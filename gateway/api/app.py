@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,7 +25,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 
 from gateway.admission import Prepared
-from gateway.api.formats import ChatFormatter, CompletionFormatter, llama_completion, llama_probabilities, sse, token_str, tokenize_piece
+from gateway.api.formats import (
+    ChatFormatter,
+    CompletionFormatter,
+    llama_completion,
+    llama_probabilities,
+    sse,
+    summary,
+    token_str,
+    tokenize_piece,
+)
 from gateway.api.protocol import (
     APIError,
     ApplyTemplateRequest,
@@ -38,6 +48,7 @@ from gateway.api.protocol import (
     parse,
 )
 from gateway.api.sampling import compiled_grammar, llama_params, openai_params, settings_of
+from gateway.api.tools import HERMES, ToolPlan, chat_messages, plan_of
 from gateway.dispatch import Gateway
 from gateway.metrics import adapter_label
 from gateway.tenants import Tenant
@@ -95,7 +106,7 @@ async def _respond(gateway: Gateway, prepared: Prepared, stream: bool, endpoint:
             raise
         finally:
             in_flight.dec()
-        timing.done(200, deltas[-1])
+        timing.done(200, summary([d for d in deltas if d.finish_reason is not None]))
         return JSONResponse(whole(deltas), headers=_headers(prepared))
     deltas = gateway.stream(prepared)
     try:
@@ -106,9 +117,10 @@ async def _respond(gateway: Gateway, prepared: Prepared, stream: bool, endpoint:
         raise
 
     async def events() -> AsyncIterator[bytes]:
-        final, status = None, 200
+        finals: list[Delta] = []  # each choice's last delta
+        status, started = 200, set()
         try:
-            index, delta = 0, first
+            delta = first
             while True:
                 timing.token()
                 if delta.finish_reason == "error":
@@ -116,20 +128,23 @@ async def _respond(gateway: Gateway, prepared: Prepared, stream: bool, endpoint:
                     status = error.status
                     yield sse(error.body())
                     break
-                yield sse(chunk(delta, index == 0))
+                out = chunk(delta, delta.index not in started)  # a chunk, or several (tool calls)
+                for piece in out if isinstance(out, list) else [out]:
+                    yield sse(piece)
+                started.add(delta.index)
+                if delta.finish_reason is not None:
+                    finals.append(delta)
                 if delta.is_finished:
-                    final = delta
                     if include_usage and usage_chunk is not None:
-                        yield sse(usage_chunk(delta))
+                        yield sse(usage_chunk(finals))
                     break
-                index += 1
                 delta = await anext(deltas)
             if done_marker:
                 yield sse("[DONE]")
         finally:
             await deltas.aclose()  # a client that went away cancels the worker's request
             in_flight.dec()
-            timing.done(status, final)
+            timing.done(status, summary(finals) if finals and status == 200 else None)
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=_headers(prepared))
 
@@ -189,6 +204,16 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         tokenizer = gateway.catalog.tokenizer  # raw prompts parse special tokens, as llama.cpp does
         return await _off_loop(gateway, len(prompt), lambda: tokenizer.encode(prompt, add_special=True, parse_special=True))
 
+    def _chat_input(gateway: Gateway, body) -> tuple[ToolPlan | None, list[dict[str, Any]], dict[str, Any]]:
+        """A chat body's tool plan, its messages as the template reads them, and what else the template gets."""
+        style = gateway.catalog.tool_style
+        try:
+            tools = plan_of(body, style) if getattr(body, "tools", None) else None
+            messages = chat_messages([m.as_dict() for m in body.messages], tools, style)
+        except ValueError as e:
+            raise APIError(400, str(e), "invalid_value") from e
+        return tools, messages, {"tools": tools.template_tools()} if tools is not None and style == HERMES else {}
+
     def _adapters(gateway: Gateway, tenant: Tenant) -> list[dict[str, Any]]:
         out = []
         for i, name in enumerate(gateway.admission.adapter_names(tenant)):
@@ -216,9 +241,12 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         scales = gateway.admission.resolve_scales(tenant, body.model, body.lora)
         tokenizer, prompt = gateway.catalog.tokenizer, await _tokens(gateway, body.prompt)
         grammar = await compiled_grammar(gateway, body, "response_format")
-        params = openai_params(gateway, len(prompt), body.max_tokens, body, body.logprobs, body.echo, grammar)
+        ranked = body.num_samples > body.n  # best_of: every sample's token log-probabilities rank them
+        logprobs = body.logprobs if body.logprobs is not None or not ranked else 0
+        params = openai_params(gateway, len(prompt), body.max_tokens, body, logprobs, body.echo, grammar, body.num_samples)
         prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, timeout_s=body.timeout_s)
-        fmt = CompletionFormatter(tokenizer, body.model or gateway.catalog.model_name, prompt, body.echo, body.logprobs)
+        fmt = CompletionFormatter(tokenizer, body.model or gateway.catalog.model_name, prompt, body.echo, body.logprobs,
+                                  keep=body.n if ranked else None)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await _respond(gateway, prepared, body.stream, "completions", fmt.whole, fmt.chunk, fmt.usage_chunk, include_usage)
 
@@ -226,14 +254,14 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     async def chat(request: Request) -> Response:
         gateway, tenant, body = await _begin(request, ChatRequest)
         scales = gateway.admission.resolve_scales(tenant, body.model, body.lora)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        size = sum(len(m["content"]) for m in messages)
-        prompt = await _off_loop(gateway, size, lambda: encode_chat(gateway.catalog.tokenizer, messages))
+        tools, messages, extra = _chat_input(gateway, body)
+        size = sum(len(m["content"]) for m in messages) + sum(len(json.dumps(t)) for t in extra.get("tools", ()))
+        prompt = await _off_loop(gateway, size, lambda: encode_chat(gateway.catalog.tokenizer, messages, **extra))
         k = (body.top_logprobs or 0) if body.logprobs else None
-        grammar = await compiled_grammar(gateway, body, "response_format")
-        params = openai_params(gateway, len(prompt), body.token_limit, body, k, grammar=grammar)
+        grammar = await compiled_grammar(gateway, body, "response_format", tools)
+        params = openai_params(gateway, len(prompt), body.token_limit, body, k, grammar=grammar, n=body.n)
         prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, timeout_s=body.timeout_s)
-        fmt = ChatFormatter(gateway.catalog.tokenizer, body.model or gateway.catalog.model_name, k)
+        fmt = ChatFormatter(gateway.catalog.tokenizer, body.model or gateway.catalog.model_name, k, tools)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await _respond(gateway, prepared, body.stream, "chat", fmt.whole, fmt.chunk, fmt.usage_chunk, include_usage)
 
@@ -254,7 +282,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
                 return llama_completion([delta], model, tokenizer, settings)
             out = {"index": 0, "content": delta.text, "tokens": list(delta.token_ids), "stop": False}
             if delta.logprobs:
-                out["completion_probabilities"] = llama_probabilities(tokenizer, delta.logprobs)
+                out["completion_probabilities"] = llama_probabilities(tokenizer, delta.logprobs, params.post_sampling_probs)
             return out
 
         return await _respond(gateway, prepared, body.stream, "completion", lambda d: llama_completion(d, model, tokenizer, settings), chunk,
@@ -284,9 +312,9 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     @app.post("/apply-template")
     async def apply_template(request: Request) -> dict[str, Any]:
         gateway, _, body = await _begin(request, ApplyTemplateRequest)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        size = sum(len(m["content"]) for m in messages)
-        return {"prompt": await _off_loop(gateway, size, lambda: render_chat(gateway.catalog.tokenizer, messages))}
+        _, messages, extra = _chat_input(gateway, body)
+        size = sum(len(m["content"]) for m in messages) + sum(len(json.dumps(t)) for t in extra.get("tools", ()))
+        return {"prompt": await _off_loop(gateway, size, lambda: render_chat(gateway.catalog.tokenizer, messages, **extra))}
 
     @app.get("/props")
     async def props(request: Request) -> dict[str, Any]:

@@ -1,13 +1,16 @@
-"""Response bodies: OpenAI completions and chat (whole and streamed chunks) and
+"""Response bodies: OpenAI completions and chat (whole and streamed chunks, n choices each) and
 llama-server's /completion, built from the worker's `Delta`s (torch-free)."""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
+from gateway.api.tools import ToolCall, ToolPlan, ToolReader
 from worker.contract.calls import Delta, TokenLogprob, Usage
 from worker.formats.tokenizer import GGUFTokenizer
 
@@ -18,8 +21,29 @@ def token_str(tokenizer: GGUFTokenizer, token_id: int) -> str:
     return tokenizer.token_bytes(token_id, skip_special=False).decode("utf-8", errors="replace")
 
 
-def usage(final: Delta) -> dict[str, Any]:
-    u = final.usage or _NO_USAGE
+def by_choice(deltas: Sequence[Delta]) -> dict[int, list[Delta]]:
+    """A request's deltas per choice index, in index order."""
+    groups: dict[int, list[Delta]] = {}
+    for d in deltas:
+        groups.setdefault(d.index, []).append(d)
+    return dict(sorted(groups.items()))
+
+
+def total_usage(finals: Sequence[Delta]) -> Usage:
+    """The request's usage over its choices' last deltas: the prompt once, every choice's tokens."""
+    us = [d.usage for d in finals if d.usage is not None]
+    if not us:
+        return _NO_USAGE
+    return Usage(us[0].prompt_tokens, sum(u.completion_tokens for u in us), us[0].cached_tokens)
+
+
+def summary(finals: Sequence[Delta]) -> Delta:
+    """One last delta for the request as a whole (metrics): choice 0's with the total usage."""
+    return replace(finals[0], usage=total_usage(finals))
+
+
+def usage(finals: Sequence[Delta]) -> dict[str, Any]:
+    u = total_usage(finals)
     return {
         "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
@@ -35,15 +59,23 @@ def finish_reason(reason: str | None) -> str | None:
     return {"stop": "stop", "length": "length"}.get(reason or "", None if reason is None else "stop")
 
 
+def _mean_logprob(deltas: Sequence[Delta]) -> float:
+    entries = [e.logprob for d in deltas for e in d.logprobs or ()]
+    return sum(entries) / len(entries) if entries else 0.0
+
+
 class CompletionFormatter:
-    """`text_completion` objects; with `echo`, the prompt's text (and log-probabilities) lead."""
+    """`text_completion` objects; with `echo`, the prompt's text (and log-probabilities) lead.
+    With `keep` (best_of), only the `keep` choices of highest mean token log-probability are
+    returned, renumbered."""
 
-    def __init__(self, tokenizer: GGUFTokenizer, model: str, prompt_ids: list[int], echo: bool, logprobs: int | None) -> None:
-        self.tokenizer, self.model, self.prompt_ids, self.echo, self.k = tokenizer, model, prompt_ids, echo, logprobs
+    def __init__(self, tokenizer: GGUFTokenizer, model: str, prompt_ids: list[int], echo: bool, logprobs: int | None,
+                 keep: int | None = None) -> None:
+        self.tokenizer, self.model, self.prompt_ids, self.echo, self.k, self.keep = tokenizer, model, prompt_ids, echo, logprobs, keep
         self.id, self.created = f"cmpl-{time.time_ns():x}", int(time.time())
-        self._offset = 0
+        self._offsets: dict[int, int] = {}  # per choice, streamed text so far
 
-    def _logprobs(self, ids: Sequence[int], entries: Sequence[TokenLogprob | None]) -> dict[str, Any]:
+    def _logprobs(self, ids: Sequence[int], entries: Sequence[TokenLogprob | None], offset: int) -> tuple[dict[str, Any], int]:
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for i, token_id in enumerate(ids):
             entry = entries[i] if i < len(entries) else None
@@ -51,52 +83,62 @@ class CompletionFormatter:
             out["tokens"].append(text)
             out["token_logprobs"].append(None if entry is None else entry.logprob)
             out["top_logprobs"].append(None if entry is None else {token_str(self.tokenizer, t): lp for t, lp in entry.top})
-            out["text_offset"].append(self._offset)
-            self._offset += len(text)
-        return out
-
-    def _generated(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-        return self._logprobs([e.token_id for e in entries], entries)
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out, offset
 
     def prompt_text(self) -> str:
         return self.tokenizer.decode(self.prompt_ids) if self.echo else ""
 
-    def _merge(self, a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
-        return b if a is None else {k: a[k] + b[k] for k in a}
-
-    def whole(self, deltas: list[Delta]) -> dict[str, Any]:
+    def _choice(self, index: int, deltas: list[Delta], prompt_logprobs: Sequence[TokenLogprob | None] | None) -> dict[str, Any]:
         final = deltas[-1]
-        text = self.prompt_text() + "".join(d.text for d in deltas)
         logprobs = None
         if self.k is not None:
-            if self.echo:
-                logprobs = self._logprobs(self.prompt_ids, final.prompt_logprobs or ())
+            ids: list[int] = list(self.prompt_ids) if self.echo else []
+            entries: list[TokenLogprob | None] = list(prompt_logprobs or [None]) if self.echo else []
+            entries += [None] * (len(ids) - len(entries))
             for d in deltas:
-                if d.logprobs:
-                    logprobs = self._merge(logprobs, self._generated(d.logprobs))
-            logprobs = logprobs or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                ids += [e.token_id for e in d.logprobs or ()]
+                entries += list(d.logprobs or ())
+            logprobs = self._logprobs(ids, entries, 0)[0]
+        text = self.prompt_text() + "".join(d.text for d in deltas)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(final.finish_reason)}
+
+    def whole(self, deltas: list[Delta]) -> dict[str, Any]:
+        groups = list(by_choice(deltas).values())
+        finals = [group[-1] for group in groups]
+        prompt_logprobs = next((d.prompt_logprobs for d in finals if d.prompt_logprobs), None)  # computed once, by choice 0
+        if self.keep is not None:
+            groups = sorted(groups, key=_mean_logprob, reverse=True)[: self.keep]
         return {
             "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(final.finish_reason)}],
-            "usage": usage(final),
+            "choices": [self._choice(i, group, prompt_logprobs) for i, group in enumerate(groups)],
+            "usage": usage(finals),
         }
 
     def chunk(self, delta: Delta, first: bool) -> dict[str, Any]:
         text = (self.prompt_text() if first else "") + delta.text
-        logprobs = self._generated(delta.logprobs) if self.k is not None and delta.logprobs else None
+        logprobs = None
+        if self.k is not None and delta.logprobs:
+            logprobs, self._offsets[delta.index] = self._logprobs([e.token_id for e in delta.logprobs], delta.logprobs,
+                                                                  self._offsets.get(delta.index, 0))
         return {
             "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(delta.finish_reason)}],
+            "choices": [{"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(delta.finish_reason)}],
         }
 
-    def usage_chunk(self, final: Delta) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": [], "usage": usage(final)}
+    def usage_chunk(self, finals: Sequence[Delta]) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": [], "usage": usage(finals)}
 
 
 class ChatFormatter:
-    def __init__(self, tokenizer: GGUFTokenizer, model: str, logprobs: int | None) -> None:
-        self.tokenizer, self.model, self.k = tokenizer, model, logprobs
+    """`chat.completion` objects; with `tools`, each choice's text is read for tool calls
+    (gateway/api/tools.py): whole, or streamed as calls complete."""
+
+    def __init__(self, tokenizer: GGUFTokenizer, model: str, logprobs: int | None, tools: ToolPlan | None = None) -> None:
+        self.tokenizer, self.model, self.k, self.tools = tokenizer, model, logprobs, tools
         self.id, self.created = f"chatcmpl-{time.time_ns():x}", int(time.time())
+        self._readers: dict[int, ToolReader] = {}  # per choice, when streaming with tools
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         data = self.tokenizer.token_bytes(token_id, skip_special=False)
@@ -111,24 +153,53 @@ class ChatFormatter:
                 content.append({**self._entry(e.token_id, e.logprob), "top_logprobs": [self._entry(t, lp) for t, lp in e.top]})
         return {"content": content}
 
+    def _finish_reason(self, delta: Delta, called: bool) -> str | None:
+        reason = finish_reason(delta.finish_reason)
+        return "tool_calls" if called and reason == "stop" else reason
+
+    def _choice(self, index: int, deltas: list[Delta]) -> dict[str, Any]:
+        text = "".join(d.text for d in deltas)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            message["content"], calls = self.tools.parse(text)
+            if calls:
+                message["tool_calls"] = [c.as_openai() for c in calls]
+        return {"index": index, "message": message, "logprobs": self._logprobs(deltas), "finish_reason": self._finish_reason(deltas[-1], bool(calls))}
+
     def whole(self, deltas: list[Delta]) -> dict[str, Any]:
-        final = deltas[-1]
-        message = {"role": "assistant", "content": "".join(d.text for d in deltas)}
+        groups = by_choice(deltas)
         return {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(deltas), "finish_reason": finish_reason(final.finish_reason)}],
-            "usage": usage(final),
+            "choices": [self._choice(i, group) for i, group in groups.items()],
+            "usage": usage([group[-1] for group in groups.values()]),
         }
 
-    def chunk(self, delta: Delta, first: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+    def _chunk(self, index: int, body: dict[str, Any], logprobs: dict[str, Any] | None = None, reason: str | None = None) -> dict[str, Any]:
         return {
             "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "delta": body, "logprobs": self._logprobs([delta]), "finish_reason": finish_reason(delta.finish_reason)}],
+            "choices": [{"index": index, "delta": body, "logprobs": logprobs, "finish_reason": reason}],
         }
 
-    def usage_chunk(self, final: Delta) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": [], "usage": usage(final)}
+    def chunk(self, delta: Delta, first: bool) -> list[dict[str, Any]]:
+        role = {"role": "assistant"} if first else {}
+        if self.tools is None:
+            return [self._chunk(delta.index, {**role, "content": delta.text}, self._logprobs([delta]), finish_reason(delta.finish_reason))]
+        reader = self._readers.setdefault(delta.index, self.tools.reader())
+        bodies = [{"content": e} if isinstance(e, str) else {"tool_calls": [e]} for e in reader.feed(delta.text)]
+        if delta.finish_reason is not None:
+            bodies += [{"content": e} if isinstance(e, str) else {"tool_calls": [e]} for e in reader.finish()]
+        if not bodies and (first or self.k is not None):
+            bodies = [{"content": ""}]
+        chunks = [self._chunk(delta.index, {**(role if i == 0 else {}), **body}) for i, body in enumerate(bodies)]
+        if chunks:
+            chunks[0]["choices"][0]["logprobs"] = self._logprobs([delta])
+        if delta.finish_reason is not None:
+            chunks.append(self._chunk(delta.index, {}, None, self._finish_reason(delta, reader.num_calls > 0)))
+        return chunks
+
+    def usage_chunk(self, finals: Sequence[Delta]) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": [], "usage": usage(finals)}
 
 
 def tokenize_piece(tokenizer: GGUFTokenizer, token_id: int) -> dict[str, Any]:
@@ -140,18 +211,28 @@ def tokenize_piece(tokenizer: GGUFTokenizer, token_id: int) -> dict[str, Any]:
         return {"id": token_id, "piece": list(piece)}
 
 
-def _llama_token(tokenizer: GGUFTokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+def _llama_token(tokenizer: GGUFTokenizer, token_id: int, logprob: float, post: bool = False) -> dict[str, Any]:
     piece = tokenizer.token_bytes(token_id, skip_special=False)
-    return {"id": token_id, "token": piece.decode("utf-8", errors="replace"), "bytes": list(piece), "logprob": logprob}
+    out = {"id": token_id, "token": piece.decode("utf-8", errors="replace"), "bytes": list(piece)}
+    if post:
+        out["prob"] = math.exp(logprob)
+    else:
+        out["logprob"] = logprob
+    return out
 
 
-def llama_probabilities(tokenizer: GGUFTokenizer, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
-    """llama-server's `completion_probabilities`: each generated token and its top `n_probs`."""
+def llama_probabilities(tokenizer: GGUFTokenizer, entries: Sequence[TokenLogprob], post: bool = False) -> list[dict[str, Any]]:
+    """llama-server's `completion_probabilities`: each generated token and its top `n_probs`, as
+    log-probabilities of the model's distribution, or with `post` (post_sampling_probs) as
+    probabilities of what the sampler drew from (tokens its filters dropped are not listed)."""
+    if post:
+        return [{**_llama_token(tokenizer, e.token_id, e.logprob, True),
+                 "top_probs": [_llama_token(tokenizer, t, lp, True) for t, lp in e.top if lp > -math.inf]} for e in entries]
     return [{**_llama_token(tokenizer, e.token_id, e.logprob), "top_logprobs": [_llama_token(tokenizer, t, lp) for t, lp in e.top]} for e in entries]
 
 
 def llama_completion(deltas: list[Delta], model: str, tokenizer: GGUFTokenizer | None = None, settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """llama-server's /completion answer (the fields its clients and tests read)."""
+    """llama-server's /completion answer (the fields its clients and tests read; one choice)."""
     final = deltas[-1]
     u = final.usage or _NO_USAGE
     out = {
@@ -172,5 +253,5 @@ def llama_completion(deltas: list[Delta], model: str, tokenizer: GGUFTokenizer |
         out["generation_settings"] = settings
     entries = [e for d in deltas for e in (d.logprobs or ())]
     if tokenizer is not None and entries:
-        out["completion_probabilities"] = llama_probabilities(tokenizer, entries)
+        out["completion_probabilities"] = llama_probabilities(tokenizer, entries, bool(settings and settings.get("post_sampling_probs")))
     return out

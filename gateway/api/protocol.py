@@ -3,9 +3,9 @@ OpenAI-style error (torch-free).
 
 Fields a client may send that change nothing we compute (`user`, `metadata`,
 `store`, ...) are ignored, as OpenAI-compatible servers do; fields OpenAI
-defines that we cannot honour with a non-default value (`n` > 1,
-`response_format` other than text, `tools`, ...) are refused by name with 400,
-never silently ignored.
+defines that we cannot honour with a non-default value (`audio`, `suffix`,
+the deprecated `functions`, ...) are refused by name with 400, never silently
+ignored.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ MAX_MESSAGES = 1024
 MAX_NAME_CHARS = 256  # model and adapter names, cache salts
 MAX_SEED = 2**63
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
+MAX_CHOICES = 16  # n and best_of (each choice takes a KV slot; a worker has few)
+MAX_TOOLS = 128
 # OpenAI fields we do not support, and the value that means "not used"
-_UNSUPPORTED_AT = {"tools": (None, []), "functions": (None, []), "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"),
-                   "parallel_tool_calls": (None, True, False), "suffix": (None, ""), "best_of": (None, 1), "audio": (None,),
+_UNSUPPORTED_AT = {"functions": (None, []), "function_call": (None, "none", "auto"), "suffix": (None, ""), "audio": (None,),
                    "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,)}
 
 
@@ -91,7 +92,7 @@ class _Sampling(_Generation):
     temperature: float = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1, le=MAX_TOP_K)  # vLLM/llama.cpp extension; 0 or -1: off
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -114,8 +115,6 @@ class _Sampling(_Generation):
 
     @model_validator(mode="after")
     def _supported(self) -> _Sampling:
-        if self.n != 1:
-            raise ValueError("only n=1 is supported")
         self.grammar_source()  # checks the shape of response_format
         _stops(self.stop, MAX_STOP)
         self.bias_pairs  # noqa: B018  (checks the keys)
@@ -157,6 +156,19 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS)  # null: the server's default
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # sample this many, answer the n of highest mean token log-probability
+
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of is not None and self.best_of > 1 and self.stream:
+            raise ValueError("best_of cannot be streamed")
+        return self
+
+    @property
+    def num_samples(self) -> int:
+        return self.best_of or self.n
 
     @field_validator("prompt")
     @classmethod
@@ -175,14 +187,61 @@ class ChatContentPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str = Field(max_length=MAX_NAME_CHARS)
+    arguments: str = Field(max_length=1_000_000)  # JSON text
+
+
+class ToolCallIn(_Body):
+    """An earlier assistant turn's call, sent back in the conversation."""
+
+    id: str = Field(max_length=MAX_NAME_CHARS)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ChatContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS)  # an assistant's calls
+    tool_call_id: str | None = Field(None, max_length=MAX_NAME_CHARS)  # a tool message: the call it answers
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
 
     def text(self) -> str:
         if self.content is None:
             return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class FunctionSpec(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=100_000)
+    parameters: dict[str, Any] | None = None  # a JSON Schema; absent: no arguments
+    strict: bool | None = None
+
+
+class ToolSpec(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Body):
+    name: str = Field(max_length=MAX_NAME_CHARS)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Sampling):
@@ -191,6 +250,18 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # true: an answer may hold several calls (default: one)
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatRequest:
+        forced = self.tool_choice not in (None, "none", "auto")
+        if forced and not self.tools:
+            raise ValueError("tool_choice requires tools")
+        if self.tools and self.tool_choice != "none" and self.grammar_source() is not None:
+            raise ValueError("response_format cannot be combined with tools (give tool_choice 'none', or no tools)")
+        return self
 
     @property
     def token_limit(self) -> int | None:
@@ -243,14 +314,7 @@ class LlamaCompletionRequest(_Generation):
 
     json_schema: dict[str, Any] | bool | None = None  # the output follows this JSON Schema
     grammar: str | None = None  # or this GBNF grammar
-    post_sampling_probs: bool = False
-
-    @field_validator("post_sampling_probs")
-    @classmethod
-    def _pre_sampling_only(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("post_sampling_probs is not supported by this server: n_probs reports the model's log-probabilities")
-        return value
+    post_sampling_probs: bool = False  # n_probs of the distribution each token was drawn from (after the sampler's filters)
 
     @model_validator(mode="after")
     def _check_bias(self) -> LlamaCompletionRequest:
@@ -291,7 +355,12 @@ class DetokenizeRequest(_Body):
 
 
 class ApplyTemplateRequest(_Body):
+    """llama-server's `POST /apply-template`: a chat body's messages and tools, rendered."""
+
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class LoraScale(_Body):

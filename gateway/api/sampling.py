@@ -9,6 +9,7 @@ import asyncio
 from typing import Any
 
 from gateway.api.protocol import APIError, LlamaCompletionRequest
+from gateway.api.tools import ToolPlan
 from gateway.dispatch import Gateway
 from worker.contract.params import MAX_LOGIT_BIAS, SamplingParams
 from worker.formats.grammar import GrammarError, gbnf_grammar, json_object_grammar, json_schema_grammar
@@ -24,15 +25,19 @@ def _checked(make) -> SamplingParams:
 
 
 def openai_params(gateway: Gateway, num_prompt_tokens: int, max_tokens: int | None, body, logprobs: int | None = None,
-                  echo: bool = False, grammar: str | None = None) -> SamplingParams:
-    """Completions and chat: penalties over the generated tokens, as OpenAI counts them."""
+                  echo: bool = False, grammar: str | None = None, n: int = 1) -> SamplingParams:
+    """Completions and chat: penalties over the generated tokens, as OpenAI counts them; `n`
+    choices from one prefill (each takes a KV slot, so at most a worker's slots)."""
     if max_tokens is None:
         max_tokens = gateway.admission.default_max_tokens(num_prompt_tokens)
+    slots = gateway.config.engine.num_slots
+    if n > slots:
+        raise APIError(400, f"n ({n}) is more than this server runs at once per worker ({slots})", "invalid_value")
     return _checked(lambda: SamplingParams(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
         top_k=max(body.top_k, 0), seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, echo=echo, stop=tuple(body.stop_list),
         logit_bias=body.bias_pairs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repeat_penalty=body.repetition_penalty, min_p=body.min_p, grammar=grammar,
+        repeat_penalty=body.repetition_penalty, min_p=body.min_p, grammar=grammar, n=n,
     ))
 
 
@@ -42,6 +47,7 @@ def llama_params(gateway: Gateway, num_prompt_tokens: int, body: LlamaCompletion
     return _checked(lambda: SamplingParams(
         max_tokens=n_predict, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         seed=None if body.seed in (None, -1) else body.seed, ignore_eos=body.ignore_eos, logprobs=body.n_probs or None,
+        post_sampling_probs=body.post_sampling_probs,
         stop=tuple(body.stop), logit_bias=_llama_bias(gateway, body), min_p=body.min_p, repeat_penalty=body.repeat_penalty,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         penalty_last_n=body.repeat_last_n, penalize_prompt=True, grammar=grammar,
@@ -55,23 +61,28 @@ def settings_of(params: SamplingParams) -> dict[str, Any]:
         "min_p": params.min_p, "repeat_penalty": params.repeat_penalty, "repeat_last_n": params.penalty_last_n,
         "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
         "seed": -1 if params.seed is None else params.seed, "ignore_eos": params.ignore_eos, "stop": list(params.stop),
-        "n_probs": params.logprobs or 0, "logit_bias": [[t, b] for t, b in params.logit_bias], "grammar": "" if params.grammar is None else "<set>",
+        "n_probs": params.logprobs or 0, "post_sampling_probs": params.post_sampling_probs, "logit_bias": [[t, b] for t, b in params.logit_bias], "grammar": "" if params.grammar is None else "<set>",
     }
 
 
-async def compiled_grammar(gateway: Gateway, body, field: str) -> str | None:
-    """The body's grammar (response_format, json_schema or grammar), compiled and checked off the
-    event loop: checking builds a parser (and, the first time, the tokenizer's llguidance form)."""
+async def compiled_grammar(gateway: Gateway, body, field: str, tools: ToolPlan | None = None) -> str | None:
+    """The body's grammar (response_format, json_schema or grammar, or what its tools enforce),
+    compiled and checked off the event loop: checking builds a parser (and, the first time, the
+    tokenizer's llguidance form)."""
+    if tools is not None:
+        return await asyncio.to_thread(_checked_grammar, gateway, "tools", tools.grammar)
     if body.grammar_source() is None:
         return None
-    return await asyncio.to_thread(_grammar, gateway, body, field)
-
-
-def _grammar(gateway: Gateway, body, field: str) -> str:
     kind, spec = body.grammar_source()
+    make = {"json_object": json_object_grammar, "json_schema": lambda: json_schema_grammar(spec), "gbnf": lambda: gbnf_grammar(spec)}[kind]
+    return await asyncio.to_thread(_checked_grammar, gateway, field, make)
+
+
+def _checked_grammar(gateway: Gateway, field: str, make) -> str | None:
     try:
-        grammar = json_object_grammar() if kind == "json_object" else json_schema_grammar(spec) if kind == "json_schema" else gbnf_grammar(spec)
-        gateway.catalog.check_grammar(grammar)
+        grammar = make()
+        if grammar is not None:
+            gateway.catalog.check_grammar(grammar)
     except GrammarError as e:
         raise APIError(400, f"{field}: {e}", "invalid_grammar") from e
     return grammar

@@ -110,6 +110,55 @@ def test_chat_matches_loraplex_generate_streamed_or_not(server) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
 
 
+def _engine_counter(url: str, name: str) -> int:
+    text = httpx.get(f"{url}/metrics", headers=OPERATOR, timeout=30).text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith(f"loraplex_engine_{name}_total"))
+
+
+def test_n_choices_prefill_once_and_are_distinct_and_reproducible(server) -> None:
+    messages = [{"role": "user", "content": f"Name a metal. ({uuid.uuid4().hex[:8]})"}]  # a prompt no cache holds
+    before = _engine_counter(server, "prompt_tokens")
+    four = oa(server).chat.completions.create(model="caps", messages=messages, n=4, seed=11, temperature=1.0, max_tokens=12, logprobs=True)
+    computed = _engine_counter(server, "prompt_tokens") - before
+    assert computed == four.usage.prompt_tokens - four.usage.prompt_tokens_details.cached_tokens  # once, not four times
+    assert [c.index for c in four.choices] == [0, 1, 2, 3] and len({c.message.content for c in four.choices}) == 4
+    assert four.usage.completion_tokens == sum(len(c.logprobs.content) for c in four.choices)  # every choice counted
+    # reproducible: the same body computed the same way (another cache salt: no prefix-cache hit, whose KV may differ in the last bits)
+    again = oa(server).chat.completions.create(model="caps", messages=messages, n=4, seed=11, temperature=1.0, max_tokens=12,
+                                               extra_body={"cache_salt": "again"})
+    assert [c.message.content for c in again.choices] == [c.message.content for c in four.choices]
+
+
+def test_a_forced_tool_call_on_the_default_model_round_trips_whole_and_streamed(server) -> None:
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+               "required": ["city", "unit"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": weather}},
+             {"type": "function", "function": {"name": "get_time", "description": "Local time in a city",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    reply = oa(server).chat.completions.create(model="smollm2-135m-instruct", messages=ask, tools=tools, tool_choice=forced, temperature=0, max_tokens=60)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, weather)
+
+    chunks = list(oa(server).chat.completions.create(model="smollm2-135m-instruct", messages=ask, tools=tools, tool_choice=forced,
+                                                     temperature=0, max_tokens=60, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert "".join(d.function.name or "" for d in deltas) == "get_weather"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == arguments
+
+    conversation = [*ask, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    answer = oa(server).chat.completions.create(model="smollm2-135m-instruct", messages=conversation, tools=tools, temperature=0, max_tokens=60)
+    assert answer.choices[0].finish_reason in ("stop", "tool_calls", "length")
+    if answer.choices[0].finish_reason == "stop":
+        assert answer.choices[0].message.content
+
+
 def test_completions_with_stacked_adapters_through_lora(server) -> None:
     client = oa(server)
     base = client.completions.create(model="smollm2-135m-instruct", prompt="Copper is", max_tokens=8, temperature=0)

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import json
+import math
 
 import jsonschema
+import pytest
 
 from tests.gateway.gateway_setup import INVOCATION, PROMPT, SCHEMA, auth
 
@@ -74,8 +76,24 @@ def test_llama_server_n_probs_and_the_fields_its_clients_read(client) -> None:
     word = text[3:5]
     stopped = client.post("/completion", headers=auth(), json={**body, "n_predict": 12, "n_probs": 0, "stop": ["zzzz", word]}).json()
     assert (stopped["stop_type"], stopped["stopping_word"]) == ("word", word) and stopped["content"] == text[: text.find(word)]
-    refused = client.post("/completion", headers=auth(), json={**body, "post_sampling_probs": True})
-    assert refused.status_code == 400 and "post_sampling_probs is not supported" in refused.json()["error"]["message"]
+
+
+def test_post_sampling_probs_are_those_of_the_filtered_distribution(client) -> None:
+    greedy = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 3, "temperature": 0, "ignore_eos": True,
+                                                              "n_probs": 4, "post_sampling_probs": True}).json()
+    for p in greedy["completion_probabilities"]:  # greedy keeps one token: certain
+        assert p["prob"] == 1.0 and [(t["id"], t["prob"]) for t in p["top_probs"]] == [(p["id"], 1.0)] and "logprob" not in p
+    body = {"prompt": PROMPT, "n_predict": 6, "temperature": 1.5, "top_k": 3, "min_p": 0, "seed": 4, "ignore_eos": True, "n_probs": 5}
+    post = client.post("/completion", headers=auth(), json={**body, "post_sampling_probs": True}).json()
+    model = client.post("/completion", headers=auth(), json=body).json()
+    assert post["tokens"] == model["tokens"]  # the same draws; only what is reported differs
+    for p, m in zip(post["completion_probabilities"], model["completion_probabilities"]):
+        tops = p["top_probs"]
+        assert len(tops) == 3 and sum(t["prob"] for t in tops) == pytest.approx(1.0, abs=1e-5)  # top_k 3: three left, renormalised
+        assert [t["id"] for t in tops] == [t["id"] for t in m["top_logprobs"] if t["id"] not in (0, 2)][:3]  # ignore_eos masks the EOG tokens
+        assert p["prob"] == pytest.approx(next(t["prob"] for t in tops if t["id"] == p["id"]))
+        assert p["prob"] != pytest.approx(math.exp(m["logprob"]), abs=1e-3)  # not the model's probability
+    assert post["generation_settings"]["post_sampling_probs"] is True
 
 
 def test_llama_server_tokenize_detokenize_apply_template_and_props(client) -> None:

@@ -1,0 +1,270 @@
+"""Tool calling on chat (torch-free): how a request's tools reach the model, how its calls are
+enforced, and how they are read back out of the generated text.
+
+Two styles, picked by the model's chat template:
+- **hermes**: a template that renders `tools` itself and writes calls as
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen 2.5/3, Hermes and their
+  fine-tunes). The tools go to the template; assistant calls and `tool` messages go back in
+  OpenAI's shape, arguments as objects (what these templates read).
+- **generic**, for every other template (the default SmolLM2's has no tool support), as
+  llama-server does for such templates: a system message lists the functions and asks for
+  JSON, `{"tool_call": {"name": ..., "arguments": {...}}}` (or `{"tool_calls": [...]}` with
+  `parallel_tool_calls`) or `{"response": "..."}`. The answer is always held to that shape by
+  the grammar engine. Earlier calls are written back as that JSON in the assistant's turn and
+  tool results as a user turn `{"tool_response": {"name": ..., "content": ...}}`.
+
+`tool_choice` `required` or a named function is enforced by the grammar in both styles: the
+answer is a call of an allowed function with arguments that match its `parameters` schema.
+`auto` leaves a hermes model free (its calls are parsed when they are well formed) and holds a
+generic one to "call or respond". `none` renders no tools at all.
+
+No library fits: the tool-call parsers of vLLM and SGLang are parts of those servers, and the
+grammar work itself is llguidance's (worker/formats/grammar.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from worker.formats.grammar import JSON_OPTIONS, gbnf_grammar, json_schema_grammar
+
+GENERIC, HERMES = "generic", "hermes"
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+
+
+def template_style(chat_template: str | None) -> str:
+    """hermes when the template renders `tools` and writes `<tool_call>` blocks, else generic."""
+    return HERMES if chat_template and "tools" in chat_template and OPEN in chat_template else GENERIC
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def as_tool(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+    def call_schema(self) -> dict[str, Any]:
+        return {"type": "object", "properties": {"name": {"const": self.name}, "arguments": self.parameters},
+                "required": ["name", "arguments"], "additionalProperties": False}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _call_of(data: Any, names: set[str]) -> ToolCall | None:
+    """A parsed {"name", "arguments"} object as a call of a known function, else None."""
+    if not isinstance(data, dict) or data.get("name") not in names:
+        return None
+    arguments = data.get("arguments", data.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", data["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+class ToolPlan:
+    """One request's tools: how they are rendered, enforced and read back."""
+
+    def __init__(self, functions: Sequence[Function], choice: str | None, parallel: bool, style: str) -> None:
+        self.functions, self.choice, self.parallel, self.style = list(functions), choice or "auto", parallel, style
+        self.names = {f.name for f in self.functions}
+
+    @property
+    def is_forced(self) -> bool:
+        return self.choice != "auto"
+
+    def allowed(self) -> list[Function]:
+        return self.functions if self.choice in ("auto", "required") else [f for f in self.functions if f.name == self.choice]
+
+    # to the model
+
+    def system_text(self) -> str:
+        """The generic style's description of the tools (a system message)."""
+        shape = ('{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}, ...]}' if self.parallel
+                 else '{"tool_call": {"name": "<function name>", "arguments": {<its arguments>}}}')
+        listing = "\n".join(json.dumps(f.as_tool()["function"], ensure_ascii=False) for f in self.allowed())
+        if self.is_forced:
+            ask = f"Respond in JSON format with a call of one of these tools: {shape}"
+        else:
+            ask = f'Respond in JSON format, either with a call of a tool: {shape}, or with a reply to the user: {{"response": "<your reply>"}}'
+        return f"You can use these tools:\n{listing}\n\n{ask}"
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        return [f.as_tool() for f in self.allowed()]
+
+    def grammar(self) -> str | None:
+        """The llguidance grammar the answer must follow (GrammarError naming the failing schema)."""
+        allowed = self.allowed()
+        calls = allowed[0].call_schema() if len(allowed) == 1 else {"anyOf": [f.call_schema() for f in allowed]}
+        if self.style == HERMES:
+            if not self.is_forced:
+                return None
+            block = f'"{OPEN}\\n" call "\\n{CLOSE}"'
+            body = json.dumps({**calls, "x-guidance": JSON_OPTIONS})
+            return gbnf_grammar(f"start: {block} (\"\\n\" {block})*\ncall: %json {body}" if self.parallel else f"start: {block}\ncall: %json {body}")
+        key = "tool_calls" if self.parallel else "tool_call"
+        value = {"type": "array", "items": calls, "minItems": 1} if self.parallel else calls
+        schema: dict[str, Any] = {"type": "object", "properties": {key: value}, "required": [key], "additionalProperties": False}
+        if not self.is_forced:
+            reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"], "additionalProperties": False}
+            schema = {"anyOf": [schema, reply]}
+        return json_schema_grammar(schema)
+
+    # back from the model
+
+    def reader(self) -> ToolReader:
+        return ToolReader(self)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole answer as (content, calls); content is None when there are calls and nothing else."""
+        reader = self.reader()
+        events = reader.feed(text) + reader.finish()
+        calls = [ToolCall(e["id"], e["function"]["name"], e["function"]["arguments"]) for e in events if isinstance(e, dict)]
+        content = "".join(e for e in events if isinstance(e, str))
+        if calls:
+            return content.strip() or None, calls
+        return content, calls
+
+
+class ToolReader:
+    """One choice's text as it streams: content pieces (str) and complete calls (OpenAI's streamed
+    tool-call entries, each whole: index, id, type, name and arguments)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.num_calls = 0
+        self._pending = ""
+        self._in_call = False
+
+    def _call(self, call: ToolCall) -> dict[str, Any]:
+        self.num_calls += 1
+        return {"index": self.num_calls - 1, **call.as_openai()}
+
+    def feed(self, text: str) -> list[str | dict[str, Any]]:
+        self._pending += text
+        if self.plan.style == GENERIC:  # one JSON value: read once it is complete
+            return []
+        events: list[str | dict[str, Any]] = []
+        while True:
+            if not self._in_call:
+                at = self._pending.find(OPEN)
+                if at < 0:  # hold back what may be the start of a block
+                    keep = next((n for n in range(min(len(OPEN) - 1, len(self._pending)), 0, -1) if OPEN.startswith(self._pending[-n:])), 0)
+                    safe, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep :]
+                    if safe:
+                        events.append(safe)
+                    return events
+                if at:
+                    events.append(self._pending[:at])
+                self._pending, self._in_call = self._pending[at:], True
+            end = self._pending.find(CLOSE)
+            if end < 0:
+                return events
+            block, self._pending, self._in_call = self._pending[: end + len(CLOSE)], self._pending[end + len(CLOSE) :], False
+            events.append(self._block(block))
+
+    def _block(self, block: str) -> str | dict[str, Any]:
+        match = _BLOCK.fullmatch(block.strip())
+        try:
+            call = _call_of(json.loads(match.group(1)), self.plan.names) if match else None
+        except ValueError:
+            call = None
+        return self._call(call) if call is not None else block
+
+    def finish(self) -> list[str | dict[str, Any]]:
+        rest, self._pending = self._pending, ""
+        if self.plan.style == HERMES:
+            if not rest or not self._in_call:
+                return [rest] if rest else []
+            self._in_call = False
+            event = self._block(rest + CLOSE)  # a block the end of generation left open
+            return [event if isinstance(event, dict) else rest]
+        try:
+            data = json.loads(rest)
+        except ValueError:  # cut short (max_tokens): the text as it is
+            return [rest] if rest else []
+        if isinstance(data, dict) and isinstance(data.get("response"), str):
+            return [data["response"]]
+        items = data.get("tool_calls") if isinstance(data, dict) and "tool_calls" in data else [data.get("tool_call")] if isinstance(data, dict) else []
+        calls = [_call_of(item, self.plan.names) for item in items or []]
+        if calls and all(c is not None for c in calls):
+            return [self._call(c) for c in calls]
+        return [rest]
+
+
+def plan_of(body, style: str) -> ToolPlan | None:
+    """A chat body's tools (None when it has none, or tool_choice is none); 400s as ValueError."""
+    choice = body.tool_choice
+    if not body.tools or choice == "none":
+        return None
+    functions = [Function(t.function.name, t.function.description or "", t.function.parameters or dict(_EMPTY_PARAMETERS)) for t in body.tools]
+    if len({f.name for f in functions}) < len(functions):
+        raise ValueError("tools: function names must be unique")
+    if isinstance(choice, Mapping) or hasattr(choice, "function"):
+        name = choice["function"]["name"] if isinstance(choice, Mapping) else choice.function.name
+        if name not in {f.name for f in functions}:
+            raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+        choice = name
+    return ToolPlan(functions, choice, bool(body.parallel_tool_calls), style)
+
+
+def chat_messages(messages: Sequence[Mapping[str, Any]], plan: ToolPlan | None, style: str) -> list[dict[str, Any]]:
+    """OpenAI chat messages (plain dicts: role, content, tool_calls, tool_call_id) as the template
+    reads them in this style, with the generic style's tool description first."""
+    names: dict[str, str] = {}  # tool_call_id -> function name, from earlier assistant turns
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        calls = m.get("tool_calls") or []
+        for call in calls:
+            names[call["id"]] = call["function"]["name"]
+        if role == "assistant" and calls:
+            parsed = [{"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])} for c in calls]
+            if style == HERMES:
+                out.append({"role": "assistant", "content": content,
+                            "tool_calls": [{"id": c["id"], "type": "function", "function": p} for c, p in zip(calls, parsed)]})
+            else:
+                data = {"tool_calls": parsed} if len(parsed) > 1 else {"tool_call": parsed[0]}
+                out.append({"role": "assistant", "content": json.dumps(data, ensure_ascii=False)})
+        elif role == "tool":
+            name = names.get(m.get("tool_call_id") or "", m.get("name") or "")
+            if style == HERMES:
+                out.append({"role": "tool", "content": content, "tool_call_id": m.get("tool_call_id"), "name": name})
+            else:
+                out.append({"role": "user", "content": json.dumps({"tool_response": {"name": name, "content": content}}, ensure_ascii=False)})
+        else:
+            out.append({"role": role, "content": content})
+    if plan is not None and style == GENERIC:
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{plan.system_text()}"}
+        else:
+            out.insert(0, {"role": "system", "content": plan.system_text()})
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise ValueError(f"an assistant tool call's arguments are not JSON: {text[:80]!r}") from None
