@@ -26,7 +26,8 @@ def _checked(make) -> SamplingParams:
 
 def openai_params(gateway: Gateway, num_prompt_tokens: int, max_tokens: int | None, body, logprobs: int | None = None,
                   echo: bool = False, grammar: str | None = None, n: int = 1) -> SamplingParams:
-    """Completions and chat: penalties over the generated tokens, as OpenAI counts them; `n`
+    """Completions and chat: penalties over the generated tokens, as OpenAI counts them, and
+    temperature before top-k, top-p and min-p, as vLLM applies them; `n`
     choices from one prefill (each takes a KV slot, so at most a worker's slots)."""
     if max_tokens is None:
         max_tokens = gateway.admission.default_max_tokens(num_prompt_tokens)
@@ -37,7 +38,7 @@ def openai_params(gateway: Gateway, num_prompt_tokens: int, max_tokens: int | No
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
         top_k=max(body.top_k, 0), seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, echo=echo, stop=tuple(body.stop_list),
         logit_bias=body.bias_pairs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repeat_penalty=body.repetition_penalty, min_p=body.min_p, grammar=grammar, n=n,
+        repeat_penalty=body.repetition_penalty, min_p=body.min_p, grammar=grammar, n=n, temperature_last=False,
     ))
 
 

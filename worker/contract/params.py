@@ -30,6 +30,7 @@ class SamplingParams:
     penalty_last_n: int = -1  # the window: the last n tokens of it; -1: all of them, 0: none
     penalize_prompt: bool = False  # the window spans prompt and generated tokens (llama.cpp), else generated only (OpenAI)
     min_p: float = 0.0  # sampling drops tokens less probable than min_p times the most probable one
+    temperature_last: bool = True  # top-k, top-p and min-p judged on the model's distribution (llama.cpp); False: on the tempered one (vLLM)
     grammar: str | None = None  # an llguidance grammar (worker/formats/grammar.py) every generated token must follow
     n: int = 1  # choices sampled from one prefill of the prompt; choice i's generator is seeded with seed + i
 

@@ -60,6 +60,7 @@ class SamplingBatch:
     uniform: torch.Tensor | None  # [D] each row's draw in [0, 1), from its own generator
 
     min_p: torch.Tensor | None = None  # [D, 1], 0 where off
+    temperature_last: torch.Tensor | None = None  # [D, 1] bool: filters judged before temperature; None: for no row
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [G], bitmask words [G, W]) of rows under a grammar
 
     @classmethod
@@ -99,6 +100,7 @@ class SamplingBatch:
             top_p=torch.tensor([[p.top_p if p.top_p < 1 else 2.0] for p in params], device=device) if any(p.top_p < 1 for p in params) else None,
             uniform=torch.cat([torch.rand(1, generator=specs[i].generator, device=device) for i in drawn]),
             min_p=torch.tensor([[p.min_p] for p in params], device=device) if any(p.min_p > 0 for p in params) else None,
+            temperature_last=torch.tensor([[p.temperature_last] for p in params], device=device) if any(p.temperature_last for p in params) else None,
             allowed=allowed,
         )
 
@@ -189,24 +191,25 @@ def _constrain(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) ->
 
 
 def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [D, V] of rows that sample -> what they are drawn from: min-p (a token less probable
-    than min_p times the most probable is dropped, judged before temperature as llama.cpp does),
-    temperature, then top-k, then top-p (a token is dropped when the mass before it already
-    reaches top_p; the first always stays); dropped tokens are -inf."""
+    """logits [D, V] of rows that sample -> what they are drawn from: top-k, then top-p (a token
+    is dropped when the mass before it already reaches top_p; the first always stays), then min-p
+    (a token less probable than min_p times the most probable is dropped), judged on the model's
+    distribution with temperature applied last as llama.cpp's chain does, or on the tempered one
+    (vLLM's order) for rows with `temperature_last` off; dropped tokens are -inf."""
     scaled = logits / batch.temperature
-    if batch.min_p is not None:  # on the untempered distribution, as llama.cpp: p < min_p * p_max <=> logit < max + log(min_p)
-        floor = logits.max(dim=-1, keepdim=True).values + torch.log(batch.min_p)
-        scaled = scaled.masked_fill(logits < floor, float("-inf"))
+    basis = scaled if batch.temperature_last is None else torch.where(batch.temperature_last, logits, scaled)
     if batch.top_k is not None:
-        kth = torch.topk(scaled, batch.top_k_max, dim=-1).values.gather(1, batch.top_k.clamp_min(1) - 1)  # [D, 1]
+        kth = torch.topk(basis, batch.top_k_max, dim=-1).values.gather(1, batch.top_k.clamp_min(1) - 1)  # [D, 1]
         kth = torch.where(batch.top_k > 0, kth, torch.full_like(kth, float("-inf")))
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        basis = basis.masked_fill(basis < kth, float("-inf"))
     if batch.top_p is not None:
-        ordered, order = torch.sort(scaled, dim=-1, descending=True)
+        ordered, order = torch.sort(basis, dim=-1, descending=True)
         probs = torch.softmax(ordered, dim=-1)
         drop = (probs.cumsum(dim=-1) - probs) >= batch.top_p
-        scaled = scaled.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
-    return scaled
+        basis = basis.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
+    if batch.min_p is not None:  # p < min_p * p_max <=> logit < max + log(min_p)
+        basis = basis.masked_fill(basis < basis.max(dim=-1, keepdim=True).values + torch.log(batch.min_p), float("-inf"))
+    return scaled.masked_fill(torch.isneginf(basis), float("-inf"))
 
 
 def _draw(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

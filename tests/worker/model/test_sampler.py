@@ -135,3 +135,12 @@ def test_min_p_is_judged_before_temperature_as_llama_cpp_does() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.12, 0.08] + [1e-9] * (VOCAB - 4)]))
     hot = _empirical(logits, SamplingParams(temperature=3.0, top_p=1.0, top_k=0, min_p=0.2), [])  # keeps p >= 0.1 before temperature
     assert hot[3:].sum() == 0 and hot[2] > 0
+
+
+def test_top_p_and_min_p_are_judged_before_temperature_for_llama_cpp_and_after_it_for_vllm() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.12, 0.08] + [1e-9] * (VOCAB - 4)]))
+    for filters, dropped in ((dict(top_p=0.75), 2), (dict(top_p=1.0, min_p=0.2), 3)):
+        llama = _empirical(logits, SamplingParams(temperature=3.0, top_k=0, **filters), [])
+        vllm = _empirical(logits, SamplingParams(temperature=3.0, top_k=0, temperature_last=False, **filters), [])
+        assert llama[dropped:].sum() == 0 and llama[:dropped].min() > 0  # on the model's distribution: dropped
+        assert vllm[dropped] > 0.1  # on the flatter tempered one: kept
