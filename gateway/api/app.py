@@ -28,8 +28,7 @@ from gateway.admission import Prepared
 from gateway.api.formats import (
     ChatFormatter,
     CompletionFormatter,
-    llama_completion,
-    llama_probabilities,
+    LlamaFormatter,
     sse,
     summary,
     token_str,
@@ -274,19 +273,10 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         params = llama_params(gateway, len(prompt), body, grammar)
         prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, body.cache_prompt, body.timeout_s)
 
-        tokenizer = gateway.catalog.tokenizer
-        settings = {**settings_of(params), "model": model, "n_ctx": gateway.catalog.max_positions, "cache_prompt": body.cache_prompt}
-
-        def chunk(delta: Delta, first: bool) -> dict[str, Any]:
-            if delta.is_finished:
-                return llama_completion([delta], model, tokenizer, settings)
-            out = {"index": 0, "content": delta.text, "tokens": list(delta.token_ids), "stop": False}
-            if delta.logprobs:
-                out["completion_probabilities"] = llama_probabilities(tokenizer, delta.logprobs, params.post_sampling_probs)
-            return out
-
-        return await _respond(gateway, prepared, body.stream, "completion", lambda d: llama_completion(d, model, tokenizer, settings), chunk,
-                              done_marker=False)
+        settings = {**settings_of(params, stream=body.stream), "lora": [{"id": i, "scale": scales[n]} for i, n in enumerate(
+            gateway.admission.adapter_names(tenant)) if n in scales]}
+        fmt = LlamaFormatter(gateway.catalog.tokenizer, model, prompt, settings, body.return_tokens)
+        return await _respond(gateway, prepared, body.stream, "completion", fmt.whole, fmt.chunk, done_marker=False)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from worker.contract.calls import Delta, TokenLogprob, Usage
 from worker.formats.tokenizer import GGUFTokenizer
 
 _NO_USAGE = Usage(0, 0, 0)
+SYSTEM_FINGERPRINT = "fp_loraplex"
 
 
 def token_str(tokenizer: GGUFTokenizer, token_id: int) -> str:
@@ -111,9 +112,9 @@ class CompletionFormatter:
         if self.keep is not None:
             groups = sorted(groups, key=_mean_logprob, reverse=True)[: self.keep]
         return {
-            "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+            "id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [self._choice(i, group, prompt_logprobs) for i, group in enumerate(groups)],
-            "usage": usage(finals),
+            "usage": usage(finals), "timings": _llama_timings(summary(finals)),
         }
 
     def chunk(self, delta: Delta, first: bool) -> dict[str, Any]:
@@ -123,12 +124,13 @@ class CompletionFormatter:
             logprobs, self._offsets[delta.index] = self._logprobs([e.token_id for e in delta.logprobs], delta.logprobs,
                                                                   self._offsets.get(delta.index, 0))
         return {
-            "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+            "id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [{"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(delta.finish_reason)}],
         }
 
     def usage_chunk(self, finals: Sequence[Delta]) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": [], "usage": usage(finals)}
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "system_fingerprint": SYSTEM_FINGERPRINT,
+                "choices": [], "usage": usage(finals), "timings": _llama_timings(summary(finals))}
 
 
 class ChatFormatter:
@@ -142,7 +144,7 @@ class ChatFormatter:
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         data = self.tokenizer.token_bytes(token_id, skip_special=False)
-        return {"token": data.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(data)}
+        return {"id": token_id, "token": data.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(data)}  # id: llama-server's
 
     def _logprobs(self, deltas: list[Delta]) -> dict[str, Any] | None:
         if self.k is None:
@@ -169,15 +171,16 @@ class ChatFormatter:
 
     def whole(self, deltas: list[Delta]) -> dict[str, Any]:
         groups = by_choice(deltas)
+        finals = [group[-1] for group in groups.values()]
         return {
-            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model, "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [self._choice(i, group) for i, group in groups.items()],
-            "usage": usage([group[-1] for group in groups.values()]),
+            "usage": usage(finals), "timings": _llama_timings(summary(finals)),
         }
 
     def _chunk(self, index: int, body: dict[str, Any], logprobs: dict[str, Any] | None = None, reason: str | None = None) -> dict[str, Any]:
         return {
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [{"index": index, "delta": body, "logprobs": logprobs, "finish_reason": reason}],
         }
 
@@ -199,7 +202,8 @@ class ChatFormatter:
         return chunks
 
     def usage_chunk(self, finals: Sequence[Delta]) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": [], "usage": usage(finals)}
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "system_fingerprint": SYSTEM_FINGERPRINT,
+                "choices": [], "usage": usage(finals), "timings": _llama_timings(summary(finals))}
 
 
 def tokenize_piece(tokenizer: GGUFTokenizer, token_id: int) -> dict[str, Any]:
@@ -231,27 +235,57 @@ def llama_probabilities(tokenizer: GGUFTokenizer, entries: Sequence[TokenLogprob
     return [{**_llama_token(tokenizer, e.token_id, e.logprob), "top_logprobs": [_llama_token(tokenizer, t, lp) for t, lp in e.top]} for e in entries]
 
 
-def llama_completion(deltas: list[Delta], model: str, tokenizer: GGUFTokenizer | None = None, settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """llama-server's /completion answer (the fields its clients and tests read; one choice)."""
-    final = deltas[-1]
+def _llama_timings(final: Delta) -> dict[str, Any]:
     u = final.usage or _NO_USAGE
-    out = {
-        "index": 0, "id_slot": 0,
-        "content": "".join(d.text for d in deltas),
-        "tokens": [t for d in deltas for t in d.token_ids],
-        "model": model, "stop": True,
-        "stop_type": "limit" if final.finish_reason == "length" else "word" if final.stop_word else "eos",
-        "stopping_word": final.stop_word or "", "truncated": False,
-        "tokens_predicted": u.completion_tokens, "tokens_evaluated": u.prompt_tokens, "tokens_cached": u.cached_tokens,
-        "timings": {
-            "prompt_n": u.prompt_tokens - u.cached_tokens, "prompt_ms": final.prompt_time_s * 1e3,
-            "predicted_n": u.completion_tokens, "predicted_ms": final.decode_time_s * 1e3,
-            "predicted_per_second": u.completion_tokens / final.decode_time_s if final.decode_time_s > 0 else None,
-        },
+    prompt_n, prompt_ms, predicted_ms = u.prompt_tokens - u.cached_tokens, final.prompt_time_s * 1e3, final.decode_time_s * 1e3
+    return {
+        "cache_n": u.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else None, "prompt_per_second": prompt_n / final.prompt_time_s if final.prompt_time_s > 0 else None,
+        "predicted_n": u.completion_tokens, "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / u.completion_tokens if u.completion_tokens else None,
+        "predicted_per_second": u.completion_tokens / final.decode_time_s if final.decode_time_s > 0 else None,
     }
-    if settings is not None:
-        out["generation_settings"] = settings
-    entries = [e for d in deltas for e in (d.logprobs or ())]
-    if tokenizer is not None and entries:
-        out["completion_probabilities"] = llama_probabilities(tokenizer, entries, bool(settings and settings.get("post_sampling_probs")))
-    return out
+
+
+class LlamaFormatter:
+    """llama-server's /completion answers (one choice): the whole one, or streamed events, each
+    partial one a token's text, then a last one with the summary and no text, as llama-server
+    sends them. `tokens` are listed when streaming or with `return_tokens`, as there."""
+
+    def __init__(self, tokenizer: GGUFTokenizer, model: str, prompt_ids: Sequence[int], settings: dict[str, Any], return_tokens: bool) -> None:
+        self.tokenizer, self.model, self.settings, self.return_tokens = tokenizer, model, settings, return_tokens
+        self.num_prompt_tokens, self.prompt_text = len(prompt_ids), tokenizer.decode(list(prompt_ids), skip_special=False)
+        self.post = bool(settings.get("post_sampling_probs"))
+        self._predicted = 0
+
+    def _probabilities(self, deltas: Sequence[Delta]) -> dict[str, Any]:
+        entries = [e for d in deltas for e in (d.logprobs or ())]
+        return {"completion_probabilities": llama_probabilities(self.tokenizer, entries, self.post)} if entries else {}
+
+    def whole(self, deltas: list[Delta], streamed: bool = False) -> dict[str, Any]:
+        final = deltas[-1]
+        u = final.usage or _NO_USAGE
+        content = "".join(d.text for d in deltas)
+        return {
+            "index": 0, "content": content,
+            "tokens": [t for d in deltas for t in d.token_ids] if self.return_tokens else [],
+            "id_slot": 0, "stop": True, "model": self.model,
+            "tokens_predicted": u.completion_tokens, "tokens_evaluated": u.prompt_tokens,
+            "generation_settings": self.settings, "prompt": self.prompt_text, "has_new_line": "\n" in content,
+            "truncated": False, "stop_type": "limit" if final.finish_reason == "length" else "word" if final.stop_word else "eos",
+            "stopping_word": final.stop_word or "",
+            "tokens_cached": max(0, u.prompt_tokens + u.completion_tokens - 1),  # what the slot holds, as llama-server counts it (n_past)
+            "timings": _llama_timings(final),
+            **({} if streamed else self._probabilities(deltas)),
+        }
+
+    def chunk(self, delta: Delta, first: bool) -> list[dict[str, Any]]:
+        out = []
+        if delta.token_ids or delta.text:
+            self._predicted += len(delta.token_ids)
+            out.append({"index": 0, "content": delta.text, "tokens": list(delta.token_ids), "stop": False, "id_slot": -1,
+                        "tokens_predicted": self._predicted, "tokens_evaluated": self.num_prompt_tokens, **self._probabilities([delta])})
+        if delta.is_finished:
+            last = replace(delta, token_ids=(), text="", logprobs=None)
+            out.append(self.whole([last], streamed=True))
+        return out

@@ -50,6 +50,12 @@ _UNSUPPORTED_AT = {"functions": (None, []), "function_call": (None, "none", "aut
                    "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,)}
 
 
+# llama-server sampler fields we do not run, and the values that leave them off
+_LLAMA_OFF = {"mirostat": (0, None), "dynatemp_range": (0, 0.0, None), "top_n_sigma": (-1, -1.0, 0, 0.0, None), "xtc_probability": (0, 0.0, None),
+              "typical_p": (1, 1.0, None), "dry_multiplier": (0, 0.0, None), "min_keep": (0, None), "grammar_lazy": (False, None),
+              "samplers": (None, ["penalties", "top_k", "top_p", "min_p", "temperature"])}
+
+
 class _Body(BaseModel):
     # strict: `false` is not 0, "1" is not 1 (a JSON number is still accepted for a float)
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -315,6 +321,16 @@ class LlamaCompletionRequest(_Generation):
     json_schema: dict[str, Any] | bool | None = None  # the output follows this JSON Schema
     grammar: str | None = None  # or this GBNF grammar
     post_sampling_probs: bool = False  # n_probs of the distribution each token was drawn from (after the sampler's filters)
+    return_tokens: bool = False  # list the generated token ids in `tokens` (streamed events always do)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_samplers_we_do_not_run(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, off in _LLAMA_OFF.items():
+                if name in data and data[name] not in off:
+                    raise ValueError(f"'{name}' is not supported by this server (its samplers: penalties, top_k, top_p, min_p, temperature)")
+        return data
 
     @model_validator(mode="after")
     def _check_bias(self) -> LlamaCompletionRequest:

@@ -55,14 +55,29 @@ def llama_params(gateway: Gateway, num_prompt_tokens: int, body: LlamaCompletion
     ))
 
 
-def settings_of(params: SamplingParams) -> dict[str, Any]:
-    """The parameters as llama-server reports them (`generation_settings`, `/props`)."""
+LLAMA_RANDOM_SEED = 0xFFFFFFFF  # what llama-server reports for a random seed
+SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]  # our chain, in llama-server's names
+# llama.cpp samplers we do not run, at the values that leave them off (llama-server reports them; a request
+# that turns one on is refused: gateway/api/protocol.py)
+_OFF = {"dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
+        "typical_p": 1.0, "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+        "dry_sequence_breakers": ["\n", ":", "\"", "*"], "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
+        "adaptive_target": -1.0, "adaptive_decay": 0.9, "min_keep": 0}
+
+
+def settings_of(params: SamplingParams, stream: bool = False) -> dict[str, Any]:
+    """The parameters as llama-server reports them (`generation_settings`, `/props`), with the same keys."""
     return {
-        "n_predict": params.max_tokens, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-        "min_p": params.min_p, "repeat_penalty": params.repeat_penalty, "repeat_last_n": params.penalty_last_n,
+        "seed": LLAMA_RANDOM_SEED if params.seed is None else params.seed, "temperature": params.temperature,
+        "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p, **_OFF,
+        "repeat_last_n": params.penalty_last_n, "repeat_penalty": params.repeat_penalty,
         "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
-        "seed": -1 if params.seed is None else params.seed, "ignore_eos": params.ignore_eos, "stop": list(params.stop),
-        "n_probs": params.logprobs or 0, "post_sampling_probs": params.post_sampling_probs, "logit_bias": [[t, b] for t, b in params.logit_bias], "grammar": "" if params.grammar is None else "<set>",
+        "stop": list(params.stop), "max_tokens": params.max_tokens, "n_predict": params.max_tokens, "n_keep": 0, "n_discard": 0,
+        "ignore_eos": params.ignore_eos, "stream": stream, "logit_bias": [[t, b] for t, b in params.logit_bias],
+        "n_probs": params.logprobs or 0, "grammar": params.grammar or "", "grammar_lazy": False, "grammar_triggers": [],
+        "preserved_tokens": [], "chat_format": "Content-only", "reasoning_format": "none", "reasoning_in_content": False,
+        "generation_prompt": "", "samplers": SAMPLERS, "speculative.types": "none", "timings_per_token": False,
+        "post_sampling_probs": params.post_sampling_probs, "backend_sampling": False, "lora": [],
     }
 
 

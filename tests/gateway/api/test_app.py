@@ -172,7 +172,8 @@ def test_logit_bias_bans_and_forces_tokens_through_the_openai_client(client) -> 
     forced = oa.completions.create(model="a", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3, logit_bias={"77": 100},
                                    extra_body={"ignore_eos": True})
     assert forced.choices[0].text == oa.completions.create(model="a", prompt=[77] * 6, max_tokens=0, echo=True).choices[0].text
-    greedy = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 3, "temperature": 0}).json()["tokens"]
+    greedy = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 3, "temperature": 0,
+                                                                  "return_tokens": True}).json()["tokens"]
     whole = oa.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, temperature=0)  # the base, as /completion here
     banned = oa.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, temperature=0, logit_bias={str(greedy[0]): -100})
     assert banned.choices[0].text != whole.choices[0].text

@@ -14,7 +14,8 @@ from tests.gateway.gateway_setup import INVOCATION, PROMPT, SCHEMA, auth
 
 def test_llama_server_logit_bias_penalties_and_min_p(client) -> None:
     def tokens(**kw) -> list[int]:
-        r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 8, "temperature": 0, "ignore_eos": True, **kw})
+        r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 8, "temperature": 0, "ignore_eos": True,
+                                                              "return_tokens": True, **kw})
         assert r.status_code == 200, r.text
         return r.json()["tokens"]
 
@@ -59,7 +60,7 @@ def test_llama_server_logit_bias_strings_are_bounded(client, monkeypatch) -> Non
 
 
 def test_llama_server_n_probs_and_the_fields_its_clients_read(client) -> None:
-    body = {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "ignore_eos": True, "n_probs": 3}
+    body = {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "ignore_eos": True, "n_probs": 3, "return_tokens": True}
     whole = client.post("/completion", headers=auth(), json=body).json()
     probs = whole["completion_probabilities"]
     assert [p["id"] for p in probs] == whole["tokens"] and all(len(p["top_logprobs"]) == 3 for p in probs)
@@ -83,7 +84,8 @@ def test_post_sampling_probs_are_those_of_the_filtered_distribution(client) -> N
                                                               "n_probs": 4, "post_sampling_probs": True}).json()
     for p in greedy["completion_probabilities"]:  # greedy keeps one token: certain
         assert p["prob"] == 1.0 and [(t["id"], t["prob"]) for t in p["top_probs"]] == [(p["id"], 1.0)] and "logprob" not in p
-    body = {"prompt": PROMPT, "n_predict": 6, "temperature": 1.5, "top_k": 3, "min_p": 0, "seed": 4, "ignore_eos": True, "n_probs": 5}
+    body = {"prompt": PROMPT, "n_predict": 6, "temperature": 1.5, "top_k": 3, "min_p": 0, "seed": 4, "ignore_eos": True, "n_probs": 5,
+            "return_tokens": True}
     post = client.post("/completion", headers=auth(), json={**body, "post_sampling_probs": True}).json()
     model = client.post("/completion", headers=auth(), json=body).json()
     assert post["tokens"] == model["tokens"]  # the same draws; only what is reported differs
@@ -118,7 +120,8 @@ def test_llama_server_completion_and_lora_adapters(client) -> None:
     assert listing[2]["alora_invocation_tokens"] == INVOCATION
 
     def complete(**kw):
-        r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 5, "temperature": 0, "ignore_eos": True, **kw})
+        r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 5, "temperature": 0, "ignore_eos": True,
+                                                              "return_tokens": True, **kw})
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -138,3 +141,31 @@ def test_llama_server_completion_and_lora_adapters(client) -> None:
     streamed = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 5, "temperature": 0, "ignore_eos": True, "stream": True})
     events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert events[-1]["stop"] is True and "".join(e["content"] for e in events) == base["content"]
+
+
+def test_completion_answers_in_llama_servers_shape(client) -> None:
+    body = {"prompt": PROMPT, "n_predict": 5, "temperature": 0, "ignore_eos": True}
+    whole = client.post("/completion", headers=auth(), json=body).json()
+    assert whole["tokens"] == [] and whole["tokens_predicted"] == 5  # ids only with return_tokens, as llama-server
+    assert whole["prompt"] == client.post("/detokenize", headers=auth(), json={"tokens": PROMPT}).json()["content"]
+    assert whole["has_new_line"] == ("\n" in whole["content"]) and whole["tokens_cached"] == len(PROMPT) + 5 - 1
+    timings = whole["timings"]
+    assert timings["predicted_n"] == 5 and timings["cache_n"] + timings["prompt_n"] == len(PROMPT)
+    settings = whole["generation_settings"]
+    assert settings["samplers"] == ["penalties", "top_k", "top_p", "min_p", "temperature"] and settings["mirostat"] == 0
+    assert settings["seed"] == 0xFFFFFFFF and settings["stream"] is False  # random, reported as llama-server does
+    events = [json.loads(line[6:]) for line in client.post("/completion", headers=auth(), json={**body, "stream": True}).text.splitlines()
+              if line.startswith("data: ")]
+    partial, last = events[:-1], events[-1]
+    assert [e["tokens_predicted"] for e in partial] == [1, 2, 3, 4, 5] and all(len(e["tokens"]) == 1 and not e["stop"] for e in partial)
+    assert "".join(e["content"] for e in partial) == whole["content"]
+    assert last["stop"] and last["content"] == "" and last["stop_type"] == "limit" and last["generation_settings"]["stream"] is True
+
+
+@pytest.mark.parametrize(("field", "value"), [("mirostat", 2), ("typical_p", 0.5), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
+                                              ("samplers", ["top_k", "temperature"])])
+def test_llama_samplers_we_do_not_run_are_refused_by_name(client, field, value) -> None:
+    r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 1, field: value})
+    assert r.status_code == 400 and f"'{field}' is not supported by this server" in r.json()["error"]["message"]
+    off = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 1, field: {"mirostat": 0, "typical_p": 1.0}.get(field)})
+    assert off.status_code == 200, off.text  # their "off" values are fine
