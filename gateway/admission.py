@@ -92,7 +92,7 @@ class Admission:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                            f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the prompt, {wanted} for the completion).",
                            "context_length_exceeded")
-        budget = len(prompt_ids) + (params.max_tokens if params.max_tokens != -1 else limit - len(prompt_ids))
+        budget = len(prompt_ids) + params.n * (params.max_tokens if params.max_tokens != -1 else limit - len(prompt_ids))  # every choice's
         await self.limiter.spend(tenant, budget)
         # the affinity key uses the KV-relevant set: an aLoRA shares the base's prefix (SPEC §4)
         kv_scales = {n: s for n, s in scales.items() if not self.catalog.adapters[n].is_alora}

@@ -80,3 +80,10 @@ def test_echo_with_logprobs_on_every_choice(client) -> None:
     for choice in r.json()["choices"]:
         lps = choice["logprobs"]["token_logprobs"]
         assert len(lps) == 8 and lps[0] is None and all(v is not None for v in lps[1:])
+
+
+def test_every_choice_counts_against_the_tenants_token_rate(client) -> None:
+    body = {"model": "b", "prompt": [1, 2], "max_tokens": 30, "temperature": 1.0}
+    r = client.post("/v1/completions", headers=auth("thrifty"), json={**body, "n": 4})  # 2 + 4 x 30 > 100 a minute
+    assert r.status_code == 400 and "needs up to 122 tokens" in r.json()["error"]["message"]
+    assert client.post("/v1/completions", headers=auth("thrifty"), json={**body, "n": 3}).status_code == 200  # 92
