@@ -36,7 +36,8 @@ def delta_of(out: RequestOutput) -> Delta:
         usage=Usage(len(result.prompt_ids), len(result.token_ids), result.cached_tokens),
         queue_time_s=result.queue_time_s, prompt_time_s=result.prompt_time_s, decode_time_s=result.decode_time_s,
         prompt_logprobs=tuple(result.prompt_logprobs) if result.prompt_logprobs is not None else None,
-        alora_activation=result.alora_activation, stop_word=result.stop_word, index=out.index, others_running=out.others_running,
+        alora_activation=result.alora_activation, stop_word=result.stop_word, stop_logprob=result.stop_logprob,
+        index=out.index, others_running=out.others_running,
     )
 
 

@@ -213,6 +213,11 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
             raise APIError(400, str(e), "invalid_value") from e
         return tools, messages, {"tools": tools.template_tools()} if tools is not None and style == HERMES else {}
 
+    def _chat_size(messages: list[dict[str, Any]], extra: dict[str, Any]) -> int:
+        """What the template renders, in characters: the contents, the tools, and earlier calls."""
+        return sum(len(m["content"]) + (len(json.dumps(m["tool_calls"])) if m.get("tool_calls") else 0) for m in messages) + \
+            sum(len(json.dumps(t)) for t in extra.get("tools", ()))
+
     def _adapters(gateway: Gateway, tenant: Tenant) -> list[dict[str, Any]]:
         out = []
         for i, name in enumerate(gateway.admission.adapter_names(tenant)):
@@ -242,7 +247,8 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         grammar = await compiled_grammar(gateway, body, "response_format")
         ranked = body.num_samples > body.n  # best_of: every sample's token log-probabilities rank them
         logprobs = body.logprobs if body.logprobs is not None or not ranked else 0
-        params = openai_params(gateway, len(prompt), body.max_tokens, body, logprobs, body.echo, grammar, body.num_samples)
+        echo = body.echo and body.logprobs is not None  # the worker computes the prompt's log-probabilities only when asked
+        params = openai_params(gateway, len(prompt), body.max_tokens, body, logprobs, echo, grammar, body.num_samples)
         prepared = await gateway.admission.prepare(tenant, prompt, params, scales, body.cache_salt, timeout_s=body.timeout_s)
         fmt = CompletionFormatter(tokenizer, body.model or gateway.catalog.model_name, prompt, body.echo, body.logprobs,
                                   keep=body.n if ranked else None)
@@ -254,7 +260,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         gateway, tenant, body = await _begin(request, ChatRequest)
         scales = gateway.admission.resolve_scales(tenant, body.model, body.lora)
         tools, messages, extra = _chat_input(gateway, body)
-        size = sum(len(m["content"]) for m in messages) + sum(len(json.dumps(t)) for t in extra.get("tools", ()))
+        size = _chat_size(messages, extra)
         prompt = await _off_loop(gateway, size, lambda: encode_chat(gateway.catalog.tokenizer, messages, **extra))
         k = (body.top_logprobs or 0) if body.logprobs else None
         grammar = await compiled_grammar(gateway, body, "response_format", tools)
@@ -303,7 +309,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     async def apply_template(request: Request) -> dict[str, Any]:
         gateway, _, body = await _begin(request, ApplyTemplateRequest)
         _, messages, extra = _chat_input(gateway, body)
-        size = sum(len(m["content"]) for m in messages) + sum(len(json.dumps(t)) for t in extra.get("tools", ()))
+        size = _chat_size(messages, extra)
         return {"prompt": await _off_loop(gateway, size, lambda: render_chat(gateway.catalog.tokenizer, messages, **extra))}
 
     @app.get("/props")

@@ -61,8 +61,11 @@ def finish_reason(reason: str | None) -> str | None:
 
 
 def _mean_logprob(deltas: Sequence[Delta]) -> float:
+    """A choice's mean token log-probability, the token that ended it included (best_of's rank)."""
     entries = [e.logprob for d in deltas for e in d.logprobs or ()]
-    return sum(entries) / len(entries) if entries else 0.0
+    if deltas[-1].stop_logprob is not None:
+        entries.append(deltas[-1].stop_logprob)
+    return sum(entries) / len(entries) if entries else float("-inf")
 
 
 class CompletionFormatter:
@@ -257,6 +260,7 @@ class LlamaFormatter:
         self.num_prompt_tokens, self.prompt_text = len(prompt_ids), tokenizer.decode(list(prompt_ids), skip_special=False)
         self.post = bool(settings.get("post_sampling_probs"))
         self._predicted = 0
+        self._new_line = False  # a streamed answer's text so far had one
 
     def _probabilities(self, deltas: Sequence[Delta]) -> dict[str, Any]:
         entries = [e for d in deltas for e in (d.logprobs or ())]
@@ -271,7 +275,7 @@ class LlamaFormatter:
             "tokens": [t for d in deltas for t in d.token_ids] if self.return_tokens else [],
             "id_slot": 0, "stop": True, "model": self.model,
             "tokens_predicted": u.completion_tokens, "tokens_evaluated": u.prompt_tokens,
-            "generation_settings": self.settings, "prompt": self.prompt_text, "has_new_line": "\n" in content,
+            "generation_settings": self.settings, "prompt": self.prompt_text, "has_new_line": self._new_line if streamed else "\n" in content,
             "truncated": False, "stop_type": "limit" if final.finish_reason == "length" else "word" if final.stop_word else "eos",
             "stopping_word": final.stop_word or "",
             "tokens_cached": max(0, u.prompt_tokens + u.completion_tokens - 1),  # what the slot holds, as llama-server counts it (n_past)
@@ -283,6 +287,7 @@ class LlamaFormatter:
         out = []
         if delta.token_ids or delta.text:
             self._predicted += len(delta.token_ids)
+            self._new_line = self._new_line or "\n" in delta.text
             out.append({"index": 0, "content": delta.text, "tokens": list(delta.token_ids), "stop": False, "id_slot": -1,
                         "tokens_predicted": self._predicted, "tokens_evaluated": self.num_prompt_tokens, **self._probabilities([delta])})
         if delta.is_finished:

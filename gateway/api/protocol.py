@@ -52,8 +52,22 @@ _UNSUPPORTED_AT = {"functions": (None, []), "function_call": (None, "none", "aut
 
 # llama-server sampler fields we do not run, and the values that leave them off
 _LLAMA_OFF = {"mirostat": (0, None), "dynatemp_range": (0, 0.0, None), "top_n_sigma": (-1, -1.0, 0, 0.0, None), "xtc_probability": (0, 0.0, None),
-              "typical_p": (1, 1.0, None), "dry_multiplier": (0, 0.0, None), "min_keep": (0, None), "grammar_lazy": (False, None),
-              "samplers": (None, ["penalties", "top_k", "top_p", "min_p", "temperature"])}
+              "typical_p": (1, 1.0, None), "dry_multiplier": (0, 0.0, None), "min_keep": (0, None), "grammar_lazy": (False, None)}
+# llama-server's sampler names (and the letters of its string form); those we run must come in our order
+_LLAMA_SAMPLERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p", "x": "xtc",
+                   "t": "temperature"}
+_OUR_ORDER = ["top_k", "top_p", "min_p", "temperature"]
+
+
+def _samplers_we_run_in_order(value: Any) -> bool:
+    """A `samplers` value whose samplers we run come in our order (the others are off unless asked for)."""
+    if isinstance(value, str):
+        if any(c not in _LLAMA_SAMPLERS for c in value):
+            return False
+        value = [_LLAMA_SAMPLERS[c] for c in value]
+    if not isinstance(value, list) or any(not isinstance(v, str) or v not in _LLAMA_SAMPLERS.values() for v in value):
+        return False
+    return [v for v in value if v in _OUR_ORDER] == _OUR_ORDER
 
 
 class _Body(BaseModel):
@@ -194,7 +208,7 @@ class ChatContentPart(_Body):
 
 
 class FunctionCall(_Body):
-    name: str = Field(max_length=MAX_NAME_CHARS)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     arguments: str = Field(max_length=1_000_000)  # JSON text
 
 
@@ -330,6 +344,8 @@ class LlamaCompletionRequest(_Generation):
             for name, off in _LLAMA_OFF.items():
                 if name in data and data[name] not in off:
                     raise ValueError(f"'{name}' is not supported by this server (its samplers: penalties, top_k, top_p, min_p, temperature)")
+            if data.get("samplers") is not None and not _samplers_we_run_in_order(data["samplers"]):
+                raise ValueError("'samplers' is supported only in this server's order: penalties, top_k, top_p, min_p, temperature")
         return data
 
     @model_validator(mode="after")

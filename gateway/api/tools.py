@@ -53,9 +53,22 @@ class Function:
     def as_tool(self) -> dict[str, Any]:
         return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
 
-    def call_schema(self) -> dict[str, Any]:
-        return {"type": "object", "properties": {"name": {"const": self.name}, "arguments": self.parameters},
+    def call_schema(self, pointer: str) -> dict[str, Any]:
+        """{"name", "arguments"} of a call of this function, for a schema placed at JSON pointer
+        `pointer` of the whole: the parameters' own references ("#/$defs/...") are rebased there."""
+        arguments = _rebased(self.parameters, f"{pointer}/properties/arguments")
+        return {"type": "object", "properties": {"name": {"const": self.name}, "arguments": arguments},
                 "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _rebased(schema: Any, pointer: str) -> Any:
+    """A copy of `schema` with its local references ("#/...") made to point below `pointer`."""
+    if isinstance(schema, dict):
+        return {k: "#" + pointer + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, pointer)
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebased(v, pointer) for v in schema]
+    return schema
 
 
 @dataclass(frozen=True)
@@ -68,14 +81,22 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+def _loads(text: str) -> Any:
+    """JSON text -> value; ValueError for anything that is not JSON, nested too deep included."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None
+
+
 def _call_of(data: Any, names: set[str]) -> ToolCall | None:
     """A parsed {"name", "arguments"} object as a call of a known function, else None."""
-    if not isinstance(data, dict) or data.get("name") not in names:
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str) or data["name"] not in names:
         return None
     arguments = data.get("arguments", data.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = _loads(arguments)
         except ValueError:
             return None
     if not isinstance(arguments, dict):
@@ -116,15 +137,21 @@ class ToolPlan:
     def grammar(self) -> str | None:
         """The llguidance grammar the answer must follow (GrammarError naming the failing schema)."""
         allowed = self.allowed()
-        calls = allowed[0].call_schema() if len(allowed) == 1 else {"anyOf": [f.call_schema() for f in allowed]}
+
+        def calls(at: str) -> dict[str, Any]:  # a call of any allowed function, placed at pointer `at`
+            if len(allowed) == 1:
+                return allowed[0].call_schema(at)
+            return {"anyOf": [f.call_schema(f"{at}/anyOf/{i}") for i, f in enumerate(allowed)]}
+
         if self.style == HERMES:
             if not self.is_forced:
                 return None
             block = f'"{OPEN}\\n" call "\\n{CLOSE}"'
-            body = json.dumps({**calls, "x-guidance": JSON_OPTIONS})
+            body = json.dumps({**calls(""), "x-guidance": JSON_OPTIONS})
             return gbnf_grammar(f"start: {block} (\"\\n\" {block})*\ncall: %json {body}" if self.parallel else f"start: {block}\ncall: %json {body}")
         key = "tool_calls" if self.parallel else "tool_call"
-        value = {"type": "array", "items": calls, "minItems": 1} if self.parallel else calls
+        root = "" if self.is_forced else "/anyOf/0"
+        value = {"type": "array", "items": calls(f"{root}/properties/{key}/items"), "minItems": 1} if self.parallel else calls(f"{root}/properties/{key}")
         schema: dict[str, Any] = {"type": "object", "properties": {key: value}, "required": [key], "additionalProperties": False}
         if not self.is_forced:
             reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"], "additionalProperties": False}
@@ -142,75 +169,88 @@ class ToolPlan:
         events = reader.feed(text) + reader.finish()
         calls = [ToolCall(e["id"], e["function"]["name"], e["function"]["arguments"]) for e in events if isinstance(e, dict)]
         content = "".join(e for e in events if isinstance(e, str))
-        if calls:
-            return content.strip() or None, calls
-        return content, calls
+        return (content or None) if calls else content, calls
 
 
 class ToolReader:
     """One choice's text as it streams: content pieces (str) and complete calls (OpenAI's streamed
-    tool-call entries, each whole: index, id, type, name and arguments)."""
+    tool-call entries, each whole: index, id, type, name and arguments). Whitespace that touches a
+    call, or the start or end of the answer, is dropped, so the pieces join to what `parse` gives."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.num_calls = 0
-        self._pending = ""
+        self._pending = ""  # text not yet read (a block in progress, or what may start one)
         self._in_call = False
+        self._blank = ""  # whitespace held back until text follows it
+        self._at_edge = True  # nothing emitted yet, or a call last
 
-    def _call(self, call: ToolCall) -> dict[str, Any]:
-        self.num_calls += 1
-        return {"index": self.num_calls - 1, **call.as_openai()}
+    def _emit(self, events: list[str | dict[str, Any]], piece: str | ToolCall) -> None:
+        if isinstance(piece, ToolCall):
+            self.num_calls += 1
+            events.append({"index": self.num_calls - 1, **piece.as_openai()})
+            self._blank, self._at_edge = "", True
+            return
+        text = self._blank + piece
+        if self._at_edge:
+            text = text.lstrip()
+        body = text.rstrip()
+        self._blank = text[len(body) :]
+        if body:
+            events.append(body)
+            self._at_edge = False
 
     def feed(self, text: str) -> list[str | dict[str, Any]]:
         self._pending += text
-        if self.plan.style == GENERIC:  # one JSON value: read once it is complete
-            return []
         events: list[str | dict[str, Any]] = []
+        if self.plan.style == GENERIC:  # one JSON value: read once it is complete
+            return events
         while True:
             if not self._in_call:
                 at = self._pending.find(OPEN)
                 if at < 0:  # hold back what may be the start of a block
                     keep = next((n for n in range(min(len(OPEN) - 1, len(self._pending)), 0, -1) if OPEN.startswith(self._pending[-n:])), 0)
-                    safe, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep :]
-                    if safe:
-                        events.append(safe)
+                    cut = len(self._pending) - keep
+                    self._emit(events, self._pending[:cut])
+                    self._pending = self._pending[cut:]
                     return events
-                if at:
-                    events.append(self._pending[:at])
+                self._emit(events, self._pending[:at])
                 self._pending, self._in_call = self._pending[at:], True
             end = self._pending.find(CLOSE)
             if end < 0:
                 return events
             block, self._pending, self._in_call = self._pending[: end + len(CLOSE)], self._pending[end + len(CLOSE) :], False
-            events.append(self._block(block))
+            self._emit(events, self._block(block) or block)
 
-    def _block(self, block: str) -> str | dict[str, Any]:
+    def _block(self, block: str) -> ToolCall | None:
         match = _BLOCK.fullmatch(block.strip())
         try:
-            call = _call_of(json.loads(match.group(1)), self.plan.names) if match else None
+            return _call_of(_loads(match.group(1)), self.plan.names) if match else None
         except ValueError:
-            call = None
-        return self._call(call) if call is not None else block
+            return None
 
     def finish(self) -> list[str | dict[str, Any]]:
         rest, self._pending = self._pending, ""
+        events: list[str | dict[str, Any]] = []
         if self.plan.style == HERMES:
-            if not rest or not self._in_call:
-                return [rest] if rest else []
+            self._emit(events, (self._block(rest + CLOSE) if self._in_call else None) or rest)  # a block left open by the end
             self._in_call = False
-            event = self._block(rest + CLOSE)  # a block the end of generation left open
-            return [event if isinstance(event, dict) else rest]
+            return events
         try:
-            data = json.loads(rest)
+            data = _loads(rest)
         except ValueError:  # cut short (max_tokens): the text as it is
-            return [rest] if rest else []
+            data = None
         if isinstance(data, dict) and isinstance(data.get("response"), str):
-            return [data["response"]]
-        items = data.get("tool_calls") if isinstance(data, dict) and "tool_calls" in data else [data.get("tool_call")] if isinstance(data, dict) else []
-        calls = [_call_of(item, self.plan.names) for item in items or []]
+            self._emit(events, data["response"])
+            return events
+        items = data.get("tool_calls") if isinstance(data, dict) and "tool_calls" in data else [data.get("tool_call")] if isinstance(data, dict) else None
+        calls = [_call_of(item, self.plan.names) for item in items] if isinstance(items, list) and items else []
         if calls and all(c is not None for c in calls):
-            return [self._call(c) for c in calls]
-        return [rest]
+            for call in calls:
+                self._emit(events, call)
+        else:
+            self._emit(events, rest)
+        return events
 
 
 def plan_of(body, style: str) -> ToolPlan | None:
@@ -265,6 +305,6 @@ def chat_messages(messages: Sequence[Mapping[str, Any]], plan: ToolPlan | None, 
 
 def _arguments(text: str) -> Any:
     try:
-        return json.loads(text)
+        return _loads(text)
     except ValueError:
         raise ValueError(f"an assistant tool call's arguments are not JSON: {text[:80]!r}") from None

@@ -64,6 +64,7 @@ class Delta:
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # echo with logprobs; the first prompt token has none
     alora_activation: int | None = None
     stop_word: str | None = None  # on the last delta: the stop string that ended the request, if one did
+    stop_logprob: float | None = None  # on the last delta, with logprobs: of the stop token that ended it (not returned)
     index: int = 0  # which of the request's n choices
     others_running: int = 0  # with finish_reason: choices of the request still running (0: the request is over)
 

@@ -332,6 +332,7 @@ class Engine:
             state.first_token_s = self.clock()
         token = out.token
         if token in self.eog_ids or token in params.stop_token_ids:
+            result.stop_logprob = out.logprob.logprob if out.logprob is not None else None  # of the token not returned
             return self._finish(state, "stop")
         if state.matcher is not None and not state.matcher.consume_token(token):
             return self._finish(state, "error", f"internal error: the grammar refused token {token}: {state.matcher.get_error()}", status=500)

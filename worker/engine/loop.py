@@ -101,7 +101,8 @@ class EngineLoop:
         """Requests that will wait for a KV slot: those not given one yet, beyond the free slots
         (an estimate: read outside the engine's thread)."""
         scheduler = self.engine.scheduler
-        pending = scheduler.num_waiting + sum(kind == "add" for kind, _ in list(self._inbox))
+        pending = sum(1 + len(seq.forks) for seq in scheduler.waiting)  # a request of n choices waits for n slots
+        pending += sum(item[0].params.n for kind, item in list(self._inbox) if kind == "add")
         return max(0, pending - scheduler.num_free_slots)
 
     def is_alive(self) -> bool:

@@ -24,6 +24,7 @@ class GenerationResult:
     prompt_time_s: float = 0.0  # arrival to first token
     decode_time_s: float = 0.0  # first token to finish
     stop_word: str | None = None  # the stop string that ended it, if one did
+    stop_logprob: float | None = None  # with logprobs: of the end-of-generation or stop token that ended it (not in token_ids)
 
 
 @dataclass(frozen=True)

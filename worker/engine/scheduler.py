@@ -104,7 +104,12 @@ class Scheduler:
         # then prompts, fairly between groups: running ones, and waiting ones while a slot is free
         prefilling = [seq for seq in self.running if seq.is_prefilling]
         while budget > 0:
-            admissible = [queue[0] for group, queue in self._queues.items() if self._may_take_slot(group, 1 + len(queue[0].forks))]
+            heads = [queue[0] for queue in self._queues.values()]  # each group's first
+            admissible = [seq for seq in heads if self._may_take_slot(seq.group, 1 + len(seq.forks))]
+            wide = [seq for seq in heads if seq.forks and seq not in admissible and len(self._free_slots) < 1 + len(seq.forks)]
+            if wide:  # a request of n choices waits for n free slots: those freed meanwhile are kept for it, not taken by later turns
+                first = min(map(self._turn, wide))
+                admissible = [seq for seq in admissible if self._turn(seq) < first]
             seq = min(prefilling + admissible, key=self._turn, default=None)
             if seq is None:
                 break

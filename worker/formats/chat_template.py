@@ -77,16 +77,18 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
 
-def literal_spans(text: str, contents: Sequence[str], has_control_text: Callable[[str], bool]) -> list[tuple[int, int]]:
+def literal_spans(text: str, contents: Sequence[str | tuple[str, ...]], has_control_text: Callable[[str], bool]) -> list[tuple[int, int]]:
     """Where in the rendered `text` the message contents that hold control-token text lie
     (every occurrence, or of the content with its outer whitespace trimmed, as templates
-    often trim it). Contents without control-token text need no protection."""
+    often trim it; a tuple is one text in the forms a template may write it, e.g. raw and
+    JSON-escaped). Contents without control-token text need no protection."""
     spans = []
     for content in contents:
-        if not has_control_text(content):
+        forms = content if isinstance(content, tuple) else (content,)
+        if not has_control_text(forms[0]):
             continue
         found = []
-        for candidate in dict.fromkeys((content, content.strip())):
+        for candidate in dict.fromkeys(f for form in forms for f in (form, form.strip())):
             start = text.find(candidate)
             while candidate and start >= 0:
                 found.append((start, start + len(candidate)))
@@ -109,13 +111,28 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], **extra: Any) 
     return ChatTemplate(tokenizer.chat_template, bos, eos).render(messages, **extra)
 
 
+def strings_in(value: Any, skip: frozenset[str] = frozenset()) -> list[str]:
+    """Every string in a JSON-like value (keys included), but under the keys in `skip`."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Mapping):
+        return [s for k, v in value.items() if k not in skip for s in [*strings_in(k), *strings_in(v)]]
+    if isinstance(value, Sequence):
+        return [s for v in value for s in strings_in(v)]
+    return []
+
+
 def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]], **extra: Any) -> list[int]:
     """Render `messages` with the model's template and tokenize (a `GGUFTokenizer`), as
     llama-server does, except that control tokens come only from the template: text in a
-    message's content that spells one (`<|im_start|>`) stays text."""
+    message's content that spells one (`<|im_start|>`) stays text, and so does every other
+    string the template is given (tool definitions, earlier calls' names and arguments), raw
+    or JSON-escaped."""
     text = render_chat(tokenizer, messages, **extra)
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
-    contents = [_message_text(m.get("content", "")) for m in messages]
+    contents: list[str | tuple[str, ...]] = [_message_text(m.get("content", "")) for m in messages]
+    contents += [(s, json.dumps(s, ensure_ascii=False)[1:-1]) for s in strings_in([extra, [{k: v for k, v in m.items() if k not in ("role", "content")}
+                                                                                          for m in messages]])]
     spans = literal_spans(text, contents, tokenizer.has_control_text)
     # a template that writes the BOS itself must not get a second one
     add_special = not (tokenizer.add_bos and bos and text.startswith(bos))

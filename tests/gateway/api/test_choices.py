@@ -87,3 +87,24 @@ def test_every_choice_counts_against_the_tenants_token_rate(client) -> None:
     r = client.post("/v1/completions", headers=auth("thrifty"), json={**body, "n": 4})  # 2 + 4 x 30 > 100 a minute
     assert r.status_code == 400 and "needs up to 122 tokens" in r.json()["error"]["message"]
     assert client.post("/v1/completions", headers=auth("thrifty"), json={**body, "n": 3}).status_code == 200  # 92
+
+
+def test_best_of_ranks_a_choice_by_the_token_that_ended_it_too() -> None:
+    """A choice that stopped at once has no generated token, but its stop token's log-probability ranks it."""
+    from gateway.api.formats import CompletionFormatter
+    from worker.contract.calls import Delta, TokenLogprob, Usage
+
+    class Tokens:
+        def token_bytes(self, token_id, skip_special=False):
+            return b"x"
+
+        def decode(self, ids, skip_special=True):
+            return "x" * len(ids)
+
+    usage = Usage(3, 1, 0)
+    empty = Delta((), "", None, "stop", usage=usage, stop_logprob=-6.0, index=0, others_running=1)
+    spoken = Delta((5,), "x", (TokenLogprob(5, -2.0, ()),), "length", usage=usage, index=1)
+    best = CompletionFormatter(Tokens(), "m", [1, 2, 3], False, None, keep=1).whole([empty, spoken])
+    assert [c["text"] for c in best["choices"]] == ["x"] and best["usage"]["completion_tokens"] == 2
+    quick = Delta((), "", None, "stop", usage=usage, stop_logprob=-0.5, index=0, others_running=1)
+    assert CompletionFormatter(Tokens(), "m", [1, 2, 3], False, None, keep=1).whole([quick, spoken])["choices"][0]["text"] == ""

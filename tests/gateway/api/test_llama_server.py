@@ -166,6 +166,22 @@ def test_completion_answers_in_llama_servers_shape(client) -> None:
                                               ("samplers", ["top_k", "temperature"])])
 def test_llama_samplers_we_do_not_run_are_refused_by_name(client, field, value) -> None:
     r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 1, field: value})
-    assert r.status_code == 400 and f"'{field}' is not supported by this server" in r.json()["error"]["message"]
+    assert r.status_code == 400 and f"'{field}' is " in r.json()["error"]["message"] and "supported" in r.json()["error"]["message"]
     off = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 1, field: {"mirostat": 0, "typical_p": 1.0}.get(field)})
     assert off.status_code == 200, off.text  # their "off" values are fine
+
+
+@pytest.mark.parametrize("samplers", ["edkypmxt", ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"],
+                                      ["top_k", "top_p", "min_p", "temperature"]])
+def test_llama_servers_own_sampler_orders_are_ours(client, samplers) -> None:
+    """llama-server's default order (list or string), its web UI's, or ours without the off ones: all run as ours."""
+    r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 1, "samplers": samplers})
+    assert r.status_code == 200, r.text
+
+
+def test_streamed_completion_reports_a_new_line_anywhere_in_it(client) -> None:
+    body = {"prompt": PROMPT, "n_predict": 12, "temperature": 0, "ignore_eos": True}
+    whole = client.post("/completion", headers=auth(), json=body).json()
+    events = [json.loads(line[6:]) for line in client.post("/completion", headers=auth(), json={**body, "stream": True}).text.splitlines()
+              if line.startswith("data: ")]
+    assert events[-1]["has_new_line"] == whole["has_new_line"] == ("\n" in whole["content"])

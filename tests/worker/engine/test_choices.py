@@ -120,6 +120,7 @@ def test_a_stop_ends_only_its_choice_and_a_cancel_ends_them_all(runner) -> None:
     params = SamplingParams(**{**SAMPLED.__dict__, "n": 3, "stop_token_ids": (stop_on,)})
     choices = choices_of(run_outputs(engine, [EngineRequest("s", PROMPT, params)]), "s")
     assert choices[0].finish_reason == "stop" and choices[0].result.token_ids == []
+    assert choices[0].result.stop_logprob == pytest.approx(first.logprobs[0].logprob, abs=1e-5)  # of the stop token, not returned
     for i in (1, 2):  # the others go on as they would alone
         single = alone(runner, EngineRequest("x", PROMPT, SamplingParams(**{**params.__dict__, "n": 1, "seed": params.choice_seed(i)})))
         assert choices[i].result.token_ids == single.token_ids and choices[i].finish_reason == single.finish_reason

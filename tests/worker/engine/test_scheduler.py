@@ -205,3 +205,27 @@ def test_a_waiting_request_with_forks_is_finished_whole() -> None:
     for choice in [leader, *leader.forks]:
         s.finish(choice)
     assert not s.waiting and s.num_free_slots == 1
+
+
+def test_a_request_of_several_choices_gets_its_slots_while_another_tenant_floods() -> None:
+    """Slots freed while it waits are kept for it: later turns do not take them one by one."""
+    s = Scheduler(num_seq_slots=4, slot_len=64, max_step_tokens=64, is_multi_tenant=True)
+    flood = [Sequence(f"a{i}", [1, 2], 2, 2 + 3 + i % 5, group="A") for i in range(40)]
+    for x in flood:
+        s.add(x)
+    wide = None
+    for step in range(400):
+        if step == 5:
+            wide = Sequence("b", [1, 2, 3], 3, 6, group="B")
+            for i in range(1, 4):
+                wide.forks.append(Sequence("b", [1, 2, 3], 3, 6, group="B", index=i, fork_of=wide))
+            s.add(wide)
+        chunks = s.schedule()
+        advance(chunks)
+        for c in chunks:  # a sequence finishes when it reaches its length
+            if c.seq.status == Status.RUNNING and len(c.seq.token_ids) >= c.seq.max_len:
+                s.finish(c.seq)
+        if wide is not None and wide.status != Status.WAITING:
+            break
+    assert wide.status == Status.RUNNING and step < 20, step  # admitted within a few steps, with its three forks
+    assert all(f.status == Status.RUNNING for f in wide.forks)
