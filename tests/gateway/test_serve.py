@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -311,16 +312,24 @@ def test_killing_a_replica_loses_no_non_streaming_request(server) -> None:
                 "ignore_eos": True}
         return httpx.post(f"{server}/v1/chat/completions", headers=auth(), json=body, timeout=180)
 
+    started = [threading.Event() for _ in range(3)]
+
     def stream(i: int) -> list[dict]:
         body = {"model": "verify", "prompt": f"Metal {i}:", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{server}/v1/completions", headers=auth(), json=body, timeout=180) as r:
             assert r.status_code == 200
-            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    started[i].set()
+            return events
 
     with concurrent.futures.ThreadPoolExecutor(9) as pool:
         futures = [pool.submit(ask, i) for i in range(6)]
         streams = [pool.submit(stream, i) for i in range(3)]  # verify lives on checks only: these die with it
-        time.sleep(1.5)
+        assert all(e.wait(120) for e in started)  # each stream is under way (a stream that has not started would be retried, not cut)
+        time.sleep(0.3)
         os.kill(pid, signal.SIGKILL)
         responses = [f.result() for f in futures]
         events = [s.result() for s in streams]
