@@ -43,14 +43,18 @@ def delta_of(out: RequestOutput) -> Delta:
 
 class ShardWorker:
     def __init__(self, spec: WorkerSpec) -> None:
-        device = DeviceConfig.of(spec.device)
-        device.apply_threads()
         self.spec = spec
         self.adapter_slots = {adapter.name: slot for slot, adapter in enumerate(spec.adapters)}
-        self.runner = ModelRunner.from_paths(spec.model_path, [adapter.path for adapter in spec.adapters], device)
-        self.tokenizer = GGUFTokenizer(self.runner.base)
-        self.prefix_cache = open_prefix_cache(self.runner, spec.cache, fingerprint_dir=spec.fingerprint_dir)
-        self.loop = EngineLoop(Engine(self.runner, self.tokenizer, spec.engine, prefix_cache=self.prefix_cache), spec.engine.max_waiting)
+
+        def build() -> Engine:  # on the engine's thread, which then makes every torch call (worker/engine/loop.py)
+            device = DeviceConfig.of(spec.device)
+            device.apply_threads()
+            self.runner = ModelRunner.from_paths(spec.model_path, [adapter.path for adapter in spec.adapters], device)
+            self.tokenizer = GGUFTokenizer(self.runner.base)
+            self.prefix_cache = open_prefix_cache(self.runner, spec.cache, fingerprint_dir=spec.fingerprint_dir)
+            return Engine(self.runner, self.tokenizer, spec.engine, prefix_cache=self.prefix_cache)
+
+        self.loop = EngineLoop(build, spec.engine.max_waiting)
 
     def request(self, call: WorkerCall) -> EngineRequest:
         unknown = [name for name in call.adapters if name not in self.adapter_slots]

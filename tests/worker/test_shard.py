@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -55,10 +56,21 @@ def test_a_request_the_worker_cannot_run_is_a_refusal_not_an_exception(worker) -
     assert too_long[0].status == 400 and "exceeds the context length" in too_long[0].error
 
 
-def test_a_full_queue_refuses_with_503_and_a_deadline_ends_a_request(worker) -> None:
+def test_a_full_queue_refuses_with_503_and_a_deadline_ends_a_request(worker, monkeypatch) -> None:
+    step = worker.loop.engine.step
+
+    def slow_step():  # the tiny model is fast: steps of 5 ms keep the queue full long enough to see it
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(worker.loop.engine, "step", slow_step)
+
     async def run():
         long = [asyncio.create_task(collect(worker, call(10 + i, max_tokens=40))) for i in range(6)]  # 2 run, 4 wait: full
-        await asyncio.sleep(0.05)
+        for _ in range(200):
+            if worker.loop.num_queued >= 4:
+                break
+            await asyncio.sleep(0.005)
         refused = await collect(worker, call(20))
         done = await asyncio.gather(*long)
         late = await collect(worker, call(21, max_tokens=50, timeout_s=0.01))
