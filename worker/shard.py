@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from worker.contract.calls import Delta, Usage, WorkerCall
@@ -39,6 +40,12 @@ def delta_of(out: RequestOutput) -> Delta:
         alora_activation=result.alora_activation, stop_word=result.stop_word, stop_logprob=result.stop_logprob,
         index=out.index, others_running=out.others_running,
     )
+
+
+def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one choice as one (`then`'s end, if it ends it)."""
+    logprobs = (first.logprobs or []) + (then.logprobs or []) if first.logprobs or then.logprobs else None
+    return replace(then, token_ids=first.token_ids + then.token_ids, text=first.text + then.text, logprobs=logprobs)
 
 
 class ShardWorker:
@@ -89,10 +96,17 @@ class ShardWorker:
             log.exception("request %s could not be submitted", call.request_id)
             yield Delta.refused("internal error in the worker", status=500)
             return
-        finished = False
+        finished, held = False, None
         try:
             while not finished:
-                out = await outputs.get()
+                out = held or await outputs.get()
+                held = None
+                while not out.is_finished and not outputs.empty():  # the caller is behind: what has come goes as one item
+                    nxt = outputs.get_nowait()
+                    if nxt.index != out.index:  # another choice's: the next item
+                        held = nxt
+                        break
+                    out = merged(out, nxt)
                 finished = out.is_finished
                 yield delta_of(out)
         finally:

@@ -80,3 +80,19 @@ def test_a_full_queue_refuses_with_503_and_a_deadline_ends_a_request(worker, mon
     assert refused[0].status == 503 and "busy" in refused[0].error
     assert late[-1].finish_reason == "error" and late[-1].status in (503, 504) and "deadline" in late[-1].error
     assert all(d[-1].finish_reason == "length" for d in done)
+
+
+def test_a_caller_that_falls_behind_gets_the_tokens_so_far_as_one_delta(worker) -> None:
+    async def slowly(c: WorkerCall) -> list:
+        deltas = []
+        async for delta in worker.generate(c):
+            deltas.append(delta)
+            await asyncio.sleep(0.02)  # a busy caller: the engine runs ahead
+        return deltas
+
+    keeping_up = asyncio.run(collect(worker, call(30, max_tokens=40)))
+    lagging = asyncio.run(slowly(call(30, max_tokens=40)))
+    assert len(lagging) < len(keeping_up) == 40  # one delta per token when keeping up, fewer when not
+    assert [t for d in lagging for t in d.token_ids] == [t for d in keeping_up for t in d.token_ids]
+    assert "".join(d.text for d in lagging) == "".join(d.text for d in keeping_up)
+    assert lagging[-1].finish_reason == "length" and lagging[-1].usage.completion_tokens == 40
