@@ -57,6 +57,21 @@ def _device_flags(p: argparse.ArgumentParser, what: str = "torch device, e.g. cp
     p.set_defaults(device_settings=None)
 
 
+def _workload_flags(p: argparse.ArgumentParser, *, adapters: int, rank: int, targets: str, prompt_tokens: int, step_tokens: int,
+                    rounds_help: str) -> None:
+    """The benchmark workload's flags (random adapters, concurrent requests), with each benchmark's defaults."""
+    p.add_argument("--model", metavar="BASE.gguf", help="base model (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--adapters", type=_positive_int, default=adapters, metavar="N", help=f"random adapters to build (default {adapters})")
+    p.add_argument("--rank", type=_positive_int, default=rank)
+    p.add_argument("--targets", choices=["attn", "all"], default=targets, help="attn: q,k,v,o; all: the 7 linears")
+    p.add_argument("--requests", type=_positive_int, default=16, metavar="M", help="concurrent requests (default 16)")
+    p.add_argument("--prompt-tokens", type=_positive_int, default=prompt_tokens, metavar="P")
+    p.add_argument("--max-tokens", type=_positive_int, default=64, metavar="G")
+    p.add_argument("--step-tokens", type=_positive_int, default=step_tokens, metavar="N", help="tokens per forward pass (prefill chunk budget)")
+    p.add_argument("--rounds", type=_positive_int, default=2, help=rounds_help)
+    p.add_argument("--seed", type=int, default=0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description="Serve one base LLM and many LoRA adapters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -102,16 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler="worker.cli.generate:run")
 
     p = sub.add_parser("bench-engine", help="decode speed: one adapter vs mixed adapters vs llama.cpp's same-adapter batching")
-    p.add_argument("--model", metavar="BASE.gguf", help="base model (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--adapters", type=_positive_int, default=16, metavar="N", help="random adapters to build (default 16)")
-    p.add_argument("--rank", type=_positive_int, default=8)
-    p.add_argument("--targets", choices=["attn", "all"], default="attn", help="attn: q,k,v,o; all: the 7 linears")
-    p.add_argument("--requests", type=_positive_int, default=16, metavar="M")
-    p.add_argument("--prompt-tokens", type=_positive_int, default=128, metavar="P")
-    p.add_argument("--max-tokens", type=_positive_int, default=64, metavar="G")
-    p.add_argument("--step-tokens", type=_positive_int, default=512, metavar="N", help="tokens per forward pass (prefill chunk budget)")
-    p.add_argument("--rounds", type=_positive_int, default=2, help="rounds of the three runs, interleaved")
-    p.add_argument("--seed", type=int, default=0)
+    _workload_flags(p, adapters=16, rank=8, targets="attn", prompt_tokens=128, step_tokens=512, rounds_help="rounds of the three runs, interleaved")
     _device_flags(p)
     p.set_defaults(handler="bench.bench_engine:run")
 
@@ -126,19 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler="bench.bench_structured:run")
 
     p = sub.add_parser("bench-serving", help="one workload through the engine alone and through loraplex serve: tokens/s, TTFT, gaps")
-    p.add_argument("--model", metavar="BASE.gguf", help="base model (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--adapters", type=_positive_int, default=8, metavar="N", help="random adapters on the one shard (default 8)")
-    p.add_argument("--rank", type=_positive_int, default=16)
-    p.add_argument("--targets", choices=["attn", "all"], default="all", help="attn: q,k,v,o; all: the 7 linears")
-    p.add_argument("--requests", type=_positive_int, default=16, metavar="M", help="concurrent requests (default 16)")
-    p.add_argument("--prompt-tokens", type=_positive_int, default=82, metavar="P")
-    p.add_argument("--max-tokens", type=_positive_int, default=64, metavar="G")
-    p.add_argument("--step-tokens", type=_positive_int, default=256, metavar="N", help="tokens per forward pass, both paths")
-    p.add_argument("--rounds", type=_positive_int, default=2, help="rounds of the two paths, interleaved (after one warm-up round)")
+    _workload_flags(p, adapters=8, rank=16, targets="all", prompt_tokens=82, step_tokens=256,
+                    rounds_help="rounds of the two paths, interleaved (after one warm-up round)")
     p.add_argument("--modes", default="mixed,same", help="mixed: request i on adapter i %% N; same: all on adapter 0")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="streamed /completion requests (default)")
     p.add_argument("--port", type=int, default=8765, help="the server's port on loopback")
-    p.add_argument("--seed", type=int, default=0)
     _device_flags(p, "the engine-alone run's torch device (the server's comes from its config)")
     p.set_defaults(handler="bench.serving:run")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -34,20 +33,10 @@ from gateway.api.formats import (
     token_str,
     tokenize_piece,
 )
-from gateway.api.protocol import (
-    APIError,
-    ApplyTemplateRequest,
-    ChatRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    LlamaCompletionRequest,
-    LoraScale,
-    TokenizeRequest,
-    load_json,
-    parse,
-)
+from gateway.api.llama_protocol import ApplyTemplateRequest, DetokenizeRequest, LlamaCompletionRequest, LoraScale, TokenizeRequest
+from gateway.api.protocol import APIError, ChatRequest, CompletionRequest, load_json, parse
 from gateway.api.sampling import compiled_grammar, llama_params, openai_params, settings_of
-from gateway.api.tools import HERMES, ToolPlan, chat_messages, plan_of
+from gateway.api.tools import ToolPlan, chat_input, rendered_size
 from gateway.dispatch import Gateway
 from gateway.metrics import adapter_label
 from gateway.tenants import Tenant
@@ -204,19 +193,10 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         return await _off_loop(gateway, len(prompt), lambda: tokenizer.encode(prompt, add_special=True, parse_special=True))
 
     def _chat_input(gateway: Gateway, body) -> tuple[ToolPlan | None, list[dict[str, Any]], dict[str, Any]]:
-        """A chat body's tool plan, its messages as the template reads them, and what else the template gets."""
-        style = gateway.catalog.tool_style
         try:
-            tools = plan_of(body, style) if getattr(body, "tools", None) else None
-            messages = chat_messages([m.as_dict() for m in body.messages], tools, style)
+            return chat_input(body, gateway.catalog.tool_style)
         except ValueError as e:
             raise APIError(400, str(e), "invalid_value") from e
-        return tools, messages, {"tools": tools.template_tools()} if tools is not None and style == HERMES else {}
-
-    def _chat_size(messages: list[dict[str, Any]], extra: dict[str, Any]) -> int:
-        """What the template renders, in characters: the contents, the tools, and earlier calls."""
-        return sum(len(m["content"]) + (len(json.dumps(m["tool_calls"])) if m.get("tool_calls") else 0) for m in messages) + \
-            sum(len(json.dumps(t)) for t in extra.get("tools", ()))
 
     def _adapters(gateway: Gateway, tenant: Tenant) -> list[dict[str, Any]]:
         out = []
@@ -260,7 +240,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         gateway, tenant, body = await _begin(request, ChatRequest)
         scales = gateway.admission.resolve_scales(tenant, body.model, body.lora)
         tools, messages, extra = _chat_input(gateway, body)
-        size = _chat_size(messages, extra)
+        size = rendered_size(messages, extra)
         prompt = await _off_loop(gateway, size, lambda: encode_chat(gateway.catalog.tokenizer, messages, **extra))
         k = (body.top_logprobs or 0) if body.logprobs else None
         grammar = await compiled_grammar(gateway, body, "response_format", tools)
@@ -309,7 +289,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     async def apply_template(request: Request) -> dict[str, Any]:
         gateway, _, body = await _begin(request, ApplyTemplateRequest)
         _, messages, extra = _chat_input(gateway, body)
-        size = _chat_size(messages, extra)
+        size = rendered_size(messages, extra)
         return {"prompt": await _off_loop(gateway, size, lambda: render_chat(gateway.catalog.tokenizer, messages, **extra))}
 
     @app.get("/props")

@@ -34,8 +34,7 @@ class APIError(Exception):
 # Every number a client sends has a finite bound, checked here before any work (README, "Limits").
 MAX_ADAPTER_SCALE = 100.0  # |scale| of a request's adapter
 MAX_LORA_ENTRIES = 32
-MAX_STOP = 4  # OpenAI's; llama-server's /completion takes up to MAX_LLAMA_STOP
-MAX_LLAMA_STOP = 16
+MAX_STOP = 4  # OpenAI's; llama-server's /completion takes more (gateway/api/llama_protocol.py)
 MAX_STOP_CHARS = 256
 MAX_TOP_K = 100_000
 MAX_TOKENS = 1_000_000  # and at most what fits the context (gateway/admission.py)
@@ -50,24 +49,12 @@ _UNSUPPORTED_AT = {"functions": (None, []), "function_call": (None, "none", "aut
                    "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,)}
 
 
-# llama-server sampler fields we do not run, and the values that leave them off
-_LLAMA_OFF = {"mirostat": (0, None), "dynatemp_range": (0, 0.0, None), "top_n_sigma": (-1, -1.0, 0, 0.0, None), "xtc_probability": (0, 0.0, None),
-              "typical_p": (1, 1.0, None), "dry_multiplier": (0, 0.0, None), "min_keep": (0, None), "grammar_lazy": (False, None)}
-# llama-server's sampler names (and the letters of its string form); those we run must come in our order
-_LLAMA_SAMPLERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p", "x": "xtc",
-                   "t": "temperature"}
-_OUR_ORDER = ["top_k", "top_p", "min_p", "temperature"]
-
-
-def _samplers_we_run_in_order(value: Any) -> bool:
-    """A `samplers` value whose samplers we run come in our order (the others are off unless asked for)."""
-    if isinstance(value, str):
-        if any(c not in _LLAMA_SAMPLERS for c in value):
-            return False
-        value = [_LLAMA_SAMPLERS[c] for c in value]
-    if not isinstance(value, list) or any(not isinstance(v, str) or v not in _LLAMA_SAMPLERS.values() for v in value):
-        return False
-    return [v for v in value if v in _OUR_ORDER] == _OUR_ORDER
+def refuse_unless_unused(data: Any, unused: dict[str, tuple], why: str) -> None:
+    """ValueError naming the first field of a body (a dict) set to a value outside its "unused" ones."""
+    if isinstance(data, dict):
+        for name, values in unused.items():
+            if name in data and data[name] not in values:
+                raise ValueError(f"'{name}' is not supported by this server{why}")
 
 
 class _Body(BaseModel):
@@ -91,7 +78,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-def _stops(value: str | list[str] | None, most: int) -> list[str]:
+def stops_of(value: str | list[str] | None, most: int) -> list[str]:
     stops = [] if value is None else [value] if isinstance(value, str) else list(value)
     if len(stops) > most or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
         raise ValueError(f"stop takes at most {most} non-empty strings of at most {MAX_STOP_CHARS} characters")
@@ -127,22 +114,19 @@ class _Sampling(_Generation):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, unused in _UNSUPPORTED_AT.items():
-                if name in data and data[name] not in unused:
-                    raise ValueError(f"'{name}' is not supported by this server")
+        refuse_unless_unused(data, _UNSUPPORTED_AT, "")
         return data
 
     @model_validator(mode="after")
     def _supported(self) -> _Sampling:
         self.grammar_source()  # checks the shape of response_format
-        _stops(self.stop, MAX_STOP)
+        stops_of(self.stop, MAX_STOP)
         self.bias_pairs  # noqa: B018  (checks the keys)
         return self
 
     @property
     def stop_list(self) -> list[str]:
-        return _stops(self.stop, MAX_STOP)
+        return stops_of(self.stop, MAX_STOP)
 
     def grammar_source(self) -> tuple[str, Any] | None:
         """What response_format asks to enforce: ("json_schema", schema), ("json_object", None), or None."""
@@ -287,117 +271,6 @@ class ChatRequest(_Sampling):
     def token_limit(self) -> int | None:
         """The completion's limit; None: the server's default."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-class LlamaCompletionRequest(_Generation):
-    """llama-server's `POST /completion`."""
-
-    prompt: str | list[int]
-    n_predict: int | None = Field(None, ge=-1, le=MAX_TOKENS)  # absent: the server's default; -1: until the end of generation
-    temperature: float = Field(0.8, ge=0.0, le=100.0, allow_inf_nan=False)
-    top_p: float = Field(0.95, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(40, ge=0, le=MAX_TOP_K)
-    seed: int | None = Field(None, ge=-1, lt=MAX_SEED)  # -1: random, as llama-server
-    stop: list[str] = Field(default_factory=list)
-    stream: bool = False
-    cache_prompt: bool = True
-    n_probs: int = Field(0, ge=0, le=20)
-    # llama.cpp's sampler defaults; its penalties count the last repeat_last_n tokens of prompt and output
-    min_p: float = Field(0.05, ge=0.0, le=1.0, allow_inf_nan=False)
-    repeat_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
-    repeat_last_n: int = Field(64, ge=-1, le=MAX_TOKENS)  # -1: the whole context, 0: off
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    # [[token, bias], ...] or {"token": bias}; a token is an id or a string (each of its tokens); bias false bans
-    logit_bias: list[list[Any]] | dict[str, Any] | None = Field(None, max_length=MAX_LOGIT_BIAS)
-
-    def bias_entries(self) -> list[tuple[int | str, float]]:
-        """(token id or text, bias) with `false` as -100 (a ban)."""
-        raw = self.logit_bias or []
-        items = list(raw.items()) if isinstance(raw, dict) else raw
-        entries = []
-        for item in items:
-            if isinstance(item, tuple | list) and len(item) == 2:
-                token, bias = item
-            else:
-                raise ValueError("logit_bias entries are [token, bias] pairs")
-            if isinstance(raw, dict) and isinstance(token, str) and token.lstrip("-").isdigit():
-                token = int(token)
-            if bias is False:
-                bias = -100.0
-            if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias values are numbers between -100 and 100 or false, got {bias!r}")
-            if isinstance(token, bool) or not isinstance(token, int | str) or (isinstance(token, int) and token < 0):
-                raise ValueError(f"logit_bias tokens are token ids or strings, got {token!r}")
-            entries.append((token, float(bias)))
-        return entries
-
-    json_schema: dict[str, Any] | bool | None = None  # the output follows this JSON Schema
-    grammar: str | None = None  # or this GBNF grammar
-    post_sampling_probs: bool = False  # n_probs of the distribution each token was drawn from (after the sampler's filters)
-    return_tokens: bool = False  # list the generated token ids in `tokens` (streamed events always do)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_samplers_we_do_not_run(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, off in _LLAMA_OFF.items():
-                if name in data and data[name] not in off:
-                    raise ValueError(f"'{name}' is not supported by this server (its samplers: penalties, top_k, top_p, min_p, temperature)")
-            if data.get("samplers") is not None and not _samplers_we_run_in_order(data["samplers"]):
-                raise ValueError("'samplers' is supported only in this server's order: penalties, top_k, top_p, min_p, temperature")
-        return data
-
-    @model_validator(mode="after")
-    def _check_bias(self) -> LlamaCompletionRequest:
-        self.bias_entries()
-        if self.json_schema is not None and self.grammar:
-            raise ValueError("give either json_schema or grammar, not both")
-        return self
-
-    def grammar_source(self) -> tuple[str, Any] | None:
-        if self.grammar:
-            return "gbnf", self.grammar
-        return ("json_schema", self.json_schema) if self.json_schema is not None else None
-
-    @field_validator("prompt")
-    @classmethod
-    def _not_empty(cls, value: str | list[int]) -> str | list[int]:
-        if not value:
-            raise ValueError("the prompt is empty")
-        return value
-
-    @field_validator("stop")
-    @classmethod
-    def _bounded_stops(cls, value: list[str]) -> list[str]:
-        return _stops(value, MAX_LLAMA_STOP)
-
-
-class TokenizeRequest(_Body):
-    """llama-server's `POST /tokenize`."""
-
-    content: str = Field(max_length=4_000_000)
-    add_special: bool = False
-    parse_special: bool = True
-    with_pieces: bool = False
-
-
-class DetokenizeRequest(_Body):
-    tokens: list[int] = Field(max_length=MAX_TOKENS)
-
-
-class ApplyTemplateRequest(_Body):
-    """llama-server's `POST /apply-template`: a chat body's messages and tools, rendered."""
-
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-
-
-class LoraScale(_Body):
-    id: int = Field(ge=0, le=MAX_TOKENS)
-    scale: float = Field(ge=-MAX_ADAPTER_SCALE, le=MAX_ADAPTER_SCALE, allow_inf_nan=False)
 
 
 MAX_JSON_DEPTH = 32

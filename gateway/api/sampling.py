@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.api.protocol import APIError, LlamaCompletionRequest
+from gateway.api.llama_protocol import LlamaCompletionRequest
+from gateway.api.protocol import APIError
 from gateway.api.tools import ToolPlan
 from gateway.dispatch import Gateway
 from worker.contract.params import MAX_LOGIT_BIAS, SamplingParams

@@ -308,3 +308,17 @@ def _arguments(text: str) -> Any:
         return _loads(text)
     except ValueError:
         raise ValueError(f"an assistant tool call's arguments are not JSON: {text[:80]!r}") from None
+
+
+def chat_input(body, style: str) -> tuple[ToolPlan | None, list[dict[str, Any]], dict[str, Any]]:
+    """A chat body's tool plan, its messages as the template reads them in this style, and what
+    else the template gets (`tools`, in the hermes style); ValueError for a bad body."""
+    plan = plan_of(body, style) if getattr(body, "tools", None) else None
+    messages = chat_messages([m.as_dict() for m in body.messages], plan, style)
+    return plan, messages, {"tools": plan.template_tools()} if plan is not None and style == HERMES else {}
+
+
+def rendered_size(messages: list[dict[str, Any]], extra: dict[str, Any]) -> int:
+    """What the template renders, in characters: the contents, the tools, and earlier calls."""
+    calls = sum(len(json.dumps(m["tool_calls"])) for m in messages if m.get("tool_calls"))
+    return sum(len(m["content"]) for m in messages) + calls + sum(len(json.dumps(t)) for t in extra.get("tools", ()))

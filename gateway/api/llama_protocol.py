@@ -1,0 +1,158 @@
+"""Request bodies of llama-server's API (`/completion`, `/tokenize`, `/detokenize`, `/apply-template`,
+`/lora-adapters`), validated with pydantic as the OpenAI ones are (gateway/api/protocol.py; torch-free).
+
+llama.cpp samplers we do not run are refused by name when a request turns one on; at their "off"
+values they are accepted, as are llama-server's own sampler orders where the ones we run keep ours.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from gateway.api.protocol import (
+    MAX_ADAPTER_SCALE,
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGES,
+    MAX_SEED,
+    MAX_TOKENS,
+    MAX_TOOLS,
+    MAX_TOP_K,
+    ChatMessage,
+    NamedToolChoice,
+    ToolSpec,
+    _Body,
+    _Generation,
+    refuse_unless_unused,
+    stops_of,
+)
+
+MAX_LLAMA_STOP = 16
+# llama-server sampler fields we do not run, and the values that leave them off
+_LLAMA_OFF = {"mirostat": (0, None), "dynatemp_range": (0, 0.0, None), "top_n_sigma": (-1, -1.0, 0, 0.0, None), "xtc_probability": (0, 0.0, None),
+              "typical_p": (1, 1.0, None), "dry_multiplier": (0, 0.0, None), "min_keep": (0, None), "grammar_lazy": (False, None)}
+# llama-server's sampler names (and the letters of its string form); those we run must come in our order
+_LLAMA_SAMPLERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p", "x": "xtc",
+                   "t": "temperature"}
+_OUR_ORDER = ["top_k", "top_p", "min_p", "temperature"]
+
+
+def _samplers_we_run_in_order(value: Any) -> bool:
+    """A `samplers` value whose samplers we run come in our order (the others are off unless asked for)."""
+    if isinstance(value, str):
+        if any(c not in _LLAMA_SAMPLERS for c in value):
+            return False
+        value = [_LLAMA_SAMPLERS[c] for c in value]
+    if not isinstance(value, list) or any(not isinstance(v, str) or v not in _LLAMA_SAMPLERS.values() for v in value):
+        return False
+    return [v for v in value if v in _OUR_ORDER] == _OUR_ORDER
+
+
+class LlamaCompletionRequest(_Generation):
+    """llama-server's `POST /completion`."""
+
+    prompt: str | list[int]
+    n_predict: int | None = Field(None, ge=-1, le=MAX_TOKENS)  # absent: the server's default; -1: until the end of generation
+    temperature: float = Field(0.8, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float = Field(0.95, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(40, ge=0, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=-1, lt=MAX_SEED)  # -1: random, as llama-server
+    stop: list[str] = Field(default_factory=list)
+    stream: bool = False
+    cache_prompt: bool = True
+    n_probs: int = Field(0, ge=0, le=20)
+    # llama.cpp's sampler defaults; its penalties count the last repeat_last_n tokens of prompt and output
+    min_p: float = Field(0.05, ge=0.0, le=1.0, allow_inf_nan=False)
+    repeat_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    repeat_last_n: int = Field(64, ge=-1, le=MAX_TOKENS)  # -1: the whole context, 0: off
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    # [[token, bias], ...] or {"token": bias}; a token is an id or a string (each of its tokens); bias false bans
+    logit_bias: list[list[Any]] | dict[str, Any] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+
+    def bias_entries(self) -> list[tuple[int | str, float]]:
+        """(token id or text, bias) with `false` as -100 (a ban)."""
+        raw = self.logit_bias or []
+        items = list(raw.items()) if isinstance(raw, dict) else raw
+        entries = []
+        for item in items:
+            if isinstance(item, tuple | list) and len(item) == 2:
+                token, bias = item
+            else:
+                raise ValueError("logit_bias entries are [token, bias] pairs")
+            if isinstance(raw, dict) and isinstance(token, str) and token.lstrip("-").isdigit():
+                token = int(token)
+            if bias is False:
+                bias = -100.0
+            if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values are numbers between -100 and 100 or false, got {bias!r}")
+            if isinstance(token, bool) or not isinstance(token, int | str) or (isinstance(token, int) and token < 0):
+                raise ValueError(f"logit_bias tokens are token ids or strings, got {token!r}")
+            entries.append((token, float(bias)))
+        return entries
+
+    json_schema: dict[str, Any] | bool | None = None  # the output follows this JSON Schema
+    grammar: str | None = None  # or this GBNF grammar
+    post_sampling_probs: bool = False  # n_probs of the distribution each token was drawn from (after the sampler's filters)
+    return_tokens: bool = False  # list the generated token ids in `tokens` (streamed events always do)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_samplers_we_do_not_run(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            refuse_unless_unused(data, _LLAMA_OFF, " (its samplers: penalties, top_k, top_p, min_p, temperature)")
+            if data.get("samplers") is not None and not _samplers_we_run_in_order(data["samplers"]):
+                raise ValueError("'samplers' is supported only in this server's order: penalties, top_k, top_p, min_p, temperature")
+        return data
+
+    @model_validator(mode="after")
+    def _check_bias(self) -> LlamaCompletionRequest:
+        self.bias_entries()
+        if self.json_schema is not None and self.grammar:
+            raise ValueError("give either json_schema or grammar, not both")
+        return self
+
+    def grammar_source(self) -> tuple[str, Any] | None:
+        if self.grammar:
+            return "gbnf", self.grammar
+        return ("json_schema", self.json_schema) if self.json_schema is not None else None
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, value: str | list[int]) -> str | list[int]:
+        if not value:
+            raise ValueError("the prompt is empty")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, value: list[str]) -> list[str]:
+        return stops_of(value, MAX_LLAMA_STOP)
+
+
+class TokenizeRequest(_Body):
+    """llama-server's `POST /tokenize`."""
+
+    content: str = Field(max_length=4_000_000)
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int] = Field(max_length=MAX_TOKENS)
+
+
+class ApplyTemplateRequest(_Body):
+    """llama-server's `POST /apply-template`: a chat body's messages and tools, rendered."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class LoraScale(_Body):
+    id: int = Field(ge=0, le=MAX_TOKENS)
+    scale: float = Field(ge=-MAX_ADAPTER_SCALE, le=MAX_ADAPTER_SCALE, allow_inf_nan=False)
