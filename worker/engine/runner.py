@@ -1,5 +1,6 @@
-"""The model runner: a base model with a fixed adapter set on one device, run one step at a
-time on a flattened batch of sequences' new tokens.
+"""The model runner: a base model with its adapters on one device, run one step at a time on
+a flattened batch of sequences' new tokens. Adapters are added to and removed from their
+slots between steps (`add_adapter`, `remove_adapter`), never during one.
 
 `run` is a whole step: it prepares the step's inputs in one place (token ids,
 positions and the attention plan, the per-token adapter mapping, the logit rows
@@ -21,7 +22,7 @@ from worker.contract.calls import TokenLogprob
 from worker.formats.adapter import LoRAAdapter, load_adapter
 from worker.formats.gguf_file import GGUFFile
 from worker.lora import mapping
-from worker.lora.attach import attach_lora
+from worker.lora.attach import LoRAState
 from worker.lora.backend import LoRABackend
 from worker.lora.mapping import RequestAdapters
 from worker.model.attention import AttentionPlan, KVCache, Segment
@@ -59,8 +60,8 @@ class StepInputs:
 
     ids: torch.Tensor  # [N] the new tokens, flattened
     plan: AttentionPlan
-    token_scales: torch.Tensor  # [N, num_adapter_slots]
-    active_slots: frozenset[int]
+    token_scales: torch.Tensor  # [N, A]: column j is adapter slot active_slots[j]
+    active_slots: tuple[int, ...]
     logit_rows: torch.Tensor | None  # rows whose logits are wanted; None: all of them
     sample_rows: torch.Tensor | None = None  # [S] index into the logit rows: rows that pick a token
     sampling: SamplingBatch | None = None
@@ -69,6 +70,7 @@ class StepInputs:
     lp_k_max: int = 0
     post_lp: tuple[torch.Tensor, torch.Tensor] | None = None  # (lp rows, sampling rows): they report the sampler's final distribution
     empty: torch.Tensor | None = None
+    host_scales: np.ndarray | None = None  # token_scales on the host
 
 
 class ModelRunner:
@@ -78,18 +80,30 @@ class ModelRunner:
         self.loaded = load_model(base, config)
         self.model = self.loaded.model
         self.hparams = self.loaded.hparams
-        self.adapters = list(adapters)
-        self.invocations = [a.invocation_tokens for a in self.adapters]  # per adapter slot; None: not an aLoRA
-        self.lora = attach_lora(self.model, self.adapters, config, backend)
+        self.adapters: dict[int, LoRAAdapter] = {}  # adapter slot -> the adapter held there
+        self.invocations: dict[int, tuple[int, ...] | None] = {}  # per adapter slot; None: not an aLoRA
+        self.lora = LoRAState(self.model, config, backend)
+        for adapter in adapters:  # adapters[i] in slot i
+            self.add_adapter(adapter)
 
     @classmethod
     def from_paths(cls, model_path: str | os.PathLike[str], adapter_paths: Sequence[str | os.PathLike[str]], config: DeviceConfig) -> ModelRunner:
         base = GGUFFile(model_path)
         return cls(base, [load_adapter(p, base) for p in adapter_paths], config)
 
-    @property
-    def num_adapter_slots(self) -> int:
-        return len(self.adapters)
+    def add_adapter(self, adapter: LoRAAdapter) -> int:
+        """Hold `adapter` (validated against this base) in the lowest free slot, which it returns.
+        Between steps only."""
+        slot = next(i for i in range(len(self.adapters) + 1) if i not in self.adapters)
+        self.lora.add(slot, adapter)
+        self.adapters[slot], self.invocations[slot] = adapter, adapter.invocation_tokens
+        return slot
+
+    def remove_adapter(self, slot: int) -> None:
+        """Free `slot` and its weights. Between steps only, once no sequence uses it."""
+        self.lora.remove(slot)
+        self.adapters.pop(slot, None)
+        self.invocations.pop(slot, None)
 
     def resolve_adapters(self, prompt_ids: Sequence[int], scales: Mapping[int, float]) -> RequestAdapters:
         """The adapter mapping of a request enabling `scales` (adapter slot -> runtime scale)."""
@@ -170,7 +184,7 @@ class ModelRunner:
                     logit_rows.append(row + length - 1)
                 last_rows[s] = len(logit_rows) - 1
                 sampled_at(len(logit_rows) - 1, span)
-        scales, active = mapping.token_scales(mapped, self.num_adapter_slots)
+        scales, active = mapping.token_scales(mapped)
         return StepInputs(
             ids=torch.tensor(token_ids, dtype=torch.long, device=device),
             plan=AttentionPlan.build(segments, device, self.hparams.sliding_window),
@@ -184,12 +198,13 @@ class ModelRunner:
             lp_k_max=max(lp_k, default=0),
             post_lp=tuple(torch.tensor(column, dtype=torch.long, device=device) for column in zip(*post)) if post else None,
             empty=torch.empty(0, device=device),
+            host_scales=scales,
         )
 
     def _forward(self, step: StepInputs, kv: KVCache) -> torch.Tensor:
         """The model over the step's tokens -> float32 logits [len(logit_rows), V]."""
         batch = self.lora.batch
-        batch.set(step.token_scales, step.active_slots)
+        batch.set(step.token_scales, step.active_slots, step.host_scales)
         try:
             hidden = self.model(step.ids, kv, step.plan)  # [N, d]
             if step.logit_rows is None:  # every row
@@ -211,11 +226,11 @@ class ModelRunner:
         segments: Sequence[Segment],
         kv: KVCache,
         token_scales: torch.Tensor,
-        active_slots: frozenset[int],
+        active_slots: tuple[int, ...],
         logit_rows: Sequence[int],
     ) -> torch.Tensor:
         """One forward pass over every segment's new tokens (flattened in segment order), with
-        per-token adapter scales [N, num_adapter_slots] -> float32 logits [len(logit_rows), V]."""
+        per-token adapter scales [N, A] (column j: adapter slot active_slots[j]) -> float32 logits [len(logit_rows), V]."""
         device = self.config.torch_device
         step = StepInputs(
             ids=torch.tensor(token_ids, dtype=torch.long, device=device), plan=AttentionPlan.build(segments, device, self.hparams.sliding_window),
@@ -229,7 +244,7 @@ class ModelRunner:
                 all_logits: bool = False) -> torch.Tensor:
         """Run `token_ids` at positions start_pos.. of sequence slot 0 -> logits [T, V] (or [1, V] for the last)."""
         num_tokens = len(token_ids)
-        scales, active = mapping.token_scales([(adapters or RequestAdapters(), start_pos, num_tokens)], self.num_adapter_slots)
+        scales, active = mapping.token_scales([(adapters or RequestAdapters(), start_pos, num_tokens)])
         rows = range(num_tokens) if all_logits else [num_tokens - 1]
         return self.logits(token_ids, [Segment(0, 0, num_tokens, start_pos)], kv, torch.from_numpy(scales), active, rows)
 

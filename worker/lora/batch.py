@@ -2,32 +2,76 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
+import numpy as np
 import torch
+
+SEGMENTED_MIN_ROWS = 64  # passes of at least this many tokens compute each adapter over its own rows only
+_MAX_CACHED_INDICES = 256
 
 
 class LoRABatch:
-    """Set before a pass, cleared after: the scale of every adapter slot for every token (row)."""
+    """Set before a pass, cleared after: the scale of every active adapter slot for every token
+    (row), and, per slot, the runs of rows it applies to."""
 
-    def __init__(self, num_adapter_slots: int) -> None:
-        self.num_adapter_slots = num_adapter_slots
-        self.token_scales: torch.Tensor | None = None  # [N, num_adapter_slots]
-        self.active_slots: frozenset[int] = frozenset()  # adapter slots with a nonzero scale somewhere
-        self._column_scales: dict[tuple[int, frozenset[int], torch.dtype], torch.Tensor] = {}
+    def __init__(self) -> None:
+        self.token_scales: torch.Tensor | None = None  # [N, A]: column j is adapter slot active[j]
+        self.active: tuple[int, ...] = ()
+        self.column: dict[int, int] = {}
+        self.runs: dict[int, list[tuple[int, int]]] = {}  # slot -> [(start, end)] rows where its scale is non-zero
+        self.segmented = False  # compute each adapter over its runs (big passes), not all rows against a stack
+        self._scales_by_dtype: dict[torch.dtype, torch.Tensor] = {}
+        self._column_scales: dict[tuple, torch.Tensor] = {}
+        self._indices: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()  # kept between passes
 
-    def set(self, token_scales: torch.Tensor, active_slots: frozenset[int]) -> None:
-        self.token_scales = token_scales
-        self.active_slots = active_slots
+    def set(self, token_scales: torch.Tensor, active: tuple[int, ...], host_scales: np.ndarray | None = None) -> None:
+        """`host_scales`: the same scales on the host (they give the runs without a device sync)."""
+        self.token_scales, self.active = token_scales, tuple(active)
+        self.column = {slot: j for j, slot in enumerate(self.active)}
+        self._scales_by_dtype.clear()
         self._column_scales.clear()
+        rows = token_scales.shape[0]
+        self.segmented = rows >= SEGMENTED_MIN_ROWS and bool(active)
+        self.runs = {}
+        if self.segmented:
+            host = host_scales if host_scales is not None else token_scales.cpu().numpy()
+            for j, slot in enumerate(self.active):
+                self.runs[slot] = _runs(host[:, j] != 0)
 
     def clear(self) -> None:
-        self.token_scales, self.active_slots = None, frozenset()
+        self.token_scales, self.active, self.column, self.runs = None, (), {}, {}
+        self._scales_by_dtype.clear()
         self._column_scales.clear()
 
-    def column_scales(self, column_slots: torch.Tensor, used: frozenset[int], dtype: torch.dtype) -> torch.Tensor:
-        """Per-token scale of each rank column [N, R], gathered once per pass for every
-        target sharing this column layout (targets with equal layouts share `column_slots`)."""
-        key = (id(column_slots), used, dtype)
+    def scales(self, dtype: torch.dtype) -> torch.Tensor:
+        """token_scales [N, A] in `dtype`, converted once per pass."""
+        scales = self._scales_by_dtype.get(dtype)
+        if scales is None:
+            scales = self._scales_by_dtype[dtype] = self.token_scales.to(dtype)
+        return scales
+
+    def column_scales(self, used: tuple[int, ...], ranks: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Per-token scale of each rank column [N, sum(ranks)] of a stack of the `used` slots,
+        gathered once per pass for every target sharing that layout."""
+        key = (used, ranks, dtype)
         scales = self._column_scales.get(key)
         if scales is None:
-            scales = self._column_scales[key] = self.token_scales.index_select(1, column_slots).to(dtype)
+            columns = tuple(self.column[slot] for slot, rank in zip(used, ranks) for _ in range(rank))
+            index = self._indices.get(columns)
+            if index is None:
+                if len(self._indices) >= _MAX_CACHED_INDICES:
+                    self._indices.popitem(last=False)
+                index = self._indices[columns] = torch.tensor(columns, dtype=torch.long, device=self.token_scales.device)
+            else:
+                self._indices.move_to_end(columns)
+            scales = self._column_scales[key] = self.scales(dtype).index_select(1, index)
         return scales
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """The [start, end) runs where `mask` is true."""
+    if not mask.any():
+        return []
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], mask.astype(np.int8), [0]))))
+    return [(int(s), int(e)) for s, e in zip(edges[::2], edges[1::2])]

@@ -1,11 +1,13 @@
 """Request scales -> per-token adapter mapping: which adapter slots apply, at what scale, to
 each token of a forward pass. Pure and torch-free (numpy).
 
-A worker holds a fixed list of adapters; adapter `i` is adapter slot `i`. A request
+A worker holds a changing set of adapters, each in an integer adapter slot. A request
 enables some slots with runtime scales; scale 0 is not applied at all. An aLoRA
 among them applies only from its activation index on (SPEC §4), and not at all
 when the prompt lacks its invocation sequence. Per-token scales make stacked
-adapters, per-request adapter sets and aLoRA activation one mechanism.
+adapters, per-request adapter sets and aLoRA activation one mechanism. A pass's scales
+have one column per adapter slot active in it, never one per adapter held: a step's
+cost depends on the adapters in its batch, not on how many the worker holds.
 """
 
 from __future__ import annotations
@@ -32,41 +34,47 @@ class RequestAdapters:
         return frozenset(self.scales) | (frozenset() if self.alora_slot is None else {self.alora_slot})
 
 
-def resolve(invocations: Sequence[tuple[int, ...] | None], prompt_ids: Sequence[int], scales: Mapping[int, float]) -> RequestAdapters:
-    """The mapping of a request enabling `scales` (adapter slot -> scale), given each slot's aLoRA
-    invocation tokens (None: a plain LoRA). ValueError for a slot that does not exist,
+def resolve(invocations: Mapping[int, tuple[int, ...] | None] | Sequence[tuple[int, ...] | None], prompt_ids: Sequence[int],
+            scales: Mapping[int, float]) -> RequestAdapters:
+    """The mapping of a request enabling `scales` (adapter slot -> scale), given each held slot's
+    aLoRA invocation tokens (None: a plain LoRA). ValueError for a slot that is not held,
     MultipleALoRAError for two aLoRAs."""
-    bad = [slot for slot in scales if not 0 <= slot < len(invocations)]
+    held = invocations if isinstance(invocations, Mapping) else dict(enumerate(invocations))
+    bad = [slot for slot in scales if slot not in held]
     if bad:
-        raise ValueError(f"adapter slot {bad[0]} does not exist (this worker has {len(invocations)})")
+        raise ValueError(f"adapter slot {bad[0]} does not exist (this worker holds {len(held)})")
     enabled = {slot: float(scale) for slot, scale in scales.items() if scale != 0}
-    aloras = [slot for slot in enabled if invocations[slot] is not None]
+    aloras = [slot for slot in enabled if held[slot] is not None]
     if len(aloras) > 1:
         raise MultipleALoRAError()
     if not aloras:
         return RequestAdapters(enabled)
     slot = aloras[0]
     scale = enabled.pop(slot)
-    activation = activation_index(prompt_ids, invocations[slot])
+    activation = activation_index(prompt_ids, held[slot])
     if activation is None:  # not invoked: off for this request
         return RequestAdapters(enabled)
     return RequestAdapters(enabled, slot, scale, activation)
 
 
-def token_scales(spans: Sequence[tuple[RequestAdapters, int, int]], num_adapter_slots: int) -> tuple[np.ndarray, frozenset[int]]:
-    """Scales [N, num_adapter_slots] (float32) for the tokens of `(adapters, start, length)` spans,
-    flattened in order, and the slots active anywhere in them."""
-    rows = np.zeros((sum(length for _, _, length in spans), num_adapter_slots), dtype=np.float32)
+def token_scales(spans: Sequence[tuple[RequestAdapters, int, int]]) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Scales [N, A] (float32) for the tokens of `(adapters, start, length)` spans, flattened in
+    order, and the A adapter slots active anywhere in them (sorted): column j is slot active[j]."""
     active: set[int] = set()
+    for adapters, start, length in spans:
+        active.update(adapters.scales)
+        if adapters.alora_slot is not None and max(adapters.activation - start, 0) < length:
+            active.add(adapters.alora_slot)
+    order = tuple(sorted(active))
+    column = {slot: j for j, slot in enumerate(order)}
+    rows = np.zeros((sum(length for _, _, length in spans), len(order)), dtype=np.float32)
     row = 0
     for adapters, start, length in spans:
         for slot, scale in adapters.scales.items():
-            rows[row : row + length, slot] = scale
-            active.add(slot)
+            rows[row : row + length, column[slot]] = scale
         if adapters.alora_slot is not None:
             first = max(adapters.activation - start, 0)  # positions before the activation index: off
             if first < length:
-                rows[row + first : row + length, adapters.alora_slot] = adapters.alora_scale
-                active.add(adapters.alora_slot)
+                rows[row + first : row + length, column[adapters.alora_slot]] = adapters.alora_scale
         row += length
-    return rows, frozenset(active)
+    return rows, order

@@ -107,11 +107,11 @@ def test_batched_forward_logits_match_each_sequence_alone(runner) -> None:
         segments.append(Segment(slot, len(tokens), len(ids) - 1, 0))
         rows += range(len(tokens), len(tokens) + len(ids) - 1)
         tokens += ids[:-1]
-    scale_rows, active = token_scales([(a, 0, len(ids) - 1) for a, (ids, _) in zip(adapters, seqs)], runner.num_adapter_slots)
+    scale_rows, active = token_scales([(a, 0, len(ids) - 1) for a, (ids, _) in zip(adapters, seqs)])
     first = runner.logits(tokens, segments, kv, torch.from_numpy(scale_rows), active, rows).cpu()
     # then the last tokens together: a batched decode over slots 0..3 with slot 1 idle
     last = [Segment(slot, i, 1, len(ids) - 1) for i, ((ids, _), slot) in enumerate(zip(seqs, slots))]
-    scale_rows, active = token_scales([(a, len(ids) - 1, 1) for a, (ids, _) in zip(adapters, seqs)], runner.num_adapter_slots)
+    scale_rows, active = token_scales([(a, len(ids) - 1, 1) for a, (ids, _) in zip(adapters, seqs)])
     step = runner.logits([ids[-1] for ids, _ in seqs], last, kv, torch.from_numpy(scale_rows), active, [0, 1, 2]).cpu()
     offset = 0
     for i, ((ids, _), want) in enumerate(zip(seqs, expected)):

@@ -1,0 +1,98 @@
+"""Adapters come and go between steps, and a pass computes only the adapters in its batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import TEST_DEVICE, prompt_logits
+from tests.tinymodels import invocation_metadata, random_lora, write_adapter
+from worker.engine.runner import ModelRunner
+from worker.formats.adapter import load_adapter
+from worker.formats.gguf_file import GGUFFile
+from worker.lora import batch as lora_batch
+from worker.lora.backend import TorchLoRABackend
+from worker.lora.mapping import token_scales
+from worker.model.attention import Segment
+
+ATTN = ["blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.1.attn_q.weight"]
+MLP = ["blk.0.ffn_up.weight", "blk.1.ffn_down.weight"]
+
+
+class CountingBackend(TorchLoRABackend):
+    """Records the rank columns of every linear LoRA matmul."""
+
+    def __init__(self) -> None:
+        self.columns: list[int] = []
+
+    def add_linear(self, out, x, a, b, scales) -> None:
+        self.columns.append(a.shape[0])
+        super().add_linear(out, x, a, b, scales)
+
+
+def adapters(tiny, tmp_path, count: int, targets=ATTN, rank: int = 4, seed: int = 100):
+    base = GGUFFile(tiny.path)
+    return [load_adapter(write_adapter(tmp_path / f"a{seed + i}.gguf", random_lora(tiny, targets, rank=rank, seed=seed + i), alpha=8.0), base)
+            for i in range(count)]
+
+
+def test_an_added_adapter_serves_as_if_loaded_at_start_and_a_removed_one_is_gone(tiny_llama, tmp_path) -> None:
+    first, second, third = adapters(tiny_llama, tmp_path, 2) + adapters(tiny_llama, tmp_path, 1, MLP, seed=200)
+    ids = list(range(5, 40))
+    runner = ModelRunner(GGUFFile(tiny_llama.path), [first], TEST_DEVICE)
+    before = prompt_logits(runner, ids, {0: 1.0})
+    assert runner.add_adapter(second) == 1
+    alone = ModelRunner(GGUFFile(tiny_llama.path), [second], TEST_DEVICE)
+    torch.testing.assert_close(prompt_logits(runner, ids, {1: 0.8}), prompt_logits(alone, ids, {0: 0.8}), atol=1e-5, rtol=1e-5)
+    runner.remove_adapter(0)
+    assert runner.lora.nbytes(0) == 0 and 0 not in runner.adapters
+    with pytest.raises(ValueError, match="adapter slot 0 does not exist"):
+        runner.resolve_adapters(ids, {0: 1.0})
+    assert runner.add_adapter(third) == 0  # the freed slot, with targets no adapter had: wrapped now
+    mlp_alone = ModelRunner(GGUFFile(tiny_llama.path), [third], TEST_DEVICE)
+    torch.testing.assert_close(prompt_logits(runner, ids, {0: 1.0}), prompt_logits(mlp_alone, ids, {0: 1.0}), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(prompt_logits(runner, ids, {0: 1.0}), before, atol=1e-3)
+    torch.testing.assert_close(prompt_logits(runner, ids, {1: 0.8}), prompt_logits(alone, ids, {0: 0.8}), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("segmented", [True, False])
+def test_a_mixed_batch_equals_each_request_alone_both_ways(tiny_llama, tmp_path, monkeypatch, segmented) -> None:
+    """Segmented (each adapter over its rows) and stacked (one stack of the active adapters) passes
+    give each request what it gets alone, with stacked adapters and an aLoRA in the batch."""
+    held = adapters(tiny_llama, tmp_path, 3)
+    invocation = [150, 151]
+    alora = load_adapter(write_adapter(tmp_path / "alora.gguf", random_lora(tiny_llama, ATTN + MLP, rank=2, seed=9),
+                                       metadata=invocation_metadata(invocation)), GGUFFile(tiny_llama.path))
+    runner = ModelRunner(GGUFFile(tiny_llama.path), [*held, alora], TEST_DEVICE)
+    seqs = [(list(range(10, 40)), {0: 1.0}), (list(range(50, 70)) + invocation + [7, 8], {1: 0.5, 3: 1.0}),
+            (list(range(80, 105)), {0: -0.5, 2: 1.0}), (list(range(110, 120)), {})]
+    expected = [prompt_logits(runner, ids, s) for ids, s in seqs]  # alone: under 64 tokens, stacked
+    monkeypatch.setattr(lora_batch, "SEGMENTED_MIN_ROWS", 1 if segmented else 10**9)
+    kv = runner.allocate_kv(len(seqs), 64)
+    mapped = [runner.resolve_adapters(ids, s) for ids, s in seqs]
+    tokens, segments = [], []
+    for slot, (ids, _) in enumerate(seqs):
+        segments.append(Segment(slot, len(tokens), len(ids), 0))
+        tokens += ids
+    rows, active = token_scales([(m, 0, len(ids)) for m, (ids, _) in zip(mapped, seqs)])
+    out = runner.logits(tokens, segments, kv, torch.from_numpy(rows), active, range(len(tokens))).cpu()
+    offset = 0
+    for (ids, _), want in zip(seqs, expected):
+        torch.testing.assert_close(out[offset : offset + len(ids)], want, atol=1e-5, rtol=1e-5)
+        offset += len(ids)
+
+
+def test_a_pass_computes_only_the_adapters_in_its_batch(tiny_llama, tmp_path) -> None:
+    """A worker holding 40 adapters, decoding 2 of them: every LoRA matmul spans the 2 adapters'
+    rank columns, not 40's; a big (segmented) pass spans one adapter's at a time."""
+    backend = CountingBackend()
+    runner = ModelRunner(GGUFFile(tiny_llama.path), adapters(tiny_llama, tmp_path, 40), TEST_DEVICE, backend)
+    kv = runner.allocate_kv(2, 128)
+    mapped = [runner.resolve_adapters([], {7: 1.0}), runner.resolve_adapters([], {31: 1.0})]
+    rows, active = token_scales([(mapped[0], 0, 1), (mapped[1], 0, 1)])
+    runner.logits([5, 6], [Segment(0, 0, 1, 0), Segment(1, 1, 1, 0)], kv, torch.from_numpy(rows), active, [0, 1])
+    assert backend.columns and set(backend.columns) == {8}  # rank 4 + rank 4, stacked
+    backend.columns.clear()
+    rows, active = token_scales([(mapped[0], 0, 60), (mapped[1], 0, 60)])
+    runner.logits(list(range(120)), [Segment(0, 0, 60, 0), Segment(1, 60, 60, 0)], kv, torch.from_numpy(rows), active, [59, 119])
+    assert backend.columns and set(backend.columns) == {4}  # one adapter over its own rows
