@@ -69,7 +69,7 @@ def step_bytes(runner: ModelRunner, num_adapters: int) -> int:
     seen = {model.token_embd.weight.data_ptr()} if isinstance(model.token_embd, torch.nn.Embedding) else set()
     total = 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Embedding) or getattr(module, "stacked", None) is not None:
+        if isinstance(module, torch.nn.Embedding) or getattr(module, "weights", None) is not None:
             continue
         total += getattr(module, "weight_bytes", 0)  # fbgemm-packed weights live outside parameters
         for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
@@ -78,10 +78,9 @@ def step_bytes(runner: ModelRunner, num_adapters: int) -> int:
                 total += 0 if tensor.is_complex() or module is model.rope else tensor.numel() * tensor.element_size()
     adapter_bytes = 0
     for module in model.modules():
-        stacked = getattr(module, "stacked", None)
-        if stacked is not None and not isinstance(module.base, torch.nn.Embedding):
-            per_slot = (stacked.a.numel() * stacked.a.element_size() + stacked.b.numel() * stacked.b.element_size()) / len(stacked.adapter_slots)
-            adapter_bytes += per_slot * min(num_adapters, len(stacked.adapter_slots))
+        weights = getattr(module, "weights", None)  # a LoRA layer: the adapters' own A and B per slot
+        if weights is not None and weights.pairs and not isinstance(module.base, torch.nn.Embedding):
+            adapter_bytes += weights.nbytes / len(weights.pairs) * min(num_adapters, len(weights.pairs))
     return int(total + adapter_bytes)
 
 
@@ -125,6 +124,10 @@ def timed_step(engine: Engine) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.registered:
+        from bench.bench_registered import run as run_registered
+
+        return run_registered(args)
     config = DeviceConfig.of(args.device_settings)
     config.apply_threads()
     model_path = resolve_model_path(args.model)

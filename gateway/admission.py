@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.api.protocol import APIError, LoraEntry
-from gateway.catalog import Catalog
+from gateway.catalog import AdapterInfo, Catalog
 from gateway.config import ServeConfig
 from gateway.policy.routing import affinity_key
 from gateway.ratelimit import RateLimiter
@@ -25,7 +25,9 @@ class Prepared:
 
     call: WorkerCall
     tenant: Tenant
-    scales: dict[str, float]  # adapter name -> scale, non-zero
+    scales: dict[str, float]  # adapter name (as the tenant knows it) -> scale, non-zero
+    adapters: dict[str, float]  # adapter fingerprint -> scale, non-zero: what the worker runs and routing matches
+    labels: dict[str, str]  # fingerprint -> the tenant's name for it (errors)
     affinity: bytes
     num_prompt_tokens: int
     admitted_s: float  # when it was admitted, on the gateway's clock (its deadline counts from here)
@@ -35,14 +37,21 @@ class Prepared:
 class Admission:
     def __init__(self, config: ServeConfig, catalog: Catalog, limiter: RateLimiter, clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.catalog, self.limiter, self.clock = config, catalog, limiter, clock
+        self.registry = None  # the gateway's AdapterRegistry, once it has one: adapters by tenant, as registered
+
+    def adapters(self, tenant: Tenant) -> dict[str, AdapterInfo]:
+        """The adapters this tenant may use, by name: the config's first, in order (the ids of /lora-adapters)."""
+        if self.registry is not None:
+            return self.registry.visible(tenant)
+        return {n: info for n, info in self.catalog.adapters.items() if tenant.may_use(n)}
 
     def adapter_names(self, tenant: Tenant) -> list[str]:
-        """The adapters this tenant may use, in config order (the ids of /lora-adapters)."""
-        return tenant.visible(list(self.catalog.adapters))
+        return list(self.adapters(tenant))
 
     def resolve_scales(self, tenant: Tenant, model: str | None, lora: list[LoraEntry] | None) -> dict[str, float]:
         visible = self.adapter_names(tenant)
-        scales: dict[str, float] = {} if lora is not None else dict(tenant.default_scales)
+        defaults = {n: s for n, s in tenant.default_scales.items() if n in visible}  # a removed adapter's default is gone with it
+        scales: dict[str, float] = {} if lora is not None else defaults
         if model is not None and model != self.catalog.model_name:
             if model not in visible:
                 raise APIError(404, f"model {model!r} not found", "model_not_found")
@@ -57,12 +66,13 @@ class Admission:
                     raise APIError(404, f"adapter id {entry.id} not found (this key has {len(visible)} adapters)", "adapter_not_found")
                 name = visible[entry.id]
             scales[name] = scales.get(name, 0.0) + entry.scale
-        return self.enabled(scales)
+        return self.enabled(tenant, scales)
 
-    def enabled(self, scales: dict[str, float]) -> dict[str, float]:
+    def enabled(self, tenant: Tenant, scales: dict[str, float]) -> dict[str, float]:
         """The non-zero scales; 400 when they turn on more than one aLoRA (SPEC §4)."""
         scales = {n: s for n, s in scales.items() if s != 0.0}
-        if sum(self.catalog.adapters[n].is_alora for n in scales) > 1:
+        infos = self.adapters(tenant)
+        if len({infos[n].fingerprint for n in scales if infos[n].is_alora}) > 1:
             raise APIError(400, "Cannot run multiple aLoRAs in a single request", "multiple_aloras")
         return scales
 
@@ -95,12 +105,19 @@ class Admission:
         budget = len(prompt_ids) + params.n * (params.max_tokens if params.max_tokens != -1 else limit - len(prompt_ids))  # every choice's
         await self.limiter.spend(tenant, budget)
         # the affinity key uses the KV-relevant set: an aLoRA shares the base's prefix (SPEC §4)
-        kv_scales = {n: s for n, s in scales.items() if not self.catalog.adapters[n].is_alora}
+        infos = self.adapters(tenant)
+        adapters: dict[str, float] = {}  # by content: two names of one adapter are one adapter
+        for name, scale in scales.items():
+            adapters[infos[name].fingerprint] = adapters.get(infos[name].fingerprint, 0.0) + scale
+        adapters = {fp: s for fp, s in adapters.items() if s != 0.0}
+        aloras = {infos[name].fingerprint for name in scales if infos[name].is_alora}
+        kv_scales = {fp: s for fp, s in adapters.items() if fp not in aloras}
         key = affinity_key(self.catalog.adapter_set_fingerprint(kv_scales), prompt_ids, self.config.cache.chunk_tokens)
         call = WorkerCall(
-            request_id=uuid.uuid4().hex, prompt_ids=tuple(prompt_ids), params=params, adapters=dict(scales),
+            request_id=uuid.uuid4().hex, prompt_ids=tuple(prompt_ids), params=params, adapters=adapters,
             cache_salt=tenant.cache_salt(request_salt), cache_prompt=cache_prompt,
             tenant=tenant.id,  # the worker shares its compute fairly between tenants
             timeout_s=self.timeout_s(timeout_s),
         )
-        return Prepared(call, tenant, scales, key, len(prompt_ids), self.clock())
+        labels = {infos[name].fingerprint: name for name in scales}
+        return Prepared(call, tenant, scales, adapters, labels, key, len(prompt_ids), self.clock())

@@ -28,6 +28,7 @@ class AdapterInfo:
     task_name: str | None
     prompt_prefix: str | None
     invocation_tokens: tuple[int, ...] | None
+    owner: str = ""  # the tenant that registered it; "" for shared ones (the config's, the operator's)
 
     @property
     def is_alora(self) -> bool:
@@ -66,4 +67,5 @@ class Catalog:
         check(grammar, self._ll_tokenizer)
 
     def adapter_set_fingerprint(self, scales: dict[str, float]) -> str:
-        return adapter_set_fingerprint(self.base_fingerprint, [(self.adapters[n].fingerprint, s) for n, s in scales.items()])
+        """Of the adapters (fingerprint -> scale) on this base."""
+        return adapter_set_fingerprint(self.base_fingerprint, list(scales.items()))

@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench-engine", help="decode speed: one adapter vs mixed adapters vs llama.cpp's same-adapter batching")
     _workload_flags(p, adapters=16, rank=8, targets="attn", prompt_tokens=128, step_tokens=512, rounds_help="rounds of the three runs, interleaved")
+    p.add_argument("--registered", metavar="N,N,...", type=_token_ids, default=None,
+                   help="instead: mixed decode speed when the worker holds N adapters (the ones in use among them), e.g. 16,256,1024")
     _device_flags(p)
     p.set_defaults(handler="bench.bench_engine:run")
 

@@ -53,6 +53,8 @@ class TenantConfig(_Strict):
     requests_per_min: int | None = Field(None, ge=1)
     tokens_per_min: int | None = Field(None, ge=1)  # prompt + max completion tokens
     shared_cache: bool = False  # opt in to the shared cache salt (default: its own)
+    max_adapters: int = Field(32, ge=0)  # adapters it may register at run time (POST /v1/adapters)
+    max_adapter_bytes: int = Field(1 << 30, ge=0)  # their total size
 
     @field_validator("key_sha256")
     @classmethod
@@ -134,6 +136,21 @@ class HTTPSettings(_Strict):
     max_body_bytes: int = Field(1 << 20, ge=1024)
     max_tokens_default: int = Field(256, ge=1)  # requests without max_tokens (n_predict), at most what fits the context
     request_timeout_s: float = Field(300.0, gt=0, le=24 * 3600)  # every request's deadline; a client may ask for less (timeout_s)
+    gateway_replicas: int = Field(1, ge=1, le=64)  # ingress replicas (each a gateway; they share the registry and rate limits)
+
+
+class RegistrySettings(_Strict):
+    """Adapters registered at run time (gateway/registry/): where their files are kept and the limits."""
+
+    store_dir: str = "~/.cache/loraplex/adapters"  # content-addressed adapter files, readable by every worker (a volume on Kubernetes)
+    allowed_paths: list[str] = Field(default_factory=list)  # directories load_lora_adapter's lora_path may name
+    max_upload_bytes: int = Field(512 << 20, ge=1024)  # one upload's body (adapters are MBs)
+    max_adapters_per_worker: int = Field(1024, ge=1)
+    copies: int = Field(2, ge=1)  # replicas a new adapter is pinned on (where there are that many)
+    poll_interval_s: float = Field(1.0, gt=0, le=60)  # how soon the other gateway replicas see a change
+    resync_interval_s: float = Field(10.0, gt=0)  # every worker is sent its pins again (a restarted one gets them back)
+    load_timeout_s: float = Field(60.0, gt=0)  # a new adapter must be loaded by a worker within this
+    garbage_age_s: float = Field(300.0, ge=0)  # an unreferenced file is deleted once this old and no worker holds it
 
 
 class ServeConfig(_Strict):
@@ -148,6 +165,7 @@ class ServeConfig(_Strict):
     cache: CacheSettings = CacheSettings()
     engine: EngineSettings = EngineSettings()
     http: HTTPSettings = HTTPSettings()
+    registry: RegistrySettings = RegistrySettings()
     routing: Literal[POLICIES] = POLICIES[0]  # gateway/policy/routing.py
     fingerprint_dir: str | None = DEFAULT_FINGERPRINT_DIR  # base-model fingerprints kept between processes; null: none
     base_dir: str = "."  # where relative paths start (set from the file's location)
@@ -208,6 +226,12 @@ class ServeConfig(_Strict):
             cache=self.cache.prefix_cache_config(),
             fingerprint_dir=None if self.fingerprint_path() is None else str(self.fingerprint_path()),
         )
+
+    def store_path(self) -> Path:
+        return self.resolve(self.registry.store_dir)
+
+    def allowed_paths(self) -> list[Path]:
+        return [self.resolve(p) for p in self.registry.allowed_paths]
 
     def fingerprint_path(self) -> Path | None:
         return None if self.fingerprint_dir is None else self.resolve(self.fingerprint_dir)

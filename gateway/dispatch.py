@@ -22,6 +22,7 @@ from gateway.metrics import GatewayMetrics, merge_worker_metrics
 from gateway.policy.routing import NoCandidateError, RecentLoad, ReplicasBusy, ReplicaView, candidates, choose
 from gateway.pool import ShardPool, WorkerFailed
 from gateway.ratelimit import RateLimiter
+from gateway.registry.registry import AdapterRegistry, open_registry
 from gateway.tenants import Tenants
 from worker.contract.calls import Delta, WorkerCall
 
@@ -35,11 +36,13 @@ WORKER_GRACE_S = 5.0  # past the worker's own deadline, the gateway stops waitin
 
 class Gateway:
     def __init__(self, config: ServeConfig, catalog: Catalog, pool: ShardPool, limiter: RateLimiter | None = None,
-                 metrics: GatewayMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: GatewayMetrics | None = None, clock: Callable[[], float] = time.monotonic, registry: AdapterRegistry | None = None) -> None:
         self.config, self.catalog, self.pool = config, catalog, pool
         self.tenants = Tenants(config)
         self.limiter = limiter or RateLimiter()
         self.admission = Admission(config, catalog, self.limiter, clock)
+        self.registry = registry or open_registry(config, catalog, pool)
+        self.admission.registry = self.registry
         self.metrics = metrics or GatewayMetrics()
         self._clock = clock
         self._in_flight: dict[str, int] = {}
@@ -52,7 +55,7 @@ class Gateway:
         now = self._clock()
         engine = self.config.engine
         return [
-            ReplicaView(r.replica_id, r.shard, r.adapters, self._in_flight.get(r.replica_id, 0), self._failed_until.get(r.replica_id, 0.0) <= now,
+            ReplicaView(r.replica_id, r.shard, self.registry.held[r.replica_id], self._in_flight.get(r.replica_id, 0), self._failed_until.get(r.replica_id, 0.0) <= now,
                         self._recent.get(r.replica_id, now), engine.num_slots, engine.num_slots + engine.max_waiting)
             for r in self.pool.replicas
         ]
@@ -60,7 +63,7 @@ class Gateway:
     def _attempt(self, prepared: Prepared, tried: set[str]) -> ReplicaView:
         """Choose a replica not tried yet for this request and count it busy (503 when none is left)."""
         try:
-            pool = candidates(self.views(), prepared.scales, exclude=tried)
+            pool = candidates(self.views(), prepared.adapters, exclude=tried, labels=prepared.labels)
         except ReplicasBusy as e:
             raise APIError(503, str(e), "replicas_busy", {"Retry-After": BUSY_RETRY_AFTER_S}) from e
         except NoCandidateError as e:

@@ -40,4 +40,8 @@ class ShardPool(Protocol):
 
     async def health(self, replica_id: str) -> dict[str, Any]: ...
 
+    async def sync(self, replica_id: str, version: int, pins: dict[str, str]) -> dict[str, Any]:
+        """Make the replica hold exactly `pins` (fingerprint -> adapter file); what it holds now
+        (worker/pins.py). A pool without it: its workers keep the config's adapters."""
+
     async def metrics(self, replica_id: str) -> str: ...

@@ -52,6 +52,9 @@ class ShardReplica:
     async def health(self) -> dict[str, Any]:
         return self.worker.health()
 
+    async def sync(self, version: int, pins: dict[str, str]) -> dict[str, Any]:
+        return await self.worker.sync(version, pins)
+
     async def metrics(self) -> str:
         return self.worker.metrics()
 
@@ -79,6 +82,9 @@ class ServePool:
 
     async def health(self, replica_id: str) -> dict[str, Any]:
         return await self.handles[replica_id].health.remote()
+
+    async def sync(self, replica_id: str, version: int, pins: dict[str, str]) -> dict[str, Any]:
+        return await self.handles[replica_id].sync.remote(version, pins)
 
     async def metrics(self, replica_id: str) -> str:
         return await self.handles[replica_id].metrics.remote()
@@ -126,7 +132,7 @@ def build(config: ServeConfig) -> serve.Application:
         ).bind(specs[r.shard])
         for r in replica_infos(config)
     }
-    return GatewayIngress.options(name="gateway", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(config.model_dump(), handles)
+    return GatewayIngress.options(name="gateway", num_replicas=config.http.gateway_replicas, ray_actor_options={"num_cpus": 0}).bind(config.model_dump(), handles)
 
 
 def _show_progress(deployer: threading.Thread, started: float) -> None:

@@ -27,6 +27,8 @@ class Tenant:
     requests_per_min: int | None = None
     tokens_per_min: int | None = None
     shared_cache: bool = False
+    max_adapters: int = 32  # adapters it may register at run time, and their total bytes
+    max_adapter_bytes: int = 1 << 30
     default_scales: dict[str, float] = field(default_factory=dict)  # set by POST /lora-adapters
 
     def may_use(self, adapter: str) -> bool:
@@ -42,7 +44,7 @@ class Tenant:
     @classmethod
     def from_config(cls, t: TenantConfig) -> Tenant:
         allowed = None if t.adapters == "*" else frozenset(t.adapters)
-        return cls(t.id, allowed, t.requests_per_min, t.tokens_per_min, t.shared_cache)
+        return cls(t.id, allowed, t.requests_per_min, t.tokens_per_min, t.shared_cache, t.max_adapters, t.max_adapter_bytes)
 
 
 class Tenants:
@@ -66,6 +68,15 @@ class Tenants:
     def is_operator_open(self) -> bool:
         """Neither tenants nor operator keys configured: a local, unauthenticated deployment."""
         return self.is_open and not self._operator_digests
+
+    def is_operator(self, authorization: str | None) -> bool:
+        """The caller holds an operator key (never true without one configured)."""
+        if not self._operator_digests or not authorization:
+            return False
+        try:
+            return _match(_key_digest(authorization), self._operator_digests) is not None
+        except APIError:
+            return False
 
     def authenticate_operator(self, authorization: str | None) -> None:
         """401/403 unless the caller holds an operator key (or is_operator_open)."""

@@ -22,6 +22,7 @@ from worker.engine.prefix_kv import open_prefix_cache
 from worker.engine.runner import ModelRunner
 from worker.formats.tokenizer import GGUFTokenizer
 from worker.model.device import DeviceConfig
+from worker.pins import NotHeld, Pins
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,34 @@ def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     return replace(then, token_ids=first.token_ids + then.token_ids, text=first.text + then.text, logprobs=logprobs)
 
 
+def memory_report(runner: ModelRunner) -> dict[str, int]:
+    """Bytes this replica holds: the base weights, the adapters, and the KV cache (where the device says more)."""
+    import torch
+
+    def size(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    report = {"base_bytes": size(p for n, p in runner.model.state_dict().items() if "lora" not in n), "adapter_bytes": runner.lora.nbytes()}
+    if runner.config.torch_device.type == "cuda":
+        report["device_allocated_bytes"] = torch.cuda.memory_allocated(runner.config.torch_device)
+    return report
+
+
+def adapter_metrics(pins: Pins, runner: ModelRunner) -> str:
+    lines = ["# HELP loraplex_worker_adapters adapters this replica holds (taking requests, or draining)",
+             "# TYPE loraplex_worker_adapters gauge",
+             f'loraplex_worker_adapters{{state="held"}} {len(pins.held)}',
+             f'loraplex_worker_adapters{{state="draining"}} {len(pins.draining)}',
+             "# HELP loraplex_worker_adapter_bytes device bytes of the adapters' weights this replica holds",
+             "# TYPE loraplex_worker_adapter_bytes gauge",
+             f"loraplex_worker_adapter_bytes {runner.lora.nbytes()}"]
+    return "\n".join(lines) + "\n"
+
+
 class ShardWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        self.adapter_slots = {adapter.name: slot for slot, adapter in enumerate(spec.adapters)}
+        names = {adapter.name: slot for slot, adapter in enumerate(spec.adapters)}
 
         def build() -> Engine:  # on the engine's thread, which then makes every torch call (worker/engine/loop.py)
             device = DeviceConfig.of(spec.device)
@@ -62,14 +87,17 @@ class ShardWorker:
             return Engine(self.runner, self.tokenizer, spec.engine, prefix_cache=self.prefix_cache)
 
         self.loop = EngineLoop(build, spec.engine.max_waiting)
+        self.pins = Pins(self.loop, self.runner.base, names)
 
     def request(self, call: WorkerCall) -> EngineRequest:
-        unknown = [name for name in call.adapters if name not in self.adapter_slots]
-        if unknown:
-            raise ValueError(f"adapter {unknown[0]!r} is not on shard {self.spec.shard!r}")
+        """The engine's request; NotHeld when it names an adapter (a fingerprint, or a deploy-time
+        name) this replica does not hold."""
+        slots: dict[int, float] = {}
+        for adapter, scale in call.adapters.items():
+            slot = self.pins.slot_of(adapter)
+            slots[slot] = slots.get(slot, 0.0) + float(scale)
         return EngineRequest(
-            call.request_id, list(call.prompt_ids), call.params,
-            {self.adapter_slots[name]: float(scale) for name, scale in call.adapters.items()},
+            call.request_id, list(call.prompt_ids), call.params, slots,
             cache_salt=call.cache_salt, cache_prompt=call.cache_prompt, tenant=call.tenant, timeout_s=call.timeout_s,
         )
 
@@ -85,6 +113,10 @@ class ShardWorker:
 
         try:
             request = self.request(call)
+        except NotHeld as e:  # routed here before a pin arrived or after it left: the gateway tries another replica
+            yield Delta.refused(str(e), status=503)
+            return
+        try:
             stream = await asyncio.to_thread(self.loop.submit, request, deliver)  # the cache lookup runs off the event loop
         except (ValueError, TypeError, ArithmeticError) as e:  # RequestError, MultipleALoRAError, bad numbers: the request's fault
             yield Delta.refused(str(e))
@@ -113,11 +145,16 @@ class ShardWorker:
             if not finished:  # the caller went away (client disconnect, gateway cancel): free the KV slot now
                 stream.cancel()
 
+    async def sync(self, version: int, pins: dict[str, str]) -> dict[str, Any]:
+        """Hold exactly `pins` (fingerprint -> adapter file) from now on (worker/pins.py)."""
+        return await self.pins.sync(version, pins)
+
     def health(self) -> dict[str, Any]:
-        return {"shard": self.spec.shard, "adapters": list(self.adapter_slots), "pid": os.getpid(), "cache": self.prefix_cache.health()}
+        return {"shard": self.spec.shard, "adapters": self.pins.held, "pid": os.getpid(), "cache": self.prefix_cache.health(),
+                "pins": self.pins.state(), "adapter_bytes": self.runner.lora.nbytes(), "memory": memory_report(self.runner)}
 
     def metrics(self) -> str:
-        return self.prefix_cache.prometheus() + self.loop.engine.counters.prometheus()
+        return self.prefix_cache.prometheus() + self.loop.engine.counters.prometheus() + adapter_metrics(self.pins, self.runner)
 
     def close(self) -> None:
         self.loop.close()

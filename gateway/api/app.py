@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 
 from gateway.admission import Prepared
+from gateway.api.adapters import add_adapter_routes
 from gateway.api.formats import (
     ChatFormatter,
     CompletionFormatter,
@@ -172,8 +173,10 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     async def _begin(request: Request, model: type | None = None) -> tuple[Gateway, Tenant, Any]:
         """The gateway, the calling tenant (its request counted against its rate), and the parsed body (when `model`)."""
         gateway = _gateway(request)
+        gateway.registry.ensure_running()
         tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
         await gateway.limiter.admit(tenant)
+        await gateway.registry.refresh_if_stale()
         return gateway, tenant, None if model is None else parse(model, await _json_body(request, gateway))
 
     async def _off_loop(gateway: Gateway, size: int, work: Callable[[], Any]) -> Any:
@@ -200,8 +203,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
 
     def _adapters(gateway: Gateway, tenant: Tenant) -> list[dict[str, Any]]:
         out = []
-        for i, name in enumerate(gateway.admission.adapter_names(tenant)):
-            info = gateway.catalog.adapters[name]
+        for i, (name, info) in enumerate(gateway.admission.adapters(tenant).items()):
             entry = {"id": i, "name": name, "path": info.path.name, "scale": tenant.default_scales.get(name, 0.0),
                      "task_name": info.task_name, "prompt_prefix": info.prompt_prefix}
             if info.is_alora:
@@ -332,7 +334,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         for entry in data:
             if entry.id >= len(names):
                 raise APIError(404, f"adapter id {entry.id} not found (this key has {len(names)} adapters)", "adapter_not_found")
-        tenant.default_scales = gateway.admission.enabled({names[e.id]: e.scale for e in data})
+        tenant.default_scales = gateway.admission.enabled(tenant, {names[e.id]: e.scale for e in data})
         return _adapters(gateway, tenant)
 
     @app.get("/health")
@@ -352,6 +354,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
         gateway.tenants.authenticate_operator(request.headers.get("authorization"))
         return PlainTextResponse(await gateway.full_metrics(), media_type="text/plain; version=0.0.4")
 
+    add_adapter_routes(app, _gateway, _begin)
     _document_bodies(app)
     return app
 

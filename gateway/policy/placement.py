@@ -223,3 +223,18 @@ def zipf_shares(names: Sequence[str], s: float) -> dict[str, float]:
     weights = {n: 1.0 / (k + 1) ** s for k, n in enumerate(names)}
     total = sum(weights.values())
     return {n: w / total for n, w in weights.items()}
+
+
+def place_new(pinned: Mapping[str, int], replicas: Mapping[str, int], copies: int, capacity: int) -> tuple[str, ...]:
+    """Shards for an adapter registered while running: the ones pinning the fewest adapters
+    (ties by name) among those with room, until `copies` replicas hold it (so one replica's
+    failure leaves it servable) or every shard with room does."""
+    room = sorted((s for s in pinned if pinned[s] < capacity), key=lambda s: (pinned[s], s))
+    if not room:
+        raise PlacementError(f"every worker already holds its limit of {capacity} adapters")
+    chosen: list[str] = []
+    for shard in room:
+        chosen.append(shard)
+        if sum(replicas[s] for s in chosen) >= copies:
+            break
+    return tuple(chosen)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import random as random_module
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 POLICIES = ("affinity", "random", "least_loaded")
@@ -73,17 +73,20 @@ class ReplicasBusy(NoCandidateError):
     """Replicas hold the adapters, but every one of them is full (its slots and queue)."""
 
 
-def candidates(replicas: Sequence[ReplicaView], adapters: Collection[str], exclude: Collection[str] = ()) -> list[ReplicaView]:
+def candidates(replicas: Sequence[ReplicaView], adapters: Collection[str], exclude: Collection[str] = (),
+               labels: Mapping[str, str] | None = None) -> list[ReplicaView]:
+    """`adapters` as the replicas know them (fingerprints); `labels` name them in errors."""
     needed = frozenset(adapters)
+    shown = ", ".join(sorted((labels or {}).get(a, a) for a in needed)) or "(base model)"
     holding = [r for r in replicas if needed <= r.adapters]
     if not holding:
-        raise NoCandidateError(f"no shard holds all of the adapters {', '.join(sorted(needed))} together")
+        raise NoCandidateError(f"no shard holds all of the adapters {shown} together")
     healthy = [r for r in holding if r.is_healthy and r.replica_id not in exclude]
     if not healthy:
-        raise NoCandidateError(f"no healthy replica for adapters {', '.join(sorted(needed)) or '(base model)'}: all {len(holding)} are down or failed")
+        raise NoCandidateError(f"no healthy replica for adapters {shown}: all {len(holding)} are down or failed")
     room = [r for r in healthy if r.in_flight < r.capacity]
     if not room:
-        raise ReplicasBusy(f"every replica for adapters {', '.join(sorted(needed)) or '(base model)'} is full: try again shortly")
+        raise ReplicasBusy(f"every replica for adapters {shown} is full: try again shortly")
     return room
 
 

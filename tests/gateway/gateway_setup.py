@@ -43,6 +43,7 @@ def tiny_config(model: TinyModel, directory: Path, prefix: str, **overrides):
         "cache": {"key_prefix": prefix, "chunk_tokens": 8},
         "engine": {"num_slots": 4, "max_step_tokens": 64},
         "http": {"max_body_bytes": 4096},
+        "registry": {"store_dir": str(directory / "store"), "poll_interval_s": 0.2},
         **overrides,
     }
     return parse_config(data, directory)

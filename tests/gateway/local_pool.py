@@ -38,6 +38,11 @@ class LocalShardPool:
             raise ConnectionError(f"replica {replica_id} is dead")
         return self.workers[replica_id].health()
 
+    async def sync(self, replica_id: str, version: int, pins: dict[str, str]) -> dict[str, Any]:
+        if replica_id in self.killed:
+            raise ConnectionError(f"replica {replica_id} is dead")
+        return await self.workers[replica_id].sync(version, pins)
+
     async def metrics(self, replica_id: str) -> str:
         return self.workers[replica_id].metrics()
 

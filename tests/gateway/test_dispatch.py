@@ -49,7 +49,8 @@ def test_the_worker_gets_a_typed_call_on_a_replica_holding_the_adapters(gateway)
     prepared, deltas = run(gateway, {"b": 0.5})
     (replica, call), = gateway.pool.calls
     assert replica == "s2-0" and prepared.route == {"replica": "s2-0", "shard": "s2"}
-    assert call.prompt_ids == tuple(PROMPT) and call.params.max_tokens == 3 and dict(call.adapters) == {"b": 0.5}
+    assert call.prompt_ids == tuple(PROMPT) and call.params.max_tokens == 3
+    assert dict(call.adapters) == {gateway.catalog.adapters["b"].fingerprint: 0.5}  # by content (SPEC §3), not by name
     assert call.tenant == "t1" and call.cache_salt == "tenant:t1" and call.cache_prompt
     assert [d.token_ids for d in deltas] == [(11,), (12,), (13,)] and deltas[-1].usage.completion_tokens == 3
     run(gateway, {"alo": 1.0})
@@ -83,7 +84,7 @@ def test_a_replica_dying_mid_stream_ends_the_stream_but_a_whole_request_goes_els
     assert streamed[-1].finish_reason == "error" and "mid-stream" in streamed[-1].error and len(streamed) == 3
     assert not {v.replica_id: v.is_healthy for v in gateway.views()}["s2-0"]
     probe = prepare(gateway, {"alo": 1.0}, 4)
-    favourite = choose(candidates(gateway.views(), {"alo": 1.0}), probe.affinity).replica_id
+    favourite = choose(candidates(gateway.views(), probe.adapters), probe.affinity).replica_id
     gateway.pool.fail_after[favourite] = 2
     _, whole = run(gateway, {"alo": 1.0}, max_tokens=4)
     assert [d.token_ids for d in whole] == [d.token_ids for d in deltas]  # the whole request, again, on the other replica

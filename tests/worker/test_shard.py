@@ -51,7 +51,7 @@ def test_deltas_stream_back_without_an_executor_thread_per_waiting_request(worke
 
 def test_a_request_the_worker_cannot_run_is_a_refusal_not_an_exception(worker) -> None:
     unknown = asyncio.run(collect(worker, call(1, adapters={"zz": 1.0})))
-    assert len(unknown) == 1 and unknown[0].status == 400 and "not on shard" in unknown[0].error
+    assert len(unknown) == 1 and unknown[0].status == 503 and "not loaded on this replica" in unknown[0].error  # another replica may hold it
     too_long = asyncio.run(collect(worker, call(2, max_tokens=500)))
     assert too_long[0].status == 400 and "exceeds the context length" in too_long[0].error
 
@@ -96,3 +96,39 @@ def test_a_caller_that_falls_behind_gets_the_tokens_so_far_as_one_delta(worker) 
     assert [t for d in lagging for t in d.token_ids] == [t for d in keeping_up for t in d.token_ids]
     assert "".join(d.text for d in lagging) == "".join(d.text for d in keeping_up)
     assert lagging[-1].finish_reason == "length" and lagging[-1].usage.completion_tokens == 40
+
+
+def test_pins_change_between_steps_by_fingerprint_and_a_dropped_one_waits_for_its_requests(worker, tiny_llama, tmp_path, monkeypatch) -> None:
+    import worker.pins as pins_module
+    from worker.formats.adapter import load_adapter
+    from worker.formats.gguf_file import GGUFFile
+
+    monkeypatch.setattr(pins_module, "DRAIN_GRACE_S", 0.0)
+    seed_fp = worker.pins.aliases["a"]
+    new = write_adapter(tmp_path / "n.gguf", random_lora(tiny_llama, ["blk.1.attn_v.weight"], 4, seed=9))
+    new_fp = load_adapter(new, GGUFFile(tiny_llama.path)).fingerprint
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"nope")
+
+    async def scenario():
+        state = await worker.sync(10, {seed_fp: "unused", new_fp: str(new), "f" * 64: str(broken)})
+        assert state["held"] == sorted([seed_fp, new_fp]) and list(state["failed"]) == ["f" * 64]  # the bad pin alone fails
+        assert (await worker.sync(3, {}))["held"] == state["held"]  # an older version (a lagging gateway) changes nothing
+        by_fp = await collect(worker, call(30, adapters={new_fp: 1.0}))
+        assert by_fp[-1].finish_reason == "length"
+        long_call = call(31, max_tokens=40, adapters={new_fp: 1.0})
+        running = asyncio.ensure_future(collect(worker, long_call))
+        await asyncio.sleep(0.05)
+        state = await worker.sync(11, {seed_fp: "unused"})  # unpinned while a request runs on it
+        assert state["held"] == [seed_fp] and state["draining"] == [new_fp]
+        await worker.pins.reap()
+        assert new_fp in worker.pins.slots or running.done()  # kept while its request runs
+        deltas = await running
+        assert sum(len(d.token_ids) for d in deltas) == 40 and deltas[-1].finish_reason == "length"
+        await worker.pins.reap()
+        assert new_fp not in worker.pins.slots and worker.runner.lora.nbytes() == worker.runner.lora.nbytes(0)
+        refused = await collect(worker, call(32, adapters={new_fp: 1.0}))
+        assert refused[-1].status == 503
+
+    asyncio.run(scenario())
+    assert worker.health()["pins"]["version"] == 11 and "loraplex_worker_adapters{state=\"held\"} 1" in worker.metrics()

@@ -27,7 +27,7 @@ from cache.prefix import PrefixCache
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig, slot_length
 from worker.engine.constraint import GrammarRefused, Grammars, allowed_tokens
-from worker.engine.outputs import GenerationResult, RequestOutput
+from worker.engine.outputs import EngineCounters, GenerationResult, RequestOutput
 from worker.engine.prefix_kv import CacheHit, PrefixKV
 from worker.engine.runner import ModelRunner, SpanInput, SpanOutput
 from worker.engine.scheduler import Scheduler, Span
@@ -86,27 +86,6 @@ class _State:
     def is_at_limit(self) -> bool:
         """No token may be added (max_tokens 0)."""
         return len(self.result.token_ids) >= self.seq.max_len - self.seq.num_prompt_tokens
-
-
-@dataclass
-class EngineCounters:
-    """What the engine has computed since it started (read from any thread: plain counts)."""
-
-    steps: int = 0
-    prompt_tokens: int = 0  # prompt positions run through the model (not those loaded from the prefix cache or forked)
-    generated_tokens: int = 0
-    forked_prompt_tokens: int = 0  # prompt positions copied to a request's other choices instead of computed
-
-    HELP = {"steps": "engine steps (forward passes) run", "prompt_tokens": "prompt tokens computed (not loaded from the prefix cache or forked)",
-            "generated_tokens": "tokens generated", "forked_prompt_tokens": "prompt tokens a request's further choices copied instead of computing"}
-
-    def prometheus(self) -> str:
-        """The `loraplex_engine_*_total` counters in Prometheus' text format."""
-        lines = []
-        for name, help_text in self.HELP.items():
-            metric = f"loraplex_engine_{name}_total"
-            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter", f"{metric} {getattr(self, name)}"]
-        return "\n".join(lines) + "\n"
 
 
 class Engine:
@@ -226,6 +205,10 @@ class Engine:
         """Stop a request (every choice) now and free its KV slots; None when it is not here."""
         choices = self._requests.get(request_id)
         return None if not choices else self._finish(choices[0], "cancelled")
+
+    def adapter_slots_in_use(self) -> set[int]:
+        """Adapter slots some running or waiting request uses (one that is not may be removed)."""
+        return {slot for state in self._states.values() for slot in state.request.adapters}
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

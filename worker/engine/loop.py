@@ -16,6 +16,8 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
 
 from worker.engine.engine import Engine, EngineRequest
 from worker.engine.outputs import RequestOutput
@@ -116,6 +118,22 @@ class EngineLoop:
             self._wake.notify()
         return stream
 
+    def call(self, fn: Callable[[Engine], Any]) -> Future:
+        """Run `fn(engine)` on the engine's thread between steps (adding or removing an adapter);
+        its result or exception comes in the future."""
+        future: Future = Future()
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the engine loop is closed")
+            self._inbox.append(("call", (fn, future)))
+            self._wake.notify()
+        return future
+
+    def pending_adapter_slots(self) -> set[int]:
+        """Adapter slots of requests submitted but not yet added to the engine."""
+        with self._wake:
+            return {slot for kind, item in self._inbox if kind == "add" for slot in item[0].adapters}
+
     def cancel(self, request_id: str, stream: RequestStream | None = None) -> None:
         """Cancel a running or queued request (only `stream`'s, when given: an id may be reused)."""
         with self._wake:
@@ -158,6 +176,13 @@ class EngineLoop:
                 except Exception as e:  # validated at submit; anything left fails this request only
                     self._deliver(RequestOutput(request.request_id, [], "", finish_reason="error", error=str(e)))
                 continue
+            if kind == "call":
+                fn, future = item
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as e:  # the caller's to handle
+                    future.set_exception(e)
+                continue
             request_id, stream = item
             if stream is not None and self._streams.get(request_id) is not stream:
                 continue  # that request already finished; the id now belongs to another
@@ -184,6 +209,9 @@ class EngineLoop:
         with self._wake:
             self._closed = True
             left = list(self._streams)
+            unrun, self._inbox = [item for kind, item in self._inbox if kind == "call"], []
+        for _, future in unrun:
+            future.set_exception(RuntimeError("the engine loop is closed"))
         for request_id in left:  # closing: whatever is left ends now
             out = self.engine.cancel(request_id) if reason == "cancelled" else None
             self._deliver(out or RequestOutput(request_id, [], "", finish_reason=reason, error=error))

@@ -45,3 +45,24 @@ class RequestOutput:
     def is_finished(self) -> bool:
         """The request is over (every choice has finished)."""
         return self.finish_reason is not None and self.others_running == 0
+
+
+@dataclass
+class EngineCounters:
+    """What the engine has computed since it started (read from any thread: plain counts)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt positions run through the model (not those loaded from the prefix cache or forked)
+    generated_tokens: int = 0
+    forked_prompt_tokens: int = 0  # prompt positions copied to a request's other choices instead of computed
+
+    HELP = {"steps": "engine steps (forward passes) run", "prompt_tokens": "prompt tokens computed (not loaded from the prefix cache or forked)",
+            "generated_tokens": "tokens generated", "forked_prompt_tokens": "prompt tokens a request's further choices copied instead of computing"}
+
+    def prometheus(self) -> str:
+        """The `loraplex_engine_*_total` counters in Prometheus' text format."""
+        lines = []
+        for name, help_text in self.HELP.items():
+            metric = f"loraplex_engine_{name}_total"
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter", f"{metric} {getattr(self, name)}"]
+        return "\n".join(lines) + "\n"

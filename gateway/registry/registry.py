@@ -1,0 +1,290 @@
+"""The adapter registry as one gateway replica sees it (torch-free): which adapters each
+tenant may use by name, which fingerprints each worker pins, and the changes tenants make.
+
+- Names are per tenant (owner). A tenant sees the config's adapters its policy allows,
+  the operator's shared ones likewise, and its own; another tenant's never.
+- A change is staged, made servable, then committed. An added or replacing adapter is
+  first recorded as pending: it is pinned (workers load it) while its name still points
+  where it did. Once a replica holds it the name moves to it in one transaction; if none
+  can, the change is dropped and nothing else moved. A replaced or removed version is
+  unpinned: workers drop it once the requests on it have finished, and its file goes
+  once no worker holds it.
+- Every gateway polls the version and, on a change, first pushes the new pins to the
+  workers (they are idempotent and versioned) and learns what they hold, and only then
+  lets requests see the new names: no request is routed to a worker before it holds
+  what the request needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from gateway.api.protocol import APIError
+from gateway.catalog import AdapterInfo, Catalog
+from gateway.config import ServeConfig
+from gateway.policy.placement import PlacementError, place_new
+from gateway.pool import ReplicaInfo
+from gateway.registry.records import SHARED, AdapterRecord, FileRecords, Records, RecordStore, RedisRecords, RegistryUnavailable, record_key
+from gateway.registry.store import AdapterStore
+from gateway.tenants import Tenant
+from worker.formats.adapter import LoRAAdapter
+
+log = logging.getLogger(__name__)
+PENDING = "pending:"  # key prefix of a staged change
+Sync = Callable[[str, int, dict[str, str]], Awaitable[dict[str, Any]]]
+
+
+def describe(adapter: LoRAAdapter, owner: str, name: str, size: int) -> AdapterRecord:
+    kinds = sorted({target.split(".")[-2] if target.count(".") >= 2 else target.split(".")[0] for target in adapter.pairs})
+    return AdapterRecord(owner, name, adapter.fingerprint, size, max((p.rank for p in adapter.pairs.values()), default=0), tuple(kinds),
+                         adapter.alpha, adapter.invocation_tokens, adapter.task_name, adapter.prompt_prefix, time.time())
+
+
+class AdapterRegistry:
+    def __init__(self, config: ServeConfig, catalog: Catalog, records: RecordStore, store: AdapterStore,
+                 replicas: list[ReplicaInfo], sync: Sync | None = None) -> None:
+        self.config, self.catalog, self.records, self.store = config, catalog, records, store
+        self.settings = config.registry
+        self.replicas = replicas
+        self.sync = sync
+        self.seed = dict(catalog.adapters)  # the config's adapters, shared (SPEC: the registry's seed)
+        self.seed_pins = {s.name: {catalog.adapters[n].fingerprint: str(catalog.adapters[n].path) for n in s.adapters} for s in config.shards}
+        self.version, self.current = -1, {}
+        self.held = {r.replica_id: frozenset(self.seed_pins[r.shard]) for r in replicas}  # what each worker takes requests for
+        self.resident: dict[str, frozenset[str]] = dict(self.held)  # held or draining: files still in use
+        self.failed: dict[str, dict[str, str]] = {}
+        self._visible: dict[str, dict[str, AdapterInfo]] = {}
+        self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+        self._checked = 0.0
+
+    # what requests see
+
+    def visible(self, tenant: Tenant) -> dict[str, AdapterInfo]:
+        """The adapters `tenant` may use, by its names: the shared ones first (config order, then
+        by age), then its own by age."""
+        cached = self._visible.get(tenant.id)
+        if cached is None:
+            cached = {n: info for n, info in self.seed.items() if tenant.may_use(n)}
+            committed = sorted((r for k, r in self.current.items() if not k.startswith(PENDING)), key=lambda r: (r.created_s, r.name))
+            cached.update((r.name, self._info(r)) for r in committed if r.owner == SHARED and tenant.may_use(r.name))
+            cached.update((r.name, self._info(r)) for r in committed if r.owner == tenant.id)
+            self._visible[tenant.id] = cached
+        return cached
+
+    def _info(self, r: AdapterRecord) -> AdapterInfo:
+        return AdapterInfo(r.name, self.store.path(r.fingerprint), r.fingerprint, r.task_name, r.prompt_prefix, r.invocation_tokens, r.owner)
+
+    def owned(self, owner: str | None) -> list[AdapterRecord]:
+        """Committed records of `owner` (None: everyone's)."""
+        return sorted((r for k, r in self.current.items() if not k.startswith(PENDING) and (owner is None or r.owner == owner)),
+                      key=lambda r: (r.owner, r.created_s, r.name))
+
+    def pins(self, shard: str) -> dict[str, str]:
+        pins = dict(self.seed_pins.get(shard, {}))
+        pins.update((r.fingerprint, str(self.store.path(r.fingerprint))) for r in self.current.values() if shard in r.shards)
+        return pins
+
+    def is_held(self, fingerprint: str, shards: tuple[str, ...]) -> bool:
+        return any(fingerprint in self.held[r.replica_id] for r in self.replicas if r.shard in shards)
+
+    # keeping up with the other gateways
+
+    def ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        last_push = 0.0
+        while True:
+            try:
+                changed = await self.refresh()
+                if not changed and time.monotonic() - last_push > self.settings.resync_interval_s:  # a restarted worker gets its pins back
+                    await self.push()
+                    self.collect_garbage()
+                last_push = time.monotonic() if changed else last_push or time.monotonic()
+            except RegistryUnavailable as e:
+                log.warning("%s; serving what is known", e)
+            except Exception:
+                log.exception("registry refresh failed")
+            await asyncio.sleep(self.settings.poll_interval_s)
+
+    async def refresh_if_stale(self, max_age_s: float = 0.2) -> None:
+        """Look at the version when it was not looked at lately (a request's path: a change made
+        through another gateway replica is seen at once, and Redis being down changes nothing)."""
+        if time.monotonic() - self._checked < max_age_s:
+            return
+        self._checked = time.monotonic()
+        try:
+            await self.refresh()
+        except RegistryUnavailable:
+            pass
+
+    async def refresh(self, force: bool = False) -> bool:
+        """Take the stored records when they changed: pins pushed first, names after."""
+        async with self._lock:
+            version = await self.records.version()
+            if version == self.version and not force:
+                return False
+            version, records = await self.records.load()
+            await self.push(version, records)
+            self.version, self.current = version, records
+            self._visible.clear()
+            return True
+
+    async def push(self, version: int | None = None, records: Records | None = None, replicas: list[ReplicaInfo] | None = None) -> None:
+        """Send every worker its pins for `records` and learn what it holds."""
+        version = self.version if version is None else version
+        saved = self.current
+        if records is not None:
+            self.current = records  # pins() reads it
+        try:
+            wanted = {r.replica_id: self.pins(r.shard) for r in replicas or self.replicas}
+        finally:
+            self.current = saved
+        await asyncio.gather(*(self._push_one(rid, version, pins) for rid, pins in wanted.items()))
+
+    async def _push_one(self, replica_id: str, version: int, pins: dict[str, str]) -> None:
+        if self.sync is None:  # workers without pins to change (tests' fakes): they hold what they are given
+            self.held[replica_id] = self.resident[replica_id] = frozenset(pins)
+            return
+        try:
+            reply = await asyncio.wait_for(self.sync(replica_id, version, pins), self.settings.load_timeout_s)
+        except Exception as e:  # a dead or slow worker keeps its last known set; the health check marks it down
+            log.warning("replica %s did not take its pins (%s)", replica_id, type(e).__name__)
+            return
+        if reply.get("version", version) > version:
+            return  # it has newer pins from another gateway; this gateway will see them at its next refresh
+        self.held[replica_id] = frozenset(reply.get("held", ()))
+        self.resident[replica_id] = self.held[replica_id] | frozenset(reply.get("draining", ()))
+        self.failed[replica_id] = dict(reply.get("failed", {}))
+
+    def collect_garbage(self) -> None:
+        """Adapter files no record pins and no worker still holds (old enough that no staging is under way)."""
+        wanted = {r.fingerprint for r in self.current.values()} | {fp for pins in self.seed_pins.values() for fp in pins}
+        in_use = set().union(*self.resident.values()) if self.resident else set()
+        for fingerprint in self.store.fingerprints() - wanted - in_use:
+            path = self.store.path(fingerprint)
+            try:
+                if time.time() - path.stat().st_mtime > self.settings.garbage_age_s:
+                    self.store.remove(fingerprint)
+            except OSError:
+                pass
+
+    # changes
+
+    def _taken(self, owner: str, name: str, records: Records) -> None:
+        if name == self.catalog.model_name:
+            raise APIError(409, f"{name!r} is the base model's name", "name_taken")
+        if owner != SHARED and (name in self.seed or record_key(SHARED, name) in records):
+            raise APIError(409, f"the name {name!r} is taken by a shared adapter", "name_taken")
+
+    async def register(self, owner: str, name: str, adapter: LoRAAdapter, staged: Path, limits: tuple[int, int] | None,
+                       replace_existing: bool = True) -> tuple[AdapterRecord, AdapterRecord | None, float]:
+        """Add or replace `owner`'s `name` with the checked adapter in `staged`; (the record, the
+        one it replaced, seconds until it was servable). Raises APIError for a refusal."""
+        started = time.monotonic()
+        if owner == SHARED and name in self.seed:
+            raise APIError(409, f"adapter {name!r} is defined in the deployment config; change it there", "config_adapter")
+        self.store.put(staged, adapter.fingerprint)  # the file before any record names it
+        fresh = describe(adapter, owner, name, staged.stat().st_size)
+        key, pending_key = record_key(owner, name), PENDING + record_key(owner, name)
+
+        def stage(records: Records):
+            self._taken(owner, name, records)
+            old = records.get(key)
+            if old is not None and not replace_existing:
+                raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "adapter_exists")
+            if limits is not None and owner != SHARED:
+                mine = [r for k, r in records.items() if r.owner == owner and not k.startswith(PENDING) and k != key]
+                count, size = limits
+                if len(mine) + 1 > count:
+                    raise APIError(403, f"this key already has {len(mine)} adapters, its limit is {count}: delete one first", "adapter_quota_exceeded")
+                used = sum(r.size_bytes for r in mine)
+                if used + fresh.size_bytes > size:
+                    raise APIError(403, f"this adapter ({fresh.size_bytes} bytes) would take this key's adapters to {used + fresh.size_bytes} "
+                                   f"bytes, over its limit of {size}", "adapter_quota_exceeded")
+            return {pending_key: replace(fresh, shards=self._place(fresh.fingerprint, old, records))}, old
+
+        await self.records.transact(stage)
+        await self.refresh(force=True)
+        placed = self.current.get(pending_key, fresh)
+        deadline = time.monotonic() + self.settings.load_timeout_s
+        while not self.is_held(fresh.fingerprint, placed.shards) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            await self.push(replicas=[r for r in self.replicas if r.shard in placed.shards])
+
+        def commit(records: Records):
+            staged_record = records.get(pending_key)
+            if staged_record is None or staged_record.fingerprint != fresh.fingerprint:
+                raise APIError(409, f"adapter {name!r} was changed by another request meanwhile", "conflict")
+            if not self.is_held(fresh.fingerprint, staged_record.shards):
+                return {pending_key: None}, (None, None)
+            return {pending_key: None, key: staged_record}, (staged_record, records.get(key))
+
+        _, (committed, replaced) = await self.records.transact(commit)
+        await self.refresh(force=True)
+        if committed is None:
+            reasons = {why for failed in self.failed.values() for fp, why in failed.items() if fp == fresh.fingerprint}
+            raise APIError(503, "no worker could load the adapter" + (f": {sorted(reasons)[0]}" if reasons else " in time"),
+                           "adapter_not_loaded", {"Retry-After": "5"})
+        return committed, replaced, time.monotonic() - started
+
+    def _place(self, fingerprint: str, old: AdapterRecord | None, records: Records) -> tuple[str, ...]:
+        """Shards for a new pin: where the same content already is, else where the old version
+        was, else the planner's choice among shards with room."""
+        for r in records.values():
+            if r.fingerprint == fingerprint and r.shards:
+                return r.shards
+        for shard_adapters in self.seed_pins.values():
+            if fingerprint in shard_adapters:
+                return tuple(s for s, pins in self.seed_pins.items() if fingerprint in pins)
+        if old is not None and old.shards:
+            return old.shards
+        saved = self.current
+        self.current = records
+        try:
+            pinned = {s.name: len(self.pins(s.name)) for s in self.config.shards}
+        finally:
+            self.current = saved
+        try:
+            return place_new(pinned, {s.name: s.replicas for s in self.config.shards}, self.settings.copies, self.settings.max_adapters_per_worker)
+        except PlacementError as e:
+            raise APIError(507, str(e), "no_worker_room") from e
+
+    async def unregister(self, owner: str, name: str) -> AdapterRecord:
+        if owner == SHARED and name in self.seed:
+            raise APIError(409, f"adapter {name!r} is defined in the deployment config; change it there", "config_adapter")
+        key = record_key(owner, name)
+
+        def drop(records: Records):
+            old = records.get(key)
+            if old is None:
+                raise APIError(404, f"adapter {name!r} not found", "adapter_not_found")
+            return {key: None}, old
+
+        _, old = await self.records.transact(drop)
+        await self.refresh(force=True)
+        return old
+
+
+
+def open_registry(config: ServeConfig, catalog: Catalog, pool) -> AdapterRegistry:
+    """The deployment's registry over `pool`'s workers: its records in Redis when the deployment
+    has one, else in a file in the store; records are per base model (adapters fit only it)."""
+    store = AdapterStore(config.store_path())
+    scope = catalog.base_fingerprint[:16]
+    redis_config = config.cache.redis_config()
+    if redis_config is not None:
+        from cache.l2 import connect
+
+        records: RecordStore = RedisRecords(connect(redis_config, is_async=True), f"{redis_config.key_prefix}:{scope}:")
+    else:
+        records = FileRecords(store.directory, scope)
+    return AdapterRegistry(config, catalog, records, store, pool.replicas, getattr(pool, "sync", None))

@@ -1,0 +1,116 @@
+"""Adapter files by content (torch-free): what a tenant sends is checked against the base
+with llama.cpp's rules (SPEC §2, the same messages), converted when it is PEFT, and kept
+under its fingerprint in a directory every worker can read (a mounted volume on
+Kubernetes). A server-side path (vLLM's `lora_path`) is read only under the directories
+the operator allows; any other, through `..` or a symlink included, is refused without
+saying what is there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from worker.formats.adapter import AdapterError, LoRAAdapter, load_adapter
+from worker.formats.gguf_file import GGUFFile, GGUFFormatError
+from worker.formats.hparams import UnsupportedModelError
+from worker.formats.peft_convert import ConversionError, ConvertOptions, convert_peft_to_gguf
+from worker.formats.safetensors_file import SafetensorsError
+from worker.formats.tokenizer import TokenizerError
+
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+INVALID = (AdapterError, GGUFFormatError, ConversionError, SafetensorsError, UnsupportedModelError, TokenizerError, UnicodeDecodeError)
+
+
+class InvalidAdapter(ValueError):
+    """The file is no adapter for this base; the message says why (llama.cpp's words for SPEC §2)."""
+
+
+class PathNotAllowed(PermissionError):
+    """A server-side path outside the allowed directories (the message names no file)."""
+
+
+class AdapterStore:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def path(self, fingerprint: str) -> Path:
+        return self.directory / f"{fingerprint}.gguf"
+
+    def put(self, staged: Path, fingerprint: str) -> Path:
+        """Keep `staged` (a checked GGUF) under its fingerprint; the same content is stored once."""
+        target = self.path(fingerprint)
+        if not target.exists():
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".part")
+            os.close(fd)
+            shutil.copyfile(staged, tmp)
+            os.replace(tmp, target)  # readers see the whole file or none
+        return target
+
+    def remove(self, fingerprint: str) -> None:
+        self.path(fingerprint).unlink(missing_ok=True)
+
+    def fingerprints(self) -> set[str]:
+        return {p.name.removesuffix(".gguf") for p in self.directory.glob("*.gguf")}
+
+
+def _scrub(message: str, *paths: Path) -> str:
+    """A message without the server's paths in it."""
+    for path in paths:
+        message = message.replace(str(path), path.name)
+    return message
+
+
+def check_gguf(path: Path, base: GGUFFile) -> LoRAAdapter:
+    """The adapter in `path`, validated against `base`; InvalidAdapter with the reason."""
+    try:
+        return load_adapter(path, base)
+    except INVALID as e:
+        raise InvalidAdapter(_scrub(str(e), path)) from e
+    except (OSError, ValueError) as e:  # a truncated or garbled file
+        raise InvalidAdapter(_scrub(f"not a GGUF adapter file: {e}", path)) from e
+
+
+def convert_peft(directory: Path, base: GGUFFile, out: Path) -> LoRAAdapter:
+    """A PEFT adapter (adapter_config.json + adapter_model.safetensors in `directory`) as a
+    GGUF adapter at `out`, checked as an uploaded GGUF would be."""
+    try:
+        convert_peft_to_gguf(directory, base.path, out, ConvertOptions())
+    except INVALID as e:
+        raise InvalidAdapter(_scrub(str(e), directory / PEFT_CONFIG, directory / PEFT_WEIGHTS, directory, out, base.path)) from e
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise InvalidAdapter(_scrub(f"not a PEFT LoRA adapter: {e}", directory / PEFT_CONFIG, directory / PEFT_WEIGHTS, directory, out, base.path)) from e
+    adapter = check_gguf(out, base)
+    if not adapter.pairs:
+        raise InvalidAdapter(f"{PEFT_WEIGHTS} holds no LoRA tensors (lora_A/lora_B) for this model")
+    return adapter
+
+
+def allowed_path(requested: str, roots: list[Path], base_dir: Path) -> Path:
+    """`requested` with every symlink resolved, when it lies under one of `roots`; else PathNotAllowed."""
+    refused = PathNotAllowed("lora_path is not under a directory this server loads adapters from")
+    if not requested or "\0" in requested:
+        raise refused
+    path = Path(requested).expanduser()
+    real = Path(os.path.realpath(path if path.is_absolute() else base_dir / path))
+    for root in roots:
+        root_real = Path(os.path.realpath(root))
+        if real == root_real or root_real in real.parents:
+            return real
+    raise refused
+
+
+def read_server_path(requested: str, roots: list[Path], base_dir: Path, base: GGUFFile, scratch: Path) -> LoRAAdapter:
+    """The adapter at an allowed server path: a GGUF file, or a PEFT directory (each of its
+    files must resolve under the allowed directories too)."""
+    path = allowed_path(requested, roots, base_dir)
+    if path.is_file():
+        return check_gguf(path, base)
+    if path.is_dir() and (path / PEFT_CONFIG).is_file():
+        for name in (PEFT_CONFIG, PEFT_WEIGHTS):
+            allowed_path(str(path / name), roots, base_dir)  # a symlink inside pointing out is refused too
+        return convert_peft(path, base, scratch / "converted.gguf")
+    raise FileNotFoundError("lora_path names no GGUF adapter file and no PEFT adapter directory")

@@ -1,0 +1,108 @@
+"""Which adapters a shard replica holds, changed while it runs (SPEC §1: the control plane
+decides; a pinned set changes between engine steps, never under a running request).
+
+Adapters are known by their content fingerprint (SPEC §3): a replaced adapter is a new
+fingerprint beside the old one, so requests already running on the old version finish
+on it and no request ever mixes the two. `sync` takes the whole desired set from the
+gateway with a version number (an older version, from a gateway that lags, is ignored):
+a new pin is read and checked off the engine's thread, then put in a free adapter slot
+between steps; an unpinned adapter takes no new request at once and is dropped once no
+request uses it (and a grace period has passed for requests already on their way in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from worker.engine.engine import Engine
+from worker.engine.loop import EngineLoop
+from worker.formats.adapter import LoRAAdapter, load_adapter
+from worker.formats.gguf_file import GGUFFile
+
+log = logging.getLogger(__name__)
+DRAIN_GRACE_S = 2.0  # an unpinned adapter is kept at least this long: a request routed just before may still arrive
+
+
+class NotHeld(LookupError):
+    """The request names an adapter this replica does not hold (any more, or yet): another may."""
+
+
+class Pins:
+    def __init__(self, loop: EngineLoop, base: GGUFFile, names: Mapping[str, int]) -> None:
+        """`names`: the deploy-time pins (name -> slot) the runner was built with."""
+        self.loop, self.base = loop, base
+        runner = loop.engine.runner
+        self.slots: dict[str, int] = {runner.adapters[slot].fingerprint: slot for slot in names.values()}  # fingerprint -> slot
+        self.aliases = {name: runner.adapters[slot].fingerprint for name, slot in names.items()}  # deploy-time names still work
+        self.draining: dict[str, float] = {}  # fingerprint -> when it was unpinned
+        self.failed: dict[str, str] = {}  # fingerprint -> why it could not be loaded
+        self.version = -1
+        self._lock = asyncio.Lock()
+
+    def slot_of(self, adapter: str) -> int:
+        fingerprint = self.aliases.get(adapter, adapter)
+        slot = self.slots.get(fingerprint)
+        if slot is None or fingerprint in self.draining:
+            raise NotHeld(f"adapter {adapter!r} is not loaded on this replica")
+        return slot
+
+    @property
+    def held(self) -> list[str]:
+        """Fingerprints that take new requests."""
+        return sorted(fp for fp in self.slots if fp not in self.draining)
+
+    async def sync(self, version: int, pins: Mapping[str, str]) -> dict[str, Any]:
+        """Make the held set `pins` (fingerprint -> file); returns what is held now."""
+        async with self._lock:
+            if version >= self.version:
+                self.version = version
+                for fingerprint in [fp for fp in self.slots if fp not in pins and fp not in self.draining]:
+                    self.draining[fingerprint] = time.monotonic()
+                for fingerprint, path in pins.items():
+                    self.draining.pop(fingerprint, None)  # pinned again before it was dropped
+                    if fingerprint not in self.slots:
+                        await self._load(fingerprint, path)
+                if self.draining:
+                    asyncio.get_running_loop().call_later(DRAIN_GRACE_S, lambda: asyncio.ensure_future(self.reap()))
+            return self.state()
+
+    def state(self) -> dict[str, Any]:
+        return {"version": self.version, "held": self.held, "draining": sorted(self.draining), "failed": dict(self.failed)}
+
+    async def _load(self, fingerprint: str, path: str) -> None:
+        try:
+            adapter: LoRAAdapter = await asyncio.to_thread(load_adapter, path, self.base)
+            if adapter.fingerprint != fingerprint:
+                raise ValueError(f"the file's fingerprint is {adapter.fingerprint[:16]}, not {fingerprint[:16]}")
+            slot = await asyncio.wrap_future(self.loop.call(lambda engine: engine.runner.add_adapter(adapter)))
+        except Exception as e:  # a missing or changed file, no memory: this pin is not held, the others are
+            log.warning("adapter %s from %s could not be loaded: %s", fingerprint[:16], path, e)
+            self.failed[fingerprint] = str(e)[:300]
+            return
+        self.failed.pop(fingerprint, None)
+        self.slots[fingerprint] = slot
+
+    async def reap(self) -> None:
+        """Drop the unpinned adapters no request uses any more (past their grace period)."""
+        async with self._lock:
+            now = time.monotonic()
+            due = {fp: self.slots[fp] for fp, since in self.draining.items() if now - since >= DRAIN_GRACE_S}
+            if not due:
+                return
+
+            def drop(engine: Engine) -> list[str]:
+                busy = engine.adapter_slots_in_use() | self.loop.pending_adapter_slots()
+                dropped = [fp for fp, slot in due.items() if slot not in busy]
+                for fp in dropped:
+                    engine.runner.remove_adapter(due[fp])
+                return dropped
+
+            for fingerprint in await asyncio.wrap_future(self.loop.call(drop)):
+                del self.slots[fingerprint], self.draining[fingerprint]
+                self.aliases = {n: fp for n, fp in self.aliases.items() if fp != fingerprint}
+            if self.draining:  # some still run: look again later
+                asyncio.get_running_loop().call_later(DRAIN_GRACE_S, lambda: asyncio.ensure_future(self.reap()))
