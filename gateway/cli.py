@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")
     p.set_defaults(handler="gateway.serve:run")
 
+    from gateway.adapters_cli import add_parser as add_adapters_parser
+
+    add_adapters_parser(sub)
+
     p = sub.add_parser("plan", help="place adapters on workers from traffic shares: shards and replicas")
     p.add_argument("--adapters", required=True, metavar="FILE", help="YAML/JSON list of {name, path|uri, size}, or a loraplex config")
     p.add_argument("--traffic", metavar="FILE", help="YAML/JSON {adapter: share or count}, or the gateway's /metrics text (default: even)")

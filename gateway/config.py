@@ -151,6 +151,7 @@ class RegistrySettings(_Strict):
     resync_interval_s: float = Field(10.0, gt=0)  # every worker is sent its pins again (a restarted one gets them back)
     load_timeout_s: float = Field(60.0, gt=0)  # a new adapter must be loaded by a worker within this
     garbage_age_s: float = Field(300.0, ge=0)  # an unreferenced file is deleted once this old and no worker holds it
+    replan_interval_s: float = Field(60.0, gt=0)  # registered adapters' pins follow the traffic this often
 
 
 class ServeConfig(_Strict):

@@ -70,6 +70,8 @@ class Gateway:
             raise APIError(503, str(e), "no_healthy_worker", {"Retry-After": BUSY_RETRY_AFTER_S}) from e
         replica = choose(pool, prepared.affinity, self.config.routing, shared_cache=bool(self.config.cache.redis_url))
         self.metrics.route(replica.shard, replica.replica_id, self.config.routing)
+        if not tried:
+            self.registry.count(prepared.adapters)
         tried.add(replica.replica_id)
         self._recent.add(replica.replica_id, self._clock())
         prepared.route = {"replica": replica.replica_id, "shard": replica.shard}

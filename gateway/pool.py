@@ -42,6 +42,6 @@ class ShardPool(Protocol):
 
     async def sync(self, replica_id: str, version: int, pins: dict[str, str]) -> dict[str, Any]:
         """Make the replica hold exactly `pins` (fingerprint -> adapter file); what it holds now
-        (worker/pins.py). A pool without it: its workers keep the config's adapters."""
+        (worker/engine/pins.py). A pool without it: its workers keep the config's adapters."""
 
     async def metrics(self, replica_id: str) -> str: ...

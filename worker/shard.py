@@ -18,11 +18,11 @@ from worker.contract.spec import WorkerSpec
 from worker.engine.engine import Engine, EngineRequest
 from worker.engine.loop import EngineLoop, Overloaded
 from worker.engine.outputs import RequestOutput
+from worker.engine.pins import NotHeld, Pins
 from worker.engine.prefix_kv import open_prefix_cache
 from worker.engine.runner import ModelRunner
 from worker.formats.tokenizer import GGUFTokenizer
 from worker.model.device import DeviceConfig
-from worker.pins import NotHeld, Pins
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class ShardWorker:
                 stream.cancel()
 
     async def sync(self, version: int, pins: dict[str, str]) -> dict[str, Any]:
-        """Hold exactly `pins` (fingerprint -> adapter file) from now on (worker/pins.py)."""
+        """Hold exactly `pins` (fingerprint -> adapter file) from now on (worker/engine/pins.py)."""
         return await self.pins.sync(version, pins)
 
     def health(self) -> dict[str, Any]:

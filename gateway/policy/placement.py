@@ -238,3 +238,34 @@ def place_new(pinned: Mapping[str, int], replicas: Mapping[str, int], copies: in
         if sum(replicas[s] for s in chosen) >= copies:
             break
     return tuple(chosen)
+
+
+def rebalance(placed: Mapping[str, tuple[str, ...]], traffic: Mapping[str, float], replicas: Mapping[str, int], copies: int,
+              capacity: int, fixed: Mapping[str, int] | None = None) -> dict[str, tuple[str, ...]]:
+    """Pins to move while running, from recent traffic (adapter -> requests): an adapter whose
+    share of the traffic is more than its share of the replicas holding it gets one more
+    shard (the least loaded with room), one held by more replicas than its traffic and the
+    redundancy need loses its most loaded shard. At most one change per adapter per call,
+    so pins move gradually; returns only the adapters that change. `fixed`: adapters per
+    shard that do not move (the config's), counted against its capacity."""
+    total_traffic = sum(traffic.get(a, 0.0) for a in placed)
+    total_replicas = sum(replicas.values())
+    if total_traffic <= 0 or total_replicas <= 1:
+        return {}
+    pinned = {s: sum(s in shards for shards in placed.values()) + (fixed or {}).get(s, 0) for s in replicas}
+    load = {s: sum(traffic.get(a, 0.0) / max(sum(replicas[x] for x in shards), 1) for a, shards in placed.items() if s in shards) for s in replicas}
+    changes: dict[str, tuple[str, ...]] = {}
+    for name in sorted(placed, key=lambda a: (-traffic.get(a, 0.0), a)):
+        shards = placed[name]
+        holding = sum(replicas[s] for s in shards)
+        wanted = traffic.get(name, 0.0) / total_traffic * total_replicas  # replicas its share of the traffic deserves
+        if wanted > holding + 0.5:
+            room = sorted((s for s in replicas if s not in shards and pinned[s] < capacity), key=lambda s: (load[s], s))
+            if room:
+                changes[name] = (*shards, room[0])
+                pinned[room[0]] += 1
+        elif len(shards) > 1 and holding - replicas[max(shards, key=lambda s: (load[s], s))] >= max(copies, wanted + 0.5):
+            drop = max(shards, key=lambda s: (load[s], s))
+            changes[name] = tuple(s for s in shards if s != drop)
+            pinned[drop] -= 1
+    return changes

@@ -76,6 +76,9 @@ class RecordStore(Protocol):
     async def transact(self, change: Change) -> tuple[int, Any]:
         """Apply `change` to the current records atomically; (the new version, its result)."""
 
+    async def lease(self, name: str, ttl_s: float) -> bool:
+        """True for one caller per `ttl_s` (the gateway replicas take turns at a periodic job)."""
+
 
 class RedisRecords:
     def __init__(self, client, key_prefix: str) -> None:
@@ -99,6 +102,14 @@ class RedisRecords:
         except (RedisError, OSError) as e:
             raise RegistryUnavailable(f"the adapter registry (Redis) is unavailable: {type(e).__name__}") from e
         return int(version or 0), _decode(raw)
+
+    async def lease(self, name: str, ttl_s: float) -> bool:
+        from redis.exceptions import RedisError
+
+        try:
+            return bool(await self.client.set(f"{self.version_key}:lease:{name}", b"1", nx=True, px=max(1, int(ttl_s * 1000))))
+        except (RedisError, OSError) as e:
+            raise RegistryUnavailable(f"the adapter registry (Redis) is unavailable: {type(e).__name__}") from e
 
     async def transact(self, change: Change) -> tuple[int, Any]:
         from redis.exceptions import RedisError, WatchError
@@ -149,6 +160,9 @@ class FileRecords:
 
     async def version(self) -> int:
         return (await self.load())[0]
+
+    async def lease(self, name: str, ttl_s: float) -> bool:
+        return True  # one machine, one gateway
 
     async def load(self) -> tuple[int, Records]:
         return await asyncio.to_thread(self._locked, self._read)

@@ -28,7 +28,7 @@ from typing import Any
 from gateway.api.protocol import APIError
 from gateway.catalog import AdapterInfo, Catalog
 from gateway.config import ServeConfig
-from gateway.policy.placement import PlacementError, place_new
+from gateway.policy.placement import PlacementError, place_new, rebalance
 from gateway.pool import ReplicaInfo
 from gateway.registry.records import SHARED, AdapterRecord, FileRecords, Records, RecordStore, RedisRecords, RegistryUnavailable, record_key
 from gateway.registry.store import AdapterStore
@@ -63,6 +63,8 @@ class AdapterRegistry:
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self._checked = 0.0
+        self.traffic: dict[str, float] = {}  # fingerprint -> requests lately (decayed at each re-plan)
+        self._replanned = time.monotonic()
 
     # what requests see
 
@@ -94,6 +96,35 @@ class AdapterRegistry:
     def is_held(self, fingerprint: str, shards: tuple[str, ...]) -> bool:
         return any(fingerprint in self.held[r.replica_id] for r in self.replicas if r.shard in shards)
 
+    def count(self, adapters) -> None:
+        """A request routed for these fingerprints (the re-plan's traffic)."""
+        for fingerprint in adapters:
+            self.traffic[fingerprint] = self.traffic.get(fingerprint, 0.0) + 1.0
+
+    async def replan(self) -> dict[str, tuple[str, ...]]:
+        """Move registered adapters' pins with the traffic this gateway saw (one gateway at a time,
+        under a lease): hot ones get another shard, cold ones give extra copies back."""
+        if not await self.records.lease("replan", self.settings.replan_interval_s):
+            return {}
+        placed: dict[str, tuple[str, ...]] = {}
+        for r in self.current.values():
+            placed[r.fingerprint] = tuple(sorted(set(placed.get(r.fingerprint, ())) | set(r.shards)))
+        replicas = {s.name: s.replicas for s in self.config.shards}
+        seed_counts = {s: len(pins) for s, pins in self.seed_pins.items()}
+        capacity = self.settings.max_adapters_per_worker
+        changes = rebalance(placed, self.traffic, replicas, self.settings.copies, capacity, seed_counts)
+        self.traffic = {fp: n / 2 for fp, n in self.traffic.items() if n >= 1.0}
+        if not changes:
+            return {}
+
+        def move(records: Records):
+            return {k: replace(r, shards=changes[r.fingerprint]) for k, r in records.items() if r.fingerprint in changes}, None
+
+        await self.records.transact(move)
+        await self.refresh(force=True)
+        log.info("re-planned %d adapter(s): %s", len(changes), {fp[:12]: s for fp, s in changes.items()})
+        return changes
+
     # keeping up with the other gateways
 
     def ensure_running(self) -> None:
@@ -101,14 +132,18 @@ class AdapterRegistry:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        last_push = 0.0
+        last_push = time.monotonic()
         while True:
             try:
-                changed = await self.refresh()
-                if not changed and time.monotonic() - last_push > self.settings.resync_interval_s:  # a restarted worker gets its pins back
+                if await self.refresh():
+                    last_push = time.monotonic()
+                elif time.monotonic() - last_push > self.settings.resync_interval_s:  # a restarted worker gets its pins back
                     await self.push()
                     self.collect_garbage()
-                last_push = time.monotonic() if changed else last_push or time.monotonic()
+                    last_push = time.monotonic()
+                if time.monotonic() - self._replanned > self.settings.replan_interval_s:
+                    self._replanned = time.monotonic()
+                    await self.replan()
             except RegistryUnavailable as e:
                 log.warning("%s; serving what is known", e)
             except Exception:

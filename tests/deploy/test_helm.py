@@ -120,6 +120,7 @@ def test_serve_config_v2_builds_what_loraplex_serve_deploys_for_the_same_config(
         for cluster_decides in ("base_dir", "http"):
             data.pop(cluster_decides)
         data["cache"].pop("redis_url")
+        data["registry"].pop("store_dir")  # the chart's adapter-store volume
         return data
 
     assert comparable(in_cluster) == comparable(local)
@@ -147,3 +148,17 @@ def test_the_schema_rejects_bad_values_with_the_key(change, fragment) -> None:
     with pytest.raises(helm.HelmError) as e:
         chart.validate_schema(values)
     assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize("claim", ["", "loraplex-adapters"])
+def test_every_ray_pod_mounts_the_adapter_store_the_config_names(claim) -> None:
+    docs = render({"adapterStore": {"mountPath": "/adapters", "existingClaim": claim}})
+    service = next(d for d in docs if d["kind"] == "RayService")
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]
+    assert config["registry"]["store_dir"] == "/adapters"
+    cluster = service["spec"]["rayClusterConfig"]
+    for pod in [cluster["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in cluster["workerGroupSpecs"])]:
+        volume = next(v for v in pod["volumes"] if v["name"] == "adapter-store")
+        assert (volume.get("persistentVolumeClaim", {}).get("claimName") == claim) if claim else "emptyDir" in volume
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "adapter-store")
+        assert mount["mountPath"] == "/adapters" and not mount.get("readOnly")

@@ -21,9 +21,9 @@ from tests.redis_server import free_port
 
 @contextlib.contextmanager
 def running_serve(config: dict, directory: Path, start_timeout_s: float = 240) -> Iterator[str]:
-    """Yields the server's base URL; `config["http"]` is set to a free local port."""
+    """Yields the server's base URL; the server listens on a free local port."""
     port = free_port()
-    config = {**config, "http": {"host": "127.0.0.1", "port": port}}
+    config = {**config, "http": {**(config.get("http") or {}), "host": "127.0.0.1", "port": port}}
     path = directory / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],

@@ -65,6 +65,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $config "cache" $cache -}}
 {{- if include "loraplex.tenantsSecret" . }}{{- $_ := set $config "tenants_file" "/etc/loraplex/tenants/tenants.yaml" -}}{{- end -}}
 {{- if include "loraplex.operatorSecret" . }}{{- $_ := set $config "operator_key_file" "/etc/loraplex/operator/operator-key" -}}{{- end -}}
+{{- $registry := deepCopy (default (dict) $config.registry) -}}
+{{- $_ := set $registry "store_dir" .Values.adapterStore.mountPath -}}
+{{- $_ := set $config "registry" $registry -}}
 {{- $_ := set $config "http" (dict "host" "0.0.0.0" "port" 8000) -}}
 {{- toYaml $config -}}
 {{- end -}}
@@ -80,7 +83,7 @@ applications:
 {{ include "loraplex.config" . | indent 8 }}
 {{- end -}}
 
-{{/* Volumes and mounts every Ray pod gets: models, tenants, Redis password, operator key. */}}
+{{/* Volumes and mounts every Ray pod gets: models, the adapter store, tenants, Redis password, operator key. */}}
 {{- define "loraplex.volumes" -}}
 - name: models
 {{- if .Values.models.existingClaim }}
@@ -90,6 +93,14 @@ applications:
 {{- else }}
   emptyDir:
     sizeLimit: {{ .Values.models.emptyDirSizeLimit }}
+{{- end }}
+- name: adapter-store
+{{- if .Values.adapterStore.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.adapterStore.existingClaim }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.adapterStore.emptyDirSizeLimit }}
 {{- end }}
 {{- with include "loraplex.tenantsSecret" . }}
 - name: tenants
@@ -115,6 +126,8 @@ applications:
 - name: models
   mountPath: {{ .Values.models.mountPath }}
   readOnly: {{ not .Values.models.initContainer.enabled }}
+- name: adapter-store
+  mountPath: {{ .Values.adapterStore.mountPath }}
 {{- if include "loraplex.tenantsSecret" . }}
 - name: tenants
   mountPath: /etc/loraplex/tenants

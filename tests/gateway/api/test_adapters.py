@@ -13,7 +13,7 @@ import redis
 from fastapi.testclient import TestClient
 from gguf import GGUFValueType
 
-import worker.pins
+import worker.engine.pins
 from tests.gateway.gateway_setup import ATTN, KEYS, PROMPT, auth, digest, local_app, tiny_config
 from tests.tinymodels import random_lora, write_adapter
 
@@ -31,12 +31,12 @@ def setup(tiny_llama, tmp_path_factory):
     config = tiny_config(tiny_llama, directory, prefix, tenants=tenants, registry={
         "store_dir": str(directory / "store"), "allowed_paths": [str(allowed)], "poll_interval_s": 0.2, "garbage_age_s": 0,
         "resync_interval_s": 0.5})
-    saved = worker.pins.DRAIN_GRACE_S
-    worker.pins.DRAIN_GRACE_S = 0.2
+    saved = worker.engine.pins.DRAIN_GRACE_S
+    worker.engine.pins.DRAIN_GRACE_S = 0.2
     app, pool = local_app(config)
     with TestClient(app) as client:
         yield client, pool, directory, allowed, app.state.gateway
-    worker.pins.DRAIN_GRACE_S = saved
+    worker.engine.pins.DRAIN_GRACE_S = saved
     pool.close()
     r = redis.Redis()
     for key in r.scan_iter(f"{prefix}:*"):

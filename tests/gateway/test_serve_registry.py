@@ -1,0 +1,218 @@
+"""Adapters registered while `loraplex serve` runs (real Ray, real Redis, the default model,
+two gateway replicas, two shards), with a background load that must see no failure:
+add, replace and remove; bad uploads; quotas; tenants; and a restart of everything."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import yaml
+from gguf import GGUFWriter
+
+from tests.gateway.gateway_setup import digest
+from tests.gateway.serve_process import running_serve
+from tests.redis_server import RedisServer
+from worker.formats.default_model import resolve_model_path
+from worker.formats.gguf_file import GGUFFile
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+KEYS = {"demo": "sk-reg-demo", "acme": "sk-reg-acme", "tiny": "sk-reg-tiny"}
+PROMPT = "The history of copper mining begins in the Bronze Age, when people first learned to smelt ore into metal tools and"
+
+
+def write_adapter(path: Path, seed: int, *, general_type: str = "adapter", arch: str | None = None, adapter_type: str = "lora",
+                  transposed: bool = True) -> Path:
+    """A random rank-8 adapter on the default model's first two layers' q and v."""
+    base = GGUFFile(resolve_model_path(None))
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), arch or base.get("general.architecture"))
+    w.add_string("general.type", general_type)
+    w.add_string("adapter.type", adapter_type)
+    w.add_float32("adapter.lora.alpha", 16.0)
+    for layer in range(2):
+        for name in ("attn_q", "attn_v"):
+            info = base.tensors[f"blk.{layer}.{name}.weight"]
+            a = (rng.standard_normal((8, info.ne(0))) / info.ne(0) ** 0.5).astype(np.float32)
+            b = (rng.standard_normal((info.ne(1), 8 if transposed else 4)) * 0.5).astype(np.float32)
+            w.add_tensor(f"blk.{layer}.{name}.weight.lora_a", a)
+            w.add_tensor(f"blk.{layer}.{name}.weight.lora_b", b)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+class Deployment:
+    """`loraplex serve` on one config, stopped and started again at will."""
+
+    def __init__(self, config: dict, directory: Path) -> None:
+        self.config, self.directory, self.stack, self.url = config, directory, None, ""
+
+    def start(self) -> None:
+        self.stack = contextlib.ExitStack()
+        self.url = self.stack.enter_context(running_serve(self.config, self.directory))
+
+    def stop(self) -> None:
+        if self.stack is not None:
+            self.stack.close()
+            self.stack = None
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("registry-serve")
+    redis_server = RedisServer().start()
+    config = yaml.safe_load((DEPLOY / "serve.yaml").read_text())
+    for adapter in config["adapters"]:
+        adapter["path"] = str(DEPLOY / adapter["path"])
+    config["tenants"] = [
+        {"id": "demo", "key_sha256": [digest(KEYS["demo"])]},
+        {"id": "acme", "key_sha256": [digest(KEYS["acme"])], "adapters": ["json"]},
+        {"id": "tiny", "key_sha256": [digest(KEYS["tiny"])], "max_adapters": 1},
+    ]
+    config["cache"].update(key_prefix=f"loraplex-test-{uuid.uuid4().hex}", redis_url=redis_server.url)
+    config["registry"] = {"store_dir": str(directory / "store"), "allowed_paths": [str(DEPLOY / "adapters")], "poll_interval_s": 0.5}
+    config["http"] = {"gateway_replicas": 2}
+    served = Deployment(config, directory)
+    served.start()
+    yield served
+    served.stop()
+    redis_server.stop()
+
+
+@pytest.fixture
+def server(deployment) -> str:
+    return deployment.url
+
+
+def auth(tenant: str = "demo") -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
+def upload(url: str, name: str, path: Path, tenant: str = "demo") -> httpx.Response:
+    with open(path, "rb") as f:
+        return httpx.post(f"{url}/v1/adapters", headers=auth(tenant), data={"name": name}, files={"file": (path.name, f)}, timeout=120)
+
+
+def complete(url: str, model: str, tenant: str = "demo", **extra) -> openai.types.Completion:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS[tenant], max_retries=0, timeout=120)
+    return client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1, **extra)
+
+
+class BackgroundLoad:
+    """Requests on the base and on a config adapter, streamed and not, until stopped; counts failures."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.stop, self.done, self.failures = url, threading.Event(), 0, []
+        self.threads = [threading.Thread(target=self._run, args=(model, stream), daemon=True)
+                        for model, stream in (("smollm2-135m-instruct", False), ("caps", True), ("json", False))]
+
+    def _run(self, model: str, stream: bool) -> None:
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEYS["demo"], max_retries=0, timeout=120)
+        while not self.stop.is_set():
+            try:
+                if stream:
+                    text = "".join(c.choices[0].text for c in client.completions.create(model=model, prompt="Copper is", max_tokens=6, stream=True))
+                else:
+                    text = client.completions.create(model=model, prompt="Copper is", max_tokens=6).choices[0].text
+                assert isinstance(text, str)
+                self.done += 1
+            except Exception as e:  # any failure is the test's failure
+                self.failures.append(f"{model}: {type(e).__name__}: {e}")
+
+    def __enter__(self) -> BackgroundLoad:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+
+
+def test_add_replace_remove_while_serving_fail_no_request(server, deployment) -> None:
+    _, directory = deployment
+    first, second = write_adapter(directory / "v1.gguf", 1), write_adapter(directory / "v2.gguf", 2)
+    with BackgroundLoad(server) as load:
+        time.sleep(1.0)
+        started = time.monotonic()
+        r = upload(server, "support-bot", first)
+        assert r.status_code == 201, r.text
+        assert r.json()["ready"] and len(r.json()["shards"]) == 2  # two copies, on distinct shards
+        fingerprint = r.json()["fingerprint"]
+        old = complete(server, "support-bot")
+        servable_s = time.monotonic() - started
+        assert servable_s < 20
+        # both gateway replicas see it: the proxy spreads these over them
+        for _ in range(20):
+            models = httpx.get(f"{server}/v1/models", headers=auth()).json()["data"]
+            assert "support-bot" in [m["id"] for m in models]
+        assert complete(server, "support-bot").usage.prompt_tokens_details.cached_tokens > 0  # cached under v1
+        r = upload(server, "support-bot", second)
+        assert r.status_code == 200 and r.json()["replaced"] == fingerprint and r.json()["fingerprint"] != fingerprint
+        new = complete(server, "support-bot")
+        assert new.usage.prompt_tokens_details.cached_tokens == 0  # v1's KV is never v2's
+        assert new.choices[0].logprobs.token_logprobs != old.choices[0].logprobs.token_logprobs
+        assert httpx.delete(f"{server}/v1/adapters/support-bot", headers=auth()).status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            complete(server, "support-bot")
+        time.sleep(1.0)
+    assert load.failures == [] and load.done > 10
+
+
+def test_bad_uploads_quota_and_tenants(server, deployment) -> None:
+    _, directory = deployment
+    before = httpx.get(f"{server}/v1/adapters", headers=auth()).json()
+    cases = [(write_adapter(directory / "m1.gguf", 3, general_type="model"), "expect general.type to be 'adapter', but got: model"),
+             (write_adapter(directory / "m2.gguf", 3, arch="qwen2"), "model arch and LoRA arch mismatch"),
+             (write_adapter(directory / "m3.gguf", 3, adapter_type="ia3"), "expect adapter.type to be 'lora', but got: ia3"),
+             (write_adapter(directory / "m4.gguf", 3, transposed=False), "lora_a tensor is not transposed")]
+    for path, message in cases:
+        r = upload(server, "broken", path)
+        assert r.status_code == 400 and r.json()["error"]["message"] == message
+    assert httpx.get(f"{server}/v1/adapters", headers=auth()).json() == before
+    # a quota of one adapter
+    assert upload(server, "mine", write_adapter(directory / "q1.gguf", 4), tenant="tiny").status_code == 201
+    r = upload(server, "more", write_adapter(directory / "q2.gguf", 5), tenant="tiny")
+    assert r.status_code == 403 and "limit is 1" in r.json()["error"]["message"]
+    # names are per tenant: acme's own 'mine' leaves tiny's alone; neither sees, uses or deletes the other's
+    tiny_fp = httpx.get(f"{server}/v1/adapters/mine", headers=auth("tiny")).json()["fingerprint"]
+    assert httpx.get(f"{server}/v1/adapters/mine", headers=auth("acme")).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        complete(server, "mine", tenant="acme")
+    assert httpx.delete(f"{server}/v1/adapters/mine", headers=auth("acme")).status_code == 404
+    assert upload(server, "mine", write_adapter(directory / "q3.gguf", 6), tenant="acme").status_code == 201
+    assert httpx.get(f"{server}/v1/adapters/mine", headers=auth("tiny")).json()["fingerprint"] == tiny_fp
+    assert complete(server, "mine", tenant="tiny").choices[0].logprobs.token_logprobs != complete(server, "mine", tenant="acme").choices[0].logprobs.token_logprobs
+
+
+def test_vllm_endpoints_read_only_the_allowed_directory(server, deployment) -> None:
+    _, directory = deployment
+    r = httpx.post(f"{server}/v1/load_lora_adapter", headers=auth(), json={"lora_name": "from-disk", "lora_path": str(DEPLOY / "adapters" / "caps.gguf")})
+    assert r.status_code == 200 and "added successfully" in r.text
+    assert complete(server, "from-disk").choices[0].text
+    for path in (str(directory / "v1.gguf"), str(DEPLOY / "adapters" / ".." / "serve.yaml"), "/etc/hostname"):
+        r = httpx.post(f"{server}/v1/load_lora_adapter", headers=auth(), json={"lora_name": "x", "lora_path": path})
+        assert r.status_code == 403 and "hostname" not in r.text and "serve.yaml" not in r.text
+    r = httpx.post(f"{server}/v1/unload_lora_adapter", headers=auth(), json={"lora_name": "from-disk"})
+    assert r.status_code == 200
+
+
+def test_a_restart_of_everything_keeps_the_registry(deployment) -> None:
+    assert upload(deployment.url, "survivor", write_adapter(deployment.directory / "s.gguf", 7)).status_code == 201
+    listed = httpx.get(f"{deployment.url}/v1/adapters", headers=auth()).json()
+    expected = complete(deployment.url, "survivor").choices[0].logprobs.token_logprobs
+    deployment.stop()  # every process: gateways, workers, Ray
+    deployment.start()
+    assert httpx.get(f"{deployment.url}/v1/adapters", headers=auth()).json() == listed
+    assert complete(deployment.url, "survivor").choices[0].logprobs.token_logprobs == expected
