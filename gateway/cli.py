@@ -133,6 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     _device_flags(p)
     p.set_defaults(handler="bench.bench_structured:run")
 
+    p = sub.add_parser("bench-registry", help="time from uploading an adapter to a running server to its first served token")
+    p.add_argument("--model", metavar="BASE.gguf", help="base model (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--adds", type=_positive_int, default=20, metavar="N", help="adapters to add, one after another (default 20)")
+    p.add_argument("--rank", type=_positive_int, default=16)
+    p.add_argument("--targets", choices=["attn", "all"], default="all", help="attn: q,k,v,o; all: the 7 linears")
+    p.add_argument("--port", type=int, default=8766, help="the server's port on loopback")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler="bench.registry_adds:run")
+
     p = sub.add_parser("bench-serving", help="one workload through the engine alone and through loraplex serve: tokens/s, TTFT, gaps")
     _workload_flags(p, adapters=8, rank=16, targets="all", prompt_tokens=82, step_tokens=256,
                     rounds_help="rounds of the two paths, interleaved (after one warm-up round)")

@@ -208,7 +208,8 @@ class Gateway:
             if isinstance(answer, BaseException):  # unreachable, dead, or too slow to answer: down
                 report.update(healthy=False, error=type(answer).__name__)
             else:
-                report.update(healthy=view.is_healthy, cache=answer.get("cache", {}), pid=answer.get("pid"))  # for operators only
+                report.update(healthy=view.is_healthy, cache=answer.get("cache", {}), pid=answer.get("pid"),  # for operators only
+                              adapters=len(answer.get("adapters", ())), memory=answer.get("memory", {}))
                 redis_states.add(report["cache"].get("redis", "off"))
             entry["replicas"].append(report)
             entry["healthy"] += report["healthy"]
@@ -219,7 +220,7 @@ class Gateway:
             status = "degraded"
         else:
             status = "ok"
-        return {"status": status, "redis": redis, "shards": shards}
+        return {"status": status, "redis": redis, "shards": shards, "registry": self.registry.health()}
 
     async def full_metrics(self) -> str:
         """The gateway's metrics and every replica's (asked all at once, within a timeout)."""

@@ -7,8 +7,10 @@ number: gateway replicas poll it to see changes, and workers ignore a pin set ol
 the one they hold.
 
 Kept in Redis (a hash of records and a version counter, under the deployment's key
-prefix) when the deployment has one, shared by every gateway replica; otherwise in a
-JSON file beside the adapter files, under a file lock (one machine).
+prefix) when the deployment has one, shared by every gateway replica, with a copy of
+every committed state in a JSON file beside the adapter files: a Redis that restarts
+empty (the cache's Redis need not persist anything) gets the registry back from it.
+Without Redis, that JSON file is the registry, changed under a file lock (one machine).
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+log = logging.getLogger(__name__)
 SHARED = ""  # the owner of adapters every tenant allowed "*" may use (the operator's, and the config's)
 
 Records = dict[str, "AdapterRecord"]
@@ -81,17 +85,19 @@ class RecordStore(Protocol):
 
 
 class RedisRecords:
-    def __init__(self, client, key_prefix: str) -> None:
+    def __init__(self, client, key_prefix: str, mirror: Path | None = None) -> None:
         self.client = client
         self.records_key, self.version_key = f"{key_prefix}registry:records", f"{key_prefix}registry:version"
+        self.mirror = mirror
 
     async def version(self) -> int:
         from redis.exceptions import RedisError
 
         try:
-            return int(await self.client.get(self.version_key) or 0)
+            raw = await self.client.get(self.version_key)
         except (RedisError, OSError) as e:
             raise RegistryUnavailable(f"the adapter registry (Redis) is unavailable: {type(e).__name__}") from e
+        return int(raw) if raw is not None else await self._restore()
 
     async def load(self) -> tuple[int, Records]:
         from redis.exceptions import RedisError
@@ -101,7 +107,41 @@ class RedisRecords:
                 version, raw = await pipe.get(self.version_key).hgetall(self.records_key).execute()
         except (RedisError, OSError) as e:
             raise RegistryUnavailable(f"the adapter registry (Redis) is unavailable: {type(e).__name__}") from e
+        if version is None and await self._restore():
+            return await self.load()
         return int(version or 0), _decode(raw)
+
+    async def _restore(self) -> int:
+        """Redis has no registry (it restarted empty): put the mirror's back, once, under a
+        version above any a worker has seen. 0 when there is nothing to restore."""
+        from redis.exceptions import RedisError, WatchError
+
+        if self.mirror is None:
+            return 0
+        try:
+            version, records = FileRecords.read(self.mirror)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("the registry's mirror %s cannot be read: %s", self.mirror, e)
+            return 0
+        if version == 0:
+            return 0
+        try:
+            async with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(self.version_key)
+                    if await pipe.get(self.version_key) is not None:  # another gateway restored it meanwhile
+                        return int(await self.client.get(self.version_key) or 0)
+                    pipe.multi()
+                    for key, record in records.items():
+                        pipe.hset(self.records_key, key, record.to_json())
+                    pipe.set(self.version_key, version + 1)
+                    await pipe.execute()
+                except WatchError:
+                    return int(await self.client.get(self.version_key) or 0)
+        except (RedisError, OSError) as e:
+            raise RegistryUnavailable(f"the adapter registry (Redis) is unavailable: {type(e).__name__}") from e
+        log.warning("the registry was missing from Redis: restored %d record(s) from %s", len(records), self.mirror)
+        return version + 1
 
     async def lease(self, name: str, ttl_s: float) -> bool:
         from redis.exceptions import RedisError
@@ -128,11 +168,20 @@ class RedisRecords:
                             else:
                                 pipe.hset(self.records_key, key, record.to_json())
                         pipe.incr(self.version_key)
-                        return (await pipe.execute())[-1], result
+                        version = (await pipe.execute())[-1]
+                        break
                     except WatchError:  # another gateway changed it meanwhile: again, on what is there now
                         continue
         except (RedisError, OSError) as e:  # a refusal from `change` itself goes to the caller as it is
             raise RegistryUnavailable(f"the adapter registry (Redis) is unavailable: {type(e).__name__}") from e
+        if self.mirror is not None:
+            after = {k: r for k, r in records.items() if k not in changes}
+            after.update((k, r) for k, r in changes.items() if r is not None)
+            try:
+                await asyncio.to_thread(FileRecords.write_if_newer, self.mirror, version, after)
+            except OSError as e:
+                log.warning("the registry's mirror %s cannot be written: %s", self.mirror, e)
+        return version, result
 
 
 class FileRecords:
@@ -142,12 +191,39 @@ class FileRecords:
         name = f"registry-{scope}" if scope else "registry"
         self.path, self.lock_path = directory / f"{name}.json", directory / f"{name}.lock"
 
-    def _read(self) -> tuple[int, Records]:
+    @staticmethod
+    def read(path: Path) -> tuple[int, Records]:
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
+            data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return 0, {}
         return int(data["version"]), {k: AdapterRecord.from_json(json.dumps(v)) for k, v in data["records"].items()}
+
+    @staticmethod
+    def write(path: Path, version: int, records: Records) -> None:
+        """The whole state, replacing the file at once (readers see the old or the new)."""
+        data = {"version": version, "records": {k: json.loads(r.to_json()) for k, r in records.items()}}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data), encoding="utf-8")
+        os.replace(tmp, path)
+
+    @classmethod
+    def write_if_newer(cls, path: Path, version: int, records: Records) -> None:
+        """`write`, unless the file already holds a later version (gateways racing to mirror)."""
+        with open(path.with_name(path.name + ".lock"), "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                try:
+                    current = cls.read(path)[0]
+                except (ValueError, KeyError, TypeError):  # a damaged copy: this one replaces it
+                    current = -1
+                if current < version:
+                    cls.write(path, version, records)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _read(self) -> tuple[int, Records]:
+        return self.read(self.path)
 
     def _locked(self, fn: Callable[[], Any]) -> Any:
         self.lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -176,10 +252,7 @@ class FileRecords:
                     records.pop(key, None)
                 else:
                     records[key] = record
-            data = {"version": version + 1, "records": {k: json.loads(r.to_json()) for k, r in records.items()}}
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data), encoding="utf-8")
-            os.replace(tmp, self.path)
+            self.write(self.path, version + 1, records)
             return version + 1, result
 
         return await asyncio.to_thread(self._locked, apply)

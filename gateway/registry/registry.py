@@ -93,6 +93,11 @@ class AdapterRegistry:
         pins.update((r.fingerprint, str(self.store.path(r.fingerprint))) for r in self.current.values() if shard in r.shards)
         return pins
 
+    def health(self) -> dict[str, Any]:
+        pending = sum(k.startswith(PENDING) for k in self.current)
+        return {"version": self.version, "registered": len(self.current) - pending, "pending": pending, "config": len(self.seed),
+                "failed_loads": {rid: len(f) for rid, f in self.failed.items() if f}}
+
     def is_held(self, fingerprint: str, shards: tuple[str, ...]) -> bool:
         return any(fingerprint in self.held[r.replica_id] for r in self.replicas if r.shard in shards)
 
@@ -237,11 +242,14 @@ class AdapterRegistry:
             if old is not None and not replace_existing:
                 raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "adapter_exists")
             if limits is not None and owner != SHARED:
-                mine = [r for k, r in records.items() if r.owner == owner and not k.startswith(PENDING) and k != key]
+                mine: dict[str, AdapterRecord] = {}  # the owner's other names, staged versions counted at their new size
+                for k, r in sorted(records.items(), key=lambda kr: kr[0].startswith(PENDING)):
+                    if r.owner == owner and r.name != name:
+                        mine[r.name] = r
                 count, size = limits
                 if len(mine) + 1 > count:
                     raise APIError(403, f"this key already has {len(mine)} adapters, its limit is {count}: delete one first", "adapter_quota_exceeded")
-                used = sum(r.size_bytes for r in mine)
+                used = sum(r.size_bytes for r in mine.values())
                 if used + fresh.size_bytes > size:
                     raise APIError(403, f"this adapter ({fresh.size_bytes} bytes) would take this key's adapters to {used + fresh.size_bytes} "
                                    f"bytes, over its limit of {size}", "adapter_quota_exceeded")
@@ -319,7 +327,8 @@ def open_registry(config: ServeConfig, catalog: Catalog, pool) -> AdapterRegistr
     if redis_config is not None:
         from cache.l2 import connect
 
-        records: RecordStore = RedisRecords(connect(redis_config, is_async=True), f"{redis_config.key_prefix}:{scope}:")
+        records: RecordStore = RedisRecords(connect(redis_config, is_async=True), f"{redis_config.key_prefix}:{scope}:",
+                                            mirror=store.directory / f"registry-{scope}.redis-mirror.json")
     else:
         records = FileRecords(store.directory, scope)
     return AdapterRegistry(config, catalog, records, store, pool.replicas, getattr(pool, "sync", None))

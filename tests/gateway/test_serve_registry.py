@@ -25,7 +25,9 @@ from worker.formats.gguf_file import GGUFFile
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KEYS = {"demo": "sk-reg-demo", "acme": "sk-reg-acme", "tiny": "sk-reg-tiny"}
-PROMPT = "The history of copper mining begins in the Bronze Age, when people first learned to smelt ore into metal tools and"
+PROMPT = ("The history of copper mining begins in the Bronze Age, when people first learned to smelt ore into metal tools. "
+          "Mines in Cyprus, Spain and Wales were worked for centuries, and the metal travelled along trade routes across the "
+          "Mediterranean and beyond, where it was alloyed with tin to make bronze for weapons, ornaments and")  # > 2 cache chunks
 
 
 def write_adapter(path: Path, seed: int, *, general_type: str = "adapter", arch: str | None = None, adapter_type: str = "lora",
@@ -141,7 +143,7 @@ class BackgroundLoad:
 
 
 def test_add_replace_remove_while_serving_fail_no_request(server, deployment) -> None:
-    _, directory = deployment
+    directory = deployment.directory
     first, second = write_adapter(directory / "v1.gguf", 1), write_adapter(directory / "v2.gguf", 2)
     with BackgroundLoad(server) as load:
         time.sleep(1.0)
@@ -171,7 +173,7 @@ def test_add_replace_remove_while_serving_fail_no_request(server, deployment) ->
 
 
 def test_bad_uploads_quota_and_tenants(server, deployment) -> None:
-    _, directory = deployment
+    directory = deployment.directory
     before = httpx.get(f"{server}/v1/adapters", headers=auth()).json()
     cases = [(write_adapter(directory / "m1.gguf", 3, general_type="model"), "expect general.type to be 'adapter', but got: model"),
              (write_adapter(directory / "m2.gguf", 3, arch="qwen2"), "model arch and LoRA arch mismatch"),
@@ -197,7 +199,7 @@ def test_bad_uploads_quota_and_tenants(server, deployment) -> None:
 
 
 def test_vllm_endpoints_read_only_the_allowed_directory(server, deployment) -> None:
-    _, directory = deployment
+    directory = deployment.directory
     r = httpx.post(f"{server}/v1/load_lora_adapter", headers=auth(), json={"lora_name": "from-disk", "lora_path": str(DEPLOY / "adapters" / "caps.gguf")})
     assert r.status_code == 200 and "added successfully" in r.text
     assert complete(server, "from-disk").choices[0].text
@@ -206,6 +208,25 @@ def test_vllm_endpoints_read_only_the_allowed_directory(server, deployment) -> N
         assert r.status_code == 403 and "hostname" not in r.text and "serve.yaml" not in r.text
     r = httpx.post(f"{server}/v1/unload_lora_adapter", headers=auth(), json={"lora_name": "from-disk"})
     assert r.status_code == 200
+
+
+def test_the_adapters_cli_adds_lists_and_removes(server, deployment) -> None:
+    import subprocess
+    import sys
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gateway.cli", "adapters", "--url", server, "--key", KEYS["demo"], *args],
+                              capture_output=True, text=True, timeout=120)
+
+    added = cli("add", "cli-bot", str(write_adapter(deployment.directory / "cli.gguf", 8)))
+    assert added.returncode == 0 and added.stdout.startswith("added cli-bot"), added.stderr
+    assert complete(server, "cli-bot").choices[0].text
+    listed = cli("list")
+    assert listed.returncode == 0 and "cli-bot" in listed.stdout and "caps" in listed.stdout
+    bad = cli("add", "cli-bad", str(write_adapter(deployment.directory / "cli-bad.gguf", 8, arch="qwen2")))
+    assert bad.returncode == 1 and "400: model arch and LoRA arch mismatch" in bad.stderr
+    assert cli("rm", "cli-bot").returncode == 0
+    assert "cli-bot" not in cli("list").stdout and cli("rm", "cli-bot").returncode == 1
 
 
 def test_a_restart_of_everything_keeps_the_registry(deployment) -> None:

@@ -35,7 +35,7 @@ def setup(tiny_llama, tmp_path_factory):
     worker.engine.pins.DRAIN_GRACE_S = 0.2
     app, pool = local_app(config)
     with TestClient(app) as client:
-        yield client, pool, directory, allowed, app.state.gateway
+        yield client, pool, directory, allowed, app.state.gateway, prefix
     worker.engine.pins.DRAIN_GRACE_S = saved
     pool.close()
     r = redis.Redis()
@@ -61,7 +61,7 @@ def greedy(client, model, key="t1", **extra):
 
 
 def test_an_uploaded_adapter_serves_at_once_for_its_tenant_only(setup, tiny_llama) -> None:
-    client, pool, directory, _, gateway = setup
+    client, pool, directory, _, gateway, _ = setup
     r = upload(client, "bot", adapter_file(tiny_llama, directory / "bot.gguf", 11))
     assert r.status_code == 201, r.text
     body = r.json()
@@ -88,7 +88,7 @@ def test_an_uploaded_adapter_serves_at_once_for_its_tenant_only(setup, tiny_llam
 
 
 def test_replacing_moves_the_name_and_never_serves_the_old_kv(setup, tiny_llama) -> None:
-    client, pool, directory, _, gateway = setup
+    client, pool, directory, _, gateway, _ = setup
     first, second = adapter_file(tiny_llama, directory / "v1.gguf", 21), adapter_file(tiny_llama, directory / "v2.gguf", 22)
     assert upload(client, "swap", first).status_code == 201
     old = greedy(client, "swap")
@@ -104,7 +104,7 @@ def test_replacing_moves_the_name_and_never_serves_the_old_kv(setup, tiny_llama)
 
 
 def test_removing_answers_404_and_the_workers_drop_it(setup, tiny_llama) -> None:
-    client, pool, directory, _, gateway = setup
+    client, pool, directory, _, gateway, _ = setup
     fingerprint = upload(client, "gone", adapter_file(tiny_llama, directory / "gone.gguf", 31)).json()["fingerprint"]
     assert greedy(client, "gone").status_code == 200
     r = client.delete("/v1/adapters/gone", headers=auth())
@@ -133,7 +133,7 @@ SPEC_ERRORS = [
 
 @pytest.mark.parametrize(("kwargs", "message"), SPEC_ERRORS)
 def test_a_malformed_upload_is_a_400_with_llama_cpps_message_and_changes_nothing(setup, tiny_llama, kwargs, message) -> None:
-    client, pool, directory, _, gateway = setup
+    client, pool, directory, _, gateway, _ = setup
     before = client.get("/v1/adapters", headers=auth()).json()
     r = upload(client, "broken", adapter_file(tiny_llama, directory / "broken.gguf", 41, **kwargs))
     assert r.status_code == 400 and r.json()["error"]["message"] == message
@@ -141,7 +141,7 @@ def test_a_malformed_upload_is_a_400_with_llama_cpps_message_and_changes_nothing
 
 
 def test_tensor_rules_and_non_adapters_are_refused_alone(setup, tiny_llama) -> None:
-    client, pool, directory, _, gateway = setup
+    client, pool, directory, _, gateway, _ = setup
     pairs = random_lora(tiny_llama, ATTN, 4, seed=5)
     q = "blk.0.attn_q.weight"
     cases = [
@@ -162,7 +162,7 @@ def test_tensor_rules_and_non_adapters_are_refused_alone(setup, tiny_llama) -> N
 
 
 def test_uploads_that_are_not_one_adapter_are_refused_clearly(setup, tiny_llama) -> None:
-    client, pool, directory, _, gateway = setup
+    client, pool, directory, _, gateway, _ = setup
     path = adapter_file(tiny_llama, directory / "ok.gguf", 51)
     assert upload(client, None, path).json()["error"]["message"].startswith("name:")
     assert upload(client, "../etc", path).status_code == 400
@@ -178,7 +178,7 @@ def test_uploads_that_are_not_one_adapter_are_refused_clearly(setup, tiny_llama)
 
 
 def test_quotas_are_a_clear_403_and_leave_the_registry_as_it_was(setup, tiny_llama) -> None:
-    client, pool, directory, _, gateway = setup
+    client, pool, directory, _, gateway, _ = setup
     small = adapter_file(tiny_llama, directory / "q1.gguf", 61)
     assert upload(client, "one", small, key=QUOTA_KEY).status_code == 201
     r = upload(client, "two", adapter_file(tiny_llama, directory / "q2.gguf", 62), key=QUOTA_KEY)
@@ -191,7 +191,7 @@ def test_quotas_are_a_clear_403_and_leave_the_registry_as_it_was(setup, tiny_lla
 
 
 def test_vllm_load_and_unload_read_only_allowed_paths(setup, tiny_llama) -> None:
-    client, pool, directory, allowed, gateway = setup
+    client, pool, directory, allowed, gateway, _ = setup
     inside = adapter_file(tiny_llama, allowed / "vl.gguf", 71)
     outside = adapter_file(tiny_llama, directory / "secret.gguf", 72)
     (allowed / "link.gguf").symlink_to(outside)
@@ -215,7 +215,7 @@ def test_vllm_load_and_unload_read_only_allowed_paths(setup, tiny_llama) -> None
 def test_a_peft_upload_is_converted_and_serves_what_the_converter_makes(setup, tiny_llama, tmp_path) -> None:
     from tests.worker.formats.test_peft_convert import make_peft
 
-    client, pool, directory, _, gateway = setup
+    client, pool, directory, _, gateway, _ = setup
     make_peft(tiny_llama, tmp_path / "peft", seed=3, target_modules=["q_proj", "v_proj"])
     with open(tmp_path / "peft" / "adapter_config.json", "rb") as c, open(tmp_path / "peft" / "adapter_model.safetensors", "rb") as w:
         r = client.post("/v1/adapters", headers=auth(), data={"name": "peft-bot"},
@@ -244,7 +244,7 @@ def test_a_peft_upload_is_converted_and_serves_what_the_converter_makes(setup, t
 def test_a_request_running_on_the_old_version_finishes_on_it(setup, tiny_llama) -> None:
     import threading
 
-    client, pool, directory, _, gateway = setup
+    client, pool, directory, _, gateway, _ = setup
     first, second = adapter_file(tiny_llama, directory / "r1.gguf", 81), adapter_file(tiny_llama, directory / "r2.gguf", 82)
     assert upload(client, "live", first).status_code == 201
     whole = greedy(client, "live", max_tokens=40, ignore_eos=True).json()["choices"][0]["text"]
@@ -260,3 +260,16 @@ def test_a_request_running_on_the_old_version_finishes_on_it(setup, tiny_llama) 
     thread.join()
     assert got == [whole]  # every token from the version it started on
     assert greedy(client, "live", max_tokens=40, ignore_eos=True).json()["choices"][0]["text"] != whole
+
+
+def test_a_redis_that_comes_back_empty_gets_the_registry_back(setup, tiny_llama) -> None:
+    client, pool, directory, _, gateway, prefix = setup
+    assert upload(client, "durable", adapter_file(tiny_llama, directory / "durable.gguf", 91)).status_code == 201
+    before = client.get("/v1/adapters/durable", headers=auth()).json()
+    r = redis.Redis()
+    lost = [key for key in r.scan_iter(f"{prefix}:*registry*")]
+    assert lost and r.delete(*lost)  # as a restarted Redis without persistence
+    time.sleep(0.3)
+    assert client.get("/v1/adapters/durable", headers=auth()).json()["fingerprint"] == before["fingerprint"]
+    assert greedy(client, "durable").status_code == 200
+    assert r.exists(f"{prefix}:{gateway.catalog.base_fingerprint[:16]}:registry:version")  # back in Redis, for every gateway
