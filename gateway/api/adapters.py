@@ -31,6 +31,10 @@ from gateway.registry.records import SHARED, AdapterRecord
 from gateway.registry.store import PEFT_CONFIG, PEFT_WEIGHTS, InvalidAdapter, PathNotAllowed, check_gguf, convert_peft, read_server_path
 
 UPLOAD_PARTS = ("name", "file", PEFT_CONFIG, PEFT_WEIGHTS)
+UPLOAD_BODY = {"required": True, "content": {"multipart/form-data": {"schema": {  # POST /v1/adapters, for the OpenAPI document
+    "type": "object", "required": ["name"],
+    "properties": {"name": {"type": "string", "pattern": NAME}, "file": {"type": "string", "format": "binary"},
+                   PEFT_CONFIG: {"type": "string", "format": "binary"}, PEFT_WEIGHTS: {"type": "string", "format": "binary"}}}}}}
 
 
 class LoadLoRARequest(BaseModel):
@@ -99,7 +103,8 @@ def add_adapter_routes(app: FastAPI, current: Callable[[Request], Any], begin) -
             except InvalidAdapter as e:
                 raise APIError(400, str(e), "invalid_adapter") from e
             limits = None if tenant is None else (tenant.max_adapters, tenant.max_adapter_bytes)
-            record, replaced, ready_s = await gateway.registry.register(owner, name, adapter, Path(adapter.path), limits, replace_existing)
+            record, replaced, ready_s = await gateway.registry.register(owner, name, adapter, Path(adapter.path), limits, replace_existing,
+                                                                        tenant)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         info = gateway.registry._info(record)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 
 from gateway.admission import Prepared
-from gateway.api.adapters import add_adapter_routes
+from gateway.api.adapters import UPLOAD_BODY, LoadLoRARequest, UnloadLoRARequest, add_adapter_routes
 from gateway.api.formats import (
     ChatFormatter,
     CompletionFormatter,
@@ -159,6 +159,8 @@ BODIES: dict[str, Any] = {  # what each POST takes, for the OpenAPI document (pa
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     "/apply-template": ApplyTemplateRequest,
+    "/v1/load_lora_adapter": LoadLoRARequest,
+    "/v1/unload_lora_adapter": UnloadLoRARequest,
 }
 
 
@@ -378,6 +380,7 @@ def _document_bodies(app: FastAPI) -> None:
                 schema["paths"][path]["post"]["requestBody"] = {
                     "required": True, "content": {"application/json": {"schema": {"type": "array", "items": ref} if is_list else ref}},
                 }
+            schema["paths"]["/v1/adapters"]["post"]["requestBody"] = UPLOAD_BODY
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             schema["security"] = [{"bearer": []}]
             app.openapi_schema = schema

@@ -219,16 +219,17 @@ class AdapterRegistry:
 
     # changes
 
-    def _taken(self, owner: str, name: str, records: Records) -> None:
+    def _taken(self, name: str, shared_names: frozenset[str]) -> None:
         if name == self.catalog.model_name:
             raise APIError(409, f"{name!r} is the base model's name", "name_taken")
-        if owner != SHARED and (name in self.seed or record_key(SHARED, name) in records):
-            raise APIError(409, f"the name {name!r} is taken by a shared adapter", "name_taken")
+        if name in shared_names:
+            raise APIError(409, f"the name {name!r} is taken by a shared adapter this key uses", "name_taken")
 
     async def register(self, owner: str, name: str, adapter: LoRAAdapter, staged: Path, limits: tuple[int, int] | None,
-                       replace_existing: bool = True) -> tuple[AdapterRecord, AdapterRecord | None, float]:
+                       replace_existing: bool = True, tenant: Tenant | None = None) -> tuple[AdapterRecord, AdapterRecord | None, float]:
         """Add or replace `owner`'s `name` with the checked adapter in `staged`; (the record, the
-        one it replaced, seconds until it was servable). Raises APIError for a refusal."""
+        one it replaced, seconds until it was servable). A tenant's name may not hide a shared
+        adapter it uses (one it cannot see, it may). Raises APIError for a refusal."""
         started = time.monotonic()
         if owner == SHARED and name in self.seed:
             raise APIError(409, f"adapter {name!r} is defined in the deployment config; change it there", "config_adapter")
@@ -236,8 +237,10 @@ class AdapterRegistry:
         fresh = describe(adapter, owner, name, staged.stat().st_size)
         key, pending_key = record_key(owner, name), PENDING + record_key(owner, name)
 
+        shared = frozenset() if tenant is None else frozenset(n for n, info in self.visible(tenant).items() if info.owner == SHARED)
+
         def stage(records: Records):
-            self._taken(owner, name, records)
+            self._taken(name, shared)
             old = records.get(key)
             if old is not None and not replace_existing:
                 raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "adapter_exists")

@@ -51,13 +51,15 @@ class LoRABatch:
             scales = self._scales_by_dtype[dtype] = self.token_scales.to(dtype)
         return scales
 
-    def column_scales(self, used: tuple[int, ...], ranks: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Per-token scale of each rank column [N, sum(ranks)] of a stack of the `used` slots,
-        gathered once per pass for every target sharing that layout."""
-        key = (used, ranks, dtype)
+    def column_scales(self, layout: tuple[tuple[int, int], ...], dtype: torch.dtype) -> torch.Tensor:
+        """Per-token scale of each rank column [N, sum of ranks] of a stack whose column blocks are
+        `layout` ((slot, rank), ...); 0 for a slot not active in this pass. Gathered once per pass
+        for every target sharing that layout."""
+        key = (layout, dtype)
         scales = self._column_scales.get(key)
         if scales is None:
-            columns = tuple(self.column[slot] for slot, rank in zip(used, ranks) for _ in range(rank))
+            idle = len(self.active)  # the zero column appended below
+            columns = tuple(self.column.get(slot, idle) for slot, rank in layout for _ in range(rank))
             index = self._indices.get(columns)
             if index is None:
                 if len(self._indices) >= _MAX_CACHED_INDICES:
@@ -65,8 +67,17 @@ class LoRABatch:
                 index = self._indices[columns] = torch.tensor(columns, dtype=torch.long, device=self.token_scales.device)
             else:
                 self._indices.move_to_end(columns)
-            scales = self._column_scales[key] = self.scales(dtype).index_select(1, index)
+            scales = self._column_scales[key] = self.padded_scales(dtype).index_select(1, index)
         return scales
+
+    def padded_scales(self, dtype: torch.dtype) -> torch.Tensor:
+        """scales(dtype) with a zero column after the last, for idle columns."""
+        key = ("padded", dtype)
+        padded = self._column_scales.get(key)
+        if padded is None:
+            scales = self.scales(dtype)
+            padded = self._column_scales[key] = torch.cat([scales, scales.new_zeros(scales.shape[0], 1)], dim=1)
+        return padded
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:

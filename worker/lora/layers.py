@@ -32,9 +32,8 @@ class LoRALinear(nn.Module):
                 for start, end in self.batch.runs[slot]:
                     self.backend.add_linear(out[start:end], flat[start:end], a, b, column[start:end])
             return y
-        a, b = self.weights.stack(used)
-        ranks = tuple(self.weights.rank(slot) for slot in used)
-        self.backend.add_linear(out, flat, a, b, self.batch.column_scales(used, ranks, x.dtype))
+        a, b = self.weights.working_set(used)
+        self.backend.add_linear(out, flat, a, b, self.batch.column_scales(self.weights.layout, x.dtype))
         return y
 
 
@@ -72,7 +71,7 @@ class LoRAExpertLinear(nn.Module):
         if not used:
             return y
         a, b = self.weights.stack(used)
-        ranks = tuple(self.weights.rank(slot) for slot in used)
-        scales = self.batch.column_scales(used, ranks, x.dtype).index_select(0, routes.token)
+        layout = tuple((slot, self.weights.rank(slot)) for slot in used)
+        scales = self.batch.column_scales(layout, x.dtype).index_select(0, routes.token)
         self.backend.add_experts(y, x, a, b, scales, routes.segments)
         return y

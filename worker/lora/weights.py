@@ -5,13 +5,17 @@ active in it, in one of two ways (chosen per pass by `LoRABatch.segmented`):
 - segmented (big passes: prefill): each active adapter over its own runs of rows,
   `y[s:e] += B_j ((A_j x[s:e]) * scale)`, Punica/S-LoRA's SGMV as a loop of GEMMs;
   no FLOP is spent on a token the adapter does not apply to;
-- stacked (small passes: decode): the active adapters' A and B concatenated along
-  the rank axis, so one pair of matmuls serves the whole batch,
-  `y += B_cat ((A_cat x) * column_scales)`, with the stack cached per active set
-  (decode steps reuse it until the set changes).
+- stacked (small passes: decode): one pair of matmuls over a working set, the A and
+  B of recently active adapters side by side along the rank axis,
+  `y += B_ws ((A_ws x) * column_scales)`, where an adapter not in the batch has scale
+  0. An adapter is copied into the working set when it first becomes active (into
+  spare room, so only its own weights move); the set is rebuilt from the active
+  adapters only when most of it has gone idle. Decode steps copy nothing while the
+  batch's adapters stay the same or shrink.
 
-Either way the cost is that of the adapters in the batch, never of the adapters held,
-and no unused adapter's weights are copied. Linear: A [r, k], B [d, r]; embedding:
+Either way the cost is that of the adapters in the batch (at most a few times it,
+for the idle part of the working set), never of the adapters held, and no unused
+adapter's weights are copied per step. Linear: A [r, k], B [d, r]; embedding:
 A [V, r], B [d, r]; experts: A [E, r, k], B [E, d, r].
 """
 
@@ -22,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-_MAX_CACHED_STACKS = 4  # active sets per target whose stack is kept
+_MAX_CACHED_STACKS = 4  # active sets per target whose stack is kept (experts)
+_MIN_ROOM_COLUMNS = 64  # a working set's spare room, at least
 
 
 @dataclass
@@ -32,6 +37,10 @@ class TargetWeights:
     kind: str  # linear | embedding | experts
     pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # slot -> (A, B with alpha/rank)
     _stacks: OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=OrderedDict)
+    _ws_a: torch.Tensor | None = None  # [capacity, k]: the working set's A, rows [0, columns) in use
+    _ws_bt: torch.Tensor | None = None  # [capacity, d]: its B transposed (rows are rank columns)
+    _ws_at: dict[int, int] = field(default_factory=dict)  # slot -> first column
+    layout: tuple[tuple[int, int], ...] = ()  # (slot, rank) of the working set's columns, in order
 
     def add(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         self.pairs[slot] = (a, b)
@@ -44,6 +53,47 @@ class TargetWeights:
     def _forget(self, slot: int) -> None:
         for key in [key for key in self._stacks if slot in key]:
             del self._stacks[key]
+        if slot in self._ws_at:  # its columns would hold another adapter's weights: start again
+            self._ws_a = self._ws_bt = None
+            self._ws_at, self.layout = {}, ()
+
+    def working_set(self, used: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A_ws [R, k], B_ws [d, R]) of a working set holding every `used` slot (linear targets);
+        `layout` says which slot each column block is."""
+        columns = sum(rank for _, rank in self.layout)
+        missing = [slot for slot in used if slot not in self._ws_at]
+        active = sum(self.rank(slot) for slot in used)
+        idle = columns - (active - sum(self.rank(slot) for slot in missing))
+        if self._ws_a is None or idle > 2 * active + _MIN_ROOM_COLUMNS:  # mostly idle: rebuild from the active ones
+            self._rebuild(used, active)
+        elif missing:
+            extra = sum(self.rank(slot) for slot in missing)
+            if columns + extra > self._ws_a.shape[0]:
+                self._rebuild(tuple(slot for slot, _ in self.layout) + tuple(missing), columns + extra)
+            else:
+                for slot in missing:
+                    self._put(slot, sum(rank for _, rank in self.layout))
+        columns = sum(rank for _, rank in self.layout)
+        return self._ws_a[:columns], self._ws_bt[:columns].t()
+
+    def _rebuild(self, slots: tuple[int, ...], columns: int) -> None:
+        a, b = self.pairs[slots[0]]
+        capacity = 2 * columns + _MIN_ROOM_COLUMNS
+        self._ws_a = a.new_empty(capacity, a.shape[-1])
+        self._ws_bt = b.new_empty(capacity, b.shape[0])
+        self._ws_at, self.layout = {}, ()
+        at = 0
+        for slot in slots:
+            self._put(slot, at)
+            at += self.rank(slot)
+
+    def _put(self, slot: int, at: int) -> None:
+        a, b = self.pairs[slot]
+        rank = b.shape[-1]
+        self._ws_a[at : at + rank].copy_(a)
+        self._ws_bt[at : at + rank].copy_(b.t())
+        self._ws_at[slot] = at
+        self.layout = (*self.layout, (slot, rank))
 
     def used(self, active: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(slot for slot in active if slot in self.pairs)

@@ -167,7 +167,10 @@ def test_uploads_that_are_not_one_adapter_are_refused_clearly(setup, tiny_llama)
     assert upload(client, None, path).json()["error"]["message"].startswith("name:")
     assert upload(client, "../etc", path).status_code == 400
     assert upload(client, "tiny", path).status_code == 409  # the base model's name
-    assert upload(client, "a", path).status_code == 409  # a shared adapter's name
+    assert upload(client, "a", path).status_code == 409  # a shared adapter's name, which t1 uses
+    mine = upload(client, "a", path, key="t2")  # t2 may not use the config's 'a': the name is free for its own
+    assert mine.status_code == 201 and greedy(client, "a", key="t2").status_code == 200
+    assert client.get("/v1/adapters/a", headers=auth()).json()["fingerprint"] != mine.json()["fingerprint"]
     r = upload(client, "x", path, part="weights")
     assert r.status_code == 400 and "send either a 'file' part" in r.json()["error"]["message"]
     r = client.post("/v1/adapters", headers=auth(), json={"name": "x"})
