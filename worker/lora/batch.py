@@ -21,6 +21,7 @@ class LoRABatch:
         self.column: dict[int, int] = {}
         self.runs: dict[int, list[tuple[int, int]]] = {}  # slot -> [(start, end)] rows where its scale is non-zero
         self.segmented = False  # compute each adapter over its runs (big passes), not all rows against a stack
+        self._host = None  # token_scales on the host, for the runs
         self._scales_by_dtype: dict[torch.dtype, torch.Tensor] = {}
         self._column_scales: dict[tuple, torch.Tensor] = {}
         self._indices: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()  # kept between passes
@@ -31,16 +32,21 @@ class LoRABatch:
         self.column = {slot: j for j, slot in enumerate(self.active)}
         self._scales_by_dtype.clear()
         self._column_scales.clear()
-        rows = token_scales.shape[0]
-        self.segmented = rows >= SEGMENTED_MIN_ROWS and bool(active)
+        self.segmented = token_scales.shape[0] >= SEGMENTED_MIN_ROWS and bool(active)
         self.runs = {}
-        if self.segmented:
-            host = host_scales if host_scales is not None else token_scales.cpu().numpy()
-            for j, slot in enumerate(self.active):
-                self.runs[slot] = _runs(host[:, j] != 0)
+        self._host = host_scales
+
+    def runs_of(self, slot: int) -> list[tuple[int, int]]:
+        """The [start, end) runs of rows where `slot`'s scale is non-zero (found once per pass)."""
+        runs = self.runs.get(slot)
+        if runs is None:
+            if self._host is None:
+                self._host = self.token_scales.cpu().numpy()
+            runs = self.runs[slot] = _runs(self._host[:, self.column[slot]] != 0)
+        return runs
 
     def clear(self) -> None:
-        self.token_scales, self.active, self.column, self.runs = None, (), {}, {}
+        self.token_scales, self.active, self.column, self.runs, self._host = None, (), {}, {}, None
         self._scales_by_dtype.clear()
         self._column_scales.clear()
 

@@ -24,16 +24,17 @@ class LoRALinear(nn.Module):
         if not used:
             return y
         out, flat = y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
-        if self.batch.segmented:  # each adapter over its own rows
-            scales = self.batch.scales(x.dtype)
-            for slot in used:
-                a, b = self.weights.pairs[slot]
-                column = scales[:, self.batch.column[slot], None]
-                for start, end in self.batch.runs[slot]:
-                    self.backend.add_linear(out[start:end], flat[start:end], a, b, column[start:end])
-            return y
-        a, b = self.weights.working_set(used)
-        self.backend.add_linear(out, flat, a, b, self.batch.column_scales(self.weights.layout, x.dtype))
+        finite = self.weights.finite
+        shared = () if self.batch.segmented else tuple(slot for slot in used if finite[slot])
+        if shared:  # one pair of matmuls over the working set
+            a, b = self.weights.working_set(shared)
+            self.backend.add_linear(out, flat, a, b, self.batch.column_scales(self.weights.layout, x.dtype))
+        scales = self.batch.scales(x.dtype)
+        for slot in used if self.batch.segmented else (slot for slot in used if not finite[slot]):  # each over its own rows
+            a, b = self.weights.pairs[slot]
+            column = scales[:, self.batch.column[slot], None]
+            for start, end in self.batch.runs_of(slot):
+                self.backend.add_linear(out[start:end], flat[start:end], a, b, column[start:end])
         return y
 
 
@@ -50,10 +51,12 @@ class LoRAEmbedding(nn.Module):
         used = self.weights.used(self.batch.active)
         if not used:
             return y
-        scales, flat = self.batch.scales(y.dtype), ids.reshape(-1)
-        for slot in used:  # one layer: a gather and a matmul per active adapter
+        scales, flat, out = self.batch.scales(y.dtype), ids.reshape(-1), y.view(-1, y.shape[-1])
+        for slot in used:  # one layer: a gather and a matmul per active adapter, over its own rows
             a, b = self.weights.pairs[slot]
-            self.backend.add_embedding(y.view(-1, y.shape[-1]), a.index_select(0, flat), b, scales[:, self.batch.column[slot], None])
+            column = scales[:, self.batch.column[slot], None]
+            for start, end in self.batch.runs_of(slot):
+                self.backend.add_embedding(out[start:end], a.index_select(0, flat[start:end]), b, column[start:end])
         return y
 
 

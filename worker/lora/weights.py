@@ -41,13 +41,18 @@ class TargetWeights:
     _ws_bt: torch.Tensor | None = None  # [capacity, d]: its B transposed (rows are rank columns)
     _ws_at: dict[int, int] = field(default_factory=dict)  # slot -> first column
     layout: tuple[tuple[int, int], ...] = ()  # (slot, rank) of the working set's columns, in order
+    finite: dict[int, bool] = field(default_factory=dict)  # slot -> its weights are all finite (only those share matmuls)
 
     def add(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         self.pairs[slot] = (a, b)
+        # an adapter with an inf or NaN weight (a bad upload, or one past float16's range) is computed on its own
+        # rows only: at scale 0 in a shared matmul, 0 * inf would be NaN in every other request's rows
+        self.finite[slot] = bool(torch.isfinite(a).all() and torch.isfinite(b).all())
         self._forget(slot)
 
     def remove(self, slot: int) -> None:
         self.pairs.pop(slot, None)
+        self.finite.pop(slot, None)
         self._forget(slot)
 
     def _forget(self, slot: int) -> None:

@@ -92,7 +92,38 @@ def test_a_pass_computes_only_the_adapters_in_its_batch(tiny_llama, tmp_path) ->
     rows, active = token_scales([(mapped[0], 0, 1), (mapped[1], 0, 1)])
     runner.logits([5, 6], [Segment(0, 0, 1, 0), Segment(1, 1, 1, 0)], kv, torch.from_numpy(rows), active, [0, 1])
     assert backend.columns and set(backend.columns) == {8}  # rank 4 + rank 4, stacked
+    for first in range(0, 40, 2):  # other pairs come and go: the working set takes them in, and stays bounded
+        backend.columns.clear()
+        pair = [runner.resolve_adapters([], {first: 1.0}), runner.resolve_adapters([], {first + 1: 1.0})]
+        rows, active = token_scales([(pair[0], 0, 1), (pair[1], 0, 1)])
+        runner.logits([5, 6], [Segment(0, 0, 1, 0), Segment(1, 1, 1, 0)], kv, torch.from_numpy(rows), active, [0, 1])
+        assert 8 <= max(backend.columns) <= 2 * 8 + 64 + 8  # its two, plus idle ones at most twice theirs and the spare room
     backend.columns.clear()
     rows, active = token_scales([(mapped[0], 0, 60), (mapped[1], 0, 60)])
     runner.logits(list(range(120)), [Segment(0, 0, 60, 0), Segment(1, 60, 60, 0)], kv, torch.from_numpy(rows), active, [59, 119])
     assert backend.columns and set(backend.columns) == {4}  # one adapter over its own rows
+
+
+@pytest.mark.parametrize("segmented", [True, False])
+def test_an_adapter_with_infinite_weights_poisons_only_its_own_rows(tiny_llama, tmp_path, monkeypatch, segmented) -> None:
+    """0 * inf is NaN: an inf adapter idle in a batch (or in the working set) must not touch others' rows."""
+    import numpy as np
+
+    good = adapters(tiny_llama, tmp_path, 1)[0]
+    pairs = {t: (a, np.full_like(b, np.inf)) for t, (a, b) in random_lora(tiny_llama, ATTN, 4, seed=7).items()}
+    hot = load_adapter(write_adapter(tmp_path / "hot.gguf", pairs), GGUFFile(tiny_llama.path))
+    embedding = {"token_embd.weight": random_lora(tiny_llama, ["token_embd.weight"], 4, seed=8)["token_embd.weight"]}
+    hot_embedding = load_adapter(write_adapter(tmp_path / "hot-e.gguf", {t: (a, np.full_like(b, np.inf)) for t, (a, b) in embedding.items()}),
+                                 GGUFFile(tiny_llama.path))
+    runner = ModelRunner(GGUFFile(tiny_llama.path), [good, hot, hot_embedding], TEST_DEVICE)
+    ids = list(range(10, 45))
+    want = prompt_logits(runner, ids, {0: 1.0})
+    monkeypatch.setattr(lora_batch, "SEGMENTED_MIN_ROWS", 1 if segmented else 10**9)
+    for bad in (1, 2):
+        kv = runner.allocate_kv(2, 64)
+        mapped = [runner.resolve_adapters(ids, {bad: 1.0}), runner.resolve_adapters(ids, {0: 1.0})]
+        rows, active = token_scales([(m, 0, len(ids)) for m in mapped])
+        out = runner.logits(ids + ids, [Segment(0, 0, len(ids), 0), Segment(1, len(ids), len(ids), 0)], kv, torch.from_numpy(rows), active,
+                            range(2 * len(ids))).cpu()
+        assert not torch.isfinite(out[: len(ids)]).all()
+        torch.testing.assert_close(out[len(ids):], want, atol=1e-5, rtol=1e-5)
