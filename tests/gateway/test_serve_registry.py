@@ -14,9 +14,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import yaml
 from gguf import GGUFWriter
 
+from bench.server import base_config
 from tests.gateway.gateway_setup import digest
 from tests.gateway.serve_process import running_serve
 from tests.redis_server import RedisServer
@@ -73,15 +73,13 @@ class Deployment:
 def deployment(tmp_path_factory):
     directory = tmp_path_factory.mktemp("registry-serve")
     redis_server = RedisServer().start()
-    config = yaml.safe_load((DEPLOY / "serve.yaml").read_text())
-    for adapter in config["adapters"]:
-        adapter["path"] = str(DEPLOY / adapter["path"])
+    config = base_config(f"loraplex-test-{uuid.uuid4().hex}")  # deploy/serve.yaml, adapter paths absolute
     config["tenants"] = [
         {"id": "demo", "key_sha256": [digest(KEYS["demo"])]},
         {"id": "acme", "key_sha256": [digest(KEYS["acme"])], "adapters": ["json"]},
         {"id": "tiny", "key_sha256": [digest(KEYS["tiny"])], "max_adapters": 1},
     ]
-    config["cache"].update(key_prefix=f"loraplex-test-{uuid.uuid4().hex}", redis_url=redis_server.url)
+    config["cache"]["redis_url"] = redis_server.url
     config["registry"] = {"store_dir": str(directory / "store"), "allowed_paths": [str(DEPLOY / "adapters")], "poll_interval_s": 0.5}
     config["http"] = {"gateway_replicas": 2}
     served = Deployment(config, directory)
