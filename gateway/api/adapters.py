@@ -27,7 +27,7 @@ from starlette.datastructures import UploadFile
 from gateway.api.protocol import APIError, load_json, parse
 from gateway.catalog import AdapterInfo
 from gateway.config import NAME
-from gateway.registry.records import SHARED, AdapterRecord
+from gateway.registry.records import SHARED, AdapterRecord, RegistryUnavailable
 from gateway.registry.store import PEFT_CONFIG, PEFT_WEIGHTS, InvalidAdapter, PathNotAllowed, check_gguf, convert_peft, read_server_path
 
 UPLOAD_PARTS = ("name", "file", PEFT_CONFIG, PEFT_WEIGHTS)
@@ -77,6 +77,12 @@ def entry(name: str, info: AdapterInfo, record: AdapterRecord | None, registry, 
 
 
 def add_adapter_routes(app: FastAPI, current: Callable[[Request], Any], begin) -> None:
+    @app.exception_handler(RegistryUnavailable)
+    async def _unavailable(request: Request, e: RegistryUnavailable) -> JSONResponse:  # changes wait for Redis; serving goes on
+        error = APIError(503, "the adapter registry is unavailable (its Redis cannot be reached): try again shortly", "registry_unavailable",
+                         {"Retry-After": "5"})
+        return JSONResponse(error.body(), status_code=503, headers=error.headers)
+
     async def _caller(request: Request):
         """(gateway, owner, tenant or None for the operator)."""
         gateway = current(request)
@@ -160,7 +166,7 @@ def add_adapter_routes(app: FastAPI, current: Callable[[Request], Any], begin) -
     @app.get("/v1/adapters")
     async def list_adapters(request: Request) -> dict[str, Any]:
         gateway, owner, tenant = await _caller(request)
-        await gateway.registry.refresh()
+        await gateway.registry.refresh_if_stale(0.0)
         rows = _visible(gateway, owner, tenant)
         return {"object": "list", "data": [entry(n, info, record, gateway.registry, tenant is None) for n, info, record in rows]}
 
@@ -168,7 +174,7 @@ def add_adapter_routes(app: FastAPI, current: Callable[[Request], Any], begin) -
     async def get_adapter(name: str, request: Request) -> dict[str, Any]:
         gateway, owner, tenant = await _caller(request)
         owner = _owner_of(request, owner, tenant)
-        await gateway.registry.refresh()
+        await gateway.registry.refresh_if_stale(0.0)
         for n, info, record in _visible(gateway, owner, tenant):
             if n == name and (tenant is not None or info.owner == owner):
                 return entry(n, info, record, gateway.registry, tenant is None)

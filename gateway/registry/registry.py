@@ -37,6 +37,7 @@ from worker.formats.adapter import LoRAAdapter
 
 log = logging.getLogger(__name__)
 PENDING = "pending:"  # key prefix of a staged change
+UNAVAILABLE_BACKOFF_S = 5.0
 Sync = Callable[[str, int, dict[str, str]], Awaitable[dict[str, Any]]]
 
 
@@ -164,7 +165,7 @@ class AdapterRegistry:
         try:
             await self.refresh()
         except RegistryUnavailable:
-            pass
+            self._checked += UNAVAILABLE_BACKOFF_S  # requests do not each wait on a Redis that is down
 
     async def refresh(self, force: bool = False) -> bool:
         """Take the stored records when they changed: pins pushed first, names after."""

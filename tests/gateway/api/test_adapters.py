@@ -276,3 +276,21 @@ def test_a_redis_that_comes_back_empty_gets_the_registry_back(setup, tiny_llama)
     assert client.get("/v1/adapters/durable", headers=auth()).json()["fingerprint"] == before["fingerprint"]
     assert greedy(client, "durable").status_code == 200
     assert r.exists(f"{prefix}:{gateway.catalog.base_fingerprint[:16]}:registry:version")  # back in Redis, for every gateway
+
+
+def test_changes_wait_for_an_unreachable_registry_and_serving_goes_on(setup, tiny_llama, monkeypatch) -> None:
+    from gateway.registry.records import RegistryUnavailable
+
+    client, pool, directory, _, gateway, _ = setup
+    assert upload(client, "steady", adapter_file(tiny_llama, directory / "steady.gguf", 95)).status_code == 201
+
+    async def down(*args, **kwargs):
+        raise RegistryUnavailable("the adapter registry (Redis) is unavailable: ConnectionError")
+
+    for method in ("transact", "version", "load"):
+        monkeypatch.setattr(gateway.registry.records, method, down)
+    r = upload(client, "later", adapter_file(tiny_llama, directory / "later.gguf", 96))
+    assert r.status_code == 503 and r.headers["retry-after"] and "registry is unavailable" in r.json()["error"]["message"]
+    assert client.delete("/v1/adapters/steady", headers=auth()).status_code == 503
+    assert greedy(client, "steady").status_code == 200  # what is known still serves
+    assert client.get("/v1/adapters/steady", headers=auth()).status_code == 200
