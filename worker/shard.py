@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -47,6 +49,37 @@ def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one choice as one (`then`'s end, if it ends it)."""
     logprobs = (first.logprobs or []) + (then.logprobs or []) if first.logprobs or then.logprobs else None
     return replace(then, token_ids=first.token_ids + then.token_ids, text=first.text + then.text, logprobs=logprobs)
+
+
+class Mailbox:
+    """Outputs from the engine's thread into one event loop's queues, with one wakeup of that
+    loop for everything posted before it runs (a step's outputs for every request), not one
+    per output: under load the loop wakes once per engine step."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue, RequestOutput]] = []
+        self._pending = False
+        self._lock = threading.Lock()
+
+    def post(self, queue: asyncio.Queue, out: RequestOutput) -> None:
+        with self._lock:
+            self._items.append((queue, out))
+            if self._pending:
+                return
+            self._pending = True
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed: the caller cancels its request
+            with self._lock:
+                self._pending = False
+            raise
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._items, self._pending = self._items, [], False
+        for queue, out in items:
+            queue.put_nowait(out)
 
 
 def memory_report(runner: ModelRunner) -> dict[str, int]:
@@ -88,6 +121,7 @@ class ShardWorker:
 
         self.loop = EngineLoop(build, spec.engine.max_waiting)
         self.pins = Pins(self.loop, self.runner.base, names)
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
 
     def request(self, call: WorkerCall) -> EngineRequest:
         """The engine's request; NotHeld when it names an adapter (a fingerprint, or a deploy-time
@@ -105,11 +139,11 @@ class ShardWorker:
         """The request's deltas. Never raises for one request's sake: a request the worker
         refuses or fails ends with an error Delta carrying its status, so the replica stays
         healthy in the gateway's eyes (only a dead replica fails as a transport error)."""
-        aloop = asyncio.get_running_loop()
+        mailbox = self._mailbox()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()  # fed from the engine thread, no executor thread per stream
 
         def deliver(out: RequestOutput) -> None:
-            aloop.call_soon_threadsafe(outputs.put_nowait, out)
+            mailbox.post(outputs, out)
 
         try:
             request = self.request(call)
@@ -144,6 +178,14 @@ class ShardWorker:
         finally:
             if not finished:  # the caller went away (client disconnect, gateway cancel): free the KV slot now
                 stream.cancel()
+
+    def _mailbox(self) -> Mailbox:
+        """The running event loop's mailbox (one per loop: a replica has one; tests run several)."""
+        loop = asyncio.get_running_loop()
+        mailbox = self._mailboxes.get(loop)
+        if mailbox is None:
+            mailbox = self._mailboxes[loop] = Mailbox(loop)
+        return mailbox
 
     async def sync(self, version: int, pins: dict[str, str]) -> dict[str, Any]:
         """Hold exactly `pins` (fingerprint -> adapter file) from now on (worker/engine/pins.py)."""
