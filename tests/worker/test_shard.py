@@ -132,3 +132,30 @@ def test_pins_change_between_steps_by_fingerprint_and_a_dropped_one_waits_for_it
 
     asyncio.run(scenario())
     assert worker.health()["pins"]["version"] == 11 and "loraplex_worker_adapters{state=\"held\"} 1" in worker.metrics()
+
+
+def test_the_mailbox_wakes_the_event_loop_once_for_everything_posted_before_it_runs() -> None:
+    import threading
+
+    from worker.shard import Mailbox
+
+    async def scenario() -> tuple[int, list[int]]:
+        loop = asyncio.get_running_loop()
+        wakeups = []
+        original = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: wakeups.append(1) or original(*a)  # type: ignore[method-assign]
+        mailbox, queues = Mailbox(loop), [asyncio.Queue() for _ in range(4)]
+        from worker.engine.outputs import RequestOutput
+
+        def engine_step() -> None:  # one step's outputs, from another thread
+            for i, queue in enumerate(queues):
+                mailbox.post(queue, RequestOutput(f"r{i}", [i], str(i)))
+
+        thread = threading.Thread(target=engine_step)
+        thread.start()
+        thread.join()
+        got = [(await asyncio.wait_for(q.get(), 5)).token_ids[0] for q in queues]
+        return len(wakeups), got
+
+    wakeups, got = asyncio.run(scenario())
+    assert wakeups == 1 and got == [0, 1, 2, 3]
