@@ -14,6 +14,7 @@ from gateway.catalog import AdapterInfo, Catalog
 from gateway.config import ServeConfig
 from gateway.policy.routing import affinity_key
 from gateway.ratelimit import RateLimiter
+from gateway.registry.registry import AdapterRegistry
 from gateway.tenants import Tenant
 from worker.contract.calls import WorkerCall
 from worker.contract.params import SamplingParams
@@ -35,15 +36,13 @@ class Prepared:
 
 
 class Admission:
-    def __init__(self, config: ServeConfig, catalog: Catalog, limiter: RateLimiter, clock: Callable[[], float] = time.monotonic) -> None:
-        self.config, self.catalog, self.limiter, self.clock = config, catalog, limiter, clock
-        self.registry = None  # the gateway's AdapterRegistry, once it has one: adapters by tenant, as registered
+    def __init__(self, config: ServeConfig, catalog: Catalog, limiter: RateLimiter, registry: AdapterRegistry,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.catalog, self.limiter, self.registry, self.clock = config, catalog, limiter, registry, clock
 
     def adapters(self, tenant: Tenant) -> dict[str, AdapterInfo]:
         """The adapters this tenant may use, by name: the config's first, in order (the ids of /lora-adapters)."""
-        if self.registry is not None:
-            return self.registry.visible(tenant)
-        return {n: info for n, info in self.catalog.adapters.items() if tenant.may_use(n)}
+        return self.registry.visible(tenant)
 
     def adapter_names(self, tenant: Tenant) -> list[str]:
         return list(self.adapters(tenant))

@@ -40,9 +40,8 @@ class Gateway:
         self.config, self.catalog, self.pool = config, catalog, pool
         self.tenants = Tenants(config)
         self.limiter = limiter or RateLimiter()
-        self.admission = Admission(config, catalog, self.limiter, clock)
         self.registry = registry or open_registry(config, catalog, pool)
-        self.admission.registry = self.registry
+        self.admission = Admission(config, catalog, self.limiter, self.registry, clock)
         self.metrics = metrics or GatewayMetrics()
         self._clock = clock
         self._in_flight: dict[str, int] = {}

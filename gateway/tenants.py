@@ -34,9 +34,6 @@ class Tenant:
     def may_use(self, adapter: str) -> bool:
         return self.allowed is None or adapter in self.allowed
 
-    def visible(self, names: list[str]) -> list[str]:
-        return [n for n in names if self.may_use(n)]
-
     def cache_salt(self, request_salt: str | None) -> str:
         base = SHARED_SALT if self.shared_cache else f"tenant:{self.id}"
         return base if not request_salt else f"{base}/{request_salt}"

@@ -82,14 +82,11 @@ class Mailbox:
             queue.put_nowait(out)
 
 
-def memory_report(runner: ModelRunner) -> dict[str, int]:
-    """Bytes this replica holds: the base weights, the adapters, and the KV cache (where the device says more)."""
+def memory_report(runner: ModelRunner, base_bytes: int) -> dict[str, int]:
+    """Bytes this replica holds: the base weights, the adapters, and (on CUDA) all the device has allocated."""
     import torch
 
-    def size(tensors) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    report = {"base_bytes": size(p for n, p in runner.model.state_dict().items() if "lora" not in n), "adapter_bytes": runner.lora.nbytes()}
+    report = {"base_bytes": base_bytes, "adapter_bytes": runner.lora.nbytes()}
     if runner.config.torch_device.type == "cuda":
         report["device_allocated_bytes"] = torch.cuda.memory_allocated(runner.config.torch_device)
     return report
@@ -117,6 +114,7 @@ class ShardWorker:
             self.runner = ModelRunner.from_paths(spec.model_path, [adapter.path for adapter in spec.adapters], device)
             self.tokenizer = GGUFTokenizer(self.runner.base)
             self.prefix_cache = open_prefix_cache(self.runner, spec.cache, fingerprint_dir=spec.fingerprint_dir)
+            self.base_bytes = sum(t.numel() * t.element_size() for t in self.runner.model.state_dict().values())  # adapters are not in it
             return Engine(self.runner, self.tokenizer, spec.engine, prefix_cache=self.prefix_cache)
 
         self.loop = EngineLoop(build, spec.engine.max_waiting)
@@ -193,7 +191,7 @@ class ShardWorker:
 
     def health(self) -> dict[str, Any]:
         return {"shard": self.spec.shard, "adapters": self.pins.held, "pid": os.getpid(), "cache": self.prefix_cache.health(),
-                "pins": self.pins.state(), "adapter_bytes": self.runner.lora.nbytes(), "memory": memory_report(self.runner)}
+                "pins": self.pins.state(), "memory": memory_report(self.runner, self.base_bytes)}
 
     def metrics(self) -> str:
         return self.prefix_cache.prometheus() + self.loop.engine.counters.prometheus() + adapter_metrics(self.pins, self.runner)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import UploadFile
 
-from gateway.api.protocol import APIError, load_json, parse
+from gateway.api.protocol import APIError, load_json, parse, read_body
 from gateway.catalog import AdapterInfo
 from gateway.config import NAME
 from gateway.registry.records import SHARED, AdapterRecord, RegistryUnavailable
@@ -113,7 +113,7 @@ def add_adapter_routes(app: FastAPI, current: Callable[[Request], Any], begin) -
                                                                         tenant)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        info = gateway.registry._info(record)
+        info = gateway.registry.info(record)
         out = entry(name, info, record, gateway.registry, tenant is None)
         out.update(replaced=replaced.fingerprint if replaced is not None else None, ready_s=round(ready_s, 3))
         return out, replaced
@@ -161,7 +161,7 @@ def add_adapter_routes(app: FastAPI, current: Callable[[Request], Any], begin) -
             return [(n, info, records.get(n) if records.get(n) and records[n].fingerprint == info.fingerprint else None)
                     for n, info in registry.visible(tenant).items()]
         shared = [(n, info, None) for n, info in registry.seed.items()]
-        return shared + [(r.name, registry._info(r), r) for r in registry.owned(None)]
+        return shared + [(r.name, registry.info(r), r) for r in registry.owned(None)]
 
     @app.get("/v1/adapters")
     async def list_adapters(request: Request) -> dict[str, Any]:
@@ -196,7 +196,7 @@ def add_adapter_routes(app: FastAPI, current: Callable[[Request], Any], begin) -
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         gateway, owner, tenant = await _caller(request)
-        body = parse(LoadLoRARequest, load_json(await _limited_body(request, gateway.config.http.max_body_bytes)))
+        body = parse(LoadLoRARequest, load_json(await read_body(request, gateway.config.http.max_body_bytes)))
         name = _check_name(body.lora_name)
         roots, base_dir = gateway.config.allowed_paths(), Path(gateway.config.base_dir)
 
@@ -217,7 +217,7 @@ def add_adapter_routes(app: FastAPI, current: Callable[[Request], Any], begin) -
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         gateway, owner, tenant = await _caller(request)
-        body = parse(UnloadLoRARequest, load_json(await _limited_body(request, gateway.config.http.max_body_bytes)))
+        body = parse(UnloadLoRARequest, load_json(await read_body(request, gateway.config.http.max_body_bytes)))
         await _delete(gateway, owner, tenant, body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
@@ -232,17 +232,6 @@ def _save(part: UploadFile, path: Path) -> None:
     part.file.seek(0)
     with open(path, "wb") as out:
         shutil.copyfileobj(part.file, out, 1 << 20)
-
-
-async def _limited_body(request: Request, limit: int) -> bytes:
-    if int(request.headers.get("content-length") or 0) > limit:
-        raise APIError(413, f"request body over {limit} bytes", "body_too_large")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise APIError(413, f"request body over {limit} bytes", "body_too_large")
-    return bytes(body)
 
 
 async def _read_form(request: Request, limit: int):

@@ -35,7 +35,7 @@ from gateway.api.formats import (
     tokenize_piece,
 )
 from gateway.api.llama_protocol import ApplyTemplateRequest, DetokenizeRequest, LlamaCompletionRequest, LoraScale, TokenizeRequest
-from gateway.api.protocol import APIError, ChatRequest, CompletionRequest, load_json, parse
+from gateway.api.protocol import APIError, ChatRequest, CompletionRequest, load_json, parse, read_body
 from gateway.api.sampling import compiled_grammar, llama_params, openai_params, settings_of
 from gateway.api.tools import ToolPlan, chat_input, rendered_size
 from gateway.dispatch import Gateway
@@ -51,15 +51,7 @@ OFF_LOOP_TOKENS = 4096  # token lists longer than this are decoded in a worker t
 
 
 async def _json_body(request: Request, gateway: Gateway) -> Any:
-    limit = gateway.config.http.max_body_bytes
-    if int(request.headers.get("content-length") or 0) > limit:
-        raise APIError(413, f"request body over {limit} bytes", "body_too_large")
-    body = bytearray()
-    async for part in request.stream():  # stop reading at the limit, whatever the header said
-        body += part
-        if len(body) > limit:
-            raise APIError(413, f"request body over {limit} bytes", "body_too_large")
-    return load_json(bytes(body))
+    return load_json(await read_body(request, gateway.config.http.max_body_bytes))
 
 
 def _headers(prepared: Prepared) -> dict[str, str]:

@@ -317,6 +317,18 @@ def _adapter(model: Any) -> TypeAdapter:
     return TypeAdapter(model, config=None if isinstance(model, type) and issubclass(model, BaseModel) else ConfigDict(strict=True))
 
 
+async def read_body(request, limit: int) -> bytes:
+    """A request's body, 413 past `limit` bytes (the header's claim, or what is actually sent)."""
+    if int(request.headers.get("content-length") or 0) > limit:
+        raise APIError(413, f"request body over {limit} bytes", "body_too_large")
+    body = bytearray()
+    async for part in request.stream():  # stop reading at the limit, whatever the header said
+        body += part
+        if len(body) > limit:
+            raise APIError(413, f"request body over {limit} bytes", "body_too_large")
+    return bytes(body)
+
+
 def parse(model: Any, data: Any) -> Any:
     """Validate a JSON body against a model (or a list of one); a bad one is a 400 naming the field."""
     try:

@@ -16,11 +16,12 @@ Without Redis, that JSON file is the registry, changed under a file lock (one ma
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -60,12 +61,39 @@ class AdapterRecord:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> AdapterRecord:
-        data = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AdapterRecord:
+        data = dict(data)
         data["targets"] = tuple(data.get("targets") or ())
         data["shards"] = tuple(data.get("shards") or ())
         if data.get("invocation_tokens") is not None:
             data["invocation_tokens"] = tuple(data["invocation_tokens"])
         return cls(**data)
+
+
+def _unavailable(e: Exception) -> RegistryUnavailable:
+    return RegistryUnavailable(f"the adapter registry (Redis) is unavailable: {type(e).__name__}")
+
+
+def _applied(records: Records, changes: dict[str, AdapterRecord | None]) -> Records:
+    """`records` with `changes` made (None deletes)."""
+    after = {k: r for k, r in records.items() if k not in changes}
+    after.update((k, r) for k, r in changes.items() if r is not None)
+    return after
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (every process on this machine)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def record_key(owner: str, name: str) -> str:
@@ -96,7 +124,7 @@ class RedisRecords:
         try:
             raw = await self.client.get(self.version_key)
         except (RedisError, OSError) as e:
-            raise RegistryUnavailable(f"the adapter registry (Redis) is unavailable: {type(e).__name__}") from e
+            raise _unavailable(e) from e
         return int(raw) if raw is not None else await self._restore()
 
     async def load(self) -> tuple[int, Records]:
@@ -106,7 +134,7 @@ class RedisRecords:
             async with self.client.pipeline(transaction=True) as pipe:
                 version, raw = await pipe.get(self.version_key).hgetall(self.records_key).execute()
         except (RedisError, OSError) as e:
-            raise RegistryUnavailable(f"the adapter registry (Redis) is unavailable: {type(e).__name__}") from e
+            raise _unavailable(e) from e
         if version is None and await self._restore():
             return await self.load()
         return int(version or 0), _decode(raw)
@@ -139,7 +167,7 @@ class RedisRecords:
                 except WatchError:
                     return int(await self.client.get(self.version_key) or 0)
         except (RedisError, OSError) as e:
-            raise RegistryUnavailable(f"the adapter registry (Redis) is unavailable: {type(e).__name__}") from e
+            raise _unavailable(e) from e
         log.warning("the registry was missing from Redis: restored %d record(s) from %s", len(records), self.mirror)
         return version + 1
 
@@ -149,7 +177,7 @@ class RedisRecords:
         try:
             return bool(await self.client.set(f"{self.version_key}:lease:{name}", b"1", nx=True, px=max(1, int(ttl_s * 1000))))
         except (RedisError, OSError) as e:
-            raise RegistryUnavailable(f"the adapter registry (Redis) is unavailable: {type(e).__name__}") from e
+            raise _unavailable(e) from e
 
     async def transact(self, change: Change) -> tuple[int, Any]:
         from redis.exceptions import RedisError, WatchError
@@ -173,12 +201,10 @@ class RedisRecords:
                     except WatchError:  # another gateway changed it meanwhile: again, on what is there now
                         continue
         except (RedisError, OSError) as e:  # a refusal from `change` itself goes to the caller as it is
-            raise RegistryUnavailable(f"the adapter registry (Redis) is unavailable: {type(e).__name__}") from e
+            raise _unavailable(e) from e
         if self.mirror is not None:
-            after = {k: r for k, r in records.items() if k not in changes}
-            after.update((k, r) for k, r in changes.items() if r is not None)
             try:
-                await asyncio.to_thread(FileRecords.write_if_newer, self.mirror, version, after)
+                await asyncio.to_thread(FileRecords.write_if_newer, self.mirror, version, _applied(records, changes))
             except OSError as e:
                 log.warning("the registry's mirror %s cannot be written: %s", self.mirror, e)
         return version, result
@@ -197,7 +223,7 @@ class FileRecords:
             data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return 0, {}
-        return int(data["version"]), {k: AdapterRecord.from_json(json.dumps(v)) for k, v in data["records"].items()}
+        return int(data["version"]), {k: AdapterRecord.from_dict(v) for k, v in data["records"].items()}
 
     @staticmethod
     def write(path: Path, version: int, records: Records) -> None:
@@ -210,29 +236,20 @@ class FileRecords:
     @classmethod
     def write_if_newer(cls, path: Path, version: int, records: Records) -> None:
         """`write`, unless the file already holds a later version (gateways racing to mirror)."""
-        with open(path.with_name(path.name + ".lock"), "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with _file_lock(path.with_name(path.name + ".lock")):
             try:
-                try:
-                    current = cls.read(path)[0]
-                except (ValueError, KeyError, TypeError):  # a damaged copy: this one replaces it
-                    current = -1
-                if current < version:
-                    cls.write(path, version, records)
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+                current = cls.read(path)[0]
+            except (ValueError, KeyError, TypeError):  # a damaged copy: this one replaces it
+                current = -1
+            if current < version:
+                cls.write(path, version, records)
 
     def _read(self) -> tuple[int, Records]:
         return self.read(self.path)
 
     def _locked(self, fn: Callable[[], Any]) -> Any:
-        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.lock_path, "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                return fn()
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        with _file_lock(self.lock_path):
+            return fn()
 
     async def version(self) -> int:
         return (await self.load())[0]
@@ -247,12 +264,7 @@ class FileRecords:
         def apply() -> tuple[int, Any]:
             version, records = self._read()
             changes, result = change(dict(records))
-            for key, record in changes.items():
-                if record is None:
-                    records.pop(key, None)
-                else:
-                    records[key] = record
-            self.write(self.path, version + 1, records)
+            self.write(self.path, version + 1, _applied(records, changes))
             return version + 1, result
 
         return await asyncio.to_thread(self._locked, apply)

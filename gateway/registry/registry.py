@@ -76,12 +76,12 @@ class AdapterRegistry:
         if cached is None:
             cached = {n: info for n, info in self.seed.items() if tenant.may_use(n)}
             committed = sorted((r for k, r in self.current.items() if not k.startswith(PENDING)), key=lambda r: (r.created_s, r.name))
-            cached.update((r.name, self._info(r)) for r in committed if r.owner == SHARED and tenant.may_use(r.name))
-            cached.update((r.name, self._info(r)) for r in committed if r.owner == tenant.id)
+            cached.update((r.name, self.info(r)) for r in committed if r.owner == SHARED and tenant.may_use(r.name))
+            cached.update((r.name, self.info(r)) for r in committed if r.owner == tenant.id)
             self._visible[tenant.id] = cached
         return cached
 
-    def _info(self, r: AdapterRecord) -> AdapterInfo:
+    def info(self, r: AdapterRecord) -> AdapterInfo:
         return AdapterInfo(r.name, self.store.path(r.fingerprint), r.fingerprint, r.task_name, r.prompt_prefix, r.invocation_tokens, r.owner)
 
     def owned(self, owner: str | None) -> list[AdapterRecord]:
@@ -89,9 +89,12 @@ class AdapterRegistry:
         return sorted((r for k, r in self.current.items() if not k.startswith(PENDING) and (owner is None or r.owner == owner)),
                       key=lambda r: (r.owner, r.created_s, r.name))
 
-    def pins(self, shard: str) -> dict[str, str]:
+    def pins(self, shard: str, records: Records | None = None) -> dict[str, str]:
+        """What `shard`'s workers should hold (fingerprint -> file): its config adapters and the
+        records (default: the current ones) placed on it."""
         pins = dict(self.seed_pins.get(shard, {}))
-        pins.update((r.fingerprint, str(self.store.path(r.fingerprint))) for r in self.current.values() if shard in r.shards)
+        records = self.current if records is None else records
+        pins.update((r.fingerprint, str(self.store.path(r.fingerprint))) for r in records.values() if shard in r.shards)
         return pins
 
     def health(self) -> dict[str, Any]:
@@ -159,7 +162,7 @@ class AdapterRegistry:
     async def refresh_if_stale(self, max_age_s: float = 0.2) -> None:
         """Look at the version when it was not looked at lately (a request's path: a change made
         through another gateway replica is seen at once, and Redis being down changes nothing)."""
-        if time.monotonic() - self._checked < max_age_s:
+        if time.monotonic() - self._checked < max_age_s or self._lock.locked():  # another request is refreshing: go on
             return
         self._checked = time.monotonic()
         try:
@@ -182,13 +185,7 @@ class AdapterRegistry:
     async def push(self, version: int | None = None, records: Records | None = None, replicas: list[ReplicaInfo] | None = None) -> None:
         """Send every worker its pins for `records` and learn what it holds."""
         version = self.version if version is None else version
-        saved = self.current
-        if records is not None:
-            self.current = records  # pins() reads it
-        try:
-            wanted = {r.replica_id: self.pins(r.shard) for r in replicas or self.replicas}
-        finally:
-            self.current = saved
+        wanted = {r.replica_id: self.pins(r.shard, records) for r in replicas or self.replicas}
         await asyncio.gather(*(self._push_one(rid, version, pins) for rid, pins in wanted.items()))
 
     async def _push_one(self, replica_id: str, version: int, pins: dict[str, str]) -> None:
@@ -247,8 +244,8 @@ class AdapterRegistry:
                 raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "adapter_exists")
             if limits is not None and owner != SHARED:
                 mine: dict[str, AdapterRecord] = {}  # the owner's other names, staged versions counted at their new size
-                for k, r in sorted(records.items(), key=lambda kr: kr[0].startswith(PENDING)):
-                    if r.owner == owner and r.name != name:
+                for k, r in records.items():
+                    if r.owner == owner and r.name != name and (r.name not in mine or k.startswith(PENDING)):
                         mine[r.name] = r
                 count, size = limits
                 if len(mine) + 1 > count:
@@ -262,10 +259,13 @@ class AdapterRegistry:
         await self.records.transact(stage)
         await self.refresh(force=True)
         placed = self.current.get(pending_key, fresh)
+        targets = [r for r in self.replicas if r.shard in placed.shards]
         deadline = time.monotonic() + self.settings.load_timeout_s
-        while not self.is_held(fresh.fingerprint, placed.shards) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            await self.push(replicas=[r for r in self.replicas if r.shard in placed.shards])
+        # the push above waited for the loads; this is for workers that did not answer in time (a failed load is final)
+        while (not self.is_held(fresh.fingerprint, placed.shards) and time.monotonic() < deadline
+               and not all(fresh.fingerprint in self.failed.get(r.replica_id, {}) for r in targets)):
+            await asyncio.sleep(0.25)
+            await self.push(replicas=targets)
 
         def commit(records: Records):
             staged_record = records.get(pending_key)
@@ -289,17 +289,12 @@ class AdapterRegistry:
         for r in records.values():
             if r.fingerprint == fingerprint and r.shards:
                 return r.shards
-        for shard_adapters in self.seed_pins.values():
-            if fingerprint in shard_adapters:
-                return tuple(s for s, pins in self.seed_pins.items() if fingerprint in pins)
+        seeded = tuple(s for s, pins in self.seed_pins.items() if fingerprint in pins)
+        if seeded:
+            return seeded
         if old is not None and old.shards:
             return old.shards
-        saved = self.current
-        self.current = records
-        try:
-            pinned = {s.name: len(self.pins(s.name)) for s in self.config.shards}
-        finally:
-            self.current = saved
+        pinned = {s.name: len(self.pins(s.name, records)) for s in self.config.shards}
         try:
             return place_new(pinned, {s.name: s.replicas for s in self.config.shards}, self.settings.copies, self.settings.max_adapters_per_worker)
         except PlacementError as e:

@@ -6,8 +6,9 @@ fingerprint beside the old one, so requests already running on the old version f
 on it and no request ever mixes the two. `sync` takes the whole desired set from the
 gateway with a version number (an older version, from a gateway that lags, is ignored):
 a new pin is read and checked off the engine's thread, then put in a free adapter slot
-between steps; an unpinned adapter takes no new request at once and is dropped once no
-request uses it (and a grace period has passed for requests already on their way in).
+between steps; an unpinned adapter is no longer reported as held (so no gateway that has
+seen the change routes to it), still serves requests from gateways that have not yet, and
+is dropped once no request uses it and a grace period has passed.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ class Pins:
         self._lock = asyncio.Lock()
 
     def slot_of(self, adapter: str) -> int:
-        fingerprint = self.aliases.get(adapter, adapter)
-        slot = self.slots.get(fingerprint)
-        if slot is None or fingerprint in self.draining:
+        """Its slot while it is loaded (draining included: a request routed just before the change)."""
+        slot = self.slots.get(self.aliases.get(adapter, adapter))
+        if slot is None:
             raise NotHeld(f"adapter {adapter!r} is not loaded on this replica")
         return slot
 
@@ -66,8 +67,7 @@ class Pins:
                     self.draining.pop(fingerprint, None)  # pinned again before it was dropped
                     if fingerprint not in self.slots:
                         await self._load(fingerprint, path)
-                if self.draining:
-                    asyncio.get_running_loop().call_later(DRAIN_GRACE_S, lambda: asyncio.ensure_future(self.reap()))
+                self._reap_later()
             return self.state()
 
     def state(self) -> dict[str, Any]:
@@ -104,5 +104,8 @@ class Pins:
             for fingerprint in await asyncio.wrap_future(self.loop.call(drop)):
                 del self.slots[fingerprint], self.draining[fingerprint]
                 self.aliases = {n: fp for n, fp in self.aliases.items() if fp != fingerprint}
-            if self.draining:  # some still run: look again later
-                asyncio.get_running_loop().call_later(DRAIN_GRACE_S, lambda: asyncio.ensure_future(self.reap()))
+            self._reap_later()  # some may still run: look again later
+
+    def _reap_later(self) -> None:
+        if self.draining:
+            asyncio.get_running_loop().call_later(DRAIN_GRACE_S, lambda: asyncio.ensure_future(self.reap()))

@@ -51,10 +51,12 @@ class LoRABatch:
         self._column_scales.clear()
 
     def scales(self, dtype: torch.dtype) -> torch.Tensor:
-        """token_scales [N, A] in `dtype`, converted once per pass."""
+        """token_scales in `dtype` with a zero column appended [N, A + 1] (for idle columns of a
+        stack), converted once per pass."""
         scales = self._scales_by_dtype.get(dtype)
         if scales is None:
-            scales = self._scales_by_dtype[dtype] = self.token_scales.to(dtype)
+            zero = self.token_scales.new_zeros(self.token_scales.shape[0], 1)
+            scales = self._scales_by_dtype[dtype] = torch.cat([self.token_scales, zero], dim=1).to(dtype)
         return scales
 
     def column_scales(self, layout: tuple[tuple[int, int], ...], dtype: torch.dtype) -> torch.Tensor:
@@ -64,7 +66,7 @@ class LoRABatch:
         key = (layout, dtype)
         scales = self._column_scales.get(key)
         if scales is None:
-            idle = len(self.active)  # the zero column appended below
+            idle = len(self.active)  # scales()'s zero column
             columns = tuple(self.column.get(slot, idle) for slot, rank in layout for _ in range(rank))
             index = self._indices.get(columns)
             if index is None:
@@ -73,17 +75,8 @@ class LoRABatch:
                 index = self._indices[columns] = torch.tensor(columns, dtype=torch.long, device=self.token_scales.device)
             else:
                 self._indices.move_to_end(columns)
-            scales = self._column_scales[key] = self.padded_scales(dtype).index_select(1, index)
+            scales = self._column_scales[key] = self.scales(dtype).index_select(1, index)
         return scales
-
-    def padded_scales(self, dtype: torch.dtype) -> torch.Tensor:
-        """scales(dtype) with a zero column after the last, for idle columns."""
-        key = ("padded", dtype)
-        padded = self._column_scales.get(key)
-        if padded is None:
-            scales = self.scales(dtype)
-            padded = self._column_scales[key] = torch.cat([scales, scales.new_zeros(scales.shape[0], 1)], dim=1)
-        return padded
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:

@@ -24,13 +24,16 @@ class LoRALinear(nn.Module):
         if not used:
             return y
         out, flat = y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
-        finite = self.weights.finite
-        shared = () if self.batch.segmented else tuple(slot for slot in used if finite[slot])
+        if self.batch.segmented:
+            shared, alone = (), used
+        else:  # non-finite weights never share a matmul (see TargetWeights.finite)
+            shared = tuple(slot for slot in used if self.weights.finite[slot])
+            alone = tuple(slot for slot in used if not self.weights.finite[slot])
         if shared:  # one pair of matmuls over the working set
             a, b = self.weights.working_set(shared)
             self.backend.add_linear(out, flat, a, b, self.batch.column_scales(self.weights.layout, x.dtype))
         scales = self.batch.scales(x.dtype)
-        for slot in used if self.batch.segmented else (slot for slot in used if not finite[slot]):  # each over its own rows
+        for slot in alone:  # each over its own rows
             a, b = self.weights.pairs[slot]
             column = scales[:, self.batch.column[slot], None]
             for start, end in self.batch.runs_of(slot):

@@ -41,6 +41,7 @@ class TargetWeights:
     _ws_bt: torch.Tensor | None = None  # [capacity, d]: its B transposed (rows are rank columns)
     _ws_at: dict[int, int] = field(default_factory=dict)  # slot -> first column
     layout: tuple[tuple[int, int], ...] = ()  # (slot, rank) of the working set's columns, in order
+    _ws_columns: int = 0  # columns of the working set in use
     finite: dict[int, bool] = field(default_factory=dict)  # slot -> its weights are all finite (only those share matmuls)
 
     def add(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -60,45 +61,43 @@ class TargetWeights:
             del self._stacks[key]
         if slot in self._ws_at:  # its columns would hold another adapter's weights: start again
             self._ws_a = self._ws_bt = None
-            self._ws_at, self.layout = {}, ()
+            self._ws_at, self.layout, self._ws_columns = {}, (), 0
 
     def working_set(self, used: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """(A_ws [R, k], B_ws [d, R]) of a working set holding every `used` slot (linear targets);
         `layout` says which slot each column block is."""
-        columns = sum(rank for _, rank in self.layout)
         missing = [slot for slot in used if slot not in self._ws_at]
         active = sum(self.rank(slot) for slot in used)
-        idle = columns - (active - sum(self.rank(slot) for slot in missing))
+        extra = sum(self.rank(slot) for slot in missing)
+        idle = self._ws_columns - (active - extra)
         if self._ws_a is None or idle > 2 * active + _MIN_ROOM_COLUMNS:  # mostly idle: rebuild from the active ones
             self._rebuild(used, active)
         elif missing:
-            extra = sum(self.rank(slot) for slot in missing)
-            if columns + extra > self._ws_a.shape[0]:
-                self._rebuild(tuple(slot for slot, _ in self.layout) + tuple(missing), columns + extra)
+            if self._ws_columns + extra > self._ws_a.shape[0]:
+                self._rebuild(tuple(slot for slot, _ in self.layout) + tuple(missing), self._ws_columns + extra)
             else:
                 for slot in missing:
-                    self._put(slot, sum(rank for _, rank in self.layout))
-        columns = sum(rank for _, rank in self.layout)
-        return self._ws_a[:columns], self._ws_bt[:columns].t()
+                    self._put(slot)
+        return self._ws_a[: self._ws_columns], self._ws_bt[: self._ws_columns].t()
 
     def _rebuild(self, slots: tuple[int, ...], columns: int) -> None:
         a, b = self.pairs[slots[0]]
         capacity = 2 * columns + _MIN_ROOM_COLUMNS
         self._ws_a = a.new_empty(capacity, a.shape[-1])
         self._ws_bt = b.new_empty(capacity, b.shape[0])
-        self._ws_at, self.layout = {}, ()
-        at = 0
+        self._ws_at, self.layout, self._ws_columns = {}, (), 0
         for slot in slots:
-            self._put(slot, at)
-            at += self.rank(slot)
+            self._put(slot)
 
-    def _put(self, slot: int, at: int) -> None:
+    def _put(self, slot: int) -> None:
+        """Copy `slot`'s halves into the working set's next free columns."""
         a, b = self.pairs[slot]
-        rank = b.shape[-1]
+        at, rank = self._ws_columns, b.shape[-1]
         self._ws_a[at : at + rank].copy_(a)
         self._ws_bt[at : at + rank].copy_(b.t())
         self._ws_at[slot] = at
         self.layout = (*self.layout, (slot, rank))
+        self._ws_columns += rank
 
     def used(self, active: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(slot for slot in active if slot in self.pairs)
