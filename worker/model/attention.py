@@ -116,14 +116,6 @@ def _in_span_order(decodes: Sequence[Segment], first: int, span: int) -> list[Se
     return [by_slot.get(i, Segment(first + i, 0, 1, 0)) for i in range(span)]
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """q [B, Hkv, G*T, D] (heads grouped by their kv head), keys/values [B, Hkv, S, D],
-    visible broadcastable to [B, Hkv, G*T, S] -> [B, Hkv, G*T, D]."""
-    scores = torch.matmul(q * (q.shape[-1] ** -0.5 if scale is None else scale), keys.transpose(-1, -2))  # scaled first: no fp16 overflow
-    scores.masked_fill_(~visible, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype), values)
-
-
 def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, plan: AttentionPlan,
               is_swa: bool = False, scale: float | None = None) -> torch.Tensor:
     """q [N, H, D], k/v [N, Hkv, D] for the new tokens -> attention output [N, H*D].
@@ -133,23 +125,24 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cac
     (a cached prefix is the same whatever the window). `scale` multiplies q.k (default 1/sqrt(D)).
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
     k_layer, v_layer = cache.k[layer], cache.v[layer]  # [slots, Hkv, S, D]
     k_layer.transpose(1, 2)[plan.seq_slots, plan.positions] = k.to(k_layer.dtype)
     v_layer.transpose(1, 2)[plan.seq_slots, plan.positions] = v.to(v_layer.dtype)
     out = q.new_empty(num_tokens, num_heads, head_dim)
-    for seg in plan.chunks:
+    for seg in plan.chunks:  # [1, H, T, D] queries against the slot's keys so far; torch's fused kernel
         end = seg.start + seg.length
-        qs = q[seg.row : seg.row + seg.length].view(seg.length, num_kv_heads, group, head_dim)
-        qs = qs.permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * seg.length, head_dim)
-        key_pos = torch.arange(end, device=q.device)
-        query_pos = torch.arange(seg.start, end, device=q.device).repeat(group)
-        visible = key_pos[None, :] <= query_pos[:, None]  # [G*T, S], heads major
-        if is_swa:
-            visible &= key_pos[None, :] > query_pos[:, None] - plan.window
-        o = _attend(qs, k_layer[seg.seq_slot : seg.seq_slot + 1, :, :end], v_layer[seg.seq_slot : seg.seq_slot + 1, :, :end], visible, scale)
-        out[seg.row : seg.row + seg.length] = o.view(num_kv_heads, group, seg.length, head_dim).permute(2, 0, 1, 3).reshape(seg.length, num_heads, head_dim)
+        qs = q[seg.row : seg.row + seg.length].transpose(0, 1).unsqueeze(0)
+        keys, values = k_layer[seg.seq_slot : seg.seq_slot + 1, :, :end], v_layer[seg.seq_slot : seg.seq_slot + 1, :, :end]
+        if seg.start == 0 and not is_swa:
+            o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, enable_gqa=True, scale=scale)
+        else:
+            key_pos = torch.arange(end, device=q.device)
+            query_pos = torch.arange(seg.start, end, device=q.device)
+            visible = key_pos[None, :] <= query_pos[:, None]  # [T, S]
+            if is_swa:
+                visible &= key_pos[None, :] > query_pos[:, None] - plan.window
+            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=visible, enable_gqa=True, scale=scale)
+        out[seg.row : seg.row + seg.length] = o[0].transpose(0, 1)
     if plan.decode_rows is not None:
         span, kv_len = plan.decode_mask.shape[0], plan.decode_mask.shape[-1]
         first = plan.decode_first_slot
