@@ -230,8 +230,9 @@ def test_the_adapters_cli_adds_lists_and_removes(server, deployment) -> None:
 def test_a_restart_of_everything_keeps_the_registry(deployment) -> None:
     assert upload(deployment.url, "survivor", write_adapter(deployment.directory / "s.gguf", 7)).status_code == 201
     listed = httpx.get(f"{deployment.url}/v1/adapters", headers=auth()).json()
-    expected = complete(deployment.url, "survivor").choices[0].logprobs.token_logprobs
+    expected = complete(deployment.url, "survivor").choices[0].logprobs
     deployment.stop()  # every process: gateways, workers, Ray
     deployment.start()
     assert httpx.get(f"{deployment.url}/v1/adapters", headers=auth()).json() == listed
-    assert complete(deployment.url, "survivor").choices[0].logprobs.token_logprobs == expected
+    after = complete(deployment.url, "survivor").choices[0].logprobs  # its prefix from the cache now: the same to rounding
+    assert after.tokens == expected.tokens and after.token_logprobs == pytest.approx(expected.token_logprobs, abs=1e-4)

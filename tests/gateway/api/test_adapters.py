@@ -60,6 +60,13 @@ def greedy(client, model, key="t1", **extra):
     return r
 
 
+def assert_same_output(got, want) -> None:
+    """The same tokens and, to rounding, logprobs (a cached prefix computes fewer rows at once:
+    the CPU's matmul kernels may round differently)."""
+    got, want = got.json()["choices"][0]["logprobs"], want.json()["choices"][0]["logprobs"]
+    assert got["tokens"] == want["tokens"] and got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-4)
+
+
 def test_an_uploaded_adapter_serves_at_once_for_its_tenant_only(setup, tiny_llama) -> None:
     client, pool, directory, _, gateway, _ = setup
     r = upload(client, "bot", adapter_file(tiny_llama, directory / "bot.gguf", 11))
@@ -81,7 +88,7 @@ def test_an_uploaded_adapter_serves_at_once_for_its_tenant_only(setup, tiny_llam
     mine = upload(client, "bot", adapter_file(tiny_llama, directory / "bot-t2.gguf", 12), key="t2")
     assert mine.status_code == 201 and mine.json()["fingerprint"] != body["fingerprint"]
     assert client.get("/v1/adapters/bot", headers=auth()).json()["fingerprint"] == body["fingerprint"]
-    assert greedy(client, "bot").json() ["choices"][0]["logprobs"] == served.json()["choices"][0]["logprobs"]
+    assert_same_output(greedy(client, "bot"), served)
     listed = client.get("/v1/adapters", headers=auth()).json()["data"]
     assert [a["name"] for a in listed if not a["shared"]] == ["bot"]
     assert client.delete("/v1/adapters/bot", headers=auth("t2")).status_code == 200  # its own
@@ -100,7 +107,7 @@ def test_replacing_moves_the_name_and_never_serves_the_old_kv(setup, tiny_llama)
     assert new.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # v1's KV is not v2's
     assert new.json()["choices"][0]["logprobs"] != old.json()["choices"][0]["logprobs"]
     assert upload(client, "swap", first).status_code == 200  # back to v1: v1's outputs
-    assert greedy(client, "swap").json()["choices"][0]["logprobs"] == old.json()["choices"][0]["logprobs"]
+    assert_same_output(greedy(client, "swap"), old)
 
 
 def test_removing_answers_404_and_the_workers_drop_it(setup, tiny_llama) -> None:
