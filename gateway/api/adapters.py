@@ -166,7 +166,7 @@ def add_adapter_routes(app: FastAPI, current: Callable[[Request], Any], begin) -
     @app.get("/v1/adapters")
     async def list_adapters(request: Request) -> dict[str, Any]:
         gateway, owner, tenant = await _caller(request)
-        await gateway.registry.refresh_if_stale(0.0)
+        await gateway.registry.refresh_if_stale()
         rows = _visible(gateway, owner, tenant)
         return {"object": "list", "data": [entry(n, info, record, gateway.registry, tenant is None) for n, info, record in rows]}
 
@@ -174,7 +174,7 @@ def add_adapter_routes(app: FastAPI, current: Callable[[Request], Any], begin) -
     async def get_adapter(name: str, request: Request) -> dict[str, Any]:
         gateway, owner, tenant = await _caller(request)
         owner = _owner_of(request, owner, tenant)
-        await gateway.registry.refresh_if_stale(0.0)
+        await gateway.registry.refresh_if_stale()
         for n, info, record in _visible(gateway, owner, tenant):
             if n == name and (tenant is not None or info.owner == owner):
                 return entry(n, info, record, gateway.registry, tenant is None)

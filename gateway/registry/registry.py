@@ -63,7 +63,8 @@ class AdapterRegistry:
         self._visible: dict[str, dict[str, AdapterInfo]] = {}
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
-        self._checked = 0.0
+        self._checked = 0.0  # when the last finished version check began (or when Redis may be tried again)
+        self._check: asyncio.Future | None = None
         self.traffic: dict[str, float] = {}  # fingerprint -> requests lately (decayed at each re-plan)
         self._replanned = time.monotonic()
 
@@ -159,16 +160,25 @@ class AdapterRegistry:
                 log.exception("registry refresh failed")
             await asyncio.sleep(self.settings.poll_interval_s)
 
-    async def refresh_if_stale(self, max_age_s: float = 0.2) -> None:
-        """Look at the version when it was not looked at lately (a request's path: a change made
-        through another gateway replica is seen at once, and Redis being down changes nothing)."""
-        if time.monotonic() - self._checked < max_age_s or self._lock.locked():  # another request is refreshing: go on
-            return
-        self._checked = time.monotonic()
+    async def refresh_if_stale(self, max_age_s: float = 0.0) -> None:
+        """A request's path: what it sees is no older than its arrival (a change made through
+        another gateway replica just before is seen). Requests that come together share one
+        version check; one that comes while a check runs waits for the next; Redis being down
+        changes nothing (its requests do not each wait on it)."""
+        arrived = time.monotonic()
+        while self._checked < arrived - max_age_s:
+            if self._check is None or self._check.done():
+                self._check = asyncio.ensure_future(self._version_check())
+            await asyncio.shield(self._check)
+
+    async def _version_check(self) -> None:
+        began = time.monotonic()
         try:
             await self.refresh()
         except RegistryUnavailable:
-            self._checked += UNAVAILABLE_BACKOFF_S  # requests do not each wait on a Redis that is down
+            began += UNAVAILABLE_BACKOFF_S
+        finally:
+            self._checked = max(self._checked, began)
 
     async def refresh(self, force: bool = False) -> bool:
         """Take the stored records when they changed: pins pushed first, names after."""
