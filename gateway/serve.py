@@ -21,8 +21,9 @@ from typing import Any
 
 from ray import serve
 
+from gateway.channel import ReplicaChannel
 from gateway.config import ConfigError, ServeConfig, load_config, parse_config
-from gateway.pool import WorkerFailed, replica_infos
+from gateway.pool import replica_infos
 from worker.contract.calls import Delta, WorkerCall
 from worker.contract.spec import WorkerSpec
 
@@ -45,9 +46,15 @@ class ShardReplica:
 
         self.worker = ShardWorker(spec)
 
-    async def generate(self, call: WorkerCall) -> AsyncIterator[Delta]:
-        async for delta in self.worker.generate(call):
-            yield delta
+    async def channel(self, channel_id: str) -> AsyncIterator[list[tuple[str, Delta]]]:
+        async for batch in self.worker.channel(channel_id):
+            yield batch
+
+    async def start(self, channel_id: str, call: WorkerCall) -> Delta | None:
+        return await self.worker.start(channel_id, call)
+
+    def cancel(self, channel_id: str, request_id: str) -> None:
+        self.worker.cancel(channel_id, request_id)
 
     async def health(self) -> dict[str, Any]:
         return self.worker.health()
@@ -64,21 +71,27 @@ class ShardReplica:
 
 
 class ServePool:
-    """The shard replicas behind their Serve handles."""
+    """The shard replicas behind their Serve handles: requests go over one channel per replica
+    (gateway/channel.py), opened on first use and again after the replica failed."""
 
     def __init__(self, config: ServeConfig, handles: dict[str, Any]) -> None:
         self.handles = handles
         self.replicas = replica_infos(config)
+        self._channels: dict[str, ReplicaChannel] = {}
 
-    async def stream(self, replica_id: str, call: WorkerCall) -> AsyncIterator[Delta]:
-        responses = self.handles[replica_id].options(stream=True).generate.remote(call)
-        try:
-            async for delta in responses:
-                yield delta
-        except Exception as e:  # dead actor, unavailable replica, a crash inside it: this replica failed (the worker never raises for a request)
-            raise WorkerFailed(f"{type(e).__name__}: {str(e)[:300]}") from e
-        finally:
-            responses.cancel()  # a no-op once finished; frees the worker's KV slot when the client left
+    def _channel(self, replica_id: str) -> ReplicaChannel:
+        channel = self._channels.get(replica_id)
+        if channel is None or channel.failure is not None:
+            handle = self.handles[replica_id]
+            channel = self._channels[replica_id] = ReplicaChannel(
+                lambda channel_id: handle.options(stream=True).channel.remote(channel_id),
+                lambda channel_id, call: handle.start.remote(channel_id, call),
+                lambda channel_id, request_id: handle.cancel.remote(channel_id, request_id),
+            )
+        return channel
+
+    def stream(self, replica_id: str, call: WorkerCall) -> AsyncIterator[Delta]:
+        return self._channel(replica_id).stream(call)
 
     async def health(self, replica_id: str) -> dict[str, Any]:
         return await self.handles[replica_id].health.remote()

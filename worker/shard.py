@@ -2,6 +2,14 @@
 (the base model with the shard's pinned adapters on one device, an engine on its own
 thread, and the prefix cache), it takes `WorkerCall`s and streams `Delta`s back
 (worker/contract/calls.py). A request the worker refuses gets one `Delta.refused`.
+
+Two ways to get the deltas: `generate(call)`, one stream per request (in-process
+callers), or a channel: the caller (a gateway process) opens one stream per replica
+with `channel(id)`, starts requests on it with `start(id, call)`, and gets every
+request's deltas of an engine step as one batch. Across processes each streamed item
+costs about a millisecond of CPU at each end, whatever its size (Ray's streaming
+generators), so one item per step instead of one per request per step is what lets
+HTTP keep up with the engine.
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -52,19 +60,20 @@ def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
 
 
 class Mailbox:
-    """Outputs from the engine's thread into one event loop's queues, with one wakeup of that
-    loop for everything posted before it runs (a step's outputs for every request), not one
-    per output: under load the loop wakes once per engine step."""
+    """Outputs from the engine's thread to their receivers on one event loop, with one wakeup
+    of that loop for everything posted before it runs (a step's outputs for every request),
+    not one per output: under load the loop wakes once per engine step."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self._items: list[tuple[asyncio.Queue, RequestOutput]] = []
+        self._items: list[tuple[Callable[[RequestOutput], None], RequestOutput]] = []
         self._pending = False
         self._lock = threading.Lock()
 
-    def post(self, queue: asyncio.Queue, out: RequestOutput) -> None:
+    def post(self, receive: Callable[[RequestOutput], None], out: RequestOutput) -> None:
+        """From any thread: `receive(out)` runs on the loop (with the rest posted meanwhile)."""
         with self._lock:
-            self._items.append((queue, out))
+            self._items.append((receive, out))
             if self._pending:
                 return
             self._pending = True
@@ -78,8 +87,55 @@ class Mailbox:
     def _flush(self) -> None:
         with self._lock:
             items, self._items, self._pending = self._items, [], False
-        for queue, out in items:
-            queue.put_nowait(out)
+        for receive, out in items:
+            receive(out)
+
+
+def coalesced(items: list[tuple[str, RequestOutput]]) -> list[tuple[str, RequestOutput]]:
+    """Each request's consecutive outputs of one choice as one (a caller behind by several
+    steps gets them together); the order within each request is kept."""
+    out: list[tuple[str, RequestOutput]] = []
+    latest: dict[str, int] = {}
+    for request_id, o in items:
+        i = latest.get(request_id)
+        if i is not None and out[i][1].index == o.index and out[i][1].finish_reason is None:
+            out[i] = (request_id, merged(out[i][1], o))
+        else:
+            latest[request_id] = len(out)
+            out.append((request_id, o))
+    return out
+
+
+class Channel:
+    """The replica's end of one caller's channel: the outputs of the requests started on it,
+    handed over as one batch per read (everything since the last one), on the event loop."""
+
+    def __init__(self) -> None:
+        self.streams: dict[str, Any] = {}  # request id -> its engine stream (None while it is being submitted)
+        self.cancelled: set[str] = set()  # cancelled while being submitted
+        self.closed = False
+        self._items: list[tuple[str, RequestOutput]] = []
+        self._ready = asyncio.Event()
+
+    def add(self, request_id: str, out: RequestOutput) -> None:
+        self._items.append((request_id, out))
+        self._ready.set()
+        if out.is_finished:
+            self.streams.pop(request_id, None)
+
+    async def batch(self) -> list[tuple[str, Delta]]:
+        await self._ready.wait()
+        self._ready.clear()
+        items, self._items = self._items, []
+        return [(request_id, delta_of(out)) for request_id, out in coalesced(items)]
+
+    def close(self) -> None:
+        """The caller is gone: its requests stop and free their KV slots."""
+        self.closed = True
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            if stream is not None:
+                stream.cancel()
 
 
 def memory_report(runner: ModelRunner, base_bytes: int) -> dict[str, int]:
@@ -120,6 +176,7 @@ class ShardWorker:
         self.loop = EngineLoop(build, spec.engine.max_waiting)
         self.pins = Pins(self.loop, self.runner.base, names)
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+        self._channels: dict[str, Channel] = {}
 
     def request(self, call: WorkerCall) -> EngineRequest:
         """The engine's request; NotHeld when it names an adapter (a fingerprint, or a deploy-time
@@ -133,32 +190,32 @@ class ShardWorker:
             cache_salt=call.cache_salt, cache_prompt=call.cache_prompt, tenant=call.tenant, timeout_s=call.timeout_s,
         )
 
+    async def _submit(self, call: WorkerCall, receive: Callable[[RequestOutput], None]) -> tuple[Any, Delta | None]:
+        """Start `call`, its outputs going to `receive` on this event loop: (its engine stream,
+        None), or (None, the refusal) when the worker does not take it."""
+        mailbox = self._mailbox()
+        try:
+            request = self.request(call)
+        except NotHeld as e:  # routed here before a pin arrived or after it left: the gateway tries another replica
+            return None, Delta.refused(str(e), status=503)
+        try:  # the cache lookup runs off the event loop
+            return await asyncio.to_thread(self.loop.submit, request, lambda out: mailbox.post(receive, out)), None
+        except (ValueError, TypeError, ArithmeticError) as e:  # RequestError, MultipleALoRAError, bad numbers: the request's fault
+            return None, Delta.refused(str(e))
+        except Overloaded as e:
+            return None, Delta.refused(str(e), status=503)
+        except Exception:
+            log.exception("request %s could not be submitted", call.request_id)
+            return None, Delta.refused("internal error in the worker", status=500)
+
     async def generate(self, call: WorkerCall) -> AsyncIterator[Delta]:
         """The request's deltas. Never raises for one request's sake: a request the worker
         refuses or fails ends with an error Delta carrying its status, so the replica stays
         healthy in the gateway's eyes (only a dead replica fails as a transport error)."""
-        mailbox = self._mailbox()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()  # fed from the engine thread, no executor thread per stream
-
-        def deliver(out: RequestOutput) -> None:
-            mailbox.post(outputs, out)
-
-        try:
-            request = self.request(call)
-        except NotHeld as e:  # routed here before a pin arrived or after it left: the gateway tries another replica
-            yield Delta.refused(str(e), status=503)
-            return
-        try:
-            stream = await asyncio.to_thread(self.loop.submit, request, deliver)  # the cache lookup runs off the event loop
-        except (ValueError, TypeError, ArithmeticError) as e:  # RequestError, MultipleALoRAError, bad numbers: the request's fault
-            yield Delta.refused(str(e))
-            return
-        except Overloaded as e:
-            yield Delta.refused(str(e), status=503)
-            return
-        except Exception:
-            log.exception("request %s could not be submitted", call.request_id)
-            yield Delta.refused("internal error in the worker", status=500)
+        stream, refusal = await self._submit(call, outputs.put_nowait)
+        if refusal is not None:
+            yield refusal
             return
         finished, held = False, None
         try:
@@ -176,6 +233,48 @@ class ShardWorker:
         finally:
             if not finished:  # the caller went away (client disconnect, gateway cancel): free the KV slot now
                 stream.cancel()
+
+    async def channel(self, channel_id: str) -> AsyncIterator[list[tuple[str, Delta]]]:
+        """Open a channel: first an empty batch (requests may be started on it from then on),
+        then one batch of (request id, delta) per read. When the caller stops reading (it went
+        away), the requests started on it are cancelled."""
+        channel = self._channels[channel_id] = Channel()
+        try:
+            yield []
+            while True:
+                yield await channel.batch()
+        finally:
+            self._channels.pop(channel_id, None)
+            channel.close()
+
+    async def start(self, channel_id: str, call: WorkerCall) -> Delta | None:
+        """Start `call` on an open channel: None, its deltas then come on the channel (the last
+        one `is_finished`), or the refusal. LookupError when no such channel is open here (a
+        restarted replica): the caller opens a new one."""
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            raise LookupError(f"no channel {channel_id!r} is open on this replica")
+        channel.streams[call.request_id] = None
+        stream, refusal = await self._submit(call, lambda out: channel.add(call.request_id, out))
+        if stream is None:
+            channel.streams.pop(call.request_id, None)
+        elif channel.closed or call.request_id in channel.cancelled:  # stopped while it was being submitted
+            channel.cancelled.discard(call.request_id)
+            channel.streams.pop(call.request_id, None)
+            stream.cancel()
+        elif call.request_id in channel.streams:  # not finished already
+            channel.streams[call.request_id] = stream
+        return refusal
+
+    def cancel(self, channel_id: str, request_id: str) -> None:
+        """Stop a request started on a channel (its caller went away); a finished one: nothing."""
+        channel = self._channels.get(channel_id)
+        if channel is None or request_id not in channel.streams:
+            return
+        if channel.streams[request_id] is None:  # still being submitted: `start` cancels it
+            channel.cancelled.add(request_id)
+        else:
+            channel.streams.pop(request_id).cancel()
 
     def _mailbox(self) -> Mailbox:
         """The running event loop's mailbox (one per loop: a replica has one; tests run several)."""

@@ -149,7 +149,7 @@ def test_the_mailbox_wakes_the_event_loop_once_for_everything_posted_before_it_r
 
         def engine_step() -> None:  # one step's outputs, from another thread
             for i, queue in enumerate(queues):
-                mailbox.post(queue, RequestOutput(f"r{i}", [i], str(i)))
+                mailbox.post(queue.put_nowait, RequestOutput(f"r{i}", [i], str(i)))
 
         thread = threading.Thread(target=engine_step)
         thread.start()
@@ -159,3 +159,39 @@ def test_the_mailbox_wakes_the_event_loop_once_for_everything_posted_before_it_r
 
     wakeups, got = asyncio.run(scenario())
     assert wakeups == 1 and got == [0, 1, 2, 3]
+
+
+def test_a_channel_carries_every_request_of_a_step_in_one_batch(worker) -> None:
+    """Requests started on a channel get the deltas `generate` gives them, several requests'
+    deltas to a batch; a cancelled one stops, and closing the channel stops the rest."""
+    async def scenario() -> None:
+        alone = [await collect(worker, call(i, max_tokens=8)) for i in range(2)]
+        batches = worker.channel("c1")
+        assert await batches.__anext__() == []  # open
+        with pytest.raises(LookupError, match="no channel"):
+            await worker.start("other", call(0))
+        assert [await worker.start("c1", call(i, max_tokens=8)) for i in range(2)] == [None, None]
+        got: dict[str, list] = {"r0": [], "r1": []}
+        sizes = []
+        while not all(d and d[-1].is_finished for d in got.values()):
+            batch = await asyncio.wait_for(batches.__anext__(), 30)
+            sizes.append(len(batch))
+            for request_id, delta in batch:
+                got[request_id].append(delta)
+        for i, deltas in enumerate(alone):
+            assert [t for d in got[f"r{i}"] for t in d.token_ids] == [t for d in deltas for t in d.token_ids]
+            assert got[f"r{i}"][-1].usage.completion_tokens == 8
+        assert max(sizes) == 2 and len(sizes) < sum(len(d) for d in got.values())  # both requests' deltas of a step together
+        refused = await worker.start("c1", call(3, max_tokens=500))
+        assert refused.status == 400
+        assert await worker.start("c1", call(4, max_tokens=40)) is None
+        worker.cancel("c1", "r4")
+        assert await worker.start("c1", call(5, max_tokens=40)) is None
+        await asyncio.wait_for(batches.__anext__(), 30)
+        await batches.aclose()  # the caller went away: r5 stops too
+        deadline = time.monotonic() + 10
+        while worker.loop.engine.has_work() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not worker.loop.engine.has_work() and "c1" not in worker._channels
+
+    asyncio.run(scenario())

@@ -1,0 +1,89 @@
+"""The gateway's end of a replica channel (gateway/channel.py) over an in-process ShardWorker:
+each request gets its own deltas back, a consumer that leaves cancels its request, and a
+channel that breaks fails every request on it (Ray's transport: tests/gateway/test_serve.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import aclosing
+
+import pytest
+
+from cache.prefix import PrefixCacheConfig
+from gateway.channel import ReplicaChannel
+from gateway.pool import WorkerFailed
+from tests.helpers import TEST_DEVICE
+from worker.contract.calls import WorkerCall
+from worker.contract.params import SamplingParams
+from worker.contract.spec import DeviceSettings, EngineConfig, WorkerSpec
+from worker.shard import ShardWorker
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_llama):
+    spec = WorkerSpec("s", str(tiny_llama.path), (), EngineConfig(num_seq_slots=4, slot_len=64),
+                      DeviceSettings(device=TEST_DEVICE.device), PrefixCacheConfig(chunk_tokens=8))
+    shard = ShardWorker(spec)
+    yield shard
+    shard.close()
+
+
+def call(i: int, max_tokens: int = 8) -> WorkerCall:
+    return WorkerCall(f"g{i}-{time.monotonic_ns()}", (5, 6, 7, i + 10), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+
+
+def channel_to(worker: ShardWorker, break_after: int | None = None) -> ReplicaChannel:
+    async def batches(channel_id: str):
+        n = 0
+        async with aclosing(worker.channel(channel_id)) as stream:
+            async for batch in stream:
+                if break_after is not None and n >= break_after:
+                    raise ConnectionError("the replica died")
+                n += 1
+                yield batch
+
+    return ReplicaChannel(batches, worker.start, worker.cancel)
+
+
+async def tokens(stream) -> list[int]:
+    return [t async for delta in stream for t in delta.token_ids]
+
+
+def test_requests_over_one_channel_get_what_they_get_alone(worker) -> None:
+    async def scenario() -> None:
+        alone = [await tokens(worker.generate(call(i))) for i in range(3)]
+        channel = channel_to(worker)
+        together = await asyncio.gather(*(tokens(channel.stream(call(i))) for i in range(3)))
+        assert together == alone and all(len(t) == 8 for t in together)
+        refused = [d async for d in channel.stream(call(9, max_tokens=500))]
+        assert len(refused) == 1 and refused[0].status == 400 and channel.failure is None
+
+    asyncio.run(scenario())
+
+
+def test_a_caller_that_leaves_cancels_its_request_on_the_worker(worker) -> None:
+    async def scenario() -> None:
+        channel = channel_to(worker)
+        stream = channel.stream(call(1, max_tokens=50))
+        await stream.__anext__()
+        await stream.aclose()
+        deadline = time.monotonic() + 10
+        while worker.loop.engine.has_work() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not worker.loop.engine.has_work()  # stopped after a few of its 50 tokens
+        assert len(await tokens(channel.stream(call(2)))) == 8  # the channel goes on
+
+    asyncio.run(scenario())
+
+
+def test_a_broken_channel_fails_its_requests_and_the_next_channel_works(worker) -> None:
+    async def scenario() -> None:
+        channel = channel_to(worker, break_after=3)
+        results = await asyncio.gather(*(tokens(channel.stream(call(i, max_tokens=30))) for i in range(2)), return_exceptions=True)
+        assert all(isinstance(r, WorkerFailed) and "the replica died" in str(r) for r in results)
+        with pytest.raises(WorkerFailed):
+            await tokens(channel.stream(call(3)))  # a failed channel takes nothing more
+        assert len(await tokens(channel_to(worker).stream(call(4)))) == 8
+
+    asyncio.run(scenario())
