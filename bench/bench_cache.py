@@ -22,6 +22,7 @@ import uuid
 import numpy as np
 import torch
 
+from bench.server import delete_keys
 from cache.l2 import RedisConfig
 from cache.prefix import PrefixCache, PrefixCacheConfig
 from worker.contract.params import SamplingParams
@@ -90,9 +91,7 @@ def run(args: argparse.Namespace) -> int:
             times[mode].append(got[mode][0])
         print(f"round {round_index}: " + "  ".join(f"{m} {got[m][0] * 1e3:7.1f} ms" for m in MODES), file=sys.stderr)
     writer.close()
-    stale = list(client.scan_iter(f"{redis_config.key_prefix}:*"))
-    for start in range(0, len(stale), 512):
-        client.delete(*stale[start : start + 512])
+    delete_keys(client, f"{redis_config.key_prefix}:")
     median = {m: statistics.median(times[m]) for m in MODES}
     print(f"model {model_path.name} on {config.device} ({config.dtype}, weights {config.weight_format}), {torch.get_num_threads()} threads; "
           f"prompt {args.prompt_tokens} tokens, {args.cached_tokens} cached in chunks of {args.chunk_tokens}; {args.rounds} rounds")

@@ -68,3 +68,10 @@ def base_config(prefix: str) -> dict:
         adapter["path"] = str(ROOT / "deploy" / adapter["path"])
     config["cache"]["key_prefix"] = prefix
     return config
+
+
+def delete_keys(client, prefix: str) -> None:
+    """Remove what a benchmark stored under its own key prefix in the machine's Redis."""
+    stale = list(client.scan_iter(f"{prefix}*"))
+    for start in range(0, len(stale), 512):
+        client.delete(*stale[start : start + 512])

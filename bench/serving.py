@@ -24,9 +24,10 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import redis
 
 from bench.bench_engine import write_random_adapters
-from bench.server import Server
+from bench.server import Server, delete_keys
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig
 from worker.engine.engine import Engine, EngineRequest
@@ -35,6 +36,8 @@ from worker.formats.default_model import resolve_model_path
 from worker.formats.gguf_file import GGUFFile
 from worker.formats.hparams import ModelHParams
 from worker.model.device import DeviceConfig
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def prompts(args: argparse.Namespace, vocab: int, round_index: int) -> list[list[int]]:
@@ -108,7 +111,7 @@ def serve_config(model_path: Path, adapters: list[Path], args: argparse.Namespac
         "model": str(model_path), "model_name": "bench",
         "adapters": [{"name": f"a{i}", "path": str(p)} for i, p in enumerate(adapters)],
         "shards": [{"name": "all", "adapters": [f"a{i}" for i in range(len(adapters))], "replicas": 1}],
-        "cache": {"redis_url": "redis://127.0.0.1:6379/0", "key_prefix": f"loraplex-bench-{uuid.uuid4().hex[:8]}", "chunk_tokens": 32},
+        "cache": {"redis_url": REDIS_URL, "key_prefix": f"loraplex-bench-{uuid.uuid4().hex[:8]}", "chunk_tokens": 32},
         "engine": {"num_slots": args.requests, "max_step_tokens": args.step_tokens},
         "http": {"max_tokens_default": args.max_tokens},
     }
@@ -135,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     vocab = ModelHParams.from_gguf(base).vocab_size
     with tempfile.TemporaryDirectory() as tmp:
         adapters = write_random_adapters(base, Path(tmp), args.adapters, args.rank, args.targets, args.seed)
-        server = Server(serve_config(model_path, adapters, args), Path(tmp), args.port)
+        config = serve_config(model_path, adapters, args)
+        server = Server(config, Path(tmp), args.port)
         try:
             device = DeviceConfig.of(args.device_settings)
             device.apply_threads()
@@ -156,4 +160,8 @@ def run(args: argparse.Namespace) -> int:
                 summarize(mode, engine_runs, http_runs)
         finally:
             server.stop()
+            try:
+                delete_keys(redis.Redis.from_url(REDIS_URL), config["cache"]["key_prefix"])
+            except redis.ConnectionError:  # no Redis: nothing was stored
+                pass
     return 0
