@@ -98,7 +98,8 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.slot_len = slot_length(config.slot_len, runner.hparams.context_length)
         self.kv = runner.allocate_kv(config.num_seq_slots, self.slot_len)
-        self.scheduler = Scheduler(config.num_seq_slots, self.slot_len, config.max_step_tokens, config.reserved_slots, config.is_multi_tenant)
+        self.scheduler = Scheduler(config.num_seq_slots, self.slot_len, config.max_step_tokens, config.reserved_slots, config.is_multi_tenant,
+                                   prefill_while_decoding=config.prefill_while_decoding)
         self.eog_ids = tokenizer.eog_ids if tokenizer is not None else frozenset()
         self._eog_sorted = tuple(sorted(self.eog_ids))
         self.grammars = Grammars(tokenizer, runner.hparams.vocab_size)

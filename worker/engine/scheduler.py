@@ -4,7 +4,11 @@ Iteration-level batching: every step, each decoding sequence gets its one new
 token; prompts are prefilled in chunks from what remains of the step's token
 budget, so a long prompt never stalls the others' decoding; waiting sequences
 are admitted while a KV slot is free (a slot holds prompt + max_tokens, so an
-admitted sequence never runs out of KV memory).
+admitted sequence never runs out of KV memory). A step that decodes takes at
+most `prefill_while_decoding` prompt tokens: on a CPU a pass costs about what
+its tokens do, and a burst of prompts in 256-token chunks made the decoding
+sequences wait 5x their step time between tokens; with nothing decoding,
+prompts take the whole budget (Sarathi-Serve's stall-free batching, in tokens).
 
 Prompt tokens and free slots are shared fairly between groups (the gateway's
 tenants): the group that has had the fewest tokens computed goes first, then
@@ -58,6 +62,7 @@ class Scheduler:
     max_step_tokens: int
     reserved_slots: int = 1  # kept for groups with nothing running (when there is more than one group)
     is_multi_tenant: bool = False
+    prefill_while_decoding: int | None = None  # prompt tokens in a step that also decodes (None: the budget's rest)
     running: list[Sequence] = field(default_factory=list)
     _queues: dict[str, deque[Sequence]] = field(default_factory=dict)  # waiting, per group in arrival order
     _free_slots: list[int] = field(init=False)
@@ -101,6 +106,8 @@ class Scheduler:
                 spans.append(Span(seq, seq.num_computed, seq.num_pending))
                 budget -= seq.num_pending
                 self._served[seq.group] = self._served.get(seq.group, 0) + seq.num_pending
+        if spans and self.prefill_while_decoding is not None:
+            budget = min(budget, self.prefill_while_decoding)
         # then prompts, fairly between groups: running ones, and waiting ones while a slot is free
         prefilling = [seq for seq in self.running if seq.is_prefilling]
         while budget > 0:

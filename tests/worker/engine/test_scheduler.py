@@ -34,6 +34,22 @@ def test_decoding_first_then_prefill_chunks_within_the_budget() -> None:
     assert [(c.seq.request_id, c.start, c.length) for c in chunks] == [("a", 4, 1), ("b", 7, 7)]
 
 
+def test_a_step_that_decodes_takes_fewer_prompt_tokens_than_one_that_only_prefills() -> None:
+    s = Scheduler(num_seq_slots=4, slot_len=128, max_step_tokens=32, prefill_while_decoding=5)
+    a, b, c = seq("a", 40), seq("b", 40), seq("c", 10)
+    for x in (a, b, c):
+        s.add(x)
+    chunks = s.schedule()  # nothing decodes yet: the whole budget
+    assert [(ch.seq.request_id, ch.length) for ch in chunks] == [("a", 32)]
+    advance(chunks)
+    advance(s.schedule())  # a's last 8, then b's first 24
+    chunks = s.schedule()  # a decodes: its token and 5 prompt tokens
+    assert [(ch.seq.request_id, ch.length) for ch in chunks] == [("a", 1), ("b", 5)]
+    s.finish(a)
+    advance(chunks)
+    assert [(ch.seq.request_id, ch.length) for ch in s.schedule()] == [("b", 11), ("c", 10)]  # nothing decodes again
+
+
 def test_admission_in_arrival_order_into_the_lowest_free_slot() -> None:
     s = Scheduler(num_seq_slots=2, slot_len=64, max_step_tokens=100)
     seqs = [seq(n, 2) for n in "abcd"]
