@@ -29,6 +29,16 @@ from worker.contract.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 
+# Ray Serve's settings for throughput (what its RAY_SERVE_THROUGHPUT_OPTIMIZED turns on, less direct
+# ingress, which moves the HTTP port): user code and the handles' router on each replica's own event
+# loop, no hop between threads per streamed item; access logs flushed in batches. Set for every Ray
+# process (`loraplex serve` before it starts Ray; the Helm chart in each Ray container).
+SERVE_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+}
+
 
 def _build_app():
     """Evaluated in the ingress replica. Both this and the constructor reach the replica's
@@ -187,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, OSError) as e:
         print(f"loraplex serve: {e}", file=sys.stderr)
         return 2
+    for name, value in SERVE_ENV.items():  # Ray's processes inherit them; a user's own setting wins
+        os.environ.setdefault(name, value)
     import ray
 
     print("loraplex: starting a local Ray...", file=sys.stderr, flush=True)

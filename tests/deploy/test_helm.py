@@ -162,3 +162,11 @@ def test_every_ray_pod_mounts_the_adapter_store_the_config_names(claim) -> None:
         assert (volume.get("persistentVolumeClaim", {}).get("claimName") == claim) if claim else "emptyDir" in volume
         mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "adapter-store")
         assert mount["mountPath"] == "/adapters" and not mount.get("readOnly")
+
+
+def test_every_ray_container_gets_the_serve_settings_loraplex_serve_uses() -> None:
+    from gateway.serve import SERVE_ENV
+
+    cluster = next(d for d in render() if d["kind"] == "RayService")["spec"]["rayClusterConfig"]
+    for pod in [cluster["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in cluster["workerGroupSpecs"])]:
+        assert {e["name"]: e["value"] for e in pod["containers"][0]["env"]} == SERVE_ENV

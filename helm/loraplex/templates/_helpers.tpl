@@ -156,3 +156,10 @@ initContainers:
         mountPath: {{ .Values.models.mountPath }}
 {{- end }}
 {{- end -}}
+
+{{/* Ray Serve's throughput settings, the same as gateway/serve.py's SERVE_ENV. */}}
+{{- define "loraplex.serveEnv" -}}
+- {name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, value: "0"}
+- {name: RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP, value: "0"}
+- {name: RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE, value: "1000"}
+{{- end }}
