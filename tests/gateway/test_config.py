@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gateway.config import ConfigError, load_config, parse_config
@@ -58,3 +60,9 @@ def test_tenants_file_and_redis_password_file_come_from_mounted_secrets(tmp_path
         parse_config({**BASE, "tenants_file": "missing.yaml"}, tmp_path)
     with pytest.raises(ConfigError, match="redis_password_file: cannot read"):
         parse_config({**BASE, "cache": {"redis_password_file": str(tmp_path / "nope")}}, tmp_path).cache.redis_password()
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "deploy").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_deployment_config_loads(path) -> None:
+    config = load_config(path)
+    assert config.shards and all(config.adapter_path(name).is_file() for name in (a.name for a in config.adapters))
