@@ -107,8 +107,9 @@ def coalesced(items: list[tuple[str, RequestOutput]]) -> list[tuple[str, Request
 
 
 class Channel:
-    """The replica's end of one caller's channel: the outputs of the requests started on it,
-    handed over as one batch per read (everything since the last one), on the event loop."""
+    """The replica's end of a channel (one caller's, or one `generate` call's own): the outputs
+    of the requests started on it, handed over as one batch per read (everything since the
+    last one), on the event loop."""
 
     def __init__(self) -> None:
         self.streams: dict[str, Any] = {}  # request id -> its engine stream (None while it is being submitted)
@@ -212,24 +213,17 @@ class ShardWorker:
         """The request's deltas. Never raises for one request's sake: a request the worker
         refuses or fails ends with an error Delta carrying its status, so the replica stays
         healthy in the gateway's eyes (only a dead replica fails as a transport error)."""
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()  # fed from the engine thread, no executor thread per stream
-        stream, refusal = await self._submit(call, outputs.put_nowait)
+        channel = Channel()  # a channel of its own: fed from the engine thread, no executor thread per stream
+        stream, refusal = await self._submit(call, lambda out: channel.add(call.request_id, out))
         if refusal is not None:
             yield refusal
             return
-        finished, held = False, None
+        finished = False
         try:
             while not finished:
-                out = held or await outputs.get()
-                held = None
-                while not out.is_finished and not outputs.empty():  # the caller is behind: what has come goes as one item
-                    nxt = outputs.get_nowait()
-                    if nxt.index != out.index:  # another choice's: the next item
-                        held = nxt
-                        break
-                    out = merged(out, nxt)
-                finished = out.is_finished
-                yield delta_of(out)
+                for _, delta in await channel.batch():  # the caller is behind: what has come goes as one item per choice
+                    finished = delta.is_finished
+                    yield delta
         finally:
             if not finished:  # the caller went away (client disconnect, gateway cancel): free the KV slot now
                 stream.cancel()

@@ -160,13 +160,13 @@ class AdapterRegistry:
                 log.exception("registry refresh failed")
             await asyncio.sleep(self.settings.poll_interval_s)
 
-    async def refresh_if_stale(self, max_age_s: float = 0.0) -> None:
+    async def refresh_if_stale(self) -> None:
         """A request's path: what it sees is no older than its arrival (a change made through
         another gateway replica just before is seen). Requests that come together share one
         version check; one that comes while a check runs waits for the next; Redis being down
         changes nothing (its requests do not each wait on it)."""
         arrived = time.monotonic()
-        while self._checked < arrived - max_age_s:
+        while self._checked < arrived:
             if self._check is None or self._check.done():
                 self._check = asyncio.ensure_future(self._version_check())
             await asyncio.shield(self._check)

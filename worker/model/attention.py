@@ -120,7 +120,7 @@ QUERY_BLOCK = 128  # prompt positions whose scores are computed at once: [G*128,
 
 
 def _attend_block(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, out: torch.Tensor, seg: Segment, begin: int, end: int,
-                  group: int, window: int | None, scale: float | None) -> None:
+                  window: int | None, scale: float | None) -> None:
     """Positions [begin, end) of a prompt chunk attend to the slot's keys [0, end), written to `out`.
 
     Plain matmuls and a softmax per row, not torch's fused kernel: each position's arithmetic
@@ -129,7 +129,8 @@ def _attend_block(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
     scores never leave the cache (a 1,024-token prompt's attention was 3.5x slower in one block).
     """
     n, num_heads, head_dim = end - begin, q.shape[1], q.shape[2]
-    num_kv_heads = num_heads // group
+    num_kv_heads = k_layer.shape[1]
+    group = num_heads // num_kv_heads
     rows = slice(seg.row + begin - seg.start, seg.row + end - seg.start)
     qs = q[rows].view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * n, head_dim)
     key_pos = torch.arange(end, device=q.device)
@@ -157,10 +158,9 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cac
     k_layer.transpose(1, 2)[plan.seq_slots, plan.positions] = k.to(k_layer.dtype)
     v_layer.transpose(1, 2)[plan.seq_slots, plan.positions] = v.to(v_layer.dtype)
     out = q.new_empty(num_tokens, num_heads, head_dim)
-    group = num_heads // k.shape[1]
     for seg in plan.chunks:
         for begin in range(seg.start, seg.start + seg.length, QUERY_BLOCK):
-            _attend_block(q, k_layer, v_layer, out, seg, begin, min(begin + QUERY_BLOCK, seg.start + seg.length), group, plan.window if is_swa else None, scale)
+            _attend_block(q, k_layer, v_layer, out, seg, begin, min(begin + QUERY_BLOCK, seg.start + seg.length), plan.window if is_swa else None, scale)
     if plan.decode_rows is not None:
         span, kv_len = plan.decode_mask.shape[0], plan.decode_mask.shape[-1]
         first = plan.decode_first_slot
