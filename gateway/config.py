@@ -111,6 +111,7 @@ class EngineSettings(_Strict):
     num_slots: int = Field(EngineConfig.num_seq_slots, ge=1)  # KV sequence slots: requests decoding at once
     max_step_tokens: int = Field(EngineConfig.max_step_tokens, ge=1)
     prefill_while_decoding: int | None = Field(EngineConfig.prefill_while_decoding, ge=1)  # prompt tokens in a step that also decodes
+    decode_stall: float | None = Field(EngineConfig.decode_stall, gt=0)  # ...or more: what costs this many decode-only steps (measured)
     max_waiting: int = Field(EngineConfig.max_waiting, ge=0)  # requests queued per replica beyond its slots
     reserved_slots: int = Field(EngineConfig.reserved_slots, ge=0)  # slots a busy tenant leaves to the others
     slot_len: int | None = Field(EngineConfig.slot_len, ge=2)
@@ -125,7 +126,8 @@ class EngineSettings(_Strict):
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(num_seq_slots=self.num_slots, slot_len=self.slot_len, max_step_tokens=self.max_step_tokens,
-                            prefill_while_decoding=self.prefill_while_decoding, max_waiting=self.max_waiting, reserved_slots=self.reserved_slots)
+                            prefill_while_decoding=self.prefill_while_decoding, decode_stall=self.decode_stall,
+                            max_waiting=self.max_waiting, reserved_slots=self.reserved_slots)
 
     def device_settings(self, device: str, threads: int | None) -> DeviceSettings:
         return DeviceSettings(device=device, dtype=self.dtype, weights=self.weights, threads=self.threads or threads)

@@ -30,11 +30,18 @@ def test_the_default_config_loads_and_its_files_exist() -> None:
     ({"routing": "fastest"}, "routing: Input should be 'affinity', 'random' or 'least_loaded'"),
     ({"colour": "blue"}, "colour: Extra inputs are not permitted"),
     ({"engine": {"dtype": "int8"}}, "engine.dtype"),
+    ({"engine": {"decode_stall": 0}}, "engine.decode_stall: Input should be greater than 0"),
 ])
 def test_a_bad_field_is_named(change, message) -> None:
     with pytest.raises(ConfigError) as e:
         parse_config({**BASE, **change}, ".", "serve.yaml")
     assert message in str(e.value) and str(e.value).startswith("serve.yaml: ")
+
+
+def test_the_prompt_budget_of_decoding_steps_reaches_the_engine() -> None:
+    engine = parse_config({**BASE, "engine": {"prefill_while_decoding": 64, "decode_stall": 2.5}}, ".").engine.engine_config()
+    assert (engine.prefill_while_decoding, engine.decode_stall) == (64, 2.5)
+    assert parse_config({**BASE, "engine": {"decode_stall": None}}, ".").engine.engine_config().decode_stall is None
 
 
 def test_unreadable_and_malformed_files(tmp_path) -> None:

@@ -31,6 +31,7 @@ class EngineConfig:
     slot_len: int | None = None  # KV positions per sequence slot (default: the context length, at most 2048)
     max_step_tokens: int = 256  # tokens per forward pass: prefill chunks fill what decoding leaves
     prefill_while_decoding: int | None = 128  # prompt tokens a pass that also decodes may take (bounds the gap between tokens); None: all that is left
+    decode_stall: float | None = 1.5  # ...or more, those whose measured cost is this many decode-only passes (a GPU's; worker/engine/step_costs.py)
     max_waiting: int = 32  # requests that may wait for a KV slot; beyond, a replica refuses with 503 (the gateway stops earlier)
     reserved_slots: int = 1  # KV slots a busy tenant may not take while other tenants exist (worker/engine/scheduler.py)
     is_multi_tenant: bool = False  # several tenants may come: reserve from the start, not once a second one is seen
@@ -44,6 +45,8 @@ class EngineConfig:
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must be at least num_slots ({self.num_seq_slots})")
         if self.prefill_while_decoding is not None and self.prefill_while_decoding < 1:
             raise ValueError(f"prefill_while_decoding must be >= 1, got {self.prefill_while_decoding}")
+        if self.decode_stall is not None and not self.decode_stall > 0:
+            raise ValueError(f"decode_stall must be > 0, got {self.decode_stall}")
         if self.max_waiting < 0 or self.reserved_slots < 0:
             raise ValueError(f"max_waiting and reserved_slots must be >= 0, got {self.max_waiting} and {self.reserved_slots}")
 

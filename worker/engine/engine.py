@@ -32,6 +32,7 @@ from worker.engine.prefix_kv import CacheHit, PrefixKV
 from worker.engine.runner import ModelRunner, SpanInput, SpanOutput
 from worker.engine.scheduler import Scheduler, Span
 from worker.engine.sequence import Sequence
+from worker.engine.step_costs import StepCosts
 from worker.engine.stop import StopMatcher
 from worker.formats.tokenizer import GGUFTokenizer, IncrementalDecoder
 from worker.lora.mapping import RequestAdapters
@@ -100,6 +101,7 @@ class Engine:
         self.kv = runner.allocate_kv(config.num_seq_slots, self.slot_len)
         self.scheduler = Scheduler(config.num_seq_slots, self.slot_len, config.max_step_tokens, config.reserved_slots, config.is_multi_tenant,
                                    prefill_while_decoding=config.prefill_while_decoding)
+        self.costs = StepCosts()  # measured: a decoding step's prompt tokens beyond the floor (decode_stall)
         self.eog_ids = tokenizer.eog_ids if tokenizer is not None else frozenset()
         self._eog_sorted = tuple(sorted(self.eog_ids))
         self.grammars = Grammars(tokenizer, runner.hparams.vocab_size)
@@ -232,6 +234,7 @@ class Engine:
     # one step
 
     def step(self) -> list[RequestOutput]:
+        self.scheduler.prefill_while_decoding = self.costs.prompt_budget(self.config.prefill_while_decoding, self.config.decode_stall)
         spans = self.scheduler.schedule()
         if not spans:
             return []
@@ -244,7 +247,10 @@ class Engine:
         try:
             if self.prefix is not None:
                 self.prefix.load(spans, self.kv)
+            started = self.clock()
             outputs = self.runner.run([self._span_input(span, position) for span in spans], self.kv)
+            prompt_tokens = sum(span.prompt_tokens for span in spans)
+            self.costs.observe(sum(span.length for span in spans) - prompt_tokens, prompt_tokens, self.clock() - started)
         except Exception as e:  # the whole pass failed: fail its requests, keep serving
             log.exception("forward pass failed")
             return [self._finish(state, "error", f"internal error: {e}", status=500) for state in self._live(spans)]
@@ -255,8 +261,8 @@ class Engine:
             if span.fork_of is not None:  # a fork takes the prompt's KV, computed once
                 self.kv.copy_prefix(span.fork_of.seq_slot, seq.seq_slot, span.start)
                 self.counters.forked_prompt_tokens += span.start
-            elif span.start < seq.num_prompt_tokens:
-                self.counters.prompt_tokens += min(span.length, seq.num_prompt_tokens - span.start)
+            else:
+                self.counters.prompt_tokens += span.prompt_tokens
         if self.prefix is not None:
             self.prefix.store(spans, self.kv)  # the slots hold the new KV, even of requests finishing below
         return self._postprocess(spans, outputs)

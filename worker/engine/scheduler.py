@@ -54,6 +54,11 @@ class Span:
     def samples(self) -> bool:
         return self.start + self.length == len(self.seq.token_ids)
 
+    @property
+    def prompt_tokens(self) -> int:
+        """Of its tokens, those of the prompt (the rest decode)."""
+        return max(0, min(self.length, self.seq.num_prompt_tokens - self.start))
+
 
 @dataclass
 class Scheduler:
