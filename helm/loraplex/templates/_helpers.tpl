@@ -162,4 +162,6 @@ initContainers:
 - {name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, value: "0"}
 - {name: RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP, value: "0"}
 - {name: RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE, value: "1000"}
+- {name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S, value: "0.5"}
+- {name: RAY_SERVE_METRICS_EXPORT_INTERVAL_MS, value: "1000"}
 {{- end }}
