@@ -99,9 +99,8 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.slot_len = slot_length(config.slot_len, runner.hparams.context_length)
         self.kv = runner.allocate_kv(config.num_seq_slots, self.slot_len)
-        self.scheduler = Scheduler(config.num_seq_slots, self.slot_len, config.max_step_tokens, config.reserved_slots, config.is_multi_tenant,
-                                   prefill_while_decoding=config.prefill_while_decoding)
-        self.costs = StepCosts()  # measured: a decoding step's prompt tokens beyond the floor (decode_stall)
+        self.scheduler = Scheduler(config.num_seq_slots, self.slot_len, config.max_step_tokens, config.reserved_slots, config.is_multi_tenant)
+        self.costs = StepCosts()  # measured: each step's prefill_while_decoding, the floor or more (decode_stall)
         self.eog_ids = tokenizer.eog_ids if tokenizer is not None else frozenset()
         self._eog_sorted = tuple(sorted(self.eog_ids))
         self.grammars = Grammars(tokenizer, runner.hparams.vocab_size)
@@ -244,25 +243,24 @@ class Engine:
             if state.first_step_s is None:
                 state.first_step_s = now
         position = {span.seq: i for i, span in enumerate(spans)}
+        prompt_tokens = sum(span.prompt_tokens for span in spans)
         try:
             if self.prefix is not None:
                 self.prefix.load(spans, self.kv)
             started = self.clock()
             outputs = self.runner.run([self._span_input(span, position) for span in spans], self.kv)
-            prompt_tokens = sum(span.prompt_tokens for span in spans)
             self.costs.observe(sum(span.length for span in spans) - prompt_tokens, prompt_tokens, self.clock() - started)
         except Exception as e:  # the whole pass failed: fail its requests, keep serving
             log.exception("forward pass failed")
             return [self._finish(state, "error", f"internal error: {e}", status=500) for state in self._live(spans)]
         self.counters.steps += 1
+        self.counters.prompt_tokens += prompt_tokens
         for span in spans:
             seq = span.seq
             seq.num_computed += span.length
             if span.fork_of is not None:  # a fork takes the prompt's KV, computed once
                 self.kv.copy_prefix(span.fork_of.seq_slot, seq.seq_slot, span.start)
                 self.counters.forked_prompt_tokens += span.start
-            else:
-                self.counters.prompt_tokens += span.prompt_tokens
         if self.prefix is not None:
             self.prefix.store(spans, self.kv)  # the slots hold the new KV, even of requests finishing below
         return self._postprocess(spans, outputs)
