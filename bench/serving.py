@@ -113,7 +113,7 @@ def serve_config(model_path: Path, adapters: list[Path], args: argparse.Namespac
         "shards": [{"name": "all", "adapters": [f"a{i}" for i in range(len(adapters))], "replicas": 1}],
         "cache": {"redis_url": REDIS_URL, "key_prefix": f"loraplex-bench-{uuid.uuid4().hex[:8]}", "chunk_tokens": 32},
         "engine": {"num_slots": args.requests, "max_step_tokens": args.step_tokens},
-        "http": {"max_tokens_default": args.max_tokens},
+        "http": {"max_tokens_default": args.max_tokens, "listener": args.listener},
     }
 
 
@@ -146,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
             runner = ModelRunner.from_paths(model_path, adapters, device)
             slot_len = args.prompt_tokens + args.max_tokens
             print(f"{args.requests} requests x ({args.prompt_tokens} prompt + {args.max_tokens} new tokens), {args.adapters} adapters of rank "
-                  f"{args.rank} on {args.targets} linears, {'streamed' if args.stream else 'not streamed'}, {args.rounds} rounds each")
+                  f"{args.rank} on {args.targets} linears, {'streamed' if args.stream else 'not streamed'}, {args.rounds} rounds each, "
+                  f"http.listener {args.listener}")
             for mode in args.modes.split(","):
                 engine_runs, http_runs = [], []
                 for r in range(args.rounds + 1):  # round 0 warms both paths up and is not counted

@@ -148,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="mixed,same", help="mixed: request i on adapter i %% N; same: all on adapter 0")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="streamed /completion requests (default)")
     p.add_argument("--port", type=int, default=8765, help="the server's port on loopback")
+    p.add_argument("--listener", choices=["gateway", "serve-proxy"], default="gateway", help="the server's http.listener (default: gateway)")
     _device_flags(p, "the engine-alone run's torch device (the server's comes from its config)")
     p.set_defaults(handler="bench.serving:run")
 

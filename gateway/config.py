@@ -140,6 +140,9 @@ class HTTPSettings(_Strict):
     max_tokens_default: int = Field(256, ge=1)  # requests without max_tokens (n_predict), at most what fits the context
     request_timeout_s: float = Field(300.0, gt=0, le=24 * 3600)  # every request's deadline; a client may ask for less (timeout_s)
     gateway_replicas: int = Field(1, ge=1, le=64)  # ingress replicas (each a gateway; they share the registry and rate limits)
+    # who listens on the port: each gateway replica itself (gateway/listener.py), or Ray Serve's proxies, which
+    # pass every request to a gateway replica over Ray (one hop more; what a KubeRay RayService's Service expects)
+    listener: Literal["gateway", "serve-proxy"] = "gateway"
 
 
 class RegistrySettings(_Strict):

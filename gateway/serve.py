@@ -4,7 +4,9 @@ Every replica of every shard is its own Serve deployment (`shard-<shard>-<i>`,
 one replica each, one device each) so that the gateway, not Serve's router,
 chooses the replica a request goes to (SPEC §7); Serve restarts a replica that
 dies. The gateway is the ingress deployment: the FastAPI app of gateway/api/app.py
-holding a handle to every shard replica; responses stream through the handles.
+holding a handle to every shard replica; responses stream through the handles. Each
+gateway replica listens on the HTTP port itself (gateway/listener.py), or, with
+`http.listener: serve-proxy`, Serve's proxies take HTTP and call the gateway replicas.
 """
 
 from __future__ import annotations
@@ -129,6 +131,16 @@ class GatewayIngress:
         import gateway.api.app as api
 
         api.set_process_gateway(Gateway(parsed, Catalog(parsed), ServePool(parsed, handles), RateLimiter(_redis(parsed), parsed.cache.key_prefix)))
+        self.listener = None
+        if parsed.http.listener == "gateway":  # this replica serves HTTP itself (Serve's proxies are off)
+            from gateway.listener import Listener
+
+            self.listener = Listener(api.create_app(api.process_gateway), parsed.http.host, parsed.http.port)
+
+    def check_health(self) -> None:  # Serve restarts a gateway whose listener stopped
+        failure = self.listener.failure() if self.listener is not None else None
+        if failure is not None:
+            raise RuntimeError(f"the gateway's HTTP listener stopped: {failure}")
 
 
 def _redis(config: ServeConfig):
@@ -208,7 +220,10 @@ def run(args: argparse.Namespace) -> int:
     print("loraplex: starting a local Ray...", file=sys.stderr, flush=True)
     ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=args.verbose, configure_logging=True)
     try:
-        serve.start(http_options={"host": config.http.host, "port": config.http.port}, logging_config={"log_level": "WARNING"})
+        if config.http.listener == "gateway":  # the gateway replicas listen on the port themselves
+            serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
+        else:
+            serve.start(http_options={"host": config.http.host, "port": config.http.port}, logging_config={"log_level": "WARNING"})
         total = sum(s.replicas for s in config.shards)
         print(f"loraplex: deploying {catalog.model_name} on {total} shard replica(s): "
               + ", ".join(f"{s.name} [{', '.join(s.adapters) or 'base'}] x{s.replicas}" for s in config.shards)

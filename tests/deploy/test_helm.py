@@ -125,6 +125,7 @@ def test_serve_config_v2_builds_what_loraplex_serve_deploys_for_the_same_config(
 
     assert comparable(in_cluster) == comparable(local)
     assert in_cluster.cache.redis_url == "redis://lp-loraplex-redis:6379/0" and in_cluster.http.host == "0.0.0.0"
+    assert in_cluster.http.listener == "serve-proxy"  # KubeRay's Service and probes expect Serve's proxy on every pod
     from gateway.serve import app_from_config, build
 
     assert type(app_from_config({"config": config, "base_dir": str(ROOT / "deploy")})) is type(build(local))

@@ -31,11 +31,17 @@ def test_the_default_config_loads_and_its_files_exist() -> None:
     ({"colour": "blue"}, "colour: Extra inputs are not permitted"),
     ({"engine": {"dtype": "int8"}}, "engine.dtype"),
     ({"engine": {"decode_stall": 0}}, "engine.decode_stall: Input should be greater than 0"),
+    ({"http": {"listener": "nginx"}}, "http.listener: Input should be 'gateway' or 'serve-proxy'"),
 ])
 def test_a_bad_field_is_named(change, message) -> None:
     with pytest.raises(ConfigError) as e:
         parse_config({**BASE, **change}, ".", "serve.yaml")
     assert message in str(e.value) and str(e.value).startswith("serve.yaml: ")
+
+
+def test_the_gateway_listens_itself_unless_told_serve_proxy() -> None:
+    assert parse_config(BASE, ".").http.listener == "gateway"
+    assert parse_config({**BASE, "http": {"listener": "serve-proxy"}}, ".").http.listener == "serve-proxy"
 
 
 def test_the_prompt_budget_of_decoding_steps_reaches_the_engine() -> None:

@@ -239,6 +239,7 @@ def test_health_and_metrics(server) -> None:
     text = httpx.get(f"{server}/metrics", headers=OPERATOR, timeout=30).text
     assert 'loraplex_gateway_requests_total{adapter="caps",endpoint="chat",status="200",tenant="demo"}' in text
     assert 'loraplex_cache_lookups_total{replica="styles-0"}' in text
+    assert httpx.get(f"{server}/-/routes", timeout=30).status_code == 404  # the gateway listens itself: no Serve proxy's routes
 
 
 POISON = [  # acme sees one adapter (json): id 0

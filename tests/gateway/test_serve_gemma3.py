@@ -1,5 +1,7 @@
 """`loraplex serve` on another family: Gemma 3 270M (SentencePiece, sliding window) with the
-small adapter llama.cpp's fixture used, over the OpenAI completions API."""
+small adapter llama.cpp's fixture used, over the OpenAI completions API; and the other way
+HTTP reaches a gateway (`http.listener: serve-proxy`, as the Helm chart deploys it): through
+Ray Serve's proxy."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -31,6 +34,7 @@ def server(gemma3_path, tmp_path_factory):
         "tenants": [{"id": "t", "key_sha256": [digest(KEY)], "adapters": "*"}],
         "cache": {"redis_url": "redis://127.0.0.1:6379/0", "key_prefix": f"loraplex-test-{uuid.uuid4().hex}", "chunk_tokens": 8},
         "engine": {"num_slots": 4, "max_step_tokens": 64},
+        "http": {"listener": "serve-proxy"},
     }
     with running_serve(config, tmp_path_factory.mktemp("serve-gemma3")) as url:
         yield url
@@ -53,3 +57,4 @@ def test_completions_on_gemma3_with_and_without_its_adapter(server, gemma3_path,
     assert base.usage.prompt_tokens == 6  # BOS and the five SentencePiece pieces llama.cpp gives
     again = client.completions.create(model="gemma3-270m", prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in again) == base.choices[0].text
+    assert httpx.get(f"{server}/-/routes", timeout=30).json() == {"/": "loraplex"}  # Serve's proxy answered
