@@ -11,9 +11,13 @@ LOOKUP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 @dataclass
 class Histogram:
     buckets: tuple[float, ...] = LOOKUP_BUCKETS_S
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LOOKUP_BUCKETS_S) + 1))  # last: +Inf
+    counts: list[int] = field(default_factory=list)  # one per bucket, the last +Inf
     total: float = 0.0
     num: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1

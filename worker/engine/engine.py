@@ -249,12 +249,12 @@ class Engine:
                 self.prefix.load(spans, self.kv)
             started = self.clock()
             outputs = self.runner.run([self._span_input(span, position) for span in spans], self.kv)
-            self.costs.observe(sum(span.length for span in spans) - prompt_tokens, prompt_tokens, self.clock() - started)
+            seconds = self.clock() - started
+            self.costs.observe(sum(span.length for span in spans) - prompt_tokens, prompt_tokens, seconds)
         except Exception as e:  # the whole pass failed: fail its requests, keep serving
             log.exception("forward pass failed")
             return [self._finish(state, "error", f"internal error: {e}", status=500) for state in self._live(spans)]
-        self.counters.steps += 1
-        self.counters.prompt_tokens += prompt_tokens
+        self.counters.step(prompt_tokens, seconds)
         for span in spans:
             seq = span.seq
             seq.num_computed += span.length

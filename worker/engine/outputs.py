@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cache.stats import Histogram
 from worker.contract.calls import TokenLogprob
 
 
@@ -47,22 +48,39 @@ class RequestOutput:
         return self.finish_reason is not None and self.others_running == 0
 
 
+STEP_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
 @dataclass
 class EngineCounters:
-    """What the engine has computed since it started (read from any thread: plain counts)."""
+    """What the engine has computed since it started (read from any thread: plain counts), and
+    how long its forward passes took: all of them, and those that only decode (what a streamed
+    token waits between two when no prompt shares the pass)."""
 
     steps: int = 0
     prompt_tokens: int = 0  # prompt positions run through the model (not those loaded from the prefix cache or forked)
     generated_tokens: int = 0
     forked_prompt_tokens: int = 0  # prompt positions copied to a request's other choices instead of computed
+    step_s: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
+    decode_step_s: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
 
     HELP = {"steps": "engine steps (forward passes) run", "prompt_tokens": "prompt tokens computed (not loaded from the prefix cache or forked)",
             "generated_tokens": "tokens generated", "forked_prompt_tokens": "prompt tokens a request's further choices copied instead of computing"}
 
+    def step(self, prompt_tokens: int, seconds: float) -> None:
+        """One forward pass ran: its prompt tokens and how long it took."""
+        self.steps += 1
+        self.prompt_tokens += prompt_tokens
+        self.step_s.observe(seconds)
+        if prompt_tokens == 0:
+            self.decode_step_s.observe(seconds)
+
     def prometheus(self) -> str:
-        """The `loraplex_engine_*_total` counters in Prometheus' text format."""
+        """The `loraplex_engine_*_total` counters and the step-time histograms in Prometheus' text format."""
         lines = []
         for name, help_text in self.HELP.items():
             metric = f"loraplex_engine_{name}_total"
             lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter", f"{metric} {getattr(self, name)}"]
+        lines += self.step_s.prometheus("loraplex_engine_step_seconds", "time of a forward pass (prefill, decode or both)")
+        lines += self.decode_step_s.prometheus("loraplex_engine_decode_step_seconds", "time of a forward pass that only decodes")
         return "\n".join(lines) + "\n"

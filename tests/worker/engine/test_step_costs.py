@@ -46,11 +46,11 @@ def test_steps_that_say_nothing_of_a_cost_teach_nothing() -> None:
 
 
 class TimedRunner:
-    """The real runner, on a clock that each pass advances by its modelled time; it keeps the
-    number of prompt tokens of every pass that also decoded."""
+    """The real runner, on a clock that each pass advances by its modelled time; it keeps every
+    pass's (decode tokens, prompt tokens) and the prompt tokens of each that also decoded."""
 
     def __init__(self, runner: ModelRunner) -> None:
-        self.runner, self.now, self.prompt_while_decoding = runner, 0.0, []
+        self.runner, self.now, self.prompt_while_decoding, self.passes = runner, 0.0, [], []
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
@@ -63,6 +63,7 @@ class TimedRunner:
         prompt = sum(len(s.token_ids) for s in spans) - decode
         if decode:
             self.prompt_while_decoding.append(prompt)
+        self.passes.append((decode, prompt))
         self.now += pass_s(decode, prompt)
         return self.runner.run(spans, kv)
 
@@ -89,3 +90,21 @@ def test_the_engine_sizes_prompt_chunks_of_decoding_steps_by_measured_time(runne
     assert sum(chunks) == 90 and len(chunks) >= 3
     assert max(chunks) <= max(floor, within)  # every chunk keeps the stall, or the floor
     assert min(chunks[:-1]) >= max(floor, 0.5 * within)  # and is as big as the estimate allows
+
+
+def test_the_engine_reports_its_step_times_as_prometheus_histograms(runner) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    timed = TimedRunner(runner)
+    engine = Engine(timed, None, EngineConfig(num_seq_slots=2, slot_len=64, max_step_tokens=64), clock=timed.clock)
+    engine.run_all([EngineRequest("a", [5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)),
+                    EngineRequest("b", list(range(10, 40)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))])
+    families = {f.name: f for f in text_string_to_metric_families(engine.counters.prometheus())}
+    samples = {f"{s.name}{s.labels.get('le', '')}": s.value for name in ("loraplex_engine_step_seconds", "loraplex_engine_decode_step_seconds")
+               for s in families[name].samples}
+    steps = engine.counters.steps
+    decode_only = sum(1 for _, prompt in timed.passes if prompt == 0)
+    assert samples["loraplex_engine_step_seconds_count"] == steps and samples["loraplex_engine_step_seconds_sum"] == pytest.approx(timed.now)
+    assert samples["loraplex_engine_decode_step_seconds_count"] == decode_only > 0
+    assert samples["loraplex_engine_step_seconds_bucket0.02"] == 0  # every modelled pass costs more than its fixed 20 ms
+    assert samples["loraplex_engine_step_seconds_bucket0.2"] == steps  # and less than 200 ms
