@@ -116,6 +116,34 @@ def _engine_counter(url: str, name: str) -> int:
     return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith(f"loraplex_engine_{name}_total"))
 
 
+def test_clients_that_leave_mid_stream_stop_their_generation(server) -> None:
+    """Through the gateway's own listener: a client that closes its stream after one event
+    cancels its request in the engine (the slot is freed, nothing more is generated for it)."""
+    before = _engine_counter(server, "generated_tokens")
+
+    def leave_after_one_event(i: int) -> bool:
+        body = {"model": "caps", "prompt": f"Count to a thousand ({i}, {uuid.uuid4().hex[:6]}):", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=auth(), timeout=120) as response:
+            return response.status_code == 200 and next(response.iter_lines(), None) is not None
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(leave_after_one_event, range(8)))
+    deadline = time.monotonic() + 30
+    settled = _engine_counter(server, "generated_tokens")
+    while time.monotonic() < deadline:  # the cancels reach the engine: its count stops moving
+        time.sleep(1.0)
+        now = _engine_counter(server, "generated_tokens")
+        if now == settled:
+            break
+        settled = now
+    assert settled - before < 8 * 400 // 4  # far from what the 8 requests would have generated
+    time.sleep(1.0)
+    assert _engine_counter(server, "generated_tokens") == settled
+    in_flight = [line for line in httpx.get(f"{server}/metrics", headers=OPERATOR, timeout=30).text.splitlines()
+                 if line.startswith("loraplex_gateway_in_flight{")]
+    assert in_flight and all(float(line.rsplit(" ", 1)[1]) == 0 for line in in_flight)
+
+
 def test_n_choices_prefill_once_and_are_distinct_and_reproducible(server) -> None:
     messages = [{"role": "user", "content": f"Name a metal. ({uuid.uuid4().hex[:8]})"}]  # a prompt no cache holds
     before = _engine_counter(server, "prompt_tokens")
