@@ -8,7 +8,8 @@ once by an asyncio client; one shard replica holding the adapters; Redis on when
 
 Printed per configuration: tokens/s of each path and their ratio, time to first token p50/p90,
 and the inter-token gap p50/p99 (a streamed token's arrival after the previous one of its
-request; tokens that arrive together count 0), next to the engine's own decode step time.
+request; tokens that arrive together count 0), next to the engine's own decode step time; and the
+mean time of the server's passes that only decode (its /metrics), against the engine alone's.
 """
 
 from __future__ import annotations
@@ -106,6 +107,17 @@ async def run_http(url: str, batch: list[list[int]], args: argparse.Namespace, m
     return {"tokens_per_s": sum(n for n, _, _ in results) / wall, "ttft": [t for _, t, _ in results if t is not None], "gaps": gaps}
 
 
+def decode_steps(url: str) -> tuple[float, int]:
+    """The server's engine time in passes that only decode, and their number (its /metrics)."""
+    total, count = 0.0, 0
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
+        if line.startswith("loraplex_engine_decode_step_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("loraplex_engine_decode_step_seconds_count"):
+            count += int(float(line.rsplit(" ", 1)[1]))
+    return total, count
+
+
 def serve_config(model_path: Path, adapters: list[Path], args: argparse.Namespace) -> dict:
     return {
         "model": str(model_path), "model_name": "bench",
@@ -129,6 +141,8 @@ def summarize(name: str, engine: list[dict], http: list[dict]) -> None:
         print(f"       gap p50/p99    engine {percentile(e_gaps, 50) * 1e3:6.0f}/{percentile(e_gaps, 99) * 1e3:6.0f} ms   "
               f"http {percentile(h_gaps, 50) * 1e3:6.0f}/{percentile(h_gaps, 99) * 1e3:6.0f} ms   "
               f"(engine decode step {step * 1e3:.0f} ms; http p99 / step {percentile(h_gaps, 99) / step:.1f}x)")
+    server_step = float(np.mean([r["server_step_s"] for r in http]))
+    print(f"       decode-only pass in the server {server_step * 1e3:6.0f} ms (mean; the engine alone: {step * 1e3:.0f} ms, median)")
     sys.stdout.flush()
 
 
@@ -154,7 +168,11 @@ def run(args: argparse.Namespace) -> int:
                     batch = prompts(args, vocab, r * 7 + len(mode))
                     engine = Engine(runner, None, EngineConfig(num_seq_slots=args.requests, slot_len=slot_len, max_step_tokens=args.step_tokens))
                     e = run_engine(engine, batch, args, mode)
+                    steps_before = decode_steps(server.url)
                     h = asyncio.run(run_http(server.url, prompts(args, vocab, r * 7 + len(mode) + 1000), args, mode))
+                    steps_after = decode_steps(server.url)
+                    passes = steps_after[1] - steps_before[1]
+                    h["server_step_s"] = (steps_after[0] - steps_before[0]) / passes if passes else float("nan")
                     if r:
                         engine_runs.append(e)
                         http_runs.append(h)
