@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.bench_engine import write_random_adapters
 from bench.server import Server, delete_keys
@@ -109,13 +110,9 @@ async def run_http(url: str, batch: list[list[int]], args: argparse.Namespace, m
 
 def decode_steps(url: str) -> tuple[float, int]:
     """The server's engine time in passes that only decode, and their number (its /metrics)."""
-    total, count = 0.0, 0
-    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
-        if line.startswith("loraplex_engine_decode_step_seconds_sum"):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("loraplex_engine_decode_step_seconds_count"):
-            count += int(float(line.rsplit(" ", 1)[1]))
-    return total, count
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text)
+    samples = next((f.samples for f in families if f.name == "loraplex_engine_decode_step_seconds"), [])
+    return sum(s.value for s in samples if s.name.endswith("_sum")), int(sum(s.value for s in samples if s.name.endswith("_count")))
 
 
 def serve_config(model_path: Path, adapters: list[Path], args: argparse.Namespace) -> dict:

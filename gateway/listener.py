@@ -65,5 +65,5 @@ class Listener:
 
     async def stop(self) -> None:
         self.server.should_exit = True
-        await asyncio.wait_for(asyncio.shield(self.task), 10)
+        await asyncio.wait_for(self.task, 10)
         self.socket.close()

@@ -131,6 +131,14 @@ def test_serve_config_v2_builds_what_loraplex_serve_deploys_for_the_same_config(
     assert type(app_from_config({"config": config, "base_dir": str(ROOT / "deploy")})) is type(build(local))
 
 
+def test_the_chart_decides_where_http_listens_and_keeps_the_rest_of_the_users_http_settings() -> None:
+    values = multi_shard_values()
+    values["loraplex"]["http"] = {"port": 1234, "listener": "gateway", "max_tokens_default": 64, "request_timeout_s": 30}
+    rayservice = next(d for d in render(values) if d["kind"] == "RayService")
+    config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]
+    assert config["http"] == {"host": "0.0.0.0", "port": 8000, "listener": "serve-proxy", "max_tokens_default": 64, "request_timeout_s": 30}
+
+
 @pytest.mark.parametrize(("change", "fragment"), [
     ({"gateway": {"service": {"type": "Bogus"}}}, "type"),
     ({"ray": {"worker": {"gpusPerPod": -1}}}, "gpusPerPod"),

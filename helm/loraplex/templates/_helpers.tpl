@@ -68,7 +68,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $registry := deepCopy (default (dict) $config.registry) -}}
 {{- $_ := set $registry "store_dir" .Values.adapterStore.mountPath -}}
 {{- $_ := set $config "registry" $registry -}}
-{{- $_ := set $config "http" (merge (dict "host" "0.0.0.0" "port" 8000 "listener" "serve-proxy") (omit (default (dict) $config.http) "host" "port" "listener")) -}}
+{{- $_ := set $config "http" (merge (dict "host" "0.0.0.0" "port" 8000 "listener" "serve-proxy") (default (dict) $config.http)) -}}
 {{- toYaml $config -}}
 {{- end -}}
 
