@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from cache.l2 import RedisConfig
 from cache.prefix import PrefixCacheConfig
-from worker.contract.spec import DTYPES, WEIGHT_FORMATS, DeviceSettings
+from worker.contract.spec import DTYPES, WEIGHT_FORMATS, DeviceSettings, EngineConfig
 
 WEIGHTS_HELP = ("weight format: auto = f16 on CPU (quantized GGUF weights as float16, fp32 math), dense elsewhere; "
                 "q4 = CPU int4 kernel with bfloat16 activations (fastest, not llama.cpp-exact)")
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logprobs", type=int, metavar="K", help="report the top-K log-probabilities per position")
     p.add_argument("--json", action="store_true", help="print token ids, text and logprobs as JSON")
     _device_flags(p)
-    p.add_argument("--step-tokens", type=_positive_int, default=256, metavar="N", help="tokens per forward pass with --batch-file (prefill chunk budget)")
+    p.add_argument("--step-tokens", type=_positive_int, default=EngineConfig.max_step_tokens, metavar="N", help="tokens per forward pass with --batch-file (prefill chunk budget)")
     cache = p.add_argument_group("prefix cache", "reuse and share prompt KV through Redis (SPEC §5)")
     cache.add_argument("--redis", metavar="URL", help="Redis for the shared prefix cache, e.g. redis://127.0.0.1:6379/0 (rediss:// for TLS, redis://:PASSWORD@host)")
     cache.add_argument("--cache-salt", metavar="S", default="", help="cache namespace (a tenant id): only runs with the same salt share KV")
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler="bench.registry_adds:run")
 
     p = sub.add_parser("bench-serving", help="one workload through the engine alone and through loraplex serve: tokens/s, TTFT, gaps")
-    _workload_flags(p, adapters=8, rank=16, targets="all", prompt_tokens=82, step_tokens=256,
+    _workload_flags(p, adapters=8, rank=16, targets="all", prompt_tokens=82, step_tokens=EngineConfig.max_step_tokens,
                     rounds_help="rounds of the two paths, interleaved (after one warm-up round)")
     p.add_argument("--modes", default="mixed,same", help="mixed: request i on adapter i %% N; same: all on adapter 0")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="streamed /completion requests (default)")

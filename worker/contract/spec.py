@@ -29,7 +29,7 @@ def slot_length(configured: int | None, context_length: int) -> int:
 class EngineConfig:
     num_seq_slots: int = 16  # sequences decoding at once (KV sequence slots)
     slot_len: int | None = None  # KV positions per sequence slot (default: the context length, at most 2048)
-    max_step_tokens: int = 256  # tokens per forward pass: prefill chunks fill what decoding leaves
+    max_step_tokens: int = 2048  # tokens per forward pass: prefill chunks fill what decoding leaves (llama.cpp's n_batch)
     prefill_while_decoding: int | None = 128  # prompt tokens a pass that also decodes may take (bounds the gap between tokens); None: all that is left
     decode_stall: float | None = 1.5  # ...or more, those whose measured cost is this many decode-only passes (a GPU's; worker/engine/step_costs.py)
     max_waiting: int = 32  # requests that may wait for a KV slot; beyond, a replica refuses with 503 (the gateway stops earlier)

@@ -9,6 +9,16 @@ most `prefill_while_decoding` prompt tokens: on a CPU a pass costs about what
 its tokens do, and a burst of prompts in 256-token chunks made the decoding
 sequences wait 5x their step time between tokens; with nothing decoding,
 prompts take the whole budget (Sarathi-Serve's stall-free batching, in tokens).
+That bound is per decoding sequence: when more sequences wait for their first
+token than decode, it is multiplied by their ratio. A step's prompt tokens
+delay every decoding stream once, and every step a waiting stream is not
+served delays it again; so a burst that lands on a few decoding streams is
+prefilled in a few big steps (two streams wait long once, fourteen start
+sooner) instead of a dozen small ones that each stall a growing number of
+streams. Only sequences that could take a slot count, so a flood of requests
+cannot grow the bound past the free slots; and only while each decoding
+stream's own group is among those waiting, so one tenant's burst never
+stalls another tenant's streams more than the bound does.
 
 Prompt tokens and free slots are shared fairly between groups (the gateway's
 tenants): the group that has had the fewest tokens computed goes first, then
@@ -112,7 +122,7 @@ class Scheduler:
                 budget -= seq.num_pending
                 self._served[seq.group] = self._served.get(seq.group, 0) + seq.num_pending
         if spans and self.prefill_while_decoding is not None:
-            budget = min(budget, self.prefill_while_decoding)
+            budget = min(budget, self._prompt_budget([span.seq for span in spans]))
         # then prompts, fairly between groups: running ones, and waiting ones while a slot is free
         prefilling = [seq for seq in self.running if seq.is_prefilling]
         while budget > 0:
@@ -137,6 +147,19 @@ class Scheduler:
         if active:
             self._floor = max(self._floor, min(self._served[g] for g in active))
         return spans
+
+    def _prompt_budget(self, decoding: list[Sequence]) -> int:
+        """Prompt tokens for a step beside the `decoding` sequences: `prefill_while_decoding`,
+        times how many sequences wait for their first token (prefilling, or waiting with a slot
+        free) per decoding one when that is more than one, and only while every decoding
+        sequence's group has one of those: one tenant's prompts never stall another's streams
+        beyond the bound."""
+        prefilling = [seq for seq in self.running if seq.is_prefilling]
+        starting_groups = {seq.group for seq in prefilling} | (set(self._queues) if self._free_slots else set())
+        if any(seq.group not in starting_groups for seq in decoding):
+            return self.prefill_while_decoding
+        starting = len(prefilling) + min(self.num_waiting, len(self._free_slots))
+        return int(self.prefill_while_decoding * max(1.0, starting / len(decoding)))
 
     def _forking(self, seq: Sequence) -> list[Sequence]:
         """The forks that take `seq`'s prompt in this step (whose last prompt token it computes)."""

@@ -36,8 +36,8 @@ def test_decoding_first_then_prefill_chunks_within_the_budget() -> None:
 
 def test_a_step_that_decodes_takes_fewer_prompt_tokens_than_one_that_only_prefills() -> None:
     s = Scheduler(num_seq_slots=4, slot_len=128, max_step_tokens=32, prefill_while_decoding=5)
-    a, b, c = seq("a", 40), seq("b", 40), seq("c", 10)
-    for x in (a, b, c):
+    a, b = seq("a", 40), seq("b", 40)
+    for x in (a, b):
         s.add(x)
     chunks = s.schedule()  # nothing decodes yet: the whole budget
     assert [(ch.seq.request_id, ch.length) for ch in chunks] == [("a", 32)]
@@ -47,7 +47,50 @@ def test_a_step_that_decodes_takes_fewer_prompt_tokens_than_one_that_only_prefil
     assert [(ch.seq.request_id, ch.length) for ch in chunks] == [("a", 1), ("b", 5)]
     s.finish(a)
     advance(chunks)
-    assert [(ch.seq.request_id, ch.length) for ch in s.schedule()] == [("b", 11), ("c", 10)]  # nothing decodes again
+    assert [(ch.seq.request_id, ch.length) for ch in s.schedule()] == [("b", 11)]  # nothing decodes again
+
+
+def decoding_step(s: Scheduler, decoding: int, waiting: list[int]) -> list[tuple[str, int]]:
+    """`decoding` sequences of 2-token prompts prefilled and decoding, then prompts of the
+    given lengths queued: the next step's (request, tokens)."""
+    for i in range(decoding):
+        s.add(seq(f"d{i}", 2, max_new=50))
+    advance(s.schedule())
+    for i, n in enumerate(waiting):
+        s.add(seq(f"w{i}", n))
+    return [(ch.seq.request_id, ch.length) for ch in s.schedule()]
+
+
+def test_the_prompt_tokens_beside_decoding_grow_with_the_streams_waiting_per_decoding_one() -> None:
+    # as many waiting as decoding: the bound itself
+    s = Scheduler(num_seq_slots=8, slot_len=256, max_step_tokens=200, prefill_while_decoding=10)
+    assert decoding_step(s, 2, [40, 40]) == [("d0", 1), ("d1", 1), ("w0", 10)]
+    # six waiting on two decoding: three times the bound, over as many prompts as it reaches
+    s = Scheduler(num_seq_slots=8, slot_len=256, max_step_tokens=200, prefill_while_decoding=10)
+    assert decoding_step(s, 2, [20] * 6) == [("d0", 1), ("d1", 1), ("w0", 20), ("w1", 10)]
+    # only those that could take a slot count: twelve waiting, two free slots
+    s = Scheduler(num_seq_slots=4, slot_len=256, max_step_tokens=200, prefill_while_decoding=10)
+    assert decoding_step(s, 2, [20] * 12) == [("d0", 1), ("d1", 1), ("w0", 10)]
+    # and the step's own budget still caps it
+    s = Scheduler(num_seq_slots=8, slot_len=256, max_step_tokens=20, prefill_while_decoding=10)
+    assert decoding_step(s, 1, [40] * 6) == [("d0", 1), ("w0", 19)]
+
+
+def test_one_tenants_burst_takes_no_more_than_the_bound_beside_another_tenants_streams() -> None:
+    s = Scheduler(num_seq_slots=8, slot_len=256, max_step_tokens=200, prefill_while_decoding=10, is_multi_tenant=True)
+    s.add(Sequence("victim", [1, 2], 2, 60, group="victim"))
+    advance(s.schedule())
+    for i in range(6):
+        s.add(Sequence(f"burst{i}", list(range(20)), 20, 30, group="burst"))
+    assert [(ch.seq.request_id, ch.length) for ch in s.schedule()] == [("victim", 1), ("burst0", 10)]
+    # the victim's tenant sends a prompt too: now the decoding stream's own group waits as well
+    s = Scheduler(num_seq_slots=8, slot_len=256, max_step_tokens=200, prefill_while_decoding=10, is_multi_tenant=True)
+    s.add(Sequence("victim", [1, 2], 2, 60, group="victim"))
+    advance(s.schedule())
+    s.add(Sequence("victim2", list(range(20)), 20, 30, group="victim"))
+    for i in range(5):
+        s.add(Sequence(f"burst{i}", list(range(20)), 20, 30, group="burst"))
+    assert sum(ch.length for ch in s.schedule()) - 1 == 60  # six starting per decoding one
 
 
 def test_admission_in_arrival_order_into_the_lowest_free_slot() -> None:
