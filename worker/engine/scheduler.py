@@ -121,10 +121,10 @@ class Scheduler:
                 spans.append(Span(seq, seq.num_computed, seq.num_pending))
                 budget -= seq.num_pending
                 self._served[seq.group] = self._served.get(seq.group, 0) + seq.num_pending
-        if spans and self.prefill_while_decoding is not None:
-            budget = min(budget, self._prompt_budget([span.seq for span in spans]))
-        # then prompts, fairly between groups: running ones, and waiting ones while a slot is free
         prefilling = [seq for seq in self.running if seq.is_prefilling]
+        if spans and self.prefill_while_decoding is not None:
+            budget = min(budget, self._prompt_budget([span.seq for span in spans], prefilling))
+        # then prompts, fairly between groups: running ones, and waiting ones while a slot is free
         while budget > 0:
             heads = [queue[0] for queue in self._queues.values()]  # each group's first
             admissible = [seq for seq in heads if self._may_take_slot(seq.group, 1 + len(seq.forks))]
@@ -148,13 +148,12 @@ class Scheduler:
             self._floor = max(self._floor, min(self._served[g] for g in active))
         return spans
 
-    def _prompt_budget(self, decoding: list[Sequence]) -> int:
+    def _prompt_budget(self, decoding: list[Sequence], prefilling: list[Sequence]) -> int:
         """Prompt tokens for a step beside the `decoding` sequences: `prefill_while_decoding`,
         times how many sequences wait for their first token (prefilling, or waiting with a slot
         free) per decoding one when that is more than one, and only while every decoding
         sequence's group has one of those: one tenant's prompts never stall another's streams
         beyond the bound."""
-        prefilling = [seq for seq in self.running if seq.is_prefilling]
         starting_groups = {seq.group for seq in prefilling} | (set(self._queues) if self._free_slots else set())
         if any(seq.group not in starting_groups for seq in decoding):
             return self.prefill_while_decoding
