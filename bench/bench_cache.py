@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         print("loraplex bench-cache: --cached-tokens must be whole chunks and less than --prompt-tokens", file=sys.stderr)
         return 2
     config = DeviceConfig.of(args.device_settings)
-    config.apply_threads()
+    config.apply_to_process()
     model_path = resolve_model_path(args.model)
     runner = ModelRunner.from_paths(model_path, [], config)
     vocab = runner.hparams.vocab_size

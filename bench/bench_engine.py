@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_registered(args)
     config = DeviceConfig.of(args.device_settings)
-    config.apply_threads()
+    config.apply_to_process()
     model_path = resolve_model_path(args.model)
     base = GGUFFile(model_path)
     with tempfile.TemporaryDirectory() as tmp:

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"loraplex bench-engine: --registered counts must be at least --adapters ({args.adapters})", file=sys.stderr)
         return 2
     config = DeviceConfig.of(args.device_settings)
-    config.apply_threads()
+    config.apply_to_process()
     model_path = resolve_model_path(args.model)
     base = GGUFFile(model_path)
     with tempfile.TemporaryDirectory() as tmp:

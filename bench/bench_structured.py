@@ -69,7 +69,7 @@ def _decode_rate(engine: Engine, requests: list[EngineRequest]) -> tuple[float, 
 
 def run(args: argparse.Namespace) -> int:
     config = DeviceConfig.of(args.device_settings)
-    config.apply_threads()
+    config.apply_to_process()
     base = GGUFFile(resolve_model_path(args.model))
     tokenizer = GGUFTokenizer(base)
     with tempfile.TemporaryDirectory() as tmp:

@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         server = Server(config, Path(tmp), args.port)
         try:
             device = DeviceConfig.of(args.device_settings)
-            device.apply_threads()
+            device.apply_to_process()
             runner = ModelRunner.from_paths(model_path, adapters, device)
             slot_len = args.prompt_tokens + args.max_tokens
             print(f"{args.requests} requests x ({args.prompt_tokens} prompt + {args.max_tokens} new tokens), {args.adapters} adapters of rank "

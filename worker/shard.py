@@ -167,7 +167,7 @@ class ShardWorker:
 
         def build() -> Engine:  # on the engine's thread, which then makes every torch call (worker/engine/loop.py)
             device = DeviceConfig.of(spec.device)
-            device.apply_threads()
+            device.apply_to_process()
             self.runner = ModelRunner.from_paths(spec.model_path, [adapter.path for adapter in spec.adapters], device)
             self.tokenizer = GGUFTokenizer(self.runner.base)
             self.prefix_cache = open_prefix_cache(self.runner, spec.cache, fingerprint_dir=spec.fingerprint_dir)

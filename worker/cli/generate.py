@@ -71,7 +71,7 @@ def result_json(result: GenerationResult, load_time_s: float) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     try:
         config = DeviceConfig.of(args.device_settings)
-        config.apply_threads()
+        config.apply_to_process()
         params = SamplingParams(
             max_tokens=args.n_predict, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, ignore_eos=args.ignore_eos, logprobs=args.logprobs, echo=args.echo,

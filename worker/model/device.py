@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from worker.contract.spec import DeviceSettings
-from worker.model import quant
+from worker.model import host_memory, quant
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -49,10 +49,14 @@ class DeviceConfig(DeviceSettings):
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
 
-    def apply_threads(self) -> None:
-        """Set torch's CPU threads for this process when the settings name a count (CPU devices only)."""
-        if self.threads is not None and self.torch_device.type == "cpu":
+    def apply_to_process(self) -> None:
+        """On a CPU device: set torch's threads when the settings name a count, and keep the
+        host allocator's freed memory for the next pass (worker/model/host_memory.py)."""
+        if self.torch_device.type != "cpu":
+            return
+        if self.threads is not None:
             torch.set_num_threads(self.threads)
+        host_memory.keep_freed_memory()
 
 
 def to_torch(array: np.ndarray, config: DeviceConfig) -> torch.Tensor:
