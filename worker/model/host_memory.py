@@ -20,21 +20,18 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit: bigger blocks are still mapped per use
 TRIM_THRESHOLD = 512 << 20  # free heap top kept before it is returned to the OS
 
-_applied = False
 
-
+@functools.cache
 def keep_freed_memory() -> bool:
     """Fix glibc's mmap and trim thresholds for this process (once); False where mallopt is absent
     or refuses."""
-    global _applied
-    if _applied:
-        return True
     name = ctypes.util.find_library("c")
     try:
         mallopt = ctypes.CDLL(name).mallopt if name else None
@@ -43,5 +40,4 @@ def keep_freed_memory() -> bool:
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    _applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    return _applied
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))

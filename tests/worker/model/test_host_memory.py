@@ -3,10 +3,6 @@
 import subprocess
 import sys
 
-import pytest
-
-from worker.model import host_memory
-
 # Passes 2.. of an MLP over 1,024 tokens (each [1024, 1536] fp32 activation is 6 MiB, above
 # glibc's first mmap threshold): how many minor page faults they took.
 PROBE = """
@@ -14,7 +10,7 @@ import resource, sys, torch
 import torch.nn.functional as F
 if sys.argv[1] == "keep":
     from worker.model.host_memory import keep_freed_memory
-    assert keep_freed_memory()
+    assert keep_freed_memory() and keep_freed_memory()  # applied once, True again
 up, down = torch.randn(1536, 576) * 0.01, torch.randn(576, 1536) * 0.01
 faults = []
 for _ in range(8):
@@ -34,13 +30,8 @@ def faults(mode: str) -> int:
     return int(out.stdout.strip())
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
 def test_freed_blocks_are_kept_for_the_next_pass():
     default, kept = faults("default"), faults("keep")
     assert default > 6 * 1536  # at least one 6 MiB block (1,536 pages) mapped anew per pass
     assert kept * 10 < default  # reused from the heap
 
-
-def test_keep_freed_memory_is_idempotent():
-    first = host_memory.keep_freed_memory()
-    assert host_memory.keep_freed_memory() == first
