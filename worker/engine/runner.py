@@ -29,6 +29,7 @@ from worker.model.attention import AttentionPlan, KVCache, Segment
 from worker.model.device import DeviceConfig
 from worker.model.loader import load_model
 from worker.model.sampler import NOTHING_ALLOWED, SampleSpec, SamplingBatch, sample
+from worker.model.transformer import RowSelection
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class StepInputs:
     post_lp: tuple[torch.Tensor, torch.Tensor] | None = None  # (lp rows, sampling rows): they report the sampler's final distribution
     empty: torch.Tensor | None = None
     host_scales: np.ndarray | None = None  # token_scales on the host
+    host_logit_rows: np.ndarray | None = None  # logit_rows on the host
 
 
 class ModelRunner:
@@ -199,6 +201,7 @@ class ModelRunner:
             post_lp=tuple(torch.tensor(column, dtype=torch.long, device=device) for column in zip(*post)) if post else None,
             empty=torch.empty(0, device=device),
             host_scales=scales,
+            host_logit_rows=np.asarray(logit_rows, dtype=np.int64),
         )
 
     def _forward(self, step: StepInputs, kv: KVCache) -> torch.Tensor:
@@ -206,13 +209,17 @@ class ModelRunner:
         batch = self.lora.batch
         batch.set(step.token_scales, step.active_slots, step.host_scales)
         try:
-            hidden = self.model(step.ids, kv, step.plan)  # [N, d]
             if step.logit_rows is None:  # every row
-                return self.model.logits(hidden)
-            if step.logit_rows.numel() == 0:  # a pass that only prefills
+                return self.model.logits(self.model(step.ids, kv, step.plan))
+            rows = step.logit_rows
+
+            def select(kept: torch.Tensor) -> None:  # the adapters' per-row scales follow the rows kept (an adapter may target `output`)
+                host = step.host_scales[step.host_logit_rows] if step.host_scales is not None and step.host_logit_rows is not None else None
+                batch.set(step.token_scales.index_select(0, kept), step.active_slots, host)
+
+            hidden = self.model(step.ids, kv, step.plan, RowSelection(rows, select))  # [len(rows), d]
+            if rows.numel() == 0:  # a pass that only prefills
                 return hidden.new_empty(0, self.hparams.vocab_size, dtype=torch.float32)
-            hidden = hidden.index_select(0, step.logit_rows)
-            batch.set(step.token_scales.index_select(0, step.logit_rows), step.active_slots)  # an adapter may target `output`
             return self.model.logits(hidden)
         finally:
             batch.clear()

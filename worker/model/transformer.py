@@ -7,6 +7,9 @@ linear layers from outside (worker/lora/).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -109,8 +112,10 @@ class Block(nn.Module):
             self.ffn_down = nn.Linear(hp.ffn_dim, hp.embed_dim, bias=False)
         self.has_fused_gate_up = hp.has_fused_gate_up
 
-    def forward(self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, ...], rope: Rotary, cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
-        # x: [N, d] new tokens of every sequence in the batch
+    def forward(
+        self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, ...], rope: Rotary, cache: KVCache, plan: AttentionPlan, keep: RowSelection | None = None,
+    ) -> torch.Tensor:
+        # x: [N, d] new tokens of every sequence in the batch -> [N, d], or [len(keep.rows), d]
         num_tokens = x.shape[0]
         h = self.attn_norm(x)
         if self.qkv_split is not None:
@@ -123,7 +128,13 @@ class Block(nn.Module):
         if self.has_qk_norm:
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         q, k = rope(q, rope_tables), rope(k, rope_tables)
-        a = self.attn_output(attention(self.index, q, k, v, cache, plan, self.is_swa, self.attention_scale))
+        o = attention(self.index, q, k, v, cache, plan, self.is_swa, self.attention_scale)  # every row's K and V are in the cache now
+        if keep is not None:  # the rest only for the rows whose output is wanted
+            if keep.rows.numel() == 0:
+                return x[:0]
+            o, x = o.index_select(0, keep.rows), x.index_select(0, keep.rows)
+            keep.on_select(keep.rows)
+        a = self.attn_output(o)
         x = x + (self.post_attention_norm(a) if self.has_post_norms else a)
         h = self.ffn_norm(x)
         if self.num_experts_used:
@@ -134,6 +145,17 @@ class Block(nn.Module):
         else:
             f = self.ffn_down(self.activation(self.ffn_gate(h)) * self.ffn_up(h))
         return x + (self.post_ffw_norm(f) if self.has_post_norms else f)
+
+
+@dataclass(frozen=True)
+class RowSelection:
+    """The rows of a pass whose final hidden states are wanted (llama.cpp's output ids): the
+    last layer computes its attention for every row, since each row's K and V go to the
+    cache, and the rest of the layer only for these. `on_select(rows)` runs first, for
+    whatever the caller keeps per row (the pass's adapter scales)."""
+
+    rows: torch.Tensor  # [M] indices into the pass's rows
+    on_select: Callable[[torch.Tensor], None] = lambda rows: None
 
 
 class Transformer(nn.Module):
@@ -151,18 +173,21 @@ class Transformer(nn.Module):
         """Use the token embedding as output projection (GGUF without output.weight)."""
         self.output.weight = self.token_embd.weight
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
-        """input_ids [N] (flattened over sequences, see AttentionPlan) -> final hidden states [N, embed_dim]."""
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, plan: AttentionPlan, keep: RowSelection | None = None) -> torch.Tensor:
+        """input_ids [N] (flattened over sequences, see AttentionPlan) -> final hidden states [N, embed_dim],
+        or only those of `keep.rows` [M, embed_dim]: a prompt's rows but its last need only their K and V
+        from the last layer, which then skips its output projection and FFN for them."""
         x = self.token_embd(input_ids)
         if self.hp.embedding_scale != 1.0:
             x = x * self.hp.embedding_scale
         rope_tables = self.rope.tables(plan.positions)
         swa_tables = self.rope_swa.tables(plan.positions) if self.rope_swa is not None else None
-        for block in self.blk:
+        last = len(self.blk) - 1
+        for i, block in enumerate(self.blk):
             if block.is_swa and self.rope_swa is not None:  # the windowed layers' own RoPE base
-                x = block(x, swa_tables, self.rope_swa, cache, plan)
+                x = block(x, swa_tables, self.rope_swa, cache, plan, keep if i == last else None)
             else:
-                x = block(x, rope_tables, self.rope, cache, plan)
+                x = block(x, rope_tables, self.rope, cache, plan, keep if i == last else None)
         return self.output_norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

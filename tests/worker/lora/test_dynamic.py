@@ -80,6 +80,10 @@ def test_a_mixed_batch_equals_each_request_alone_both_ways(tiny_llama, tmp_path,
     for (ids, _), want in zip(seqs, expected):
         torch.testing.assert_close(out[offset : offset + len(ids)], want, atol=1e-4, rtol=1e-4)  # batch shape changes GEMM blocking
         offset += len(ids)
+    # asking for a few rows, the last layer computes only those, each with its own adapters' scales
+    wanted = [seg.row + seg.length - 1 for seg in segments] + [segments[1].row + 21]  # each sequence's last row, and one after the aLoRA's activation
+    few = runner.logits(tokens, segments, runner.allocate_kv(len(seqs), 64), torch.from_numpy(rows), active, wanted).cpu()
+    torch.testing.assert_close(few, out[wanted], atol=1e-4, rtol=1e-4)
 
 
 def test_a_pass_computes_only_the_adapters_in_its_batch(tiny_llama, tmp_path) -> None:

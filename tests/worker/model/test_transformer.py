@@ -15,7 +15,9 @@ from tests.tinymodels import TinySpec, make_tiny_model, write_base
 from worker.engine.runner import ModelRunner
 from worker.formats.gguf_file import GGUFFile
 from worker.formats.hparams import ModelHParams, RopeStyle, UnsupportedModelError
+from worker.model.attention import AttentionPlan, Segment
 from worker.model.device import DeviceConfig
+from worker.model.transformer import RowSelection
 
 IDS = [5, 77, 140, 3, 200, 9, 31, 250, 12, 180, 64, 99, 7, 2, 120, 45, 33, 260, 18, 4]
 
@@ -51,6 +53,30 @@ def test_untied_model_has_separate_output(tiny_llama, tiny_llama_tied) -> None:
     tied = ModelRunner.from_paths(tiny_llama_tied.path, [], TEST_DEVICE).model
     assert untied.output.weight.data_ptr() != untied.token_embd.weight.data_ptr()
     assert tied.output.weight.data_ptr() == tied.token_embd.weight.data_ptr()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_gemma3", "tiny_qwen3moe", "tiny_phi3"])
+def test_the_last_layer_computes_only_the_rows_asked_for(fixture: str, request: pytest.FixtureRequest) -> None:
+    """llama.cpp's output ids: every row's K and V reach the cache, the final hidden states only
+    the rows asked for, the same as in the full pass; asked for none, the pass still fills the cache."""
+    runner = ModelRunner.from_paths(request.getfixturevalue(fixture).path, [], TEST_DEVICE)
+    model, device = runner.model, TEST_DEVICE.torch_device
+    ids = torch.tensor(IDS, device=device)
+    plan = AttentionPlan.build([Segment(0, 0, len(IDS), 0)], device, runner.hparams.sliding_window)
+    with torch.inference_mode():
+        full_kv = runner.allocate_kv(1, len(IDS))
+        full = model(ids, full_kv, plan)
+        rows, selected = torch.tensor([3, 11, len(IDS) - 1], device=device), []
+        kv = runner.allocate_kv(1, len(IDS))
+        some = model(ids, kv, plan, RowSelection(rows, selected.append))
+        none_kv = runner.allocate_kv(1, len(IDS))
+        none = model(ids, none_kv, plan, RowSelection(rows[:0]))
+    assert len(selected) == 1 and torch.equal(selected[0], rows)
+    torch.testing.assert_close(some, full[rows], atol=1e-5, rtol=1e-5)
+    assert none.shape == (0, runner.hparams.embed_dim)
+    for cache in (kv, none_kv):
+        torch.testing.assert_close(cache.k, full_kv.k, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(cache.v, full_kv.v, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize(("fixture", "atol"), [("tiny_llama", 1e-5), ("tiny_gemma3", 1e-4), ("tiny_qwen3moe", 1e-5)])  # gemma3: past its sliding window
