@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray import serve
@@ -30,6 +30,9 @@ from worker.contract.calls import Delta, WorkerCall
 from worker.contract.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
+
+SIGNAL_CHECK_S = 0.2  # how often the main thread looks for a Ctrl-C or SIGTERM
+SERVE_SHUTDOWN_TIMEOUT_S = 60.0
 
 # Ray Serve's settings for throughput (what its RAY_SERVE_THROUGHPUT_OPTIMIZED turns on, less direct
 # ingress, which moves the HTTP port): user code and the handles' router on each replica's own event
@@ -174,10 +177,11 @@ def build(config: ServeConfig) -> serve.Application:
     return GatewayIngress.options(name="gateway", num_replicas=config.http.gateway_replicas, ray_actor_options={"num_cpus": 0}).bind(config.model_dump(), handles)
 
 
-def _show_progress(deployer: threading.Thread, started: float) -> None:
-    """Each deployment's state as it changes (replicas load the model), until serve.run returns."""
+def _show_progress(deployer: threading.Thread, started: float, stop: threading.Event) -> None:
+    """Each deployment's state as it changes (replicas load the model), until serve.run returns
+    or `stop` is set."""
     shown: dict[str, str] = {}
-    while deployer.is_alive():
+    while deployer.is_alive() and not stop.is_set():
         deployer.join(1.0)
         try:
             app_status = serve.status().applications.get("loraplex")
@@ -219,6 +223,12 @@ def run(args: argparse.Namespace) -> int:
 
     print("loraplex: starting a local Ray...", file=sys.stderr, flush=True)
     ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=args.verbose, configure_logging=True)
+    # Ctrl-C or SIGTERM from here on, while deploying too, stops Serve and Ray; handled the same whatever
+    # the process inherited (started in the background by a script, SIGINT came ignored and a stop
+    # sent while the replicas loaded was lost; SIGTERM killed the driver and left Ray running).
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         if config.http.listener == "gateway":  # the gateway replicas listen on the port themselves
             serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
@@ -239,7 +249,10 @@ def run(args: argparse.Namespace) -> int:
 
         deployer = threading.Thread(target=deploy, daemon=True)
         deployer.start()
-        _show_progress(deployer, started)
+        _show_progress(deployer, started, stop)
+        if stop.is_set():
+            print("loraplex: stopped while deploying; shutting down...", file=sys.stderr, flush=True)
+            return 130
         if deploy_error:
             print(f"loraplex serve: deployment failed: {deploy_error[0]}", file=sys.stderr)
             return 1
@@ -250,12 +263,33 @@ def run(args: argparse.Namespace) -> int:
         print(f"  curl {url}/v1/chat/completions{key} -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{example_model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is copper?\"}}]}}'",
               file=sys.stderr, flush=True)
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
+        # a timed wait: Python runs a handler in the main thread, when it next runs bytecode; a signal
+        # the kernel hands to one of Ray's threads does not wake an untimed wait
+        while not stop.wait(SIGNAL_CHECK_S):
+            pass
         print("loraplex: shutting down...", file=sys.stderr, flush=True)
     finally:
-        serve.shutdown()
+        if not _within(serve.shutdown, SERVE_SHUTDOWN_TIMEOUT_S):
+            print(f"loraplex: Serve did not shut down within {SERVE_SHUTDOWN_TIMEOUT_S:g} s; stopping Ray", file=sys.stderr, flush=True)
         ray.shutdown()
     return 0
+
+
+def _within(fn: Callable[[], object], timeout_s: float) -> bool:
+    """Run `fn` on a daemon thread; False when it has not returned within `timeout_s` (Serve's
+    shutdown waits forever on a controller that was killed before it answered; Ray's own
+    shutdown, next, stops the processes it started either way). Its exception is raised here."""
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            failed.append(e)
+
+    worker = threading.Thread(target=call, name="loraplex-serve-shutdown", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if failed:
+        raise failed[0]
+    return not worker.is_alive()
