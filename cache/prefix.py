@@ -37,6 +37,8 @@ from cache.stats import CacheStats, prometheus_text
 
 log = logging.getLogger(__name__)
 
+MAX_WRITE_PAUSE_S = 0.2
+
 
 @dataclass(frozen=True)
 class PrefixCacheConfig:
@@ -44,12 +46,18 @@ class PrefixCacheConfig:
     l1_bytes: int = 1 << 30
     redis: RedisConfig | None = None  # None: this worker's L1 only
     max_pending_writes: int = 4096  # chunks waiting for the Redis writer; beyond: dropped, counted
+    # After each write the writer waits this many times as long as the write took (at most
+    # MAX_WRITE_PAUSE_S; flush and close cut it short). A burst's megabytes of KV then reach Redis
+    # over the next few steps instead of all beside the first one: on a CPU engine the writer and
+    # Redis take their cores from the engine's compute threads. None: the engine's choice
+    # (worker/engine/prefix_kv.py: 4 on a CPU device, 0 elsewhere); here, 0.
+    write_pause: float | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
-        if self.l1_bytes < 0 or self.max_pending_writes < 1:
-            raise ValueError("l1_bytes must be >= 0 and max_pending_writes >= 1")
+        if self.l1_bytes < 0 or self.max_pending_writes < 1 or (self.write_pause or 0) < 0:
+            raise ValueError("l1_bytes and write_pause must be >= 0 and max_pending_writes >= 1")
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,8 @@ class PrefixCache:
         self._idle = threading.Condition(self._lock)
         self._num_pending = 0  # chunks queued or being written
         self._writes: queue.Queue[tuple[str, list] | None] = queue.Queue()
+        self._hurry = threading.Event()  # set while someone waits for the writes: no pauses
+        self._num_flushing = 0
         self._writer: threading.Thread | None = None
         if self.tier is not None:
             self._writer = threading.Thread(target=self._write_loop, name="loraplex-cache-writer", daemon=True)
@@ -199,6 +209,7 @@ class PrefixCache:
         while (item := self._writes.get()) is not None:
             kind, payload = item
             written = failed = 0
+            began = time.perf_counter()
             try:
                 if kind == "put":
                     blobs = {key: encode(chunk) for key, chunk in payload}
@@ -216,16 +227,25 @@ class PrefixCache:
                 self.stats.num_store_errors += failed
                 self._num_pending -= len(payload)
                 self._idle.notify_all()
+            if self.config.write_pause:  # None or 0: none
+                self._hurry.wait(min(self.config.write_pause * (time.perf_counter() - began), MAX_WRITE_PAUSE_S))
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until queued writes have reached Redis (or failed); False on timeout."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._num_pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
+            self._num_flushing += 1
+            self._hurry.set()
+            try:
+                while self._num_pending:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._idle.wait(left)
+            finally:
+                self._num_flushing -= 1
+                if not self._num_flushing:
+                    self._hurry.clear()
         return True
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -233,6 +253,7 @@ class PrefixCache:
         if self._writer is None:
             return
         self.flush(timeout_s)
+        self._hurry.set()
         self._writes.put(None)
         self._writer.join(timeout_s)
         self._writer = None

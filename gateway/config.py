@@ -77,6 +77,7 @@ class CacheSettings(_Strict):
     chunk_tokens: int = Field(PrefixCacheConfig.chunk_tokens, ge=1)
     ttl_s: int = Field(RedisConfig.ttl_s, ge=1)
     l1_bytes: int = Field(PrefixCacheConfig.l1_bytes, ge=0)
+    write_pause: float | None = Field(PrefixCacheConfig.write_pause, ge=0)  # None: 4 on a CPU worker, 0 on a GPU
     timeout_s: float = Field(RedisConfig.timeout_s, gt=0)
     redis_password_file: str | None = None  # a mounted Secret; overrides the URL's password
 
@@ -93,7 +94,7 @@ class CacheSettings(_Strict):
                            password_file=self.redis_password_file)
 
     def prefix_cache_config(self) -> PrefixCacheConfig:
-        return PrefixCacheConfig(chunk_tokens=self.chunk_tokens, l1_bytes=self.l1_bytes, redis=self.redis_config())
+        return PrefixCacheConfig(chunk_tokens=self.chunk_tokens, l1_bytes=self.l1_bytes, redis=self.redis_config(), write_pause=self.write_pause)
 
     def redis_password(self) -> str | None:
         """The mounted password, read now (a check at start-up; the workers read it when they connect)."""

@@ -4,7 +4,9 @@ of its own, or a Redis that is not there."""
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ import redis
 from cache.codec import ChunkKV, decode, encode
 from cache.keys import chunk_keys, root_key
 from cache.l2 import RedisConfig
-from cache.prefix import ChunkGeometry, PrefixCache, PrefixCacheConfig
+from cache.prefix import MAX_WRITE_PAUSE_S, ChunkGeometry, PrefixCache, PrefixCacheConfig
 from tests.redis_server import free_port
 
 C = 4
@@ -98,6 +100,37 @@ def test_the_writer_drops_and_counts_when_it_falls_behind(redis_prefix) -> None:
     assert len(reader.lookup(KEYS)) == 2
     cache.lookup(KEYS)  # serving the dropped ones from L1 queues them again
     assert cache.flush() and len(open_cache(redis_prefix).lookup(KEYS)) == 4
+
+
+def test_the_writer_pauses_after_each_write_but_not_while_flushed(redis_prefix) -> None:
+    """write_pause: the writer waits that many times as long as a write took before the next
+    (burst KV reaches Redis spread out); a flush cuts the pauses short."""
+    cache = open_cache(redis_prefix, write_pause=3.0)
+    writes: list[tuple[float, float]] = []  # (start, end) of each write
+    real_put = cache.tier.put_many
+
+    def slow_put(items) -> bool:  # each write takes >= 20 ms: the pause after it >= 60 ms
+        began = time.perf_counter()
+        time.sleep(0.02)
+        ok = real_put(items)
+        writes.append((began, time.perf_counter()))
+        return ok
+
+    cache.tier.put_many = slow_put
+    for i in range(3):
+        cache.store([(KEYS[i], chunk(i))])
+    while len(writes) < 3:
+        time.sleep(0.01)
+    for (began, ended), (next_began, _) in itertools.pairwise(writes):
+        assert next_began - ended >= 3.0 * (ended - began) * 0.99
+    cache = open_cache(redis_prefix, write_pause=1000.0)  # pauses of MAX_WRITE_PAUSE_S
+    cache.tier.put_many = lambda items: time.sleep(0.01) or real_put(items)
+    for i in range(6):
+        cache.store([(KEYS[i], chunk(i))])
+    assert cache.flush(timeout_s=MAX_WRITE_PAUSE_S * 3)  # unpaused: not 6 pauses long
+    assert len(open_cache(redis_prefix).lookup(KEYS)) == 6
+    with pytest.raises(ValueError, match="write_pause"):
+        PrefixCacheConfig(write_pause=-1.0)
 
 
 def test_chunks_served_from_l1_are_rewritten_every_half_ttl(redis_prefix) -> None:

@@ -102,6 +102,14 @@ def test_a_second_worker_reuses_the_first_ones_chunks_through_redis(runner, redi
     assert_same_output(third, uncached)
 
 
+def test_a_cpu_engine_paces_its_cache_writes_unless_told_otherwise(runner, redis_prefix) -> None:
+    """The writer shares a CPU engine's cores (with Redis): it pauses between writes there."""
+    expected = prefix_kv.CPU_WRITE_PAUSE if runner.config.torch_device.type == "cpu" else 0.0
+    assert open_cache(runner, redis_prefix).config.write_pause == expected
+    told = PrefixCacheConfig(chunk_tokens=C, redis=RedisConfig(key_prefix=redis_prefix), write_pause=0.5)
+    assert prefix_kv.open_prefix_cache(runner, told).config.write_pause == 0.5
+
+
 @pytest.mark.parametrize(("adapters", "salt"), [
     ({0: 1.0}, "t2"),  # another tenant
     ({1: 1.0}, "t1"),  # another adapter
