@@ -119,10 +119,12 @@ class EngineSettings(_Strict):
     dtype: Literal[DTYPES] = DeviceSettings.dtype
     weights: Literal[WEIGHT_FORMATS] = DeviceSettings.weights
     threads: int | None = Field(DeviceSettings.threads, ge=1)  # torch CPU threads per replica
+    decode_threads: int | None = Field(DeviceSettings.decode_threads, ge=1)  # of those, a decode-only pass's (default: measured)
 
     @model_validator(mode="after")
     def _valid(self) -> EngineSettings:
         self.engine_config()
+        self.device_settings("cpu", None)  # decode_threads within threads
         return self
 
     def engine_config(self) -> EngineConfig:
@@ -131,7 +133,8 @@ class EngineSettings(_Strict):
                             max_waiting=self.max_waiting, reserved_slots=self.reserved_slots)
 
     def device_settings(self, device: str, threads: int | None) -> DeviceSettings:
-        return DeviceSettings(device=device, dtype=self.dtype, weights=self.weights, threads=self.threads or threads)
+        return DeviceSettings(device=device, dtype=self.dtype, weights=self.weights, threads=self.threads or threads,
+                              decode_threads=self.decode_threads)
 
 
 class HTTPSettings(_Strict):

@@ -15,6 +15,7 @@ HTTP keep up with the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -62,10 +63,13 @@ def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
 class Mailbox:
     """Outputs from the engine's thread to their receivers on one event loop, with one wakeup
     of that loop for everything posted before it runs (a step's outputs for every request),
-    not one per output: under load the loop wakes once per engine step."""
+    not one per output: under load the loop wakes once per engine step. With `step_lock` (the
+    engine loop's `delivering`), a wakeup that comes while a step's outputs are being posted
+    waits for the rest of them, so they reach the loop together."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, step_lock: threading.Lock | None = None) -> None:
         self.loop = loop
+        self._step_lock = step_lock
         self._items: list[tuple[Callable[[RequestOutput], None], RequestOutput]] = []
         self._pending = False
         self._lock = threading.Lock()
@@ -85,7 +89,7 @@ class Mailbox:
             raise
 
     def _flush(self) -> None:
-        with self._lock:
+        with self._step_lock or contextlib.nullcontext(), self._lock:
             items, self._items, self._pending = self._items, [], False
         for receive, out in items:
             receive(out)
@@ -147,6 +151,18 @@ def memory_report(runner: ModelRunner, base_bytes: int) -> dict[str, int]:
     if runner.config.torch_device.type == "cuda":
         report["device_allocated_bytes"] = torch.cuda.memory_allocated(runner.config.torch_device)
     return report
+
+
+def thread_metrics(engine: Engine) -> str:
+    if engine.threads is None:  # not on a CPU
+        return ""
+    lines = ["# HELP loraplex_worker_decode_threads CPU threads a pass that only decodes runs on now (measured: worker/engine/decode_threads.py)",
+             "# TYPE loraplex_worker_decode_threads gauge",
+             f"loraplex_worker_decode_threads {engine.threads.current}",
+             "# HELP loraplex_worker_decode_thread_switches_total times the measured decode thread count changed",
+             "# TYPE loraplex_worker_decode_thread_switches_total counter",
+             f"loraplex_worker_decode_thread_switches_total {engine.threads.num_switches}"]
+    return "\n".join(lines) + "\n"
 
 
 def adapter_metrics(pins: Pins, runner: ModelRunner) -> str:
@@ -275,7 +291,7 @@ class ShardWorker:
         loop = asyncio.get_running_loop()
         mailbox = self._mailboxes.get(loop)
         if mailbox is None:
-            mailbox = self._mailboxes[loop] = Mailbox(loop)
+            mailbox = self._mailboxes[loop] = Mailbox(loop, self.loop.delivering)
         return mailbox
 
     async def sync(self, version: int, pins: dict[str, str]) -> dict[str, Any]:
@@ -287,7 +303,7 @@ class ShardWorker:
                 "pins": self.pins.state(), "memory": memory_report(self.runner, self.base_bytes)}
 
     def metrics(self) -> str:
-        return self.prefix_cache.prometheus() + self.loop.engine.counters.prometheus() + adapter_metrics(self.pins, self.runner)
+        return self.prefix_cache.prometheus() + self.loop.engine.counters.prometheus() + thread_metrics(self.loop.engine) + adapter_metrics(self.pins, self.runner)
 
     def close(self) -> None:
         self.loop.close()

@@ -32,6 +32,7 @@ def test_the_default_config_loads_and_its_files_exist() -> None:
     ({"engine": {"dtype": "int8"}}, "engine.dtype"),
     ({"engine": {"decode_stall": 0}}, "engine.decode_stall: Input should be greater than 0"),
     ({"http": {"listener": "nginx"}}, "http.listener: Input should be 'gateway' or 'serve-proxy'"),
+    ({"engine": {"threads": 2, "decode_threads": 4}}, "decode_threads must be between 1 and threads (2), got 4"),
 ])
 def test_a_bad_field_is_named(change, message) -> None:
     with pytest.raises(ConfigError) as e:
@@ -48,6 +49,12 @@ def test_the_prompt_budget_of_decoding_steps_reaches_the_engine() -> None:
     engine = parse_config({**BASE, "engine": {"prefill_while_decoding": 64, "decode_stall": 2.5}}, ".").engine.engine_config()
     assert (engine.prefill_while_decoding, engine.decode_stall) == (64, 2.5)
     assert parse_config({**BASE, "engine": {"decode_stall": None}}, ".").engine.engine_config().decode_stall is None
+
+
+def test_decode_threads_reach_the_worker_unset_unless_given() -> None:
+    assert parse_config(BASE, ".").worker_spec("s", threads=2).device.decode_threads is None  # measured by the engine
+    given = parse_config({**BASE, "engine": {"decode_threads": 1}}, ".").worker_spec("s", threads=2).device
+    assert (given.threads, given.decode_threads) == (2, 1)
 
 
 def test_unreadable_and_malformed_files(tmp_path) -> None:

@@ -49,6 +49,19 @@ def test_deltas_stream_back_without_an_executor_thread_per_waiting_request(worke
         assert deltas[-1].usage.completion_tokens == 6 and deltas[-1].queue_time_s >= 0
 
 
+def test_the_replica_reports_the_decode_thread_count_it_measured(worker) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    asyncio.run(collect(worker, call(1, max_tokens=20)))
+    families = {f.name: f for f in text_string_to_metric_families(worker.metrics())}
+    if worker.runner.max_threads is None:  # not on a CPU: nothing to measure
+        assert "loraplex_worker_decode_threads" not in families
+        return
+    assert families["loraplex_worker_decode_threads"].samples[0].value == worker.loop.engine.threads.current
+    assert 1 <= worker.loop.engine.threads.current <= worker.runner.max_threads
+    assert families["loraplex_worker_decode_thread_switches"].samples[0].value == worker.loop.engine.threads.num_switches
+
+
 def test_a_request_the_worker_cannot_run_is_a_refusal_not_an_exception(worker) -> None:
     unknown = asyncio.run(collect(worker, call(1, adapters={"zz": 1.0})))
     assert len(unknown) == 1 and unknown[0].status == 503 and "not loaded on this replica" in unknown[0].error  # another replica may hold it
@@ -165,12 +178,12 @@ def test_a_channel_carries_every_request_of_a_step_in_one_batch(worker) -> None:
     """Requests started on a channel get the deltas `generate` gives them, several requests'
     deltas to a batch; a cancelled one stops, and closing the channel stops the rest."""
     async def scenario() -> None:
-        alone = [await collect(worker, call(i, max_tokens=8)) for i in range(2)]
+        alone = [await collect(worker, call(i, max_tokens=24)) for i in range(2)]  # long enough to overlap once both start
         batches = worker.channel("c1")
         assert await batches.__anext__() == []  # open
         with pytest.raises(LookupError, match="no channel"):
             await worker.start("other", call(0))
-        assert [await worker.start("c1", call(i, max_tokens=8)) for i in range(2)] == [None, None]
+        assert [await worker.start("c1", call(i, max_tokens=24)) for i in range(2)] == [None, None]
         got: dict[str, list] = {"r0": [], "r1": []}
         sizes = []
         while not all(d and d[-1].is_finished for d in got.values()):
@@ -180,7 +193,7 @@ def test_a_channel_carries_every_request_of_a_step_in_one_batch(worker) -> None:
                 got[request_id].append(delta)
         for i, deltas in enumerate(alone):
             assert [t for d in got[f"r{i}"] for t in d.token_ids] == [t for d in deltas for t in d.token_ids]
-            assert got[f"r{i}"][-1].usage.completion_tokens == 8
+            assert got[f"r{i}"][-1].usage.completion_tokens == 24
         assert max(sizes) == 2 and len(sizes) < sum(len(d) for d in got.values())  # both requests' deltas of a step together
         refused = await worker.start("c1", call(3, max_tokens=500))
         assert refused.status == 400

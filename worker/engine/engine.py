@@ -27,6 +27,7 @@ from cache.prefix import PrefixCache
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig, slot_length
 from worker.engine.constraint import GrammarRefused, Grammars, allowed_tokens
+from worker.engine.decode_threads import DecodeThreads
 from worker.engine.outputs import EngineCounters, GenerationResult, RequestOutput
 from worker.engine.prefix_kv import CacheHit, PrefixKV
 from worker.engine.runner import ModelRunner, SpanInput, SpanOutput
@@ -100,6 +101,7 @@ class Engine:
         self.slot_len = slot_length(config.slot_len, runner.hparams.context_length)
         self.kv = runner.allocate_kv(config.num_seq_slots, self.slot_len)
         self.scheduler = Scheduler(config.num_seq_slots, self.slot_len, config.max_step_tokens, config.reserved_slots, config.is_multi_tenant)
+        self.threads = DecodeThreads(runner.max_threads, runner.config.decode_threads) if runner.max_threads is not None else None
         self.costs = StepCosts()  # measured: each step's prefill_while_decoding, the floor or more (decode_stall)
         self.eog_ids = tokenizer.eog_ids if tokenizer is not None else frozenset()
         self._eog_sorted = tuple(sorted(self.eog_ids))
@@ -247,10 +249,16 @@ class Engine:
         try:
             if self.prefix is not None:
                 self.prefix.load(spans, self.kv)
+            num_decode = sum(span.length for span in spans) - prompt_tokens
+            threads = self.threads.choose(prompt_tokens) if self.threads is not None else None
+            if threads is not None:
+                self.runner.use_threads(threads)
             started = self.clock()
             outputs = self.runner.run([self._span_input(span, position) for span in spans], self.kv)
             seconds = self.clock() - started
-            self.costs.observe(sum(span.length for span in spans) - prompt_tokens, prompt_tokens, seconds)
+            self.costs.observe(num_decode, prompt_tokens, seconds)
+            if threads is not None:
+                self.threads.observe(threads, num_decode, prompt_tokens, seconds)
         except Exception as e:  # the whole pass failed: fail its requests, keep serving
             log.exception("forward pass failed")
             return [self._finish(state, "error", f"internal error: {e}", status=500) for state in self._live(spans)]

@@ -72,6 +72,7 @@ class EngineLoop:
         self._inbox: list[tuple[str, object]] = []
         self._streams: dict[str, RequestStream] = {}
         self._wake = threading.Condition()
+        self.delivering = threading.Lock()  # held while a step's outputs are handed out (a receiver may wait for all of them)
         self._closed = False
         failed: list[BaseException] = []
         ready = threading.Event()
@@ -201,8 +202,10 @@ class EngineLoop:
                         break
                     commands, self._inbox = self._inbox, []
                 self._apply(commands)
-                for out in [*self.engine.expire(), *self.engine.step()]:
-                    self._deliver(out)
+                outputs = [*self.engine.expire(), *self.engine.step()]
+                with self.delivering:
+                    for out in outputs:
+                        self._deliver(out)
         except Exception as e:  # a bug, not a request: stop taking work, end every stream
             log.exception("engine loop failed")
             reason, error = "error", f"internal error: {e}"

@@ -87,6 +87,17 @@ class ModelRunner:
         self.lora = LoRAState(self.model, config, backend)
         for adapter in adapters:  # adapters[i] in slot i
             self.add_adapter(adapter)
+        # torch's intra-op threads on a CPU device as built (config.threads or torch's choice); None elsewhere
+        self.max_threads = torch.get_num_threads() if config.torch_device.type == "cpu" else None
+        self._threads = self.max_threads
+
+    def use_threads(self, num_threads: int) -> None:
+        """Run the next passes on `num_threads` of the CPU threads (at most max_threads; a no-op
+        off the CPU). Call it from the thread that runs the passes."""
+        if self.max_threads is None or min(num_threads, self.max_threads) == self._threads:
+            return
+        self._threads = min(num_threads, self.max_threads)
+        torch.set_num_threads(self._threads)
 
     @classmethod
     def from_paths(cls, model_path: str | os.PathLike[str], adapter_paths: Sequence[str | os.PathLike[str]], config: DeviceConfig) -> ModelRunner:
