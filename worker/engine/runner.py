@@ -31,6 +31,8 @@ from worker.model.loader import load_model
 from worker.model.sampler import NOTHING_ALLOWED, SampleSpec, SamplingBatch, sample
 from worker.model.transformer import RowSelection
 
+DEFAULT_THREADS = torch.get_num_threads()  # torch's choice, before an engine lowers it for decoding
+
 
 @dataclass(frozen=True)
 class SpanInput:
@@ -87,14 +89,14 @@ class ModelRunner:
         self.lora = LoRAState(self.model, config, backend)
         for adapter in adapters:  # adapters[i] in slot i
             self.add_adapter(adapter)
-        # torch's intra-op threads on a CPU device as built (config.threads or torch's choice); None elsewhere
-        self.max_threads = torch.get_num_threads() if config.torch_device.type == "cpu" else None
-        self._threads = self.max_threads
+        # torch's intra-op threads on a CPU device (config.threads or torch's own choice); None elsewhere
+        self.max_threads = (config.threads or DEFAULT_THREADS) if config.torch_device.type == "cpu" else None
+        self._threads: int | None = None  # set before the first pass (torch's count is the process's, shared)
 
     def use_threads(self, num_threads: int) -> None:
         """Run the next passes on `num_threads` of the CPU threads (at most max_threads; a no-op
         off the CPU). Call it from the thread that runs the passes."""
-        if self.max_threads is None or min(num_threads, self.max_threads) == self._threads:
+        if self.max_threads is None or min(num_threads, self.max_threads) == self._threads == torch.get_num_threads():
             return
         self._threads = min(num_threads, self.max_threads)
         torch.set_num_threads(self._threads)

@@ -14,8 +14,6 @@ from worker.engine.engine import Engine, EngineRequest
 from worker.engine.runner import ModelRunner
 from worker.model.device import DeviceConfig
 
-CPU = DeviceConfig(device="cpu")  # threads are a CPU device's matter, whatever device the suite runs on
-
 
 def decode(threads: DecodeThreads, seconds_on: dict[int, float], num_passes: int, num_decode: int = 8) -> list[int]:
     """Run `num_passes` decode-only passes whose time depends on their thread count; their counts."""
@@ -106,9 +104,8 @@ class ThreadTimedRunner:
 @pytest.fixture
 def two_thread_runner(tiny_llama):
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
     try:
-        yield ModelRunner.from_paths(tiny_llama.path, [], CPU)
+        yield ModelRunner.from_paths(tiny_llama.path, [], DeviceConfig.of(DeviceSettings(threads=2)))
     finally:
         torch.set_num_threads(before)
 
@@ -132,9 +129,8 @@ def test_the_engine_decodes_on_the_thread_count_it_measured_fastest(two_thread_r
 
 def test_a_configured_decode_count_is_used_as_is(tiny_llama) -> None:
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        runner = ModelRunner.from_paths(tiny_llama.path, [], DeviceConfig.of(DeviceSettings(decode_threads=1)))
+    try:  # on the CPU, whatever device the suite runs on: threads are a CPU device's matter
+        runner = ModelRunner.from_paths(tiny_llama.path, [], DeviceConfig.of(DeviceSettings(threads=2, decode_threads=1)))
         timed = ThreadTimedRunner(runner, {1: 0.090, 2: 0.010})
         engine = Engine(timed, None, EngineConfig(num_seq_slots=1, slot_len=128), clock=timed.clock)
         engine.run_all([EngineRequest("a", list(range(10, 30)), SamplingParams(max_tokens=EXPLORE_EVERY * 4, temperature=0, ignore_eos=True))])
