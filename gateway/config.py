@@ -11,7 +11,7 @@ import hashlib
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -119,7 +119,7 @@ class EngineSettings(_Strict):
     dtype: Literal[DTYPES] = DeviceSettings.dtype
     weights: Literal[WEIGHT_FORMATS] = DeviceSettings.weights
     threads: int | None = Field(DeviceSettings.threads, ge=1)  # torch CPU threads per replica
-    decode_threads: int | None = Field(DeviceSettings.decode_threads, ge=1)  # of those, a decode-only pass's (default: measured)
+    decode_threads: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None  # of those, a decode-only pass's (None: all; auto: measured)
 
     @model_validator(mode="after")
     def _valid(self) -> EngineSettings:

@@ -52,7 +52,8 @@ def test_the_prompt_budget_of_decoding_steps_reaches_the_engine() -> None:
 
 
 def test_decode_threads_reach_the_worker_unset_unless_given() -> None:
-    assert parse_config(BASE, ".").worker_spec("s", threads=2).device.decode_threads is None  # measured by the engine
+    assert parse_config(BASE, ".").worker_spec("s", threads=2).device.decode_threads is None  # all threads
+    assert parse_config({**BASE, "engine": {"decode_threads": "auto"}}, ".").worker_spec("s").device.decode_threads == "auto"
     given = parse_config({**BASE, "engine": {"decode_threads": 1}}, ".").worker_spec("s", threads=2).device
     assert (given.threads, given.decode_threads) == (2, 1)
 

@@ -59,7 +59,9 @@ class DeviceSettings:
     dtype: str = "float32"
     weights: str = "auto"
     threads: int | None = None  # torch CPU threads (default: torch's choice)
-    decode_threads: int | None = None  # of those, what a pass that only decodes uses (default: measured, worker/engine/decode_threads.py)
+    # of those, what a pass that only decodes uses: None all of them; "auto" measured (worker/engine/decode_threads.py;
+    # faster on shared cores, but a token's logits then depend on the count its pass ran on, in the last bits)
+    decode_threads: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -70,7 +72,9 @@ class DeviceSettings:
             raise ValueError(f"invalid device {self.device!r} (expected e.g. cpu, cuda, cuda:1)")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.decode_threads is not None and not 1 <= self.decode_threads <= (self.threads or self.decode_threads):
+        if isinstance(self.decode_threads, str) and self.decode_threads != "auto":
+            raise ValueError(f"decode_threads must be a count or 'auto', got {self.decode_threads!r}")
+        if isinstance(self.decode_threads, int) and not 1 <= self.decode_threads <= (self.threads or self.decode_threads):
             raise ValueError(f"decode_threads must be between 1 and threads ({self.threads}), got {self.decode_threads}")
 
 

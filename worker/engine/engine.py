@@ -101,7 +101,9 @@ class Engine:
         self.slot_len = slot_length(config.slot_len, runner.hparams.context_length)
         self.kv = runner.allocate_kv(config.num_seq_slots, self.slot_len)
         self.scheduler = Scheduler(config.num_seq_slots, self.slot_len, config.max_step_tokens, config.reserved_slots, config.is_multi_tenant)
-        self.threads = DecodeThreads(runner.max_threads, runner.config.decode_threads) if runner.max_threads is not None else None
+        decode_threads = runner.config.decode_threads
+        self.threads = None if runner.max_threads is None else DecodeThreads(
+            runner.max_threads, None if decode_threads == "auto" else decode_threads or runner.max_threads)
         self.costs = StepCosts()  # measured: each step's prefill_while_decoding, the floor or more (decode_stall)
         self.eog_ids = tokenizer.eog_ids if tokenizer is not None else frozenset()
         self._eog_sorted = tuple(sorted(self.eog_ids))

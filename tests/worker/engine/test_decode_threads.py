@@ -78,6 +78,8 @@ def test_a_fixed_count_is_never_measured_and_one_thread_has_nothing_to_try() -> 
         DecodeThreads(0)
     with pytest.raises(ValueError, match="decode_threads must be between 1 and threads"):
         DeviceSettings(threads=2, decode_threads=3)
+    with pytest.raises(ValueError, match="a count or 'auto'"):
+        DeviceSettings(decode_threads="fast")
 
 
 class ThreadTimedRunner:
@@ -105,7 +107,7 @@ class ThreadTimedRunner:
 def two_thread_runner(tiny_llama):
     before = torch.get_num_threads()
     try:
-        yield ModelRunner.from_paths(tiny_llama.path, [], DeviceConfig.of(DeviceSettings(threads=2)))
+        yield ModelRunner.from_paths(tiny_llama.path, [], DeviceConfig.of(DeviceSettings(threads=2, decode_threads="auto")))
     finally:
         torch.set_num_threads(before)
 
@@ -137,3 +139,13 @@ def test_a_configured_decode_count_is_used_as_is(tiny_llama) -> None:
     finally:
         torch.set_num_threads(before)
     assert [n for n, _ in timed.passes] == [2] + [1] * (len(timed.passes) - 1)
+
+
+def test_by_default_decoding_keeps_all_threads(two_thread_runner, tiny_llama) -> None:
+    """Measuring is asked for ("auto"): a token's logits may differ in the last bits between
+    thread counts, and by default a request gives the same ones every time."""
+    runner = ModelRunner.from_paths(tiny_llama.path, [], DeviceConfig.of(DeviceSettings(threads=2)))
+    timed = ThreadTimedRunner(runner, {1: 0.010, 2: 0.090})
+    engine = Engine(timed, None, EngineConfig(num_seq_slots=1, slot_len=128), clock=timed.clock)
+    engine.run_all([EngineRequest("a", [5, 6, 7], SamplingParams(max_tokens=EXPLORE_EVERY * 4, temperature=0, ignore_eos=True))])
+    assert {n for n, _ in timed.passes} == {2} and engine.threads.current == 2
