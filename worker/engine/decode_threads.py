@@ -7,8 +7,10 @@ waits for it. On a 2-core VM, 8 sequences decoded 1.05-1.08x faster on two threa
 one with the machine to themselves; with a process busy a third of a core beside them, one
 thread decoded in 32 ms and two in 46 ms. Served, under guidellm's 8 streams, one thread
 gave inter-token times of 41-47 ms against 49-54 ms on two. The best count moves with what
-else runs on the cores, so it is measured, not configured: llama.cpp's fixed split
-(`--threads` for generation, `--threads-batch` for prompts) by measurement.
+else runs on the cores, so it is measured: llama.cpp's fixed split (`--threads` for
+generation, `--threads-batch` for prompts) by measurement. Asked for with
+`engine.decode_threads: auto`, not by default: a token's logits depend in their last bits on
+the thread count of its pass, and by default a request gets the same ones every time.
 
 Passes with prompt tokens run on all threads (their GEMMs are what threads are for). A pass
 that only decodes runs on the current count; every EXPLORE_EVERY-th such pass tries a
