@@ -156,10 +156,10 @@ def memory_report(runner: ModelRunner, base_bytes: int) -> dict[str, int]:
 def thread_metrics(engine: Engine) -> str:
     if engine.threads is None:  # not on a CPU
         return ""
-    lines = ["# HELP loraplex_worker_decode_threads CPU threads a pass that only decodes runs on now (measured: worker/engine/decode_threads.py)",
+    lines = ["# HELP loraplex_worker_decode_threads CPU threads a pass that only decodes runs on now (configured, or measured with engine.decode_threads auto)",
              "# TYPE loraplex_worker_decode_threads gauge",
              f"loraplex_worker_decode_threads {engine.threads.current}",
-             "# HELP loraplex_worker_decode_thread_switches_total times the measured decode thread count changed",
+             "# HELP loraplex_worker_decode_thread_switches_total times the measured decode thread count changed (auto)",
              "# TYPE loraplex_worker_decode_thread_switches_total counter",
              f"loraplex_worker_decode_thread_switches_total {engine.threads.num_switches}"]
     return "\n".join(lines) + "\n"

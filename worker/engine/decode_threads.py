@@ -82,6 +82,8 @@ class DecodeThreads:
 
     def observe(self, threads: int, num_decode: int, num_prompt: int, seconds: float) -> None:
         """A pass ran on `threads`: its decode and prompt tokens, its time."""
+        if self.fixed is not None:
+            return  # nothing to learn
         if num_prompt or not num_decode or seconds <= 0:
             self._previous = None  # a prefill pass is no base for the next try
             return

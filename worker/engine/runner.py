@@ -96,10 +96,12 @@ class ModelRunner:
     def use_threads(self, num_threads: int) -> None:
         """Run the next passes on `num_threads` of the CPU threads (at most max_threads; a no-op
         off the CPU). Call it from the thread that runs the passes."""
-        if self.max_threads is None or min(num_threads, self.max_threads) == self._threads == torch.get_num_threads():
+        if self.max_threads is None:
             return
-        self._threads = min(num_threads, self.max_threads)
-        torch.set_num_threads(self._threads)
+        num_threads = min(num_threads, self.max_threads)
+        if num_threads != self._threads or num_threads != torch.get_num_threads():
+            self._threads = num_threads
+            torch.set_num_threads(num_threads)
 
     @classmethod
     def from_paths(cls, model_path: str | os.PathLike[str], adapter_paths: Sequence[str | os.PathLike[str]], config: DeviceConfig) -> ModelRunner:
