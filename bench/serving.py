@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 import tempfile
@@ -104,7 +105,7 @@ async def run_http(url: str, batch: list[list[int]], args: argparse.Namespace, m
         started = time.perf_counter()
         results = await asyncio.gather(*(one(client, i, p) for i, p in enumerate(batch)))
         wall = time.perf_counter() - started
-    gaps = [b - a for _, _, arrivals in results for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for _, _, arrivals in results for a, b in itertools.pairwise(arrivals)]
     return {"tokens_per_s": sum(n for n, _, _ in results) / wall, "ttft": [t for _, t, _ in results if t is not None], "gaps": gaps}
 
 
@@ -121,7 +122,8 @@ def serve_config(model_path: Path, adapters: list[Path], args: argparse.Namespac
         "adapters": [{"name": f"a{i}", "path": str(p)} for i, p in enumerate(adapters)],
         "shards": [{"name": "all", "adapters": [f"a{i}" for i in range(len(adapters))], "replicas": 1}],
         "cache": {"redis_url": REDIS_URL, "key_prefix": f"loraplex-bench-{uuid.uuid4().hex[:8]}", "chunk_tokens": 32},
-        "engine": {"num_slots": args.requests, "max_step_tokens": args.step_tokens},
+        "engine": {"num_slots": args.requests, "max_step_tokens": args.step_tokens, "threads": args.device_settings.threads,
+                   "decode_threads": args.device_settings.decode_threads},
         "http": {"max_tokens_default": args.max_tokens, "listener": args.listener},
     }
 

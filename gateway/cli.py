@@ -47,13 +47,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _decode_threads(text: str) -> int | str:
+    if text == "auto" or (text.isdigit() and int(text) > 0):
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
+
+
 def _device_flags(p: argparse.ArgumentParser, what: str = "torch device, e.g. cpu, cuda, cuda:1") -> None:
-    """--device, --dtype, --threads and --weights; main() turns them into `args.device_settings`."""
+    """--device, --dtype, --threads, --weights and --decode-threads; main() turns them into `args.device_settings`."""
     defaults = DeviceSettings()
     p.add_argument("--device", default=defaults.device, help=what)
     p.add_argument("--dtype", default=defaults.dtype, choices=DTYPES, help="compute dtype (default float32, as llama.cpp's activations)")
     p.add_argument("--threads", type=_positive_int, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--weights", default=defaults.weights, choices=WEIGHT_FORMATS, help=WEIGHTS_HELP)
+    p.add_argument("--decode-threads", type=_decode_threads, metavar="N|auto",
+                   help="of those, what a pass that only decodes uses: a count, or auto (measured); default all")
     p.set_defaults(device_settings=None)
 
 
@@ -122,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: mixed decode speed when the worker holds N adapters (the ones in use among them), e.g. 16,256,1024")
     _device_flags(p)
     p.set_defaults(handler="bench.bench_engine:run")
+
+    p = sub.add_parser("bench-prefill", help="prompt tokens/s at batch 1 and M, a long prompt, beside decoding, against the decode rate and the linears alone")
+    _workload_flags(p, adapters=8, rank=16, targets="all", prompt_tokens=82, step_tokens=EngineConfig.max_step_tokens,
+                    rounds_help="rounds of the runs, interleaved (medians printed)")
+    p.add_argument("--long-tokens", type=_positive_int, default=1024, metavar="L", help="the long prompt's tokens (default 1024)")
+    _device_flags(p)
+    p.set_defaults(handler="bench.prefill:run")
 
     p = sub.add_parser("bench-structured", help="decode speed of mixed-adapter requests with and without a JSON schema each")
     p.add_argument("--model", metavar="BASE.gguf", help="base model (default: SmolLM2-135M-Instruct)")
@@ -251,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if hasattr(args, "device_settings"):  # the device flags, checked once here (torch checks the device itself later)
         try:
-            args.device_settings = DeviceSettings(device=args.device, dtype=args.dtype, weights=args.weights, threads=args.threads)
+            args.device_settings = DeviceSettings(device=args.device, dtype=args.dtype, weights=args.weights, threads=args.threads,
+                                                  decode_threads=args.decode_threads)
         except ValueError as e:
             parser.exit(2, f"loraplex {args.command}: {e}\n")
     module_name, _, func = args.handler.partition(":")

@@ -77,6 +77,8 @@ def test_generate_rejects_bad_adapter_and_bad_request(tiny_llama, tiny_qwen2, tm
     [
         (["--lora", "a.gguf:nan"], "adapter scale must be a finite number"),
         (["--threads", "0"], "expected a positive integer"),
+        (["--decode-threads", "none"], "expected a positive integer or 'auto', got 'none'"),
+        (["--threads", "2", "--decode-threads", "3"], "decode_threads must be between 1 and threads (2), got 3"),
         (["--prompt-tokens", "1,-2"], "token ids must not be negative"),
     ],
 )
