@@ -20,15 +20,12 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        used = self.weights.used(self.batch.active)
+        used, shared, alone = self.weights.split(self.batch.active)  # non-finite weights never share a matmul (TargetWeights.finite)
         if not used:
             return y
         out, flat = y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
         if self.batch.segmented:
             shared, alone = (), used
-        else:  # non-finite weights never share a matmul (see TargetWeights.finite)
-            shared = tuple(slot for slot in used if self.weights.finite[slot])
-            alone = tuple(slot for slot in used if not self.weights.finite[slot])
         if shared:  # one pair of matmuls over the working set
             a, b = self.weights.working_set(shared)
             self.backend.add_linear(out, flat, a, b, self.batch.column_scales(self.weights.layout, x.dtype))

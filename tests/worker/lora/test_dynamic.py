@@ -131,3 +131,28 @@ def test_an_adapter_with_infinite_weights_poisons_only_its_own_rows(tiny_llama, 
                             range(2 * len(ids))).cpu()
         assert not torch.isfinite(out[: len(ids)]).all()
         torch.testing.assert_close(out[len(ids):], want, atol=1e-5, rtol=1e-5)
+
+
+def test_what_a_target_keeps_between_steps_follows_every_change_of_its_adapters() -> None:
+    """The split of a batch's slots and the working set are kept while the batch's adapters stay
+    the same: a slot's weights replaced, made non-finite or removed under the same active slots
+    must show at once."""
+    from worker.lora.weights import TargetWeights
+
+    def pair(value: float, a_value: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((2, 3), value if a_value is None else a_value), torch.full((4, 2), value)
+
+    weights = TargetWeights("linear")
+    weights.add(0, *pair(1.0))
+    weights.add(1, *pair(2.0))
+    used, shared, alone = weights.split((0, 1))
+    assert (used, shared, alone) == ((0, 1), (0, 1), ())
+    a, b = weights.working_set(shared)
+    assert a[:, 0].tolist() == [1, 1, 2, 2] and b[0].tolist() == [1, 1, 2, 2]
+    weights.add(1, *pair(5.0))  # replaced in its slot
+    a, b = weights.working_set(weights.split((0, 1))[1])
+    assert sorted(a[:, 0].tolist()) == [1, 1, 5, 5] and sorted(b[0].tolist()) == [1, 1, 5, 5]
+    weights.add(0, *pair(1.0, float("inf")))  # non-finite now: computed alone
+    assert weights.split((0, 1)) == ((0, 1), (1,), (0,))
+    weights.remove(1)
+    assert weights.split((0, 1)) == ((0,), (), (0,))
