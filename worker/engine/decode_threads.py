@@ -18,7 +18,10 @@ neighbouring count on the ladder (all threads, half, ..., one) and its time is c
 with the pass just before it: the same sequences, one token further, so load and batch
 cancel out. When the moving average of that ratio says a neighbour is MARGIN faster over
 MIN_TRIALS tries, the neighbour becomes the count. Exploring never stops, so the count
-comes back when the load goes away.
+can come back when the load goes away; but the comparisons are noisy under a bursty client:
+on an Intel VM where two threads decode ~1.6x faster than one, one guidellm run moved to
+one thread and stayed there (27 output tokens/s against 77-86 on two), which is why the
+README's guidellm config does not ask for it.
 """
 
 from __future__ import annotations
