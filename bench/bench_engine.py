@@ -84,6 +84,21 @@ def step_bytes(runner: ModelRunner, num_adapters: int) -> int:
     return int(total + adapter_bytes)
 
 
+def runner_with_random_adapters(args: argparse.Namespace) -> tuple[Path, ModelRunner, float]:
+    """The base model of the workload flags with `args.adapters` random adapters, on the device
+    flags' device: (the model's path, the runner, seconds to load it)."""
+    config = DeviceConfig.of(args.device_settings)
+    config.apply_to_process()
+    model_path = resolve_model_path(args.model)
+    base = GGUFFile(model_path)
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"writing {args.adapters} random rank-{args.rank} adapters ({args.targets})...", file=sys.stderr)
+        paths = write_random_adapters(base, Path(tmp), args.adapters, args.rank, args.targets, args.seed)
+        started = time.perf_counter()
+        runner = ModelRunner(base, [load_adapter(p, base) for p in paths], config)
+        return Path(model_path), runner, time.perf_counter() - started
+
+
 def make_requests(args: argparse.Namespace, vocab: int, adapter_of: list[int]) -> list[EngineRequest]:
     rng = np.random.default_rng(args.seed)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -128,16 +143,8 @@ def run(args: argparse.Namespace) -> int:
         from bench.bench_registered import run as run_registered
 
         return run_registered(args)
-    config = DeviceConfig.of(args.device_settings)
-    config.apply_to_process()
-    model_path = resolve_model_path(args.model)
-    base = GGUFFile(model_path)
-    with tempfile.TemporaryDirectory() as tmp:
-        print(f"writing {args.adapters} random rank-{args.rank} adapters ({args.targets})...", file=sys.stderr)
-        paths = write_random_adapters(base, Path(tmp), args.adapters, args.rank, args.targets, args.seed)
-        started = time.perf_counter()
-        runner = ModelRunner(base, [load_adapter(p, base) for p in paths], config)
-        load_s = time.perf_counter() - started
+    model_path, runner, load_s = runner_with_random_adapters(args)
+    config = runner.config
     vocab = runner.hparams.vocab_size
     same = [0] * args.requests
     spread = [i % args.adapters for i in range(args.requests)]

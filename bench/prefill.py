@@ -23,22 +23,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.bench_engine import write_random_adapters
+from bench.bench_engine import runner_with_random_adapters
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig
 from worker.engine.engine import Engine, EngineRequest
 from worker.engine.runner import ModelRunner
-from worker.formats.adapter import load_adapter
-from worker.formats.default_model import resolve_model_path
-from worker.formats.gguf_file import GGUFFile
-from worker.model.device import DeviceConfig
 
 
 def timed_step(engine: Engine) -> tuple[float, list]:
@@ -118,13 +112,8 @@ class Workload:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = DeviceConfig.of(args.device_settings)
-    config.apply_to_process()
-    model_path = resolve_model_path(args.model)
-    base = GGUFFile(model_path)
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = write_random_adapters(base, Path(tmp), args.adapters, args.rank, args.targets, args.seed)
-        runner = ModelRunner(base, [load_adapter(p, base) for p in paths], config)
+    model_path, runner, _ = runner_with_random_adapters(args)
+    config = runner.config
     w = Workload(runner, args)
     m, p, long = args.requests, args.prompt_tokens, args.long_tokens
     w.prefill(2, p)  # warm-up: the passes' shapes, decoding included (a process's first decode steps run slower)
