@@ -23,6 +23,7 @@ from gguf import GGUFWriter
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig
 from worker.engine.engine import Engine, EngineRequest
+from worker.engine.outputs import RequestOutput
 from worker.engine.runner import ModelRunner
 from worker.formats.adapter import load_adapter
 from worker.formats.default_model import resolve_model_path
@@ -124,18 +125,18 @@ def run_policy(runner: ModelRunner, groups: list[list[EngineRequest]], args: arg
             if not engine.has_work():
                 continue
             is_decode = not any(seq.is_prefilling for seq in engine.scheduler.running) and not engine.scheduler.num_waiting
-            seconds, tokens = timed_step(engine)
+            seconds, outputs = timed_step(engine)
             if is_decode:
                 decode_s += seconds
-                decode_tokens += tokens
+                decode_tokens += sum(len(o.token_ids) for o in outputs)
     return decode_s, decode_tokens
 
 
-def timed_step(engine: Engine) -> tuple[float, int]:
-    """One engine step: (its seconds, the tokens it produced)."""
+def timed_step(engine: Engine) -> tuple[float, list[RequestOutput]]:
+    """One engine step: (its seconds, its outputs)."""
     started = time.perf_counter()
     outputs = engine.step()
-    return time.perf_counter() - started, sum(len(o.token_ids) for o in outputs)
+    return time.perf_counter() - started, outputs
 
 
 def run(args: argparse.Namespace) -> int:

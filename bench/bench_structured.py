@@ -61,9 +61,9 @@ def _decode_rate(engine: Engine, requests: list[EngineRequest]) -> tuple[float, 
     seconds, tokens = 0.0, 0
     while engine.has_work():
         full = len(engine.scheduler.running) == len(requests) and not any(s.is_prefilling for s in engine.scheduler.running)
-        step_s, step_tokens = timed_step(engine)
+        step_s, outputs = timed_step(engine)
         if full:
-            seconds, tokens = seconds + step_s, tokens + step_tokens
+            seconds, tokens = seconds + step_s, tokens + sum(len(o.token_ids) for o in outputs)
     return seconds, tokens
 
 

@@ -28,17 +28,11 @@ import time
 import numpy as np
 import torch
 
-from bench.bench_engine import runner_with_random_adapters
+from bench.bench_engine import runner_with_random_adapters, timed_step
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig
 from worker.engine.engine import Engine, EngineRequest
 from worker.engine.runner import ModelRunner
-
-
-def timed_step(engine: Engine) -> tuple[float, list]:
-    started = time.perf_counter()
-    outputs = engine.step()
-    return time.perf_counter() - started, outputs
 
 
 class Workload:

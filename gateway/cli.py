@@ -48,8 +48,10 @@ def _positive_int(text: str) -> int:
 
 
 def _decode_threads(text: str) -> int | str:
-    if text == "auto" or (text.isdigit() and int(text) > 0):
-        return text if text == "auto" else int(text)
+    if text == "auto":
+        return text
+    if text.isdigit() and int(text) > 0:
+        return int(text)
     raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
 
 

@@ -91,16 +91,15 @@ class ModelRunner:
             self.add_adapter(adapter)
         # torch's intra-op threads on a CPU device (config.threads or torch's own choice); None elsewhere
         self.max_threads = (config.threads or DEFAULT_THREADS) if config.torch_device.type == "cpu" else None
-        self._threads: int | None = None  # set before the first pass (torch's count is the process's, shared)
 
     def use_threads(self, num_threads: int) -> None:
         """Run the next passes on `num_threads` of the CPU threads (at most max_threads; a no-op
-        off the CPU). Call it from the thread that runs the passes."""
+        off the CPU). Call it from the thread that runs the passes: torch's count is the process's,
+        and another runner there may have changed it."""
         if self.max_threads is None:
             return
         num_threads = min(num_threads, self.max_threads)
-        if num_threads != self._threads or num_threads != torch.get_num_threads():
-            self._threads = num_threads
+        if num_threads != torch.get_num_threads():
             torch.set_num_threads(num_threads)
 
     @classmethod

@@ -53,7 +53,6 @@ class TargetWeights:
 
     def add(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         self.pairs[slot] = (a, b)
-        self._split_of = None
         # an adapter with an inf or NaN weight (a bad upload, or one past float16's range) is computed on its own
         # rows only: at scale 0 in a shared matmul, 0 * inf would be NaN in every other request's rows
         self.finite[slot] = bool(torch.isfinite(a).all() and torch.isfinite(b).all())
@@ -61,11 +60,11 @@ class TargetWeights:
 
     def remove(self, slot: int) -> None:
         self.pairs.pop(slot, None)
-        self._split_of = None
         self.finite.pop(slot, None)
         self._forget(slot)
 
     def _forget(self, slot: int) -> None:
+        self._split_of = None
         for key in [key for key in self._stacks if slot in key]:
             del self._stacks[key]
         if slot in self._ws_at:  # its columns would hold another adapter's weights: start again
