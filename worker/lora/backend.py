@@ -12,6 +12,10 @@ class LoRABackend(Protocol):
     def add_linear(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor) -> None:
         """out [N, d] += ((x [N, k] @ a.T [k, R]) * scales [N, R]) @ b.T [R, d]"""
 
+    def add_linear_groups(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor) -> None:
+        """For each group g of M rows (rows[g*M:(g+1)*M] of x [N, k]; a row may be in several groups):
+        out[rows] += ((x[rows] @ a[g].T) * scales[g]) @ b[g].T, with a [G, r, k], b [G, d, r], scales [G, M, 1]."""
+
     def add_embedding(self, out: torch.Tensor, a_rows: torch.Tensor, b: torch.Tensor, scales: torch.Tensor) -> None:
         """out [N, d] += (a_rows [N, R] * scales [N, R]) @ b.T [R, d]"""
 
@@ -27,6 +31,12 @@ class TorchLoRABackend:
 
     def add_linear(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor) -> None:
         out.addmm_(torch.mm(x, a.t()).mul_(scales), b.t())
+
+    def add_linear_groups(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor) -> None:
+        # Punica's BGMV as two batched matmuls: each group's rows against its own adapter only
+        groups, width = scales.shape[0], scales.shape[1]
+        h = torch.bmm(x.index_select(0, rows).view(groups, width, x.shape[1]), a.transpose(1, 2)).mul_(scales)
+        out.index_add_(0, rows, torch.bmm(h, b.transpose(1, 2)).view(groups * width, out.shape[1]))
 
     def add_embedding(self, out: torch.Tensor, a_rows: torch.Tensor, b: torch.Tensor, scales: torch.Tensor) -> None:
         out.addmm_(a_rows * scales, b.t())

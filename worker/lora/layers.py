@@ -26,9 +26,13 @@ class LoRALinear(nn.Module):
         out, flat = y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
         if self.batch.segmented:
             shared, alone = (), used
-        if shared:  # one pair of matmuls over the working set
+        if shared:  # one pair of matmuls over the working set, or one per block of it over its own rows
             a, b = self.weights.working_set(shared)
-            self.backend.add_linear(out, flat, a, b, self.batch.column_scales(self.weights.layout, x.dtype))
+            groups = self.batch.groups(self.weights.layout, x.dtype)
+            if groups is None:
+                self.backend.add_linear(out, flat, a, b, self.batch.column_scales(self.weights.layout, x.dtype))
+            else:
+                self.backend.add_linear_groups(out, flat, *self.weights.blocks(), *groups)
         scales = self.batch.scales(x.dtype)
         for slot in alone:  # each over its own rows
             a, b = self.weights.pairs[slot]

@@ -8,7 +8,10 @@ active in it, in one of two ways (chosen per pass by `LoRABatch.segmented`):
 - stacked (small passes: decode): one pair of matmuls over a working set, the A and
   B of recently active adapters side by side along the rank axis,
   `y += B_ws ((A_ws x) * column_scales)`, where an adapter not in the batch has scale
-  0. An adapter is copied into the working set when it first becomes active (into
+  0; or, when the working set's adapters share one rank and each applies to few of the
+  pass's rows, the same working set as blocks [G, r, k], each over its own rows in one
+  batched matmul (`LoRABatch.groups`; Punica's BGMV), so no FLOP is spent on a token
+  an adapter does not apply to. An adapter is copied into the working set when it first becomes active (into
   spare room, so only its own weights move); the set is rebuilt from the active
   adapters only when most of it has gone idle. Decode steps copy nothing while the
   batch's adapters stay the same or shrink.
@@ -50,6 +53,7 @@ class TargetWeights:
     _split: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] = ((), (), ())
     _ws_of: tuple[int, ...] | None = None
     _ws_views: tuple[torch.Tensor, torch.Tensor] | None = None
+    _ws_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def add(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         self.pairs[slot] = (a, b)
@@ -100,7 +104,17 @@ class TargetWeights:
                 for slot in missing:
                     self._put(slot)
         self._ws_of, self._ws_views = used, (self._ws_a[: self._ws_columns], self._ws_bt[: self._ws_columns].t())
+        self._ws_blocks = None
         return self._ws_views
+
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last `working_set`'s A [G, r, k] and B [G, d, r], one block per `layout` entry
+        (all of one rank r), as views."""
+        if self._ws_blocks is None:
+            count, rank = len(self.layout), self.layout[0][1]
+            a, bt = self._ws_a[: self._ws_columns], self._ws_bt[: self._ws_columns]
+            self._ws_blocks = (a.view(count, rank, a.shape[1]), bt.view(count, rank, bt.shape[1]).transpose(1, 2))
+        return self._ws_blocks
 
     def _rebuild(self, slots: tuple[int, ...], columns: int) -> None:
         a, b = self.pairs[slots[0]]

@@ -20,14 +20,31 @@ MLP = ["blk.0.ffn_up.weight", "blk.1.ffn_down.weight"]
 
 
 class CountingBackend(TorchLoRABackend):
-    """Records the rank columns of every linear LoRA matmul."""
+    """Records the rank columns of every linear LoRA matmul, and the blocks of every grouped one."""
 
     def __init__(self) -> None:
         self.columns: list[int] = []
+        self.groups: list[tuple[int, int]] = []  # (blocks, rows per block)
 
     def add_linear(self, out, x, a, b, scales) -> None:
         self.columns.append(a.shape[0])
         super().add_linear(out, x, a, b, scales)
+
+    def add_linear_groups(self, out, x, a, b, rows, scales) -> None:
+        self.groups.append(tuple(scales.shape[:2]))
+        super().add_linear_groups(out, x, a, b, rows, scales)
+
+
+MODES = {  # how a pass computes its adapters: (SEGMENTED_MIN_ROWS, SEGMENTED_MIN_RUN, GROUPED_MAX_SHARE)
+    "segmented": (1, 1, lora_batch.GROUPED_MAX_SHARE),
+    "stacked": (10**9, 1, 0.0),
+    "grouped": (10**9, 1, 1.0),
+}
+
+
+def compute_adapters(monkeypatch, mode: str) -> None:
+    for name, value in zip(("SEGMENTED_MIN_ROWS", "SEGMENTED_MIN_RUN", "GROUPED_MAX_SHARE"), MODES[mode]):
+        monkeypatch.setattr(lora_batch, name, value)
 
 
 def adapters(tiny, tmp_path, count: int, targets=ATTN, rank: int = 4, seed: int = 100):
@@ -55,19 +72,23 @@ def test_an_added_adapter_serves_as_if_loaded_at_start_and_a_removed_one_is_gone
     torch.testing.assert_close(prompt_logits(runner, ids, {1: 0.8}), prompt_logits(alone, ids, {0: 0.8}), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("segmented", [True, False])
-def test_a_mixed_batch_equals_each_request_alone_both_ways(tiny_llama, tmp_path, monkeypatch, segmented) -> None:
-    """Segmented (each adapter over its rows) and stacked (one stack of the active adapters) passes
-    give each request what it gets alone, with stacked adapters and an aLoRA in the batch."""
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("alora_rank", [4, 2])
+def test_a_mixed_batch_equals_each_request_alone_every_way(tiny_llama, tmp_path, monkeypatch, mode, alora_rank) -> None:
+    """Segmented (each adapter over its rows), stacked (one stack of the active adapters) and grouped
+    (the stack's blocks, each over its own rows) passes give each request what it gets alone, with
+    stacked adapters and an aLoRA in the batch; a stack of mixed ranks is never grouped."""
     held = adapters(tiny_llama, tmp_path, 3)
     invocation = [150, 151]
-    alora = load_adapter(write_adapter(tmp_path / "alora.gguf", random_lora(tiny_llama, ATTN + MLP, rank=2, seed=9),
+    alora = load_adapter(write_adapter(tmp_path / "alora.gguf", random_lora(tiny_llama, ATTN + MLP, rank=alora_rank, seed=9),
                                        metadata=invocation_metadata(invocation)), GGUFFile(tiny_llama.path))
-    runner = ModelRunner(GGUFFile(tiny_llama.path), [*held, alora], TEST_DEVICE)
+    backend = CountingBackend()
+    runner = ModelRunner(GGUFFile(tiny_llama.path), [*held, alora], TEST_DEVICE, backend)
     seqs = [(list(range(10, 40)), {0: 1.0}), (list(range(50, 70)) + invocation + [7, 8], {1: 0.5, 3: 1.0}),
             (list(range(80, 105)), {0: -0.5, 2: 1.0}), (list(range(110, 120)), {})]
-    expected = [prompt_logits(runner, ids, s) for ids, s in seqs]  # alone: under 64 tokens, stacked
-    monkeypatch.setattr(lora_batch, "SEGMENTED_MIN_ROWS", 1 if segmented else 10**9)
+    expected = [prompt_logits(runner, ids, s) for ids, s in seqs]  # alone: under 64 tokens, and one adapter's rows are the whole pass: stacked
+    assert not backend.groups
+    compute_adapters(monkeypatch, mode)
     kv = runner.allocate_kv(len(seqs), 64)
     mapped = [runner.resolve_adapters(ids, s) for ids, s in seqs]
     tokens, segments = [], []
@@ -84,6 +105,9 @@ def test_a_mixed_batch_equals_each_request_alone_both_ways(tiny_llama, tmp_path,
     wanted = [seg.row + seg.length - 1 for seg in segments] + [segments[1].row + 21]  # each sequence's last row, and one after the aLoRA's activation
     few = runner.logits(tokens, segments, runner.allocate_kv(len(seqs), 64), torch.from_numpy(rows), active, wanted).cpu()
     torch.testing.assert_close(few, out[wanted], atol=1e-4, rtol=1e-4)
+    if mode == "grouped":  # the MLP targets hold the aLoRA alone; the attention ones all four, grouped only at one rank
+        blocks = {count for count, _ in backend.groups}
+        assert blocks == ({1, 4} if alora_rank == 4 else {1})
 
 
 def test_a_pass_computes_only_the_adapters_in_its_batch(tiny_llama, tmp_path) -> None:
@@ -108,8 +132,47 @@ def test_a_pass_computes_only_the_adapters_in_its_batch(tiny_llama, tmp_path) ->
     assert backend.columns and set(backend.columns) == {4}  # one adapter over its own rows
 
 
-@pytest.mark.parametrize("segmented", [True, False])
-def test_an_adapter_with_infinite_weights_poisons_only_its_own_rows(tiny_llama, tmp_path, monkeypatch, segmented) -> None:
+def test_a_decode_step_of_many_adapters_computes_each_over_its_own_rows(tiny_llama, tmp_path) -> None:
+    """16 sequences on 16 adapters of one rank: one batched matmul of 16 blocks of one row each;
+    16 sequences on one adapter: one matmul over the stack; and the same tokens either way."""
+    backend = CountingBackend()
+    runner = ModelRunner(GGUFFile(tiny_llama.path), adapters(tiny_llama, tmp_path, 16), TEST_DEVICE, backend)
+    segments = [Segment(i, i, 1, 0) for i in range(16)]
+
+    def step(slots: list[int]) -> torch.Tensor:
+        backend.columns.clear()
+        backend.groups.clear()
+        rows, active = token_scales([(runner.resolve_adapters([], {slot: 1.0}), 0, 1) for slot in slots])
+        return runner.logits(list(range(5, 21)), segments, runner.allocate_kv(16, 8), torch.from_numpy(rows), active, range(16)).cpu()
+
+    mixed = step(list(range(16)))
+    assert backend.groups and set(backend.groups) == {(16, 1)} and not backend.columns
+    for slot in (0, 9):
+        same = step([slot] * 16)
+        assert backend.columns and not backend.groups
+        torch.testing.assert_close(same[slot], mixed[slot], atol=1e-5, rtol=1e-5)
+
+
+def test_a_decode_step_of_many_sequences_is_not_computed_run_by_run(tiny_llama, tmp_path, monkeypatch) -> None:
+    """64 sequences of one new token each on 32 adapters: a big pass, but of 64 runs of one row:
+    one batched matmul of 32 blocks of two rows per target, as the stack computes it."""
+    backend = CountingBackend()
+    runner = ModelRunner(GGUFFile(tiny_llama.path), adapters(tiny_llama, tmp_path, 32), TEST_DEVICE, backend)
+    segments = [Segment(i, i, 1, 0) for i in range(64)]
+    rows, active = token_scales([(runner.resolve_adapters([], {i % 32: 1.0}), 0, 1) for i in range(64)])
+
+    def step() -> torch.Tensor:
+        return runner.logits([5 + i for i in range(64)], segments, runner.allocate_kv(64, 4), torch.from_numpy(rows), active, range(64)).cpu()
+
+    grouped = step()
+    assert backend.groups and set(backend.groups) == {(32, 2)} and not backend.columns
+    compute_adapters(monkeypatch, "stacked")
+    torch.testing.assert_close(step(), grouped, atol=1e-5, rtol=1e-5)
+    assert backend.columns and set(backend.columns) == {32 * 4}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_adapter_with_infinite_weights_poisons_only_its_own_rows(tiny_llama, tmp_path, monkeypatch, mode) -> None:
     """0 * inf is NaN: an inf adapter idle in a batch (or in the working set) must not touch others' rows."""
     import numpy as np
 
@@ -122,7 +185,7 @@ def test_an_adapter_with_infinite_weights_poisons_only_its_own_rows(tiny_llama, 
     runner = ModelRunner(GGUFFile(tiny_llama.path), [good, hot, hot_embedding], TEST_DEVICE)
     ids = list(range(10, 45))
     want = prompt_logits(runner, ids, {0: 1.0})
-    monkeypatch.setattr(lora_batch, "SEGMENTED_MIN_ROWS", 1 if segmented else 10**9)
+    compute_adapters(monkeypatch, mode)
     for bad in (1, 2):
         kv = runner.allocate_kv(2, 64)
         mapped = [runner.resolve_adapters(ids, {bad: 1.0}), runner.resolve_adapters(ids, {0: 1.0})]
