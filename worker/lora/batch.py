@@ -12,11 +12,13 @@ import torch
 # many sequences (runs of one row) goes the way of a small pass instead.
 SEGMENTED_MIN_ROWS = 64
 SEGMENTED_MIN_RUN = 4
-# A smaller pass computes a stack of equal-rank adapters group by group (one batched matmul, each adapter over its
-# own rows) when no adapter has more than this share of the pass's rows; above it, one matmul over the whole stack
-# for every row is cheaper (2 CPU cores, 16 rows: 16 adapters of one row each 3x faster grouped, 8 of two ~1.3x,
-# 4 of four 0.7x).
+# A smaller pass computes a stack of equal-rank adapters group by group (two batched matmuls, each adapter over its
+# own rows) when no adapter has more than GROUPED_MAX_SHARE of the pass's rows and the stacked matmuls would cost at
+# least GROUPED_MIN_MACS multiply-adds (rows x stack columns x (in + out features)); below that, the stack's one
+# matmul over every row is as fast (2 CPU cores, 16 rows of 16 adapters: rank 16 on a 576 x 576 linear, 4.7M, 1.8x
+# faster grouped; on 576 x 192, 3.1M, ~1.2x; rank 8 on 576 x 576, 2.4M, even; grouping costs ~70 us a call there).
 GROUPED_MAX_SHARE = 1 / 8
+GROUPED_MIN_MACS = 3_000_000
 _MAX_CACHED_INDICES = 256
 
 
@@ -60,12 +62,16 @@ class LoRABatch:
             self._host = self.token_scales.cpu().numpy()
         return self._host
 
-    def groups(self, layout: tuple[tuple[int, int], ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For a stack of column blocks `layout` ((slot, rank), ...) of one rank: (rows [G * M],
-        scales [G, M, 1]), where rows g*M:(g+1)*M are the rows block g's slot applies to, padded with
-        row 0 at scale 0, and scales their scales for it. None when the ranks differ, or when one
-        slot applies to more than GROUPED_MAX_SHARE of the rows (or to none). Made once per pass for
-        every target sharing that layout."""
+    def groups(self, layout: tuple[tuple[int, int], ...], dtype: torch.dtype, features: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a stack of column blocks `layout` ((slot, rank), ...) of one rank on a linear of
+        `features` in + out: (rows [G * M], scales [G, M, 1]), where rows g*M:(g+1)*M are the rows
+        block g's slot applies to, padded with row 0 at scale 0, and scales their scales for it.
+        None when the stack is cheaper: the ranks differ, one slot applies to more than
+        GROUPED_MAX_SHARE of the rows (or to none), or the stacked matmuls are small
+        (GROUPED_MIN_MACS). Made once per pass for every target sharing that layout."""
+        rows = self.token_scales.shape[0]
+        if rows * sum(rank for _, rank in layout) * features < GROUPED_MIN_MACS:
+            return None
         key = (layout, dtype)
         if key in self._groups:
             return self._groups[key]
@@ -74,15 +80,15 @@ class LoRABatch:
             host = self._host_scales()
             members = [np.flatnonzero(host[:, self.column[slot]]) if slot in self.column else np.empty(0, np.int64) for slot, _ in layout]
             width = max(len(rows) for rows in members)
-            if 0 < width <= GROUPED_MAX_SHARE * host.shape[0]:
-                rows = np.zeros((len(layout), width), dtype=np.int64)
+            if 0 < width <= GROUPED_MAX_SHARE * rows:
+                index = np.zeros((len(layout), width), dtype=np.int64)
                 scales = np.zeros((len(layout), width, 1), dtype=np.float32)
                 for g, ((slot, _), member) in enumerate(zip(layout, members)):
-                    rows[g, : len(member)] = member
+                    index[g, : len(member)] = member
                     if len(member):
                         scales[g, : len(member), 0] = host[member, self.column[slot]]
                 device = self.token_scales.device
-                groups = (torch.from_numpy(rows.reshape(-1)).to(device), torch.from_numpy(scales).to(device, dtype))
+                groups = (torch.from_numpy(index.reshape(-1)).to(device), torch.from_numpy(scales).to(device, dtype))
         self._groups[key] = groups
         return groups
 

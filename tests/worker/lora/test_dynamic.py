@@ -35,15 +35,16 @@ class CountingBackend(TorchLoRABackend):
         super().add_linear_groups(out, x, a, b, rows, scales)
 
 
-MODES = {  # how a pass computes its adapters: (SEGMENTED_MIN_ROWS, SEGMENTED_MIN_RUN, GROUPED_MAX_SHARE)
-    "segmented": (1, 1, lora_batch.GROUPED_MAX_SHARE),
-    "stacked": (10**9, 1, 0.0),
-    "grouped": (10**9, 1, 1.0),
+MODES = {  # how a pass computes its adapters: (SEGMENTED_MIN_ROWS, SEGMENTED_MIN_RUN, GROUPED_MAX_SHARE, GROUPED_MIN_MACS)
+    "segmented": (1, 1, lora_batch.GROUPED_MAX_SHARE, 0),
+    "stacked": (10**9, 1, 0.0, 0),
+    "grouped": (10**9, 1, 1.0, 0),
+    "grouped if worth it": (10**9, 1, lora_batch.GROUPED_MAX_SHARE, 0),  # (the tiny model's matmuls are all small)
 }
 
 
 def compute_adapters(monkeypatch, mode: str) -> None:
-    for name, value in zip(("SEGMENTED_MIN_ROWS", "SEGMENTED_MIN_RUN", "GROUPED_MAX_SHARE"), MODES[mode]):
+    for name, value in zip(("SEGMENTED_MIN_ROWS", "SEGMENTED_MIN_RUN", "GROUPED_MAX_SHARE", "GROUPED_MIN_MACS"), MODES[mode]):
         monkeypatch.setattr(lora_batch, name, value)
 
 
@@ -132,9 +133,10 @@ def test_a_pass_computes_only_the_adapters_in_its_batch(tiny_llama, tmp_path) ->
     assert backend.columns and set(backend.columns) == {4}  # one adapter over its own rows
 
 
-def test_a_decode_step_of_many_adapters_computes_each_over_its_own_rows(tiny_llama, tmp_path) -> None:
+def test_a_decode_step_of_many_adapters_computes_each_over_its_own_rows(tiny_llama, tmp_path, monkeypatch) -> None:
     """16 sequences on 16 adapters of one rank: one batched matmul of 16 blocks of one row each;
     16 sequences on one adapter: one matmul over the stack; and the same tokens either way."""
+    compute_adapters(monkeypatch, "grouped if worth it")
     backend = CountingBackend()
     runner = ModelRunner(GGUFFile(tiny_llama.path), adapters(tiny_llama, tmp_path, 16), TEST_DEVICE, backend)
     segments = [Segment(i, i, 1, 0) for i in range(16)]
@@ -153,9 +155,36 @@ def test_a_decode_step_of_many_adapters_computes_each_over_its_own_rows(tiny_lla
         torch.testing.assert_close(same[slot], mixed[slot], atol=1e-5, rtol=1e-5)
 
 
+def test_a_stack_is_grouped_only_where_that_is_cheaper() -> None:
+    """The defaults: 16 rows on 16 rank-16 adapters of a 576 x 576 linear are grouped; the same at
+    rank 8, or on 8 adapters of two rows each, or on a 64 x 64 linear, are not (the stack's one
+    matmul is as fast there); nor is a stack of mixed ranks, or one adapter on most rows."""
+    import numpy as np
+
+    from worker.lora.batch import LoRABatch
+
+    def groups(slot_of_row: list[int], ranks: list[int], features: int):
+        scales = np.zeros((len(slot_of_row), len(ranks)), dtype=np.float32)
+        scales[np.arange(len(slot_of_row)), slot_of_row] = 0.5
+        batch = LoRABatch()
+        batch.set(torch.from_numpy(scales), tuple(range(len(ranks))), scales)
+        return batch.groups(tuple(enumerate(ranks)), torch.float32, features)
+
+    rows, scales = groups(list(range(16)), [16] * 16, 1152)
+    assert rows.tolist() == list(range(16)) and scales.shape == (16, 1, 1) and set(scales.flatten().tolist()) == {0.5}
+    assert groups(list(range(16)), [8] * 16, 1152) is None
+    assert groups([i % 8 for i in range(16)], [16] * 8, 1152) is None
+    assert groups(list(range(16)), [16] * 16, 128) is None
+    assert groups(list(range(16)), [16] * 15 + [8], 1152) is None
+    assert groups([0] * 8 + list(range(8, 16)), [64] * 16, 4096) is None
+    rows, scales = groups([i % 16 for i in range(64)], [16] * 16, 1152)  # 64 rows of 16 adapters: blocks of 4 rows
+    assert rows.view(16, 4)[3].tolist() == [3, 19, 35, 51]
+
+
 def test_a_decode_step_of_many_sequences_is_not_computed_run_by_run(tiny_llama, tmp_path, monkeypatch) -> None:
     """64 sequences of one new token each on 32 adapters: a big pass, but of 64 runs of one row:
     one batched matmul of 32 blocks of two rows per target, as the stack computes it."""
+    compute_adapters(monkeypatch, "grouped if worth it")
     backend = CountingBackend()
     runner = ModelRunner(GGUFFile(tiny_llama.path), adapters(tiny_llama, tmp_path, 32), TEST_DEVICE, backend)
     segments = [Segment(i, i, 1, 0) for i in range(64)]
