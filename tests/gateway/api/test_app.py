@@ -228,13 +228,15 @@ def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event(served) 
     client, pool = served
     pool.fail_after.update({"s2-0": 2})
     try:
-        r = client.post("/v1/completions", headers=auth(), json={"model": "b", "prompt": PROMPT, "max_tokens": 6, "stream": True})
+        # greedy, past the end of text: a sampled end-of-text token in the first two would end the stream before the failure
+        body = {"model": "b", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = client.post("/v1/completions", headers=auth(), json={**body, "stream": True})
         assert r.status_code == 200
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
         assert len(events) == 4 and events[-1] == "[DONE]"  # two tokens, the error, the end
         assert "worker failed mid-stream" in json.loads(events[2])["error"]["message"]
         pool.fail_after["s2-0"] = 2
-        whole = client.post("/v1/completions", headers=auth(), json={"model": "b", "prompt": PROMPT, "max_tokens": 6})
+        whole = client.post("/v1/completions", headers=auth(), json=body)
         assert whole.status_code == 503 and "no healthy replica for adapters b" in whole.json()["error"]["message"]  # s2 has one replica
     finally:
         pool.fail_after.clear()
