@@ -62,15 +62,15 @@ class LoRABatch:
             self._host = self.token_scales.cpu().numpy()
         return self._host
 
-    def groups(self, layout: tuple[tuple[int, int], ...], dtype: torch.dtype, features: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For a stack of column blocks `layout` ((slot, rank), ...) of one rank on a linear of
-        `features` in + out: (rows [G * M], scales [G, M, 1]), where rows g*M:(g+1)*M are the rows
-        block g's slot applies to, padded with row 0 at scale 0, and scales their scales for it.
-        None when the stack is cheaper: the ranks differ, one slot applies to more than
-        GROUPED_MAX_SHARE of the rows (or to none), or the stacked matmuls are small
-        (GROUPED_MIN_MACS). Made once per pass for every target sharing that layout."""
+    def groups(self, layout: tuple[tuple[int, int], ...], dtype: torch.dtype, row_macs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a stack of column blocks `layout` ((slot, rank), ...) of one rank whose two matmuls
+        cost `row_macs` multiply-adds a row: (rows [G * M], scales [G, M, 1]), where rows
+        g*M:(g+1)*M are the rows block g's slot applies to, padded with row 0 at scale 0, and
+        scales their scales for it. None when the stack is cheaper: the matmuls are small
+        (GROUPED_MIN_MACS), the ranks differ, or one slot applies to more than GROUPED_MAX_SHARE
+        of the rows (or to none). Made once per pass for every target sharing that layout."""
         rows = self.token_scales.shape[0]
-        if rows * sum(rank for _, rank in layout) * features < GROUPED_MIN_MACS:
+        if rows * row_macs < GROUPED_MIN_MACS:
             return None
         key = (layout, dtype)
         if key in self._groups:
@@ -85,8 +85,7 @@ class LoRABatch:
                 scales = np.zeros((len(layout), width, 1), dtype=np.float32)
                 for g, ((slot, _), member) in enumerate(zip(layout, members)):
                     index[g, : len(member)] = member
-                    if len(member):
-                        scales[g, : len(member), 0] = host[member, self.column[slot]]
+                    scales[g, : len(member), 0] = host[member, self.column.get(slot, 0)]
                 device = self.token_scales.device
                 groups = (torch.from_numpy(index.reshape(-1)).to(device), torch.from_numpy(scales).to(device, dtype))
         self._groups[key] = groups

@@ -28,7 +28,7 @@ class LoRALinear(nn.Module):
             shared, alone = (), used
         if shared:  # one pair of matmuls over the working set, or one per block of it over its own rows
             a, b = self.weights.working_set(shared)
-            groups = self.batch.groups(self.weights.layout, x.dtype, a.shape[1] + b.shape[0])
+            groups = self.batch.groups(self.weights.layout, x.dtype, a.shape[0] * (a.shape[1] + b.shape[0]))
             if groups is None:
                 self.backend.add_linear(out, flat, a, b, self.batch.column_scales(self.weights.layout, x.dtype))
             else:

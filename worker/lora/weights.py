@@ -11,8 +11,8 @@ active in it, in one of two ways (chosen per pass by `LoRABatch.segmented`):
   0; or, when the working set's adapters share one rank and each applies to few of the
   pass's rows, the same working set as blocks [G, r, k], each over its own rows in one
   batched matmul (`LoRABatch.groups`; Punica's BGMV), so no FLOP is spent on a token
-  an adapter does not apply to. An adapter is copied into the working set when it first becomes active (into
-  spare room, so only its own weights move); the set is rebuilt from the active
+  an adapter does not apply to. An adapter is copied into the working set when it
+  first becomes active (into spare room, so only its own weights move); the set is rebuilt from the active
   adapters only when most of it has gone idle. Decode steps copy nothing while the
   batch's adapters stay the same or shrink.
 

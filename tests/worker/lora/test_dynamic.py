@@ -39,7 +39,8 @@ MODES = {  # how a pass computes its adapters: (SEGMENTED_MIN_ROWS, SEGMENTED_MI
     "segmented": (1, 1, lora_batch.GROUPED_MAX_SHARE, 0),
     "stacked": (10**9, 1, 0.0, 0),
     "grouped": (10**9, 1, 1.0, 0),
-    "grouped if worth it": (10**9, 1, lora_batch.GROUPED_MAX_SHARE, 0),  # (the tiny model's matmuls are all small)
+    # the defaults but for the floor on a grouped matmul's size (the tiny model's matmuls are all small)
+    "grouped if worth it": (lora_batch.SEGMENTED_MIN_ROWS, lora_batch.SEGMENTED_MIN_RUN, lora_batch.GROUPED_MAX_SHARE, 0),
 }
 
 
@@ -168,7 +169,7 @@ def test_a_stack_is_grouped_only_where_that_is_cheaper() -> None:
         scales[np.arange(len(slot_of_row)), slot_of_row] = 0.5
         batch = LoRABatch()
         batch.set(torch.from_numpy(scales), tuple(range(len(ranks))), scales)
-        return batch.groups(tuple(enumerate(ranks)), torch.float32, features)
+        return batch.groups(tuple(enumerate(ranks)), torch.float32, sum(ranks) * features)
 
     rows, scales = groups(list(range(16)), [16] * 16, 1152)
     assert rows.tolist() == list(range(16)) and scales.shape == (16, 1, 1) and set(scales.flatten().tolist()) == {0.5}
