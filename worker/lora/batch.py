@@ -78,14 +78,16 @@ class LoRABatch:
         groups = None
         if layout and all(rank == layout[0][1] for _, rank in layout):
             host = self._host_scales()
-            members = [np.flatnonzero(host[:, self.column[slot]]) if slot in self.column else np.empty(0, np.int64) for slot, _ in layout]
-            width = max(len(rows) for rows in members)
+            columns = [self.column.get(slot) for slot, _ in layout]  # None: an idle block of the working set
+            members = [np.flatnonzero(host[:, j]) if j is not None else np.empty(0, np.int64) for j in columns]
+            width = max(len(member) for member in members)
             if 0 < width <= GROUPED_MAX_SHARE * rows:
                 index = np.zeros((len(layout), width), dtype=np.int64)
                 scales = np.zeros((len(layout), width, 1), dtype=np.float32)
-                for g, ((slot, _), member) in enumerate(zip(layout, members)):
-                    index[g, : len(member)] = member
-                    scales[g, : len(member), 0] = host[member, self.column.get(slot, 0)]
+                for g, (j, member) in enumerate(zip(columns, members)):
+                    if j is not None:
+                        index[g, : len(member)] = member
+                        scales[g, : len(member), 0] = host[member, j]
                 device = self.token_scales.device
                 groups = (torch.from_numpy(index.reshape(-1)).to(device), torch.from_numpy(scales).to(device, dtype))
         self._groups[key] = groups
