@@ -23,7 +23,7 @@ from gguf import GGUFWriter
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig
 from worker.engine.engine import Engine, EngineRequest
-from worker.engine.outputs import RequestOutput
+from worker.contract.calls import Delta
 from worker.engine.runner import ModelRunner
 from worker.formats.adapter import load_adapter
 from worker.formats.default_model import resolve_model_path
@@ -53,7 +53,9 @@ def write_random_adapters(base: GGUFFile, directory: Path, num: int, rank: int, 
                 if info is None:
                     continue
                 d_in, d_out, experts = info.ne(0), info.ne(1), (info.ne(2),) if len(info.shape) == 3 else ()
-                w.add_tensor(f"blk.{layer}.{name}.weight.lora_a", (rng.standard_normal((*experts, rank, d_in)) / d_in**0.5).astype(np.float32))
+                w.add_tensor(
+                    f"blk.{layer}.{name}.weight.lora_a", (rng.standard_normal((*experts, rank, d_in)) / d_in**0.5).astype(np.float32)
+                )
                 w.add_tensor(f"blk.{layer}.{name}.weight.lora_b", (rng.standard_normal((*experts, d_out, rank)) * 0.01).astype(np.float32))
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -115,7 +117,9 @@ def run_policy(runner: ModelRunner, groups: list[list[EngineRequest]], args: arg
     slot_len = args.prompt_tokens + args.max_tokens
     engines = []
     for group in groups:
-        engine = Engine(runner, None, EngineConfig(num_seq_slots=len(group), slot_len=slot_len, max_step_tokens=max(args.step_tokens, len(group))))
+        engine = Engine(
+            runner, None, EngineConfig(num_seq_slots=len(group), slot_len=slot_len, max_step_tokens=max(args.step_tokens, len(group)))
+        )
         for request in group:
             engine.add_request(request)
         engines.append(engine)
@@ -132,7 +136,7 @@ def run_policy(runner: ModelRunner, groups: list[list[EngineRequest]], args: arg
     return decode_s, decode_tokens
 
 
-def timed_step(engine: Engine) -> tuple[float, list[RequestOutput]]:
+def timed_step(engine: Engine) -> tuple[float, list[Delta]]:
     """One engine step: (its seconds, its outputs)."""
     started = time.perf_counter()
     outputs = engine.step()
@@ -152,7 +156,9 @@ def run(args: argparse.Namespace) -> int:
     workloads = {
         "same": lambda: [make_requests(args, vocab, same)],
         "mixed": lambda: [make_requests(args, vocab, spread)],
-        "llama_policy": lambda: [[r for r in make_requests(args, vocab, spread) if r.adapters.get(a)] for a in range(min(args.adapters, args.requests))],
+        "llama_policy": lambda: [
+            [r for r in make_requests(args, vocab, spread) if r.scales_by_slot.get(a)] for a in range(min(args.adapters, args.requests))
+        ],
     }
     warm = argparse.Namespace(**{**vars(args), "max_tokens": 2})
     run_policy(runner, [make_requests(warm, vocab, spread)[:2]], warm)

@@ -15,7 +15,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from bench.bench_engine import timed_step, write_random_adapters
@@ -35,7 +34,8 @@ _TEXT = {"type": "string", "maxLength": 400}
 SCHEMAS = [  # what tenants send: extraction, classification, nested records, lists
     {"type": "object", "properties": {"name": _TEXT, "email": _TEXT, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
      "required": ["name", "email", "age"], "additionalProperties": False},
-    {"type": "object", "properties": {"label": {"enum": ["positive", "negative", "neutral"]}, "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
+    {"type": "object", "properties": {"label": {"enum": ["positive", "negative", "neutral"]},
+                                      "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
      "required": ["label", "confidence"]},
     {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "object", "properties": {
         "sku": _TEXT, "qty": {"type": "integer", "minimum": 1}}, "required": ["sku", "qty"]}}}, "required": ["items"]},
@@ -76,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
         paths = write_random_adapters(base, Path(tmp), args.requests, args.rank, "all", args.seed)
         runner = ModelRunner(base, [load_adapter(p, base) for p in paths], config)
     prompt = encode_chat(tokenizer, [{"role": "user", "content": "Describe a customer order as JSON."}])
-    engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=args.requests, slot_len=len(prompt) + args.max_tokens, max_step_tokens=512))
+    engine = Engine(
+        runner, tokenizer, EngineConfig(num_seq_slots=args.requests, slot_len=len(prompt) + args.max_tokens, max_step_tokens=512)
+    )
     _decode_rate(engine, _requests(prompt, len(SCHEMAS), 2, True))  # warm-up: compiles each schema once, builds llguidance's tokenizer
     compile_ms = [s * 1000 for s in engine.grammars.compile_s]
     totals = {"free": [0.0, 0], "schema": [0.0, 0]}
@@ -94,13 +96,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"grammar compile ms: p50 {statistics.median(compile_ms):.2f}, max {max(compile_ms):.2f} ({len(compile_ms)} schemas)")
     print(f"schema/free={rate['schema'] / rate['free']:.2f}")
     return 0
-
-
-def compile_times_ms(schemas: list[dict], tokenizer: GGUFTokenizer, vocab_size: int) -> np.ndarray:
-    """Each schema's first compilation, in ms (for schemas from elsewhere, e.g. the tests')."""
-    from worker.engine.constraint import Grammars
-
-    grammars = Grammars(tokenizer, vocab_size)
-    for schema in schemas:
-        grammars.matcher(json_schema_grammar(schema))
-    return np.array(grammars.compile_s) * 1000

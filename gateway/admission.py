@@ -17,22 +17,28 @@ from gateway.ratelimit import RateLimiter
 from gateway.registry.registry import AdapterRegistry
 from gateway.tenants import Tenant
 from worker.contract.calls import WorkerCall
+from worker.contract.identity import AdapterName, Fingerprint, ScalesByFingerprint, ScalesByName
 from worker.contract.params import SamplingParams
+from worker.formats.tokenizer import TokenizerError, check_ids
 
 
 @dataclass
 class Prepared:
-    """A checked request, ready to route."""
+    """A checked request, ready to route: its call (which carries its adapters by fingerprint)
+    and what only the gateway knows of it."""
 
     call: WorkerCall
     tenant: Tenant
-    scales: dict[str, float]  # adapter name (as the tenant knows it) -> scale, non-zero
-    adapters: dict[str, float]  # adapter fingerprint -> scale, non-zero: what the worker runs and routing matches
-    labels: dict[str, str]  # fingerprint -> the tenant's name for it (errors)
+    names_by_fingerprint: dict[Fingerprint, AdapterName]  # the tenant's names for the call's adapters (errors, metric labels)
     affinity: bytes
     num_prompt_tokens: int
     admitted_s: float  # when it was admitted, on the gateway's clock (its deadline counts from here)
     route: dict[str, str] = field(default_factory=dict)  # filled once routed: replica, shard
+
+    @property
+    def scales_by_fingerprint(self) -> ScalesByFingerprint:
+        """What the worker runs and routing matches."""
+        return self.call.scales_by_fingerprint
 
 
 class Admission:
@@ -47,10 +53,12 @@ class Admission:
     def adapter_names(self, tenant: Tenant) -> list[str]:
         return list(self.adapters(tenant))
 
-    def resolve_scales(self, tenant: Tenant, model: str | None, lora: list[LoraEntry] | None) -> dict[str, float]:
+    def resolve_scales(self, tenant: Tenant, model: str | None, lora: list[LoraEntry] | None) -> dict[AdapterName, float]:
+        """The adapters a request enables, by the tenant's names: `model` (an adapter's name) and
+        `lora` (names or ids of /lora-adapters), or the tenant's defaults when it gives no `lora`."""
         visible = self.adapter_names(tenant)
         defaults = {n: s for n, s in tenant.default_scales.items() if n in visible}  # a removed adapter's default is gone with it
-        scales: dict[str, float] = {} if lora is not None else defaults
+        scales: dict[AdapterName, float] = {} if lora is not None else defaults
         if model is not None and model != self.catalog.model_name:
             if model not in visible:
                 raise APIError(404, f"model {model!r} not found", "model_not_found")
@@ -67,7 +75,7 @@ class Admission:
             scales[name] = scales.get(name, 0.0) + entry.scale
         return self.enabled(tenant, scales)
 
-    def enabled(self, tenant: Tenant, scales: dict[str, float]) -> dict[str, float]:
+    def enabled(self, tenant: Tenant, scales: dict[AdapterName, float]) -> dict[AdapterName, float]:
         """The non-zero scales; 400 when they turn on more than one aLoRA (SPEC §4)."""
         scales = {n: s for n, s in scales.items() if s != 0.0}
         infos = self.adapters(tenant)
@@ -84,39 +92,44 @@ class Admission:
         limit = self.config.http.request_timeout_s
         return limit if asked_s is None else min(asked_s, limit)
 
-    async def prepare(self, tenant: Tenant, prompt_ids: list[int], params: SamplingParams, scales: dict[str, float],
+    async def prepare(self, tenant: Tenant, prompt_ids: list[int], params: SamplingParams, scales_by_name: ScalesByName,
                       request_salt: str | None = None, cache_prompt: bool = True, timeout_s: float | None = None) -> Prepared:
+        """Check the request against the model (the one place: the worker trusts it), count it
+        against the tenant's limits, and turn its adapters' names into fingerprints."""
         vocab = self.catalog.hparams.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"prompt token id {bad[0]} is out of range (vocabulary size {vocab})", "invalid_prompt")
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", "invalid_prompt")
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:
-            raise APIError(400, f"logit_bias token id {bad[0]} is out of range (vocabulary size {vocab})", "invalid_value")
+        try:
+            check_ids(prompt_ids, vocab, "prompt token id")
+        except TokenizerError as e:
+            raise APIError(400, str(e), "invalid_prompt") from e
+        try:
+            check_ids((t for t, _ in params.logit_bias), vocab, "logit_bias token id")
+        except TokenizerError as e:
+            raise APIError(400, str(e), "invalid_value") from e
         limit = self.catalog.max_positions
         wanted = params.max_tokens if params.max_tokens != -1 else 0
         if len(prompt_ids) + wanted > limit or len(prompt_ids) >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                            f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the prompt, {wanted} for the completion).",
                            "context_length_exceeded")
-        budget = len(prompt_ids) + params.n * (params.max_tokens if params.max_tokens != -1 else limit - len(prompt_ids))  # every choice's
-        await self.limiter.spend(tenant, budget)
-        # the affinity key uses the KV-relevant set: an aLoRA shares the base's prefix (SPEC §4)
+        generated = params.max_tokens if params.max_tokens != -1 else limit - len(prompt_ids)
+        await self.limiter.spend(tenant, len(prompt_ids) + params.n * generated)  # every choice's
         infos = self.adapters(tenant)
-        adapters: dict[str, float] = {}  # by content: two names of one adapter are one adapter
-        for name, scale in scales.items():
-            adapters[infos[name].fingerprint] = adapters.get(infos[name].fingerprint, 0.0) + scale
-        adapters = {fp: s for fp, s in adapters.items() if s != 0.0}
-        aloras = {infos[name].fingerprint for name in scales if infos[name].is_alora}
-        kv_scales = {fp: s for fp, s in adapters.items() if fp not in aloras}
+        scales_by_fingerprint: dict[Fingerprint, float] = {}  # by content: two names of one adapter are one adapter
+        for name, scale in scales_by_name.items():
+            fingerprint = Fingerprint(infos[name].fingerprint)
+            scales_by_fingerprint[fingerprint] = scales_by_fingerprint.get(fingerprint, 0.0) + scale
+        scales_by_fingerprint = {fp: s for fp, s in scales_by_fingerprint.items() if s != 0.0}
+        # the affinity key uses the KV-relevant set: an aLoRA shares the base's prefix (SPEC §4)
+        aloras = {infos[name].fingerprint for name in scales_by_name if infos[name].is_alora}
+        kv_scales = {fp: s for fp, s in scales_by_fingerprint.items() if fp not in aloras}
         key = affinity_key(self.catalog.adapter_set_fingerprint(kv_scales), prompt_ids, self.config.cache.chunk_tokens)
         call = WorkerCall(
-            request_id=uuid.uuid4().hex, prompt_ids=tuple(prompt_ids), params=params, adapters=adapters,
+            request_id=uuid.uuid4().hex, prompt_ids=tuple(prompt_ids), params=params, scales_by_fingerprint=scales_by_fingerprint,
             cache_salt=tenant.cache_salt(request_salt), cache_prompt=cache_prompt,
             tenant=tenant.id,  # the worker shares its compute fairly between tenants
             timeout_s=self.timeout_s(timeout_s),
         )
-        labels = {infos[name].fingerprint: name for name in scales}
-        return Prepared(call, tenant, scales, adapters, labels, key, len(prompt_ids), self.clock())
+        names_by_fingerprint = {Fingerprint(infos[name].fingerprint): name for name in scales_by_name}
+        return Prepared(call, tenant, names_by_fingerprint, key, len(prompt_ids), self.clock())

@@ -1,6 +1,6 @@
-"""The gateway's end of a replica's channel (worker/shard.py): one stream from the replica
-carries the deltas of every request this gateway process runs there, one batch per engine
-step, and is shared out to each request's own stream here (torch-free, Ray-free: the
+"""The gateway's end of a replica's channel (the replica's end is worker/shard/channel.py): one
+stream from the replica carries the deltas of every request this gateway process runs there, one
+batch per engine step, and is shared out to each request's own queue here (torch-free, Ray-free: the
 transport is three callables).
 
 A replica that dies or restarts ends the channel: every request on it fails with
@@ -17,7 +17,7 @@ from typing import Any
 from gateway.pool import WorkerFailed
 from worker.contract.calls import Delta, WorkerCall
 
-Batch = list[tuple[str, Delta]]
+Batch = list[Delta]  # one engine step's deltas, of any of the channel's requests
 
 
 def failure_of(e: BaseException) -> WorkerFailed:
@@ -40,8 +40,8 @@ class ReplicaChannel:
             async for batch in batches:
                 if not self._opened.done():
                     self._opened.set_result(None)
-                for request_id, delta in batch:
-                    queue = self._queues.get(request_id)
+                for delta in batch:
+                    queue = self._queues.get(delta.request_id)
                     if queue is not None:  # else its caller has gone
                         queue.put_nowait(delta)
             self.fail(WorkerFailed("the replica closed the channel"))

@@ -6,6 +6,8 @@ collide; `/metrics` renders it with the workers' cache metrics appended.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from worker.contract.calls import Delta
@@ -13,8 +15,9 @@ from worker.contract.calls import Delta
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
-def adapter_label(scales: dict[str, float]) -> str:
-    return "+".join(sorted(scales)) or "base"
+def adapter_label(names: Iterable[str]) -> str:
+    """A request's adapters, as its tenant named them, in one metric label."""
+    return "+".join(sorted(set(names))) or "base"
 
 
 class GatewayMetrics:

@@ -46,3 +46,58 @@ def teacher_forced_against_llama_cpp(runner: ModelRunner, tokenizer, reference: 
             misses.append((case["config"], i, ours, theirs, gap))
             assert gap <= NEAR_TIE, f"{case['config']} step {i}: we pick {ours}, llama.cpp {theirs}, gap {gap:.3f}"
     return matched, total, misses
+
+
+def channel_to(worker, break_after: int | None = None):
+    """A gateway's channel (gateway/channel.py) to an in-process ShardWorker, as production
+    reaches a replica over Ray; with `break_after`, the transport dies after that many batches."""
+    from contextlib import aclosing
+
+    from gateway.channel import ReplicaChannel
+
+    async def batches(channel_id: str):
+        n = 0
+        async with aclosing(worker.channel(channel_id)) as opened:
+            async for batch in opened:
+                if break_after is not None and n >= break_after:
+                    raise ConnectionError("the replica died")
+                n += 1
+                yield batch
+
+    return ReplicaChannel(batches, worker.start, worker.cancel)
+
+
+async def deltas_of(worker, call) -> list:
+    """Every delta of `call` on an in-process ShardWorker, through a channel of its own."""
+    from gateway.pool import WorkerFailed
+
+    channel = channel_to(worker)
+    try:
+        return [delta async for delta in channel.stream(call)]
+    finally:
+        channel.fail(WorkerFailed("the caller is done with this channel"))
+
+
+def results_of(deltas, request_id: str) -> dict:
+    """Each finished choice of `request_id` (index -> GenerationResult), put together from the
+    deltas the engine gave for it: what a caller of the engine sees of its result."""
+    from worker.engine.outputs import GenerationResult
+
+    results: dict[int, GenerationResult] = {}
+    finished = set()
+    for delta in deltas:
+        if delta.request_id != request_id:
+            continue
+        result = results.setdefault(delta.index, GenerationResult([]))
+        result.token_ids += delta.token_ids
+        result.text += delta.text
+        if delta.logprobs is not None:
+            result.logprobs = (result.logprobs or []) + list(delta.logprobs)
+        if delta.finish_reason is not None:
+            finished.add(delta.index)
+            result.finish_reason, result.error, result.error_status = delta.finish_reason, delta.error, delta.status
+            result.stop_logprob, result.alora_activation = delta.stop_logprob, delta.alora_activation
+            result.prompt_logprobs = list(delta.prompt_logprobs) if delta.prompt_logprobs is not None else None
+            if delta.usage is not None:
+                result.cached_tokens = delta.usage.cached_tokens
+    return {i: r for i, r in results.items() if i in finished}

@@ -31,6 +31,30 @@ POLICIES = ("affinity", "random", "least_loaded")
 
 
 @dataclass(frozen=True)
+class RoutingSettings:
+    """How the gateway routes and fails over (the deployment config's `routing`; every default here, once)."""
+
+    policy: str = "affinity"  # one of POLICIES
+    eps: float = 0.25  # bounded load: a replica takes a request while its load stays within (1 + eps) x the mean
+    half_life_s: float = 30.0  # of the recent-load count (RecentLoad)
+    max_attempts: int = 2  # replicas a request may be tried on: one failover, so one poison request cannot take down them all
+    failed_cooldown_s: float = 5.0  # a replica that failed gets no request for this long
+    worker_grace_s: float = 5.0  # past the worker's own deadline, the gateway stops waiting for it
+    health_timeout_s: float = 2.0  # a replica's answer to health and metrics
+    busy_retry_after_s: int = 1  # Retry-After of a 503 when every replica is busy
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r} (known: {', '.join(POLICIES)})")
+        if not self.eps > 0 or not self.half_life_s > 0:
+            raise ValueError(f"eps and half_life_s must be > 0, got {self.eps} and {self.half_life_s}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if min(self.failed_cooldown_s, self.worker_grace_s, self.busy_retry_after_s) < 0 or not self.health_timeout_s > 0:
+            raise ValueError("failed_cooldown_s, worker_grace_s and busy_retry_after_s must be >= 0, health_timeout_s > 0")
+
+
+@dataclass(frozen=True)
 class ReplicaView:
     replica_id: str
     shard: str

@@ -1,15 +1,19 @@
-"""Every replica of every shard as an in-process ShardWorker (torch): the gateway end to end
-without Ray. A replica in `killed` fails like a dead one; one in `fail_after` dies after
-that many deltas of its next request."""
+"""Every replica of every shard as an in-process ShardWorker (torch), reached through the
+gateway's channel as production reaches a replica over Ray (gateway/channel.py): the gateway
+end to end without Ray. A replica in `killed` fails like a dead one; one in `fail_after` dies
+after that many deltas of its next request."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from gateway.channel import ReplicaChannel
 from gateway.config import ServeConfig
 from gateway.pool import WorkerFailed, replica_infos
+from tests.helpers import channel_to
 from worker.contract.calls import Delta, WorkerCall
 from worker.shard import ShardWorker
 
@@ -21,12 +25,21 @@ class LocalShardPool:
         self.workers = {r.replica_id: ShardWorker(specs[r.shard]) for r in self.replicas}
         self.killed: set[str] = set()
         self.fail_after: dict[str, int] = {}
+        self._channels: dict[str, tuple[asyncio.AbstractEventLoop, ReplicaChannel]] = {}
+
+    def _channel(self, replica_id: str) -> ReplicaChannel:
+        """The replica's channel on this event loop (tests run several loops), opened on first use."""
+        loop = asyncio.get_running_loop()
+        opened = self._channels.get(replica_id)
+        if opened is None or opened[0] is not loop or opened[1].failure is not None:
+            opened = self._channels[replica_id] = (loop, channel_to(self.workers[replica_id]))
+        return opened[1]
 
     async def stream(self, replica_id: str, call: WorkerCall) -> AsyncIterator[Delta]:
         if replica_id in self.killed:
             raise WorkerFailed(f"replica {replica_id} is dead")
         sent = 0
-        async with aclosing(self.workers[replica_id].generate(call)) as deltas:  # a replica that dies stops its request
+        async with aclosing(self._channel(replica_id).stream(call)) as deltas:  # a replica that dies stops its request
             async for delta in deltas:
                 if replica_id in self.killed or self.fail_after.get(replica_id) == sent:
                     raise WorkerFailed(f"replica {replica_id} died")

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import aclosing
 
 import pytest
 
 from cache.prefix import PrefixCacheConfig
-from gateway.channel import ReplicaChannel
 from gateway.pool import WorkerFailed
-from tests.helpers import TEST_DEVICE
+from tests.helpers import TEST_DEVICE, channel_to, deltas_of
 from worker.contract.calls import WorkerCall
 from worker.contract.params import SamplingParams
 from worker.contract.spec import DeviceSettings, EngineConfig, WorkerSpec
@@ -30,20 +28,8 @@ def worker(tiny_llama):
 
 
 def call(i: int, max_tokens: int = 8) -> WorkerCall:
-    return WorkerCall(f"g{i}-{time.monotonic_ns()}", (5, 6, 7, i + 10), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-
-
-def channel_to(worker: ShardWorker, break_after: int | None = None) -> ReplicaChannel:
-    async def batches(channel_id: str):
-        n = 0
-        async with aclosing(worker.channel(channel_id)) as stream:
-            async for batch in stream:
-                if break_after is not None and n >= break_after:
-                    raise ConnectionError("the replica died")
-                n += 1
-                yield batch
-
-    return ReplicaChannel(batches, worker.start, worker.cancel)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return WorkerCall(f"g{i}-{time.monotonic_ns()}", (5, 6, 7, i + 10), params)
 
 
 async def tokens(stream) -> list[int]:
@@ -52,7 +38,7 @@ async def tokens(stream) -> list[int]:
 
 def test_requests_over_one_channel_get_what_they_get_alone(worker) -> None:
     async def scenario() -> None:
-        alone = [await tokens(worker.generate(call(i))) for i in range(3)]
+        alone = [[t for d in await deltas_of(worker, call(i)) for t in d.token_ids] for i in range(3)]
         channel = channel_to(worker)
         together = await asyncio.gather(*(tokens(channel.stream(call(i))) for i in range(3)))
         assert together == alone and all(len(t) == 8 for t in together)

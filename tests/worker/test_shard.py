@@ -8,18 +8,18 @@ import time
 import pytest
 
 from cache.prefix import PrefixCacheConfig
-from tests.helpers import TEST_DEVICE
+from tests.helpers import TEST_DEVICE, deltas_of
 from tests.tinymodels import random_lora, write_adapter
 from worker.contract.calls import WorkerCall
 from worker.contract.params import SamplingParams
-from worker.contract.spec import DeviceSettings, EngineConfig, PinnedAdapter, WorkerSpec
+from worker.contract.spec import DeviceSettings, EngineConfig, WorkerSpec
 from worker.shard import ShardWorker
 
 
 @pytest.fixture(scope="module")
 def worker(tiny_llama, tmp_path_factory):
     path = write_adapter(tmp_path_factory.mktemp("shard") / "a.gguf", random_lora(tiny_llama, ["blk.0.attn_q.weight"], 4, seed=3))
-    spec = WorkerSpec("s", str(tiny_llama.path), (PinnedAdapter("a", str(path)),), EngineConfig(num_seq_slots=2, slot_len=64, max_waiting=4),
+    spec = WorkerSpec("s", str(tiny_llama.path), (str(path),), EngineConfig(num_seq_slots=2, slot_len=64, max_waiting=4),
                       DeviceSettings(device=TEST_DEVICE.device), PrefixCacheConfig(chunk_tokens=8))
     shard = ShardWorker(spec)
     yield shard
@@ -31,7 +31,12 @@ def call(i: int, max_tokens: int = 6, **kw) -> WorkerCall:
 
 
 async def collect(worker: ShardWorker, c: WorkerCall) -> list:
-    return [delta async for delta in worker.generate(c)]
+    return await deltas_of(worker, c)
+
+
+def seed_fingerprint(worker: ShardWorker) -> str:
+    """The deploy-time adapter's fingerprint (slot 0): how a call names it."""
+    return worker.runner.adapters[0].fingerprint
 
 
 def test_deltas_stream_back_without_an_executor_thread_per_waiting_request(worker, monkeypatch) -> None:
@@ -40,7 +45,9 @@ def test_deltas_stream_back_without_an_executor_thread_per_waiting_request(worke
     monkeypatch.setattr(asyncio, "to_thread", lambda f, *a, **k: threads.append(f) or original(f, *a, **k))
 
     async def run() -> list[list]:
-        return await asyncio.gather(*(collect(worker, call(i, adapters={"a": 1.0} if i % 2 else {})) for i in range(6)))
+        return await asyncio.gather(
+            *(collect(worker, call(i, scales_by_fingerprint={seed_fingerprint(worker): 1.0} if i % 2 else {})) for i in range(6))
+        )
 
     results = asyncio.run(run())  # 6 requests on 2 slots: 4 wait
     assert len(threads) == 6  # one hop per request (its submission, with the cache lookup), none per delta
@@ -63,8 +70,9 @@ def test_the_replica_reports_the_decode_thread_count_it_measured(worker) -> None
 
 
 def test_a_request_the_worker_cannot_run_is_a_refusal_not_an_exception(worker) -> None:
-    unknown = asyncio.run(collect(worker, call(1, adapters={"zz": 1.0})))
-    assert len(unknown) == 1 and unknown[0].status == 503 and "not loaded on this replica" in unknown[0].error  # another replica may hold it
+    unknown = asyncio.run(collect(worker, call(1, scales_by_fingerprint={"zz": 1.0})))
+    # another replica may hold it
+    assert len(unknown) == 1 and unknown[0].status == 503 and "not loaded on this replica" in unknown[0].error
     too_long = asyncio.run(collect(worker, call(2, max_tokens=500)))
     assert too_long[0].status == 400 and "exceeds the context length" in too_long[0].error
 
@@ -98,9 +106,13 @@ def test_a_full_queue_refuses_with_503_and_a_deadline_ends_a_request(worker, mon
 def test_a_caller_that_falls_behind_gets_the_tokens_so_far_as_one_delta(worker) -> None:
     async def slowly(c: WorkerCall) -> list:
         deltas = []
-        async for delta in worker.generate(c):
-            deltas.append(delta)
+        batches = worker.channel("slow")
+        await batches.__anext__()
+        assert await worker.start("slow", c) is None
+        while not (deltas and deltas[-1].is_finished):
+            deltas += await batches.__anext__()
             await asyncio.sleep(0.05)  # a busy caller: the engine runs ahead
+        await batches.aclose()
         return deltas
 
     keeping_up = asyncio.run(collect(worker, call(30, max_tokens=40)))
@@ -111,13 +123,15 @@ def test_a_caller_that_falls_behind_gets_the_tokens_so_far_as_one_delta(worker) 
     assert lagging[-1].finish_reason == "length" and lagging[-1].usage.completion_tokens == 40
 
 
-def test_pins_change_between_steps_by_fingerprint_and_a_dropped_one_waits_for_its_requests(worker, tiny_llama, tmp_path, monkeypatch) -> None:
+def test_pins_change_between_steps_by_fingerprint_and_a_dropped_one_waits_for_its_requests(
+    worker, tiny_llama, tmp_path, monkeypatch
+) -> None:
     import worker.engine.pins as pins_module
     from worker.formats.adapter import load_adapter
     from worker.formats.gguf_file import GGUFFile
 
     monkeypatch.setattr(pins_module, "DRAIN_GRACE_S", 0.0)
-    seed_fp = worker.pins.aliases["a"]
+    seed_fp = seed_fingerprint(worker)
     new = write_adapter(tmp_path / "n.gguf", random_lora(tiny_llama, ["blk.1.attn_v.weight"], 4, seed=9))
     new_fp = load_adapter(new, GGUFFile(tiny_llama.path)).fingerprint
     broken = tmp_path / "broken.gguf"
@@ -127,9 +141,9 @@ def test_pins_change_between_steps_by_fingerprint_and_a_dropped_one_waits_for_it
         state = await worker.sync(10, {seed_fp: "unused", new_fp: str(new), "f" * 64: str(broken)})
         assert state["held"] == sorted([seed_fp, new_fp]) and list(state["failed"]) == ["f" * 64]  # the bad pin alone fails
         assert (await worker.sync(3, {}))["held"] == state["held"]  # an older version (a lagging gateway) changes nothing
-        by_fp = await collect(worker, call(30, adapters={new_fp: 1.0}))
+        by_fp = await collect(worker, call(30, scales_by_fingerprint={new_fp: 1.0}))
         assert by_fp[-1].finish_reason == "length"
-        long_call = call(31, max_tokens=40, adapters={new_fp: 1.0})
+        long_call = call(31, max_tokens=40, scales_by_fingerprint={new_fp: 1.0})
         running = asyncio.ensure_future(collect(worker, long_call))
         await asyncio.sleep(0.05)
         state = await worker.sync(11, {seed_fp: "unused"})  # unpinned while a request runs on it
@@ -140,7 +154,7 @@ def test_pins_change_between_steps_by_fingerprint_and_a_dropped_one_waits_for_it
         assert sum(len(d.token_ids) for d in deltas) == 40 and deltas[-1].finish_reason == "length"
         await worker.pins.reap()
         assert new_fp not in worker.pins.slots and worker.runner.lora.nbytes() == worker.runner.lora.nbytes(0)
-        refused = await collect(worker, call(32, adapters={new_fp: 1.0}))
+        refused = await collect(worker, call(32, scales_by_fingerprint={new_fp: 1.0}))
         assert refused[-1].status == 503
 
     asyncio.run(scenario())
@@ -150,7 +164,8 @@ def test_pins_change_between_steps_by_fingerprint_and_a_dropped_one_waits_for_it
 def test_the_mailbox_wakes_the_event_loop_once_for_everything_posted_before_it_runs() -> None:
     import threading
 
-    from worker.shard import Mailbox
+    from worker.contract.calls import Delta
+    from worker.shard.channel import Mailbox
 
     async def scenario() -> tuple[int, list[int]]:
         loop = asyncio.get_running_loop()
@@ -158,11 +173,10 @@ def test_the_mailbox_wakes_the_event_loop_once_for_everything_posted_before_it_r
         original = loop.call_soon_threadsafe
         loop.call_soon_threadsafe = lambda *a: wakeups.append(1) or original(*a)  # type: ignore[method-assign]
         mailbox, queues = Mailbox(loop), [asyncio.Queue() for _ in range(4)]
-        from worker.engine.outputs import RequestOutput
 
         def engine_step() -> None:  # one step's outputs, from another thread
             for i, queue in enumerate(queues):
-                mailbox.post(queue.put_nowait, RequestOutput(f"r{i}", [i], str(i)))
+                mailbox.post(queue.put_nowait, Delta((i,), str(i), request_id=f"r{i}"))
 
         thread = threading.Thread(target=engine_step)
         thread.start()
@@ -175,7 +189,7 @@ def test_the_mailbox_wakes_the_event_loop_once_for_everything_posted_before_it_r
 
 
 def test_a_channel_carries_every_request_of_a_step_in_one_batch(worker) -> None:
-    """Requests started on a channel get the deltas `generate` gives them, several requests'
+    """Requests started on a channel get the deltas they get alone, several requests'
     deltas to a batch; a cancelled one stops, and closing the channel stops the rest."""
     async def scenario() -> None:
         alone = [await collect(worker, call(i, max_tokens=24)) for i in range(2)]  # long enough to overlap once both start
@@ -189,8 +203,8 @@ def test_a_channel_carries_every_request_of_a_step_in_one_batch(worker) -> None:
         while not all(d and d[-1].is_finished for d in got.values()):
             batch = await asyncio.wait_for(batches.__anext__(), 30)
             sizes.append(len(batch))
-            for request_id, delta in batch:
-                got[request_id].append(delta)
+            for delta in batch:
+                got[delta.request_id].append(delta)
         for i, deltas in enumerate(alone):
             assert [t for d in got[f"r{i}"] for t in d.token_ids] == [t for d in deltas for t in d.token_ids]
             assert got[f"r{i}"][-1].usage.completion_tokens == 24

@@ -13,6 +13,7 @@ from cache.prefix import PrefixCache, PrefixCacheConfig
 from worker.contract.params import SamplingParams
 from worker.contract.spec import DEFAULT_SLOT_LEN, EngineConfig
 from worker.engine.engine import Engine, EngineRequest, RequestError
+from worker.engine.generate import check_tokens
 from worker.engine.runner import ModelRunner
 from worker.formats.tokenizer import GGUFTokenizer, TokenizerError
 
@@ -84,13 +85,16 @@ def adapter_paths(lines: list[dict[str, Any]], base_dir: str) -> list[str]:
     return list(seen)
 
 
-def build_requests(lines, args: argparse.Namespace, tokenizer: GGUFTokenizer | None, slots: dict[str, int], base_dir: str, where: str) -> list[EngineRequest]:
+def build_requests(
+    lines, args: argparse.Namespace, tokenizer: GGUFTokenizer | None, slots: dict[str, int], base_dir: str, where: str
+) -> list[EngineRequest]:
     requests = []
     for index, item in enumerate(lines):
         at = f"{where}:{item['_line']}"
         defaults = {"max_tokens": args.n_predict, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                     "seed": args.seed, "ignore_eos": args.ignore_eos, "min_p": args.min_p, "repeat_penalty": args.repeat_penalty,
-                    "presence_penalty": args.presence_penalty, "frequency_penalty": args.frequency_penalty, "penalty_last_n": args.repeat_last_n}
+                    "presence_penalty": args.presence_penalty, "frequency_penalty": args.frequency_penalty,
+                    "penalty_last_n": args.repeat_last_n}
         try:
             stop = item.get("stop", [])
             stop = (stop,) if isinstance(stop, str) else tuple(stop)
@@ -131,13 +135,20 @@ def run_batch(args: argparse.Namespace, runner_from_paths) -> int:
         slot_len = min(context, max(len(r.prompt_ids) + max(r.params.max_tokens, 1) for r in requests))
     num_slots = min(len(requests), MAX_SLOTS)
     cache = open_cli_cache(args, runner)
-    engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=num_slots, slot_len=slot_len, max_step_tokens=max(args.step_tokens, num_slots)), prefix_cache=cache)
+    engine = Engine(
+        runner,
+        tokenizer,
+        EngineConfig(num_seq_slots=num_slots, slot_len=slot_len, max_step_tokens=max(args.step_tokens, num_slots)),
+        prefix_cache=cache,
+    )
+    checked = []
     for request, item in zip(requests, lines):
         try:
-            engine.check(request)
+            check_tokens(runner, request.prompt_ids, request.params)
+            checked.append(engine.check(request))
         except ValueError as e:
             raise BatchFileError(f"{args.batch_file}:{item['_line']}: {e}") from e
-    results = engine.run_all(requests)
+    results = engine.run_all(checked)
     close_cli_cache(cache)
     for request in requests:
         result = results[request.request_id]

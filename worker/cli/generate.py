@@ -110,7 +110,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"loraplex generate: {e}", file=sys.stderr)
         return 1
-    except (BatchFileError, RequestError, MultipleALoRAError, ChatTemplateError, TokenizerError, GGUFFormatError, UnsupportedModelError, ValueError) as e:
+    except (
+        BatchFileError, RequestError, MultipleALoRAError, ChatTemplateError, TokenizerError, GGUFFormatError, UnsupportedModelError,
+        ValueError,
+    ) as e:
         print(f"loraplex generate: {e}", file=sys.stderr)
         return EXIT_INVALID
     load_time_s = runner.loaded.load_time_s
@@ -121,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         print()
         rate = len(result.token_ids) / result.decode_time_s if result.decode_time_s > 0 else 0.0
         print(
-            f"[load {load_time_s:.2f} s | prompt {len(prompt_ids)} tokens ({result.cached_tokens} cached) in {result.prompt_time_s:.3f} s | "
+            f"[load {load_time_s:.2f} s | prompt {len(prompt_ids)} tokens ({result.cached_tokens} cached) "
+            f"in {result.prompt_time_s:.3f} s | "
             f"{len(result.token_ids)} tokens in {result.decode_time_s:.2f} s ({rate:.1f} tokens/s) | finish: {result.finish_reason}]",
             file=sys.stderr,
         )

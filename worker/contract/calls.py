@@ -14,9 +14,9 @@ when the worker is too busy to take it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from worker.contract.identity import ScalesByFingerprint
 from worker.contract.params import SamplingParams
 
 
@@ -25,7 +25,7 @@ class WorkerCall:
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
-    adapters: Mapping[str, float] = field(default_factory=dict)  # adapter name -> scale (non-zero)
+    scales_by_fingerprint: ScalesByFingerprint = field(default_factory=dict)  # the adapters it enables, non-zero scales
     cache_salt: str = ""  # the tenant's prefix-cache namespace (SPEC §5)
     cache_prompt: bool = True  # False: neither reuse nor store this request's KV
     tenant: str = ""  # the worker shares prompt tokens and free KV slots fairly between tenants
@@ -48,7 +48,8 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """What one engine step added to a request."""
+    """What one engine step added to one choice of a request: the engine's output, the
+    channel's item and what the HTTP edge formats (one record all the way)."""
 
     token_ids: tuple[int, ...] = ()
     text: str = ""
@@ -67,6 +68,7 @@ class Delta:
     stop_logprob: float | None = None  # on the last delta, with logprobs: of the stop token that ended it (not returned)
     index: int = 0  # which of the request's n choices
     others_running: int = 0  # with finish_reason: choices of the request still running (0: the request is over)
+    request_id: str = ""  # whose: a channel carries every request's deltas of a step together
 
     @property
     def is_finished(self) -> bool:
@@ -74,9 +76,15 @@ class Delta:
         return self.finish_reason is not None and self.others_running == 0
 
     @classmethod
-    def refused(cls, message: str, status: int = 400) -> Delta:
-        return cls(finish_reason="error", error=message, status=status)
+    def refused(cls, message: str, status: int = 400, request_id: str = "") -> Delta:
+        """The request was not run: 400 for its own fault, 503 when the worker is too busy."""
+        return cls(finish_reason="error", error=message, status=status, request_id=request_id)
 
     @classmethod
-    def failed(cls, message: str, status: int | None = None) -> Delta:
-        return cls(finish_reason="error", error=message, status=status)
+    def failed(cls, message: str, status: int | None = None, request_id: str = "") -> Delta:
+        return cls(finish_reason="error", error=message, status=status, request_id=request_id)
+
+    def merged(self, then: Delta) -> Delta:
+        """This delta and the next of the same choice as one (`then`'s end, if it ends it)."""
+        logprobs = (self.logprobs or ()) + (then.logprobs or ()) if self.logprobs or then.logprobs else None
+        return replace(then, token_ids=self.token_ids + then.token_ids, text=self.text + then.text, logprobs=logprobs)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-MAX_LOGIT_BIAS = 4096  # biased tokens per request (after a string's are counted)
-MAX_CHOICES = 128  # n: choices per request (each takes a KV slot of its own)
+MAX_LOGIT_BIAS = 1024  # biased tokens per request, a string's tokens counted (OpenAI allows 300 entries)
+MAX_CHOICES = 16  # n and best_of: choices per request (each takes a KV sequence slot of its own; a worker has few)
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class SamplingParams:
     penalty_last_n: int = -1  # the window: the last n tokens of it; -1: all of them, 0: none
     penalize_prompt: bool = False  # the window spans prompt and generated tokens (llama.cpp), else generated only (OpenAI)
     min_p: float = 0.0  # sampling drops tokens less probable than min_p times the most probable one
-    temperature_last: bool = True  # top-k, top-p and min-p judged on the model's distribution (llama.cpp); False: on the tempered one (vLLM)
+    # top-k, top-p and min-p judged on the model's distribution (llama.cpp); False: on the tempered one (vLLM)
+    temperature_last: bool = True
     grammar: str | None = None  # an llguidance grammar (worker/formats/grammar.py) every generated token must follow
     n: int = 1  # choices sampled from one prefill of the prompt; choice i's generator is seeded with seed + i
 

@@ -1,8 +1,9 @@
 """What a shard replica is built from, and the settings of each worker subsystem (torch-free).
 
-Each default is declared here once: the deployment config (gateway/config.py)
-and the CLI take theirs from these classes, validate at their entry point and
-pass the objects down unchanged.
+Each field and default is declared here once: the deployment config
+(gateway/config.py) validates these classes themselves (its `engine:` and
+`device:`), the CLI takes its defaults from them, and both pass the objects
+down unchanged.
 """
 
 from __future__ import annotations
@@ -30,19 +31,22 @@ class EngineConfig:
     num_seq_slots: int = 16  # sequences decoding at once (KV sequence slots)
     slot_len: int | None = None  # KV positions per sequence slot (default: the context length, at most 2048)
     max_step_tokens: int = 2048  # tokens per forward pass: prefill chunks fill what decoding leaves (llama.cpp's n_batch)
-    prefill_while_decoding: int | None = 128  # prompt tokens a pass that also decodes may take (bounds the gap between tokens); None: all that is left
-    decode_stall: float | None = 1.5  # ...or more, those whose measured cost is this many decode-only passes (a GPU's; worker/engine/step_costs.py)
+    # prompt tokens a pass that also decodes may take (bounds the gap between tokens); None: all that is left
+    prefill_while_decoding: int | None = 128
+    # ...or more, those whose measured cost is this many decode-only passes (a GPU's; worker/engine/step_costs.py)
+    decode_stall: float | None = 1.5
     max_waiting: int = 32  # requests that may wait for a KV slot; beyond, a replica refuses with 503 (the gateway stops earlier)
     reserved_slots: int = 1  # KV slots a busy tenant may not take while other tenants exist (worker/engine/scheduler.py)
     is_multi_tenant: bool = False  # several tenants may come: reserve from the start, not once a second one is seen
 
     def __post_init__(self) -> None:
         if self.num_seq_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {self.num_seq_slots}")
+            raise ValueError(f"num_seq_slots must be >= 1, got {self.num_seq_slots}")
         if self.slot_len is not None and self.slot_len < 2:
             raise ValueError(f"slot_len must be >= 2, got {self.slot_len}")
         if self.max_step_tokens < self.num_seq_slots:  # else decoding alone can use up every step
-            raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must be at least num_slots ({self.num_seq_slots})")
+            raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must be at least num_seq_slots "
+                             f"({self.num_seq_slots})")
         if self.prefill_while_decoding is not None and self.prefill_while_decoding < 1:
             raise ValueError(f"prefill_while_decoding must be >= 1, got {self.prefill_while_decoding}")
         if self.decode_stall is not None and not self.decode_stall > 0:
@@ -79,19 +83,14 @@ class DeviceSettings:
 
 
 @dataclass(frozen=True)
-class PinnedAdapter:
-    name: str
-    path: str
-
-
-@dataclass(frozen=True)
 class WorkerSpec:
-    """One shard replica: the base model with exactly these adapters (adapter slot i holds
-    adapters[i]) on one device, its engine and its prefix cache."""
+    """One shard replica: the base model with these adapters from the start (adapter slot i
+    holds adapter_paths[i]; the worker learns their fingerprints from the files) on one device,
+    its engine and its prefix cache."""
 
     shard: str
     model_path: str
-    adapters: tuple[PinnedAdapter, ...] = ()
+    adapter_paths: tuple[str, ...] = ()
     engine: EngineConfig = field(default_factory=EngineConfig)
     device: DeviceSettings = field(default_factory=DeviceSettings)
     cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)

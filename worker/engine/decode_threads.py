@@ -79,7 +79,13 @@ class DecodeThreads:
         if num_prompt:
             return self.max_threads
         previous = self._previous
-        if self.fixed is None and len(self._ladder) > 1 and self._since_try >= EXPLORE_EVERY and previous is not None and previous.threads == self.current:
+        if (
+            self.fixed is None
+            and len(self._ladder) > 1
+            and self._since_try >= EXPLORE_EVERY
+            and previous is not None
+            and previous.threads == self.current
+        ):
             return self._neighbour()
         return self.current
 

@@ -10,11 +10,23 @@ from worker.contract.spec import EngineConfig
 from worker.engine.engine import Engine, EngineRequest, RequestError
 from worker.engine.outputs import GenerationResult
 from worker.engine.runner import ModelRunner
-from worker.formats.tokenizer import GGUFTokenizer
+from worker.formats.tokenizer import GGUFTokenizer, TokenizerError, check_ids
+
+
+def check_tokens(runner: ModelRunner, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    """What the gateway's admission checks of a served request, for a caller of the engine
+    itself (the CLI): token ids within the vocabulary (the engine trusts them)."""
+    vocab_size = runner.hparams.vocab_size
+    try:
+        check_ids(prompt_ids, vocab_size)
+        check_ids((token for token, _ in params.logit_bias), vocab_size, "logit_bias token id")
+    except TokenizerError as e:
+        raise RequestError(str(e)) from e
 
 
 def validate_request(runner: ModelRunner, prompt_ids: Sequence[int], params: SamplingParams) -> int:
-    """Check a request against the model's context before any work; returns the KV length it needs."""
+    """Check a request against the model before any work; returns the KV length it needs."""
+    check_tokens(runner, prompt_ids, params)
     context = runner.hparams.context_length
     needed = context if params.max_tokens == -1 else len(prompt_ids) + params.max_tokens
     if params.max_tokens != -1 and needed > context:
@@ -41,7 +53,9 @@ def generate(
     `on_text` receives text as it is produced, whole UTF-8 characters only.
     """
     slot_len = validate_request(runner, prompt_ids, params)
-    engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=1, slot_len=slot_len, max_step_tokens=max_step_tokens), prefix_cache=prefix_cache)
+    engine = Engine(
+        runner, tokenizer, EngineConfig(num_seq_slots=1, slot_len=slot_len, max_step_tokens=max_step_tokens), prefix_cache=prefix_cache
+    )
     engine.add_request(EngineRequest("0", list(prompt_ids), params, dict(adapter_scales or {}), cache_salt=cache_salt))
     result = engine.result("0")
     while engine.has_work():

@@ -1,4 +1,5 @@
-"""The engine on its own thread: submit from anywhere, stream deltas back, cancel.
+"""The engine on its own thread: submit from anywhere, get each request's deltas back (its
+`Subscription`), cancel.
 
 Submissions and cancellations are queued and applied between steps, so the
 engine itself stays single-threaded.
@@ -19,8 +20,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
+from worker.contract.calls import Delta
 from worker.engine.engine import Engine, EngineRequest
-from worker.engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -29,18 +30,18 @@ class Overloaded(RuntimeError):
     """The worker's queue is full: the request may go to another replica, or come back later."""
 
 
-class RequestStream:
+class Subscription:
     """Deltas of one request, in order; iteration ends after the finishing delta. With
     `on_output`, each delta goes to that callback instead, called on the engine's thread
     (it must not block: e.g. `call_soon_threadsafe` into an asyncio queue)."""
 
-    def __init__(self, loop: EngineLoop, request_id: str, on_output: Callable[[RequestOutput], None] | None = None) -> None:
+    def __init__(self, loop: EngineLoop, request_id: str, on_output: Callable[[Delta], None] | None = None) -> None:
         self.request_id = request_id
         self._loop = loop
-        self._queue: queue.Queue[RequestOutput] = queue.Queue()
+        self._queue: queue.Queue[Delta] = queue.Queue()
         self._on_output = on_output
 
-    def put(self, output: RequestOutput) -> None:
+    def put(self, output: Delta) -> None:
         if self._on_output is None:
             self._queue.put(output)
             return
@@ -51,13 +52,13 @@ class RequestStream:
             if not output.is_finished:
                 self.cancel()
 
-    def get(self, timeout_s: float | None = None) -> RequestOutput:
+    def get(self, timeout_s: float | None = None) -> Delta:
         return self._queue.get(timeout=timeout_s)
 
     def cancel(self) -> None:
         self._loop.cancel(self.request_id, self)
 
-    def __iter__(self) -> Iterator[RequestOutput]:
+    def __iter__(self) -> Iterator[Delta]:
         while True:
             out = self._queue.get()
             yield out
@@ -70,7 +71,7 @@ class EngineLoop:
         """`engine`, or a function building it on the loop's thread (its errors raise here)."""
         self.max_waiting = max_waiting  # requests waiting for a KV slot beyond which submit refuses (Overloaded)
         self._inbox: list[tuple[str, object]] = []
-        self._streams: dict[str, RequestStream] = {}
+        self._subscriptions: dict[str, Subscription] = {}
         self._wake = threading.Condition()
         self.delivering = threading.Lock()  # held while a step's outputs are handed out (a receiver may wait for all of them)
         self._closed = False
@@ -97,7 +98,7 @@ class EngineLoop:
         if failed:
             raise failed[0]
 
-    def submit(self, request: EngineRequest, on_output: Callable[[RequestOutput], None] | None = None) -> RequestStream:
+    def submit(self, request: EngineRequest, on_output: Callable[[Delta], None] | None = None) -> Subscription:
         """Queue a request; a bad one raises here (RequestError, ValueError) and changes nothing;
         Overloaded when `max_waiting` requests already wait for a slot.
 
@@ -105,19 +106,19 @@ class EngineLoop:
         caller's thread, not in the engine's step loop.
         """
         arrived_s = self.engine.clock()
-        self.engine.check(request)
+        checked = self.engine.check(request)
         if self.max_waiting is not None and self.num_queued >= self.max_waiting:
             raise Overloaded(f"the worker is busy: {self.num_queued} requests are waiting for a slot")
-        hit = self.engine.lookup(request)
+        hit = self.engine.lookup(checked)
         with self._wake:
             if self._closed:
                 raise RuntimeError("the engine loop is closed")
-            if request.request_id in self._streams:
+            if request.request_id in self._subscriptions:
                 raise ValueError(f"request id {request.request_id!r} is already running")
-            stream = self._streams[request.request_id] = RequestStream(self, request.request_id, on_output)
-            self._inbox.append(("add", (request, hit, arrived_s)))
+            subscription = self._subscriptions[request.request_id] = Subscription(self, request.request_id, on_output)
+            self._inbox.append(("add", (checked, hit, arrived_s)))
             self._wake.notify()
-        return stream
+        return subscription
 
     def call(self, fn: Callable[[Engine], Any]) -> Future:
         """Run `fn(engine)` on the engine's thread between steps (adding or removing an adapter);
@@ -133,12 +134,12 @@ class EngineLoop:
     def pending_adapter_slots(self) -> set[int]:
         """Adapter slots of requests submitted but not yet added to the engine."""
         with self._wake:
-            return {slot for kind, item in self._inbox if kind == "add" for slot in item[0].adapters}
+            return {slot for kind, item in self._inbox if kind == "add" for slot in item[0].request.scales_by_slot}
 
-    def cancel(self, request_id: str, stream: RequestStream | None = None) -> None:
-        """Cancel a running or queued request (only `stream`'s, when given: an id may be reused)."""
+    def cancel(self, request_id: str, subscription: Subscription | None = None) -> None:
+        """Cancel a running or queued request (only `subscription`'s, when given: an id may be reused)."""
         with self._wake:
-            self._inbox.append(("cancel", (request_id, stream)))
+            self._inbox.append(("cancel", (request_id, subscription)))
             self._wake.notify()
 
     @property
@@ -147,7 +148,7 @@ class EngineLoop:
         (an estimate: read outside the engine's thread)."""
         scheduler = self.engine.scheduler
         pending = sum(1 + len(seq.forks) for seq in scheduler.waiting)  # a request of n choices waits for n slots
-        pending += sum(item[0].params.n for kind, item in list(self._inbox) if kind == "add")
+        pending += sum(item[0].request.params.n for kind, item in list(self._inbox) if kind == "add")
         return max(0, pending - scheduler.num_free_slots)
 
     def is_alive(self) -> bool:
@@ -159,23 +160,23 @@ class EngineLoop:
             self._wake.notify()
         self._thread.join()
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
+    def _deliver(self, out: Delta) -> None:
+        subscription = self._subscriptions.get(out.request_id)
+        if subscription is None:
             return
         if out.is_finished:
             with self._wake:
-                self._streams.pop(out.request_id, None)
-        stream.put(out)
+                self._subscriptions.pop(out.request_id, None)
+        subscription.put(out)
 
     def _apply(self, commands: list[tuple[str, object]]) -> None:
         for kind, item in commands:
             if kind == "add":
-                request, hit, arrived_s = item
+                checked, hit, arrived_s = item
                 try:
-                    self.engine.add_request(request, hit, arrived_s)
-                except Exception as e:  # validated at submit; anything left fails this request only
-                    self._deliver(RequestOutput(request.request_id, [], "", finish_reason="error", error=str(e)))
+                    self.engine.add_request(checked, hit, arrived_s)
+                except Exception as e:  # checked at submit; anything left fails this request only
+                    self._deliver(Delta.failed(str(e), request_id=checked.request.request_id))
                 continue
             if kind == "call":
                 fn, future = item
@@ -184,8 +185,8 @@ class EngineLoop:
                 except Exception as e:  # the caller's to handle
                     future.set_exception(e)
                 continue
-            request_id, stream = item
-            if stream is not None and self._streams.get(request_id) is not stream:
+            request_id, subscription = item
+            if subscription is not None and self._subscriptions.get(request_id) is not subscription:
                 continue  # that request already finished; the id now belongs to another
             out = self.engine.cancel(request_id)
             if out is not None:
@@ -206,15 +207,15 @@ class EngineLoop:
                 with self.delivering:
                     for out in outputs:
                         self._deliver(out)
-        except Exception as e:  # a bug, not a request: stop taking work, end every stream
+        except Exception as e:  # a bug, not a request: stop taking work, end every subscription
             log.exception("engine loop failed")
             reason, error = "error", f"internal error: {e}"
         with self._wake:
             self._closed = True
-            left = list(self._streams)
+            left = list(self._subscriptions)
             unrun, self._inbox = [item for kind, item in self._inbox if kind == "call"], []
         for _, future in unrun:
             future.set_exception(RuntimeError("the engine loop is closed"))
         for request_id in left:  # closing: whatever is left ends now
             out = self.engine.cancel(request_id) if reason == "cancelled" else None
-            self._deliver(out or RequestOutput(request_id, [], "", finish_reason=reason, error=error))
+            self._deliver(out or Delta(finish_reason=reason, error=error, request_id=request_id))

@@ -1,5 +1,6 @@
-"""What a request produces inside the engine (torch-free plain data). The worker turns
-these into the wire contract's `Delta`s (worker/shard.py)."""
+"""What a request has produced so far inside the engine, and what the engine has computed
+(torch-free plain data). What each step adds to a request goes out as the contract's `Delta`
+(worker/contract/calls.py), its last carrying this result's summary."""
 
 from __future__ import annotations
 
@@ -28,26 +29,6 @@ class GenerationResult:
     stop_logprob: float | None = None  # with logprobs: of the end-of-generation or stop token that ended it (not in token_ids)
 
 
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one engine step added to a request (streaming delta)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # set on the last delta
-    error: str | None = None
-    result: GenerationResult | None = None  # the whole result, on the last delta (prompt logprobs, timings, ...)
-    index: int = 0  # which of the request's n choices this is
-    others_running: int = 0  # with finish_reason: the request's choices still running (0: the request is over)
-
-    @property
-    def is_finished(self) -> bool:
-        """The request is over (every choice has finished)."""
-        return self.finish_reason is not None and self.others_running == 0
-
-
 STEP_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -64,8 +45,10 @@ class EngineCounters:
     step_s: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
     decode_step_s: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
 
-    HELP = {"steps": "engine steps (forward passes) run", "prompt_tokens": "prompt tokens computed (not loaded from the prefix cache or forked)",
-            "generated_tokens": "tokens generated", "forked_prompt_tokens": "prompt tokens a request's further choices copied instead of computing"}
+    HELP = {"steps": "engine steps (forward passes) run",
+            "prompt_tokens": "prompt tokens computed (not loaded from the prefix cache or forked)",
+            "generated_tokens": "tokens generated",
+            "forked_prompt_tokens": "prompt tokens a request's further choices copied instead of computing"}
 
     def step(self, prompt_tokens: int, seconds: float) -> None:
         """One forward pass ran: its prompt tokens and how long it took."""

@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from worker.contract.identity import AdapterSlot, Fingerprint
 from worker.engine.engine import Engine
 from worker.engine.loop import EngineLoop
 from worker.formats.adapter import LoRAAdapter, load_adapter
@@ -33,36 +34,35 @@ class NotHeld(LookupError):
 
 
 class Pins:
-    def __init__(self, loop: EngineLoop, base: GGUFFile, names: Mapping[str, int]) -> None:
-        """`names`: the deploy-time pins (name -> slot) the runner was built with."""
-        self.loop, self.base = loop, base
+    def __init__(self, loop: EngineLoop, base: GGUFFile, clock: Callable[[], float] = time.monotonic) -> None:
+        """The runner's adapters when built (the deploy-time pins) are held from the start."""
+        self.loop, self.base, self.clock = loop, base, clock
         runner = loop.engine.runner
-        self.slots: dict[str, int] = {runner.adapters[slot].fingerprint: slot for slot in names.values()}  # fingerprint -> slot
-        self.aliases = {name: runner.adapters[slot].fingerprint for name, slot in names.items()}  # deploy-time names still work
-        self.draining: dict[str, float] = {}  # fingerprint -> when it was unpinned
-        self.failed: dict[str, str] = {}  # fingerprint -> why it could not be loaded
+        self.slots: dict[Fingerprint, AdapterSlot] = {Fingerprint(a.fingerprint): AdapterSlot(slot) for slot, a in runner.adapters.items()}
+        self.draining: dict[Fingerprint, float] = {}  # when it was unpinned
+        self.failed: dict[Fingerprint, str] = {}  # why it could not be loaded
         self.version = -1
         self._lock = asyncio.Lock()
 
-    def slot_of(self, adapter: str) -> int:
+    def slot_of(self, fingerprint: Fingerprint) -> AdapterSlot:
         """Its slot while it is loaded (draining included: a request routed just before the change)."""
-        slot = self.slots.get(self.aliases.get(adapter, adapter))
+        slot = self.slots.get(fingerprint)
         if slot is None:
-            raise NotHeld(f"adapter {adapter!r} is not loaded on this replica")
+            raise NotHeld(f"adapter {fingerprint!r} is not loaded on this replica")
         return slot
 
     @property
-    def held(self) -> list[str]:
+    def held(self) -> list[Fingerprint]:
         """Fingerprints that take new requests."""
         return sorted(fp for fp in self.slots if fp not in self.draining)
 
-    async def sync(self, version: int, pins: Mapping[str, str]) -> dict[str, Any]:
+    async def sync(self, version: int, pins: Mapping[Fingerprint, str]) -> dict[str, Any]:
         """Make the held set `pins` (fingerprint -> file); returns what is held now."""
         async with self._lock:
             if version >= self.version:
                 self.version = version
                 for fingerprint in [fp for fp in self.slots if fp not in pins and fp not in self.draining]:
-                    self.draining[fingerprint] = time.monotonic()
+                    self.draining[fingerprint] = self.clock()
                 for fingerprint, path in pins.items():
                     self.draining.pop(fingerprint, None)  # pinned again before it was dropped
                     if fingerprint not in self.slots:
@@ -73,7 +73,7 @@ class Pins:
     def state(self) -> dict[str, Any]:
         return {"version": self.version, "held": self.held, "draining": sorted(self.draining), "failed": dict(self.failed)}
 
-    async def _load(self, fingerprint: str, path: str) -> None:
+    async def _load(self, fingerprint: Fingerprint, path: str) -> None:
         try:
             adapter: LoRAAdapter = await asyncio.to_thread(load_adapter, path, self.base)
             if adapter.fingerprint != fingerprint:
@@ -89,12 +89,12 @@ class Pins:
     async def reap(self) -> None:
         """Drop the unpinned adapters no request uses any more (past their grace period)."""
         async with self._lock:
-            now = time.monotonic()
+            now = self.clock()
             due = {fp: self.slots[fp] for fp, since in self.draining.items() if now - since >= DRAIN_GRACE_S}
             if not due:
                 return
 
-            def drop(engine: Engine) -> list[str]:
+            def drop(engine: Engine) -> list[Fingerprint]:
                 busy = engine.adapter_slots_in_use() | self.loop.pending_adapter_slots()
                 dropped = [fp for fp, slot in due.items() if slot not in busy]
                 for fp in dropped:
@@ -103,7 +103,6 @@ class Pins:
 
             for fingerprint in await asyncio.wrap_future(self.loop.call(drop)):
                 del self.slots[fingerprint], self.draining[fingerprint]
-                self.aliases = {n: fp for n, fp in self.aliases.items() if fp != fingerprint}
             self._reap_later()  # some may still run: look again later
 
     def _reap_later(self) -> None:

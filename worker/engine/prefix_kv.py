@@ -45,7 +45,9 @@ def cache_model_id(runner: ModelRunner, fingerprint_dir: str | None = None) -> s
 
 def chunk_geometry(runner: ModelRunner, chunk_tokens: int, fingerprint_dir: str | None = None) -> ChunkGeometry:
     hp = runner.hparams
-    return ChunkGeometry(cache_model_id(runner, fingerprint_dir), runner.config.dtype, (hp.num_layers, hp.num_kv_heads, chunk_tokens, hp.head_dim))
+    return ChunkGeometry(
+        cache_model_id(runner, fingerprint_dir), runner.config.dtype, (hp.num_layers, hp.num_kv_heads, chunk_tokens, hp.head_dim)
+    )
 
 
 def open_prefix_cache(runner: ModelRunner, config: PrefixCacheConfig, client=None, fingerprint_dir: str | None = None) -> PrefixCache:

@@ -12,13 +12,14 @@ the host in one transfer: the device is synchronised once per step.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from worker.contract.calls import TokenLogprob
+from worker.contract.identity import AdapterSlot, ScalesBySlot, SeqSlot
 from worker.formats.adapter import LoRAAdapter, load_adapter
 from worker.formats.gguf_file import GGUFFile
 from worker.lora import mapping
@@ -38,7 +39,7 @@ DEFAULT_THREADS = torch.get_num_threads()  # torch's choice, before an engine lo
 class SpanInput:
     """One sequence's new tokens in a step, and what the step must report for them."""
 
-    seq_slot: int
+    seq_slot: SeqSlot
     start: int  # position of token_ids[0]
     token_ids: Sequence[int]
     adapters: RequestAdapters
@@ -84,8 +85,8 @@ class ModelRunner:
         self.loaded = load_model(base, config)
         self.model = self.loaded.model
         self.hparams = self.loaded.hparams
-        self.adapters: dict[int, LoRAAdapter] = {}  # adapter slot -> the adapter held there
-        self.invocations: dict[int, tuple[int, ...] | None] = {}  # per adapter slot; None: not an aLoRA
+        self.adapters: dict[AdapterSlot, LoRAAdapter] = {}  # the adapter held in each slot
+        self.invocations: dict[AdapterSlot, tuple[int, ...] | None] = {}  # None: not an aLoRA
         self.lora = LoRAState(self.model, config, backend)
         for adapter in adapters:  # adapters[i] in slot i
             self.add_adapter(adapter)
@@ -103,31 +104,35 @@ class ModelRunner:
             torch.set_num_threads(num_threads)
 
     @classmethod
-    def from_paths(cls, model_path: str | os.PathLike[str], adapter_paths: Sequence[str | os.PathLike[str]], config: DeviceConfig) -> ModelRunner:
+    def from_paths(
+        cls, model_path: str | os.PathLike[str], adapter_paths: Sequence[str | os.PathLike[str]], config: DeviceConfig
+    ) -> ModelRunner:
         base = GGUFFile(model_path)
         return cls(base, [load_adapter(p, base) for p in adapter_paths], config)
 
-    def add_adapter(self, adapter: LoRAAdapter) -> int:
+    def add_adapter(self, adapter: LoRAAdapter) -> AdapterSlot:
         """Hold `adapter` (validated against this base) in the lowest free slot, which it returns.
         Between steps only."""
-        slot = next(i for i in range(len(self.adapters) + 1) if i not in self.adapters)
+        slot = AdapterSlot(next(i for i in range(len(self.adapters) + 1) if i not in self.adapters))
         self.lora.add(slot, adapter)
         self.adapters[slot], self.invocations[slot] = adapter, adapter.invocation_tokens
         return slot
 
-    def remove_adapter(self, slot: int) -> None:
+    def remove_adapter(self, slot: AdapterSlot) -> None:
         """Free `slot` and its weights. Between steps only, once no sequence uses it."""
         self.lora.remove(slot)
         self.adapters.pop(slot, None)
         self.invocations.pop(slot, None)
 
-    def resolve_adapters(self, prompt_ids: Sequence[int], scales: Mapping[int, float]) -> RequestAdapters:
+    def resolve_adapters(self, prompt_ids: Sequence[int], scales: ScalesBySlot) -> RequestAdapters:
         """The adapter mapping of a request enabling `scales` (adapter slot -> runtime scale)."""
         return mapping.resolve(self.invocations, prompt_ids, scales)
 
     def allocate_kv(self, num_seq_slots: int, slot_len: int) -> KVCache:
         hp = self.hparams
-        return KVCache.allocate(hp.num_layers, num_seq_slots, hp.num_kv_heads, slot_len, hp.head_dim, self.config.torch_dtype, self.config.torch_device)
+        return KVCache.allocate(
+            hp.num_layers, num_seq_slots, hp.num_kv_heads, slot_len, hp.head_dim, self.config.torch_dtype, self.config.torch_device
+        )
 
     # one step
 
@@ -254,7 +259,8 @@ class ModelRunner:
         per-token adapter scales [N, A] (column j: adapter slot active_slots[j]) -> float32 logits [len(logit_rows), V]."""
         device = self.config.torch_device
         step = StepInputs(
-            ids=torch.tensor(token_ids, dtype=torch.long, device=device), plan=AttentionPlan.build(segments, device, self.hparams.sliding_window),
+            ids=torch.tensor(token_ids, dtype=torch.long, device=device),
+            plan=AttentionPlan.build(segments, device, self.hparams.sliding_window),
             token_scales=token_scales.to(device), active_slots=active_slots, logit_rows=_row_index(logit_rows, len(token_ids), device),
         )
         return self._forward(step, kv)

@@ -17,20 +17,20 @@ prefilled in a few big steps (two streams wait long once, fourteen start
 sooner) instead of a dozen small ones that each stall a growing number of
 streams. Only sequences that could take a slot count, so a flood of requests
 cannot grow the bound past the free slots; and only while each decoding
-stream's own group is among those waiting, so one tenant's burst never
+stream's own tenant is among those waiting, so one tenant's burst never
 stalls another tenant's streams more than the bound does.
 
-Prompt tokens and free slots are shared fairly between groups (the gateway's
-tenants): the group that has had the fewest tokens computed goes first, then
+Prompt tokens and free slots are shared fairly between tenants: the tenant
+that has had the fewest tokens computed goes first, then
 arrival order, so one tenant's backlog of long prompts does not hold back
-another tenant's first token (least attained service). A group that comes
-back after being idle starts level with the least served busy group: no
+another tenant's first token (least attained service). A tenant that comes
+back after being idle starts level with the least served busy tenant: no
 credit for its idle time, and no debt for the time it had the worker to
-itself. With one group this is arrival order.
+itself. With one tenant this is arrival order.
 
-When several groups may come (`is_multi_tenant`, or once a second one has
-been seen), a group that already runs sequences may not take the last
-`reserved_slots` free slots: they wait for a group with nothing running, so
+When several tenants may come (`is_multi_tenant`, or once a second one has
+been seen), a tenant that already runs sequences may not take the last
+`reserved_slots` free slots: they wait for a tenant with nothing running, so
 a tenant that arrives while another floods the worker starts at once instead
 of waiting for a slot to free.
 
@@ -46,7 +46,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from worker.engine.sequence import Sequence, Status
+from worker.contract.identity import SeqSlot
+from worker.engine.sequence import SequenceState, Status
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,10 @@ class Span:
     `start`; `samples` when the span reaches the sequence's last known token (its logits
     choose the next token). Not to be confused with a prefix-cache chunk (cache/)."""
 
-    seq: Sequence
+    seq: SequenceState
     start: int
     length: int
-    fork_of: Sequence | None = None  # a fork's first span (no tokens): it samples `fork_of`'s logits and takes its prompt's KV
+    fork_of: SequenceState | None = None  # a fork's first span (no tokens): it samples `fork_of`'s logits and takes its prompt's KV
 
     @property
     def samples(self) -> bool:
@@ -75,30 +76,30 @@ class Scheduler:
     num_seq_slots: int
     slot_len: int
     max_step_tokens: int
-    reserved_slots: int = 1  # kept for groups with nothing running (when there is more than one group)
+    reserved_slots: int = 1  # kept for tenants with nothing running (when there is more than one tenant)
     is_multi_tenant: bool = False
     prefill_while_decoding: int | None = None  # prompt tokens in a step that also decodes (None: the budget's rest)
-    running: list[Sequence] = field(default_factory=list)
-    _queues: dict[str, deque[Sequence]] = field(default_factory=dict)  # waiting, per group in arrival order
+    running: list[SequenceState] = field(default_factory=list)
+    _queues: dict[str, deque[SequenceState]] = field(default_factory=dict)  # waiting, per tenant in arrival order
     _free_slots: list[int] = field(init=False)
     _arrivals: int = 0
-    _served: dict[str, int] = field(default_factory=dict)  # tokens computed per group (level-set on return)
-    _floor: int = 0  # the least any group with work has been served, never decreasing
+    _served: dict[str, int] = field(default_factory=dict)  # tokens computed per tenant (level-set on return)
+    _floor: int = 0  # the least any tenant with work has been served, never decreasing
 
     def __post_init__(self) -> None:
         if self.num_seq_slots < 1 or self.slot_len < 2 or self.max_step_tokens < 1:
             raise ValueError("num_seq_slots and max_step_tokens must be >= 1 and slot_len >= 2")
-        self._free_slots = list(range(self.num_seq_slots))
+        self._free_slots = [SeqSlot(i) for i in range(self.num_seq_slots)]
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         seq.status = Status.WAITING
-        if seq.group not in self._active():  # back from idle: level with the rest, no credit and no debt
-            self._served[seq.group] = self._floor
-        self._queues.setdefault(seq.group, deque()).append(seq)
+        if seq.tenant not in self._active():  # back from idle: level with the rest, no credit and no debt
+            self._served[seq.tenant] = self._floor
+        self._queues.setdefault(seq.tenant, deque()).append(seq)
 
     @property
-    def waiting(self) -> list[Sequence]:
+    def waiting(self) -> list[SequenceState]:
         """Every waiting sequence, in arrival order."""
         return sorted((seq for queue in self._queues.values() for seq in queue), key=lambda seq: seq.arrival)
 
@@ -120,14 +121,14 @@ class Scheduler:
             if not seq.is_prefilling and seq.fork_of is None:
                 spans.append(Span(seq, seq.num_computed, seq.num_pending))
                 budget -= seq.num_pending
-                self._served[seq.group] = self._served.get(seq.group, 0) + seq.num_pending
+                self._served[seq.tenant] = self._served.get(seq.tenant, 0) + seq.num_pending
         prefilling = [seq for seq in self.running if seq.is_prefilling]
         if spans and self.prefill_while_decoding is not None:
             budget = min(budget, self._prompt_budget([span.seq for span in spans], prefilling))
-        # then prompts, fairly between groups: running ones, and waiting ones while a slot is free
+        # then prompts, fairly between tenants: running ones, and waiting ones while a slot is free
         while budget > 0:
-            heads = [queue[0] for queue in self._queues.values()]  # each group's first
-            admissible = [seq for seq in heads if self._may_take_slot(seq.group, 1 + len(seq.forks))]
+            heads = [queue[0] for queue in self._queues.values()]  # each tenant's first
+            admissible = [seq for seq in heads if self._may_take_slot(seq.tenant, 1 + len(seq.forks))]
             wide = [seq for seq in heads if seq.forks and seq not in admissible and len(self._free_slots) < 1 + len(seq.forks)]
             if wide:  # a request of n choices waits for n free slots: those freed meanwhile are kept for it, not taken by later turns
                 first = min(map(self._turn, wide))
@@ -141,26 +142,26 @@ class Scheduler:
                 prefilling.remove(seq)
             spans.append(Span(seq, seq.num_computed, min(seq.num_pending, budget)))
             budget -= spans[-1].length
-            self._served[seq.group] = self._served.get(seq.group, 0) + spans[-1].length
+            self._served[seq.tenant] = self._served.get(seq.tenant, 0) + spans[-1].length
         spans += [Span(fork, span.start + span.length, 0, span.seq) for span in spans if span.samples for fork in self._forking(span.seq)]
         active = self._active()
         if active:
             self._floor = max(self._floor, min(self._served[g] for g in active))
         return spans
 
-    def _prompt_budget(self, decoding: list[Sequence], prefilling: list[Sequence]) -> int:
+    def _prompt_budget(self, decoding: list[SequenceState], prefilling: list[SequenceState]) -> int:
         """Prompt tokens for a step beside the `decoding` sequences: `prefill_while_decoding`,
         times how many sequences wait for their first token (prefilling, or waiting with a slot
         free) per decoding one when that is more than one, and only while every decoding
-        sequence's group has one of those: one tenant's prompts never stall another's streams
+        sequence's tenant has one of those: one tenant's prompts never stall another's streams
         beyond the bound."""
-        starting_groups = {seq.group for seq in prefilling} | (set(self._queues) if self._free_slots else set())
-        if any(seq.group not in starting_groups for seq in decoding):
+        starting_tenants = {seq.tenant for seq in prefilling} | (set(self._queues) if self._free_slots else set())
+        if any(seq.tenant not in starting_tenants for seq in decoding):
             return self.prefill_while_decoding
         starting = len(prefilling) + min(self.num_waiting, len(self._free_slots))
         return int(self.prefill_while_decoding * max(1.0, starting / len(decoding)))
 
-    def _forking(self, seq: Sequence) -> list[Sequence]:
+    def _forking(self, seq: SequenceState) -> list[SequenceState]:
         """The forks that take `seq`'s prompt in this step (whose last prompt token it computes)."""
         if len(seq.token_ids) != seq.num_prompt_tokens:
             return []
@@ -169,20 +170,20 @@ class Scheduler:
             fork.fork_of = None
         return forks
 
-    def _may_take_slot(self, group: str, needed: int = 1) -> bool:
+    def _may_take_slot(self, tenant: str, needed: int = 1) -> bool:
         free = len(self._free_slots)
         if free < needed:
             return False
         reserve = min(self.reserved_slots, self.num_seq_slots - needed) if self.is_multi_tenant or len(self._served) > 1 else 0
-        return free - needed >= reserve or not any(seq.group == group for seq in self.running)
+        return free - needed >= reserve or not any(seq.tenant == tenant for seq in self.running)
 
     def _active(self) -> set[str]:
-        return {seq.group for seq in self.running} | set(self._queues)
+        return {seq.tenant for seq in self.running} | set(self._queues)
 
-    def _turn(self, seq: Sequence) -> tuple[int, int]:
-        return self._served.get(seq.group, 0), seq.arrival
+    def _turn(self, seq: SequenceState) -> tuple[int, int]:
+        return self._served.get(seq.tenant, 0), seq.arrival
 
-    def _admit(self, seq: Sequence) -> None:
+    def _admit(self, seq: SequenceState) -> None:
         self._unqueue(seq)
         self._free_slots.sort()  # lowest first: busy slots stay packed for batched attention
         seq.seq_slot, seq.status = self._free_slots.pop(0), Status.RUNNING
@@ -192,7 +193,7 @@ class Scheduler:
             fork.seq_slot, fork.status, fork.num_computed = self._free_slots.pop(0), Status.RUNNING, fork.num_prompt_tokens
             self.running.append(fork)
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: SequenceState) -> None:
         """Free its slot at once (completed, cancelled or failed)."""
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
@@ -201,8 +202,8 @@ class Scheduler:
             self._unqueue(seq)
         seq.status, seq.seq_slot = Status.FINISHED, None
 
-    def _unqueue(self, seq: Sequence) -> None:
-        queue = self._queues[seq.group]
+    def _unqueue(self, seq: SequenceState) -> None:
+        queue = self._queues[seq.tenant]
         queue.remove(seq)
         if not queue:
-            del self._queues[seq.group]
+            del self._queues[seq.tenant]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from worker.contract.identity import SeqSlot
+
 
 class Status(Enum):
     WAITING = "waiting"
@@ -13,20 +15,20 @@ class Status(Enum):
 
 
 @dataclass(eq=False)
-class Sequence:
+class SequenceState:
     request_id: str
     token_ids: list[int]  # prompt, then generated tokens
     num_prompt_tokens: int
     max_len: int  # KV positions it may use: prompt + max_tokens
     status: Status = Status.WAITING
-    seq_slot: int | None = None  # its KV sequence slot while running
+    seq_slot: SeqSlot | None = None  # its KV sequence slot while running
     num_computed: int = 0  # tokens whose keys and values are in the slot
     num_cached: int = 0  # leading prompt tokens whose keys and values come from the prefix cache
     arrival: int = 0
-    group: str = ""  # whose request (the tenant): tokens are shared fairly between groups
+    tenant: str = ""  # whose request (the tenant): tokens are shared fairly between tenants
     index: int = 0  # which of its request's n choices
-    forks: list[Sequence] = field(default_factory=list)  # the request's other choices (on choice 0): they take its prompt's KV
-    fork_of: Sequence | None = None  # a choice still waiting for the prompt's KV from this one
+    forks: list[SequenceState] = field(default_factory=list)  # the request's other choices (on choice 0): they take its prompt's KV
+    fork_of: SequenceState | None = None  # a choice still waiting for the prompt's KV from this one
 
     @property
     def key(self) -> tuple[str, int]:

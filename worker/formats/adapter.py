@@ -44,10 +44,6 @@ class LoRAPair:
     def rank(self) -> int:
         return self.b.ne(0)
 
-    @property
-    def is_token_embedding(self) -> bool:
-        return self.target.endswith("token_embd.weight")
-
 
 @dataclass(frozen=True)
 class LoRAAdapter:

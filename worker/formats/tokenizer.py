@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import codecs
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -59,6 +59,14 @@ _EOG_TEXTS = {
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
     "<EOT>", "<|end_of_text|>", "<end_of_utterance>",
 }
+
+
+def check_ids(ids: Iterable[int], vocab_size: int, what: str = "token id") -> None:
+    """TokenizerError naming the first of `ids` outside the vocabulary: the one place that
+    checks a request's token ids (the gateway's admission, the CLI) before any work."""
+    for i in ids:
+        if not 0 <= i < vocab_size:
+            raise TokenizerError(f"{what} {i} is out of range (vocabulary size {vocab_size})")
 
 
 class TokenizerError(ValueError):
@@ -122,7 +130,9 @@ class GGUFTokenizer:
             # llama.cpp's partition: user-defined tokens always, control and unknown ones with parse_special; longest first
             by_length = sorted(range(len(tokens)), key=lambda i: -len(tokens[i]))
             self._user_defined = [i for i in by_length if self.token_types[i] == TOKEN_USER_DEFINED and tokens[i]]
-            self._partition_special = [i for i in by_length if (i in self.special_ids or self.token_types[i] == TOKEN_USER_DEFINED) and tokens[i]]
+            self._partition_special = [
+                i for i in by_length if (i in self.special_ids or self.token_types[i] == TOKEN_USER_DEFINED) and tokens[i]
+            ]
         else:  # token bytes for decoding; special tokens decode to their text
             byte_of = _byte_decoder()
             self._token_bytes = []
@@ -238,11 +248,6 @@ class GGUFTokenizer:
                     out.append((start, end, None))
             fragments = out
         return fragments
-
-    def check_ids(self, ids: list[int]) -> None:
-        for i in ids:
-            if not 0 <= i < self.vocab_size:
-                raise TokenizerError(f"token id {i} is out of range (vocabulary size {self.vocab_size})")
 
     def token_bytes(self, token_id: int, skip_special: bool = True) -> bytes:
         if skip_special and token_id in self._hidden_ids:

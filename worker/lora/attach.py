@@ -5,7 +5,6 @@ whichever adapter slots hold weights for it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 from torch import nn
 
@@ -73,14 +72,9 @@ class LoRAState:
         else:
             return None
         parent_path, _, child = path.rpartition(".")
-        setattr(self.model.get_submodule(parent_path) if parent_path else self.model, child, layer(module, weights, self.batch, self.backend))
+        setattr(
+            self.model.get_submodule(parent_path) if parent_path else self.model, child, layer(module, weights, self.batch, self.backend)
+        )
         self.targets[target] = weights
         return weights
 
-
-def attach_lora(model: nn.Module, adapters: Sequence[LoRAAdapter], config: DeviceConfig, backend: LoRABackend | None = None) -> LoRAState:
-    """The LoRA state of `model` with adapters[i] in slot i."""
-    state = LoRAState(model, config, backend)
-    for slot, adapter in enumerate(adapters):
-        state.add(slot, adapter)
-    return state

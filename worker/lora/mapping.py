@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from worker.contract.identity import AdapterSlot, ScalesBySlot
 from worker.formats.alora import MultipleALoRAError, activation_index
 
 
@@ -24,8 +25,8 @@ from worker.formats.alora import MultipleALoRAError, activation_index
 class RequestAdapters:
     """One request's adapter slots: `scales` apply from position 0, the aLoRA from `activation` on."""
 
-    scales: Mapping[int, float] = field(default_factory=dict)  # adapter slot -> scale, non-zero, not the aLoRA
-    alora_slot: int | None = None  # set only when the prompt invokes it
+    scales: ScalesBySlot = field(default_factory=dict)  # non-zero, not the aLoRA
+    alora_slot: AdapterSlot | None = None  # set only when the prompt invokes it
     alora_scale: float = 0.0
     activation: int | None = None  # the aLoRA's activation index
 
@@ -35,7 +36,7 @@ class RequestAdapters:
 
 
 def resolve(invocations: Mapping[int, tuple[int, ...] | None] | Sequence[tuple[int, ...] | None], prompt_ids: Sequence[int],
-            scales: Mapping[int, float]) -> RequestAdapters:
+            scales: ScalesBySlot) -> RequestAdapters:
     """The mapping of a request enabling `scales` (adapter slot -> scale), given each held slot's
     aLoRA invocation tokens (None: a plain LoRA). ValueError for a slot that is not held,
     MultipleALoRAError for two aLoRAs."""

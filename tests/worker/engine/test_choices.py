@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
-from tests.helpers import TEST_DEVICE
+from tests.helpers import TEST_DEVICE, results_of
 from tests.tinymodels import random_lora, write_adapter
-from worker.contract.params import SamplingParams
+from worker.contract.calls import Delta
+from worker.contract.params import MAX_CHOICES, SamplingParams
 from worker.contract.spec import EngineConfig
 from worker.engine.engine import Engine, EngineRequest, RequestError
-from worker.engine.outputs import RequestOutput
+from worker.engine.outputs import GenerationResult
 from worker.engine.runner import ModelRunner
 
 ATTN = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.1.attn_v.weight"]
@@ -28,7 +31,7 @@ def engine_of(runner, slots: int = 6, step_tokens: int = 64) -> Engine:
     return Engine(runner, None, EngineConfig(num_seq_slots=slots, slot_len=64, max_step_tokens=step_tokens))
 
 
-def run_outputs(engine: Engine, requests: list[EngineRequest]) -> list[RequestOutput]:
+def run_outputs(engine: Engine, requests: list[EngineRequest]) -> list[Delta]:
     for request in requests:
         engine.add_request(request)
     outputs = []
@@ -37,9 +40,16 @@ def run_outputs(engine: Engine, requests: list[EngineRequest]) -> list[RequestOu
     return outputs
 
 
-def choices_of(outputs: list[RequestOutput], request_id: str) -> dict[int, RequestOutput]:
-    """Each choice's finishing output (it carries the choice's whole result)."""
-    return {o.index: o for o in outputs if o.request_id == request_id and o.finish_reason is not None}
+@dataclass
+class ChoiceOutput:
+    index: int
+    finish_reason: str | None
+    result: GenerationResult  # the choice's whole result, put together from its deltas
+
+
+def choices_of(outputs: list[Delta], request_id: str) -> dict[int, ChoiceOutput]:
+    """Each finished choice, with what its deltas carried."""
+    return {i: ChoiceOutput(i, r.finish_reason, r) for i, r in results_of(outputs, request_id).items()}
 
 
 def alone(runner, request: EngineRequest):
@@ -95,7 +105,7 @@ def test_choices_in_a_mixed_batch_with_chunked_prefill_and_waiting_for_slots(run
         for i, out in choices.items():
             single = alone(runner, EngineRequest("x", request.prompt_ids, SamplingParams(**{**request.params.__dict__, "n": 1,
                                                                                          "seed": request.params.choice_seed(i)}),
-                                                 request.adapters))
+                                                 request.scales_by_slot))
             assert_same(out.result, single)
     assert engine.counters.prompt_tokens == sum(len(r.prompt_ids) for r in requests)
     assert engine.scheduler.num_free_slots == 5
@@ -105,7 +115,9 @@ def test_greedy_choices_are_equal_and_max_tokens_zero_ends_every_choice(runner) 
     greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, n=3)
     choices = choices_of(run_outputs(engine_of(runner), [EngineRequest("g", PROMPT, greedy)]), "g")
     assert len({tuple(c.result.token_ids) for c in choices.values()}) == 1
-    assert choices[0].result.token_ids == alone(runner, EngineRequest("x", PROMPT, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))).token_ids
+    assert choices[0].result.token_ids == alone(
+        runner, EngineRequest("x", PROMPT, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    ).token_ids
 
     engine = engine_of(runner)
     nothing = choices_of(run_outputs(engine, [EngineRequest("z", PROMPT, SamplingParams(max_tokens=0, n=2))]), "z")
@@ -137,7 +149,7 @@ def test_a_stop_ends_only_its_choice_and_a_cancel_ends_them_all(runner) -> None:
 def test_n_beyond_the_sequence_slots_is_refused(runner) -> None:
     with pytest.raises(RequestError, match=r"n \(7\) is more than this worker's 6 sequence slots"):
         engine_of(runner).check(EngineRequest("r", PROMPT, SamplingParams(n=7)))
-    with pytest.raises(ValueError, match="n must be between 1 and 128"):
+    with pytest.raises(ValueError, match=f"n must be between 1 and {MAX_CHOICES}"):  # the API's bound, declared once
         SamplingParams(n=0)
 
 
@@ -146,6 +158,8 @@ def test_choices_of_a_request_with_prompt_logprobs(runner) -> None:
     params = SamplingParams(**{**SAMPLED.__dict__, "echo": True, "max_tokens": 4, "n": 3})
     choices = choices_of(run_outputs(engine_of(runner, step_tokens=8), [EngineRequest("e", PROMPT, params, {0: 1.0})]), "e")
     for i, out in choices.items():
-        single = alone(runner, EngineRequest("x", PROMPT, SamplingParams(**{**params.__dict__, "n": 1, "seed": params.choice_seed(i)}), {0: 1.0}))
+        single = alone(
+            runner, EngineRequest("x", PROMPT, SamplingParams(**{**params.__dict__, "n": 1, "seed": params.choice_seed(i)}), {0: 1.0})
+        )
         assert_same(out.result, single)
     assert len(choices[0].result.prompt_logprobs) == len(PROMPT)

@@ -30,7 +30,10 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def setup(tiny_llama, tmp_path_factory):
     d = tmp_path_factory.mktemp("grammar-adapters")
-    paths = [write_adapter(d / f"g{i}.gguf", random_lora(tiny_llama, ["blk.0.attn_q.weight", "blk.1.ffn_up.weight"], 4, seed=40 + i)) for i in range(2)]
+    paths = [
+        write_adapter(d / f"g{i}.gguf", random_lora(tiny_llama, ["blk.0.attn_q.weight", "blk.1.ffn_up.weight"], 4, seed=40 + i))
+        for i in range(2)
+    ]
     runner = ModelRunner.from_paths(tiny_llama.path, paths, TEST_DEVICE)
     return runner, GGUFTokenizer(GGUFFile(tiny_llama.path))
 
@@ -57,13 +60,17 @@ def test_json_schema_answers_validate_in_a_mixed_batch_beside_free_requests(setu
 
 
 def test_json_object_and_gbnf_are_obeyed_and_max_tokens_cuts_with_length(setup) -> None:
-    obj = run(setup, [EngineRequest("o", [5, 77], SamplingParams(max_tokens=80, temperature=1.0, seed=3, grammar=json_object_grammar()))])["o"]
+    obj = run(
+        setup, [EngineRequest("o", [5, 77], SamplingParams(max_tokens=80, temperature=1.0, seed=3, grammar=json_object_grammar()))]
+    )["o"]
     if obj.finish_reason == "stop":
         assert isinstance(json.loads(obj.text), dict)
     else:
         assert obj.finish_reason == "length" and obj.text.startswith("{")
     yes_no = gbnf_grammar('root ::= ("yes" | "no") " " [0-9] [0-9]?')
-    answers = run(setup, [EngineRequest(f"g{s}", [5, 77], SamplingParams(max_tokens=20, temperature=1.0, seed=s, grammar=yes_no)) for s in range(4)])
+    answers = run(
+        setup, [EngineRequest(f"g{s}", [5, 77], SamplingParams(max_tokens=20, temperature=1.0, seed=s, grammar=yes_no)) for s in range(4)]
+    )
     for answer in answers.values():
         head, _, digits = answer.text.partition(" ")
         assert head in ("yes", "no") and digits.isdigit() and len(digits) <= 2, answer.text
@@ -75,7 +82,9 @@ def test_a_grammar_that_cannot_be_enforced_is_the_requests_error_alone(setup) ->
     runner, tokenizer = setup
     engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=2, slot_len=64))
     with pytest.raises(RequestError, match="the grammar cannot be enforced"):
-        engine.add_request(EngineRequest("bad", [5], SamplingParams(max_tokens=4, grammar=json_schema_grammar({"type": "string", "format": "fancy"}))))
+        engine.add_request(
+            EngineRequest("bad", [5], SamplingParams(max_tokens=4, grammar=json_schema_grammar({"type": "string", "format": "fancy"})))
+        )
     with pytest.raises(GrammarError, match="GBNF|Lark|grammar"):
         gbnf_grammar("root ::= (")
     assert engine.run_all([EngineRequest("ok", [5, 77], SamplingParams(max_tokens=2, temperature=0))])["ok"].finish_reason == "length"
@@ -107,6 +116,8 @@ def test_a_schema_that_can_generate_nothing_is_refused_before_it_runs(setup) -> 
         engine.check(EngineRequest("c", [5], SamplingParams(max_tokens=4, grammar=json_schema_grammar(cycle))))
     with pytest.raises(GrammarError, match="allows no value"):
         json_schema_grammar(False)
-    anything = run(setup, [EngineRequest("t", [5, 77], SamplingParams(max_tokens=30, temperature=0, grammar=json_schema_grammar(True)))])["t"]
+    anything = run(
+        setup, [EngineRequest("t", [5, 77], SamplingParams(max_tokens=30, temperature=0, grammar=json_schema_grammar(True)))]
+    )["t"]
     if anything.finish_reason == "stop":
         json.loads(anything.text)  # `true`: any JSON value

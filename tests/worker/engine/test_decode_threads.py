@@ -116,14 +116,18 @@ def test_the_engine_decodes_on_the_thread_count_it_measured_fastest(two_thread_r
     assert two_thread_runner.max_threads == 2
     timed = ThreadTimedRunner(two_thread_runner, {1: 0.030, 2: 0.045})
     engine = Engine(timed, None, EngineConfig(num_seq_slots=2, slot_len=256), clock=timed.clock)
-    engine.add_request(EngineRequest("a", list(range(10, 14)), SamplingParams(max_tokens=EXPLORE_EVERY * (MIN_TRIALS + 4), temperature=0, ignore_eos=True)))
+    engine.add_request(
+        EngineRequest("a", list(range(10, 14)), SamplingParams(max_tokens=EXPLORE_EVERY * (MIN_TRIALS + 4), temperature=0, ignore_eos=True))
+    )
     while engine.has_work():
         engine.step()
     assert engine.threads.current == 1 and timed.passes[0] == (2, 4)  # the prompt on both threads
     last = [n for n, _ in timed.passes[-2 * EXPLORE_EVERY:]]
     assert last.count(2) <= 2 and last.count(1) >= 2 * EXPLORE_EVERY - 2  # decoding on one, trying two now and then
     timed.seconds_on = {1: 0.030, 2: 0.015}  # the cores are free again
-    engine.add_request(EngineRequest("b", [5, 6, 7], SamplingParams(max_tokens=EXPLORE_EVERY * (MIN_TRIALS + 2), temperature=0, ignore_eos=True)))
+    engine.add_request(
+        EngineRequest("b", [5, 6, 7], SamplingParams(max_tokens=EXPLORE_EVERY * (MIN_TRIALS + 2), temperature=0, ignore_eos=True))
+    )
     while engine.has_work():
         engine.step()
     assert engine.threads.current == 2 and engine.threads.num_switches == 2
@@ -135,7 +139,9 @@ def test_a_configured_decode_count_is_used_as_is(tiny_llama) -> None:
         runner = ModelRunner.from_paths(tiny_llama.path, [], DeviceConfig.of(DeviceSettings(threads=2, decode_threads=1)))
         timed = ThreadTimedRunner(runner, {1: 0.090, 2: 0.010})
         engine = Engine(timed, None, EngineConfig(num_seq_slots=1, slot_len=128), clock=timed.clock)
-        engine.run_all([EngineRequest("a", list(range(10, 30)), SamplingParams(max_tokens=EXPLORE_EVERY * 4, temperature=0, ignore_eos=True))])
+        engine.run_all(
+            [EngineRequest("a", list(range(10, 30)), SamplingParams(max_tokens=EXPLORE_EVERY * 4, temperature=0, ignore_eos=True))]
+        )
     finally:
         torch.set_num_threads(before)
     assert [n for n, _ in timed.passes] == [2] + [1] * (len(timed.passes) - 1)

@@ -72,7 +72,7 @@ def test_request_alone_equals_inside_mixed_batch(runner, tokenizer) -> None:
     assert len({tuple(r.token_ids) for r in together.values()}) > 3  # the adapters do change the output
     assert together["r4"].alora_activation == 3 and together["r5"].alora_activation is None
     assert engine.scheduler.num_free_slots == 6
-    with pytest.raises(ValueError, match="at least num_slots"):
+    with pytest.raises(ValueError, match="at least num_seq_slots"):
         EngineConfig(num_seq_slots=8, max_step_tokens=4)
 
 
@@ -126,9 +126,13 @@ def test_seeded_sampling_is_reproducible_in_any_batch(runner, tokenizer) -> None
     target = EngineRequest("t", [5, 77, 140, 3, 200], params, {1: 1.0})
     alone = run_alone(runner, tokenizer, target).token_ids
     others = mixed_requests(SamplingParams(max_tokens=6, temperature=0.9, ignore_eos=True))
-    batched = Engine(runner, tokenizer, EngineConfig(num_seq_slots=4, slot_len=64, max_step_tokens=7)).run_all(others[:3] + [target] + others[3:])
+    batched = Engine(runner, tokenizer, EngineConfig(num_seq_slots=4, slot_len=64, max_step_tokens=7)).run_all(
+        others[:3] + [target] + others[3:]
+    )
     assert batched["t"].token_ids == alone
-    reseeded = EngineRequest("u", target.prompt_ids, SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=0, seed=99, ignore_eos=True), {1: 1.0})
+    reseeded = EngineRequest(
+        "u", target.prompt_ids, SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=0, seed=99, ignore_eos=True), {1: 1.0}
+    )
     assert run_alone(runner, tokenizer, reseeded).token_ids != alone
 
 
@@ -165,14 +169,12 @@ def test_request_errors_change_nothing(runner, tokenizer) -> None:
     engine = Engine(runner, tokenizer, EngineConfig(num_seq_slots=2, slot_len=16))
     with pytest.raises(RequestError, match=r"plus max_tokens \(10\) exceeds the context length \(16\)"):
         engine.add_request(EngineRequest("x", list(range(1, 8)), SamplingParams(max_tokens=10)))
-    with pytest.raises(RequestError, match="out of range"):
-        engine.add_request(EngineRequest("x", [1, 10**6], SamplingParams(max_tokens=1)))
     with pytest.raises(ValueError, match="multiple aLoRAs|slot 9 does not exist"):
         engine.add_request(EngineRequest("x", [1, 2], SamplingParams(max_tokens=1), {9: 1.0}))
     engine.add_request(EngineRequest("ok", [1, 2], SamplingParams(max_tokens=1)))
     with pytest.raises(RequestError, match="already running"):
         engine.add_request(EngineRequest("ok", [1, 2], SamplingParams(max_tokens=1)))
-    assert [r.seq.request_id for r in engine._states.values()] == ["ok"]
+    assert [r.seq.request_id for r in engine._choices.values()] == ["ok"]
     assert len(engine.scheduler.waiting) == 1
 
 
@@ -246,7 +248,7 @@ def test_stream_ends_with_the_whole_result_and_a_stale_cancel_is_ignored(runner,
         echo = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, echo=True, logprobs=1)
         first = loop.submit(EngineRequest("same-id", [5, 6, 7, 8], echo))
         last = list(first)[-1]
-        assert last.finish_reason == "length" and len(last.result.prompt_logprobs) == 4
+        assert last.finish_reason == "length" and len(last.prompt_logprobs) == 4
         second = loop.submit(EngineRequest("same-id", [5, 6, 7], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
         first.cancel()  # the first request is over: this must not cancel the second
         assert list(second)[-1].finish_reason == "length"
@@ -296,7 +298,9 @@ def test_a_qwen3_model_batches_mixed_adapters_as_it_runs_them_alone(tiny_qwen3, 
     paths = [write_adapter(tmp_path / f"q{i}.gguf", random_lora(tiny_qwen3, targets, 4, seed=20 + i), arch="qwen3") for i in range(2)]
     runner = ModelRunner.from_paths(tiny_qwen3.path, paths, TEST_DEVICE)
     tokenizer = GGUFTokenizer(GGUFFile(tiny_qwen3.path))
-    requests = [EngineRequest(f"q{i}", [5 + i, 77, 140, 3, 200, 9], GREEDY, a) for i, a in enumerate([{0: 1.0}, {1: 0.8}, {}, {0: 0.5, 1: 0.5}])]
+    requests = [
+        EngineRequest(f"q{i}", [5 + i, 77, 140, 3, 200, 9], GREEDY, a) for i, a in enumerate([{0: 1.0}, {1: 0.8}, {}, {0: 0.5, 1: 0.5}])
+    ]
     together = Engine(runner, tokenizer, EngineConfig(num_seq_slots=4, slot_len=64, max_step_tokens=7)).run_all(requests)
     for request in requests:
         assert together[request.request_id].token_ids == run_alone(runner, tokenizer, request).token_ids

@@ -26,8 +26,13 @@ def chat(tokenizer, text: str) -> list[int]:
 
 def test_default_model_request_is_the_same_alone_and_in_a_mixed_batch(real_runner, real_tokenizer) -> None:
     prompts = ["What is the capital of France?", "Name three colours.", "Write a haiku about rain.", "What is 2 + 2?"]
-    requests = [EngineRequest(f"r{i}", chat(real_tokenizer, p), GREEDY, {0: s}) for i, (p, s) in enumerate(zip(prompts, [0.0, 1.0, 0.5, 1.0]))]
-    alone = {r.request_id: Engine(real_runner, real_tokenizer, EngineConfig(num_seq_slots=1, slot_len=128)).run_all([r])[r.request_id] for r in requests}
+    requests = [
+        EngineRequest(f"r{i}", chat(real_tokenizer, p), GREEDY, {0: s}) for i, (p, s) in enumerate(zip(prompts, [0.0, 1.0, 0.5, 1.0]))
+    ]
+    alone = {
+        r.request_id: Engine(real_runner, real_tokenizer, EngineConfig(num_seq_slots=1, slot_len=128)).run_all([r])[r.request_id]
+        for r in requests
+    }
     together = Engine(real_runner, real_tokenizer, EngineConfig(num_seq_slots=4, slot_len=128, max_step_tokens=16)).run_all(requests)
     for r in requests:
         assert together[r.request_id].token_ids == alone[r.request_id].token_ids
@@ -66,11 +71,14 @@ def test_packed_weights_keep_the_q4_codes_and_are_batch_invariant(tmp_path) -> N
     x = torch.randn(5, layer.in_features).bfloat16().float()  # representable inputs
     torch.testing.assert_close(layer(x), x @ weight.t(), atol=1e-3, rtol=8e-3)  # the kernel returns bfloat16
     torch.testing.assert_close(weight, dense.model.blk[0].ffn_up.weight, atol=0.02, rtol=0.02)
-    requests = [EngineRequest(f"r{i}", [5 + i, 77, 140, 3, 200], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1), {0: float(i % 2)})
+    requests = [EngineRequest(f"r{i}", [5 + i, 77, 140, 3, 200], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1),
+                              {0: float(i % 2)})
                 for i in range(5)]
     alone = Engine(packed, None, EngineConfig(num_seq_slots=1, slot_len=32)).run_all(requests[2:3])["r2"]
     together = Engine(packed, None, EngineConfig(num_seq_slots=5, slot_len=32)).run_all(requests)["r2"]
     assert together.token_ids == alone.token_ids
-    torch.testing.assert_close(torch.tensor([e.logprob for e in together.logprobs]), torch.tensor([e.logprob for e in alone.logprobs]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor([e.logprob for e in together.logprobs]), torch.tensor([e.logprob for e in alone.logprobs]), atol=1e-5, rtol=0
+    )
     with pytest.raises(ValueError, match="weights must be one of"):
         DeviceConfig(weights="int3")

@@ -18,7 +18,7 @@ from cache.codec import CHECKSUM_BYTES
 from cache.keys import chunk_keys
 from cache.l2 import RedisConfig
 from cache.prefix import PrefixCacheConfig
-from tests.helpers import TEST_DEVICE
+from tests.helpers import TEST_DEVICE, results_of
 from tests.redis_server import RedisServer
 from tests.tinymodels import TinySpec, invocation_metadata, make_tiny_model, random_lora, write_adapter
 from worker.contract.params import SamplingParams
@@ -60,7 +60,9 @@ def other_layout(tiny_llama, adapter_dir) -> ModelRunner:
 
 
 def open_cache(runner, prefix: str, url: str = "redis://127.0.0.1:6379/0", **redis_options):
-    return prefix_kv.open_prefix_cache(runner, PrefixCacheConfig(chunk_tokens=C, redis=RedisConfig(url=url, key_prefix=prefix, **redis_options)))
+    return prefix_kv.open_prefix_cache(
+        runner, PrefixCacheConfig(chunk_tokens=C, redis=RedisConfig(url=url, key_prefix=prefix, **redis_options))
+    )
 
 
 def run(runner, cache, prompt=PROMPT, adapters=None, salt="t1", params=GREEDY, **fields):
@@ -219,7 +221,7 @@ def test_the_engine_loop_looks_up_in_the_submitting_thread(runner, redis_prefix)
         outs = list(loop.submit(EngineRequest("x", PROMPT, GREEDY, cache_salt="t1")))
     finally:
         loop.close()
-    assert outs[-1].result.cached_tokens == 40 and outs[-1].result.token_ids == run(runner, None).token_ids
+    assert outs[-1].usage.cached_tokens == 40 and [t for o in outs for t in o.token_ids] == run(runner, None).token_ids
 
 
 def test_redis_down_means_uncached_success_then_caching_resumes_when_it_returns(runner) -> None:
@@ -285,7 +287,7 @@ def test_choices_share_a_cached_prefix_and_only_the_first_stores(runner, redis_p
         outs = []
         while engine.has_work():
             outs += engine.step()
-        return engine, {o.index: o.result for o in outs if o.finish_reason}
+        return engine, results_of(outs, "r")
 
     _, uncached = choices(None)
     cache = open_cache(runner, redis_prefix)

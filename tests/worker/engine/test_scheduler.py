@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections import Counter
 
 from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence, Status
+from worker.engine.sequence import SequenceState, Status
 
 
-def seq(name: str, num_prompt: int, max_new: int = 4) -> Sequence:
-    return Sequence(name, list(range(num_prompt)), num_prompt, num_prompt + max_new)
+def seq(name: str, num_prompt: int, max_new: int = 4) -> SequenceState:
+    return SequenceState(name, list(range(num_prompt)), num_prompt, num_prompt + max_new)
 
 
 def advance(chunks) -> None:
@@ -78,18 +78,18 @@ def test_the_prompt_tokens_beside_decoding_grow_with_the_streams_waiting_per_dec
 
 def test_one_tenants_burst_takes_no_more_than_the_bound_beside_another_tenants_streams() -> None:
     s = Scheduler(num_seq_slots=8, slot_len=256, max_step_tokens=200, prefill_while_decoding=10, is_multi_tenant=True)
-    s.add(Sequence("victim", [1, 2], 2, 60, group="victim"))
+    s.add(SequenceState("victim", [1, 2], 2, 60, tenant="victim"))
     advance(s.schedule())
     for i in range(6):
-        s.add(Sequence(f"burst{i}", list(range(20)), 20, 30, group="burst"))
+        s.add(SequenceState(f"burst{i}", list(range(20)), 20, 30, tenant="burst"))
     assert [(ch.seq.request_id, ch.length) for ch in s.schedule()] == [("victim", 1), ("burst0", 10)]
-    # the victim's tenant sends a prompt too: now the decoding stream's own group waits as well
+    # the victim's tenant sends a prompt too: now the decoding stream's own tenant waits as well
     s = Scheduler(num_seq_slots=8, slot_len=256, max_step_tokens=200, prefill_while_decoding=10, is_multi_tenant=True)
-    s.add(Sequence("victim", [1, 2], 2, 60, group="victim"))
+    s.add(SequenceState("victim", [1, 2], 2, 60, tenant="victim"))
     advance(s.schedule())
-    s.add(Sequence("victim2", list(range(20)), 20, 30, group="victim"))
+    s.add(SequenceState("victim2", list(range(20)), 20, 30, tenant="victim"))
     for i in range(5):
-        s.add(Sequence(f"burst{i}", list(range(20)), 20, 30, group="burst"))
+        s.add(SequenceState(f"burst{i}", list(range(20)), 20, 30, tenant="burst"))
     assert sum(ch.length for ch in s.schedule()) - 1 == 60  # six starting per decoding one
 
 
@@ -119,13 +119,13 @@ def test_finishing_a_waiting_sequence_removes_it() -> None:
     assert not s.has_work() and s.num_free_slots == 1
 
 
-def grouped(name: str, group: str, num_prompt: int) -> Sequence:
+def grouped(name: str, tenant: str, num_prompt: int) -> SequenceState:
     x = seq(name, num_prompt)
-    x.group = group
+    x.tenant = tenant
     return x
 
 
-def steps_until_first_token(s: Scheduler, target: Sequence, limit: int = 100) -> int:
+def steps_until_first_token(s: Scheduler, target: SequenceState, limit: int = 100) -> int:
     for step in range(1, limit + 1):
         chunks = s.schedule()
         sampled = any(c.seq is target and c.samples for c in chunks)
@@ -144,8 +144,8 @@ def test_one_tenants_backlog_does_not_hold_back_another_tenants_first_token() ->
         s.add(quiet)
         return steps_until_first_token(s, quiet)
 
-    assert run("noisy") >= 8  # one group: arrival order, behind 240 prompt tokens at 32 a step
-    assert run("quiet") == 2  # its own group: right after the first noisy chunk
+    assert run("noisy") >= 8  # one tenant: arrival order, behind 240 prompt tokens at 32 a step
+    assert run("quiet") == 2  # its own tenant: right after the first noisy chunk
 
 
 def tokens_per_group(s: Scheduler, steps: int) -> Counter:
@@ -154,7 +154,7 @@ def tokens_per_group(s: Scheduler, steps: int) -> Counter:
         chunks = s.schedule()
         advance(chunks)
         for c in chunks:
-            served[c.seq.group] += c.length
+            served[c.seq.tenant] += c.length
     return served
 
 
@@ -162,7 +162,7 @@ def test_a_group_back_from_idle_shares_instead_of_catching_up() -> None:
     s = Scheduler(num_seq_slots=8, slot_len=256, max_step_tokens=16)
     for i in range(3):
         s.add(grouped(f"a{i}", "a", 40))
-    for _ in range(6):  # group a alone: 96 tokens of service
+    for _ in range(6):  # tenant a alone: 96 tokens of service
         advance(s.schedule())
     for i in range(3):
         s.add(grouped(f"b{i}", "b", 40))
@@ -195,7 +195,7 @@ def test_a_flooding_group_leaves_a_slot_for_another_once_it_has_seen_one() -> No
     for i in range(6):
         alone.add(grouped(f"n{i}", "noisy", 8))
     alone.schedule()
-    assert len(alone.running) == 4  # one group: every slot is its own
+    assert len(alone.running) == 4  # one tenant: every slot is its own
 
     s = Scheduler(num_seq_slots=4, slot_len=64, max_step_tokens=64)
     first = grouped("q0", "quiet", 4)
@@ -227,10 +227,10 @@ def test_a_multi_tenant_worker_reserves_a_slot_from_the_start() -> None:
     assert len(s.running) == 3  # no other tenant seen yet, but the deployment has some
 
 
-def forked(name: str, num_prompt: int, n: int) -> Sequence:
+def forked(name: str, num_prompt: int, n: int) -> SequenceState:
     leader = seq(name, num_prompt)
     for i in range(1, n):
-        fork = Sequence(name, list(leader.token_ids), num_prompt, leader.max_len, index=i, fork_of=leader)
+        fork = SequenceState(name, list(leader.token_ids), num_prompt, leader.max_len, index=i, fork_of=leader)
         leader.forks.append(fork)
     return leader
 
@@ -246,11 +246,15 @@ def test_choices_are_admitted_together_and_fork_in_the_step_that_ends_the_prompt
     assert sorted(x.seq_slot for x in s.running) == [0, 1, 2, 3] and [x.request_id for x in s.waiting] == ["late"]
     advance(chunks)
     chunks = s.schedule()  # the leader's last prompt tokens, then each fork: no tokens, sampling the leader's logits
-    assert [(c.seq.request_id, c.seq.index, c.start, c.length) for c in chunks] == [("o", 0, 2, 1), ("r", 0, 5, 5), ("r", 1, 10, 0), ("r", 2, 10, 0)]
+    assert [(c.seq.request_id, c.seq.index, c.start, c.length) for c in chunks] == [
+        ("o", 0, 2, 1), ("r", 0, 5, 5), ("r", 1, 10, 0), ("r", 2, 10, 0)
+    ]
     assert all(c.samples for c in chunks) and [c.fork_of for c in chunks[2:]] == [leader, leader]
     advance(chunks)
     chunks = s.schedule()  # every choice decodes on its own
-    assert [(c.seq.request_id, c.seq.index, c.start, c.length) for c in chunks] == [("o", 0, 3, 1), ("r", 0, 10, 1), ("r", 1, 10, 1), ("r", 2, 10, 1)]
+    assert [(c.seq.request_id, c.seq.index, c.start, c.length) for c in chunks] == [
+        ("o", 0, 3, 1), ("r", 0, 10, 1), ("r", 1, 10, 1), ("r", 2, 10, 1)
+    ]
     assert all(c.fork_of is None for c in chunks)
 
 
@@ -269,15 +273,15 @@ def test_a_waiting_request_with_forks_is_finished_whole() -> None:
 def test_a_request_of_several_choices_gets_its_slots_while_another_tenant_floods() -> None:
     """Slots freed while it waits are kept for it: later turns do not take them one by one."""
     s = Scheduler(num_seq_slots=4, slot_len=64, max_step_tokens=64, is_multi_tenant=True)
-    flood = [Sequence(f"a{i}", [1, 2], 2, 2 + 3 + i % 5, group="A") for i in range(40)]
+    flood = [SequenceState(f"a{i}", [1, 2], 2, 2 + 3 + i % 5, tenant="A") for i in range(40)]
     for x in flood:
         s.add(x)
     wide = None
     for step in range(400):
         if step == 5:
-            wide = Sequence("b", [1, 2, 3], 3, 6, group="B")
+            wide = SequenceState("b", [1, 2, 3], 3, 6, tenant="B")
             for i in range(1, 4):
-                wide.forks.append(Sequence("b", [1, 2, 3], 3, 6, group="B", index=i, fork_of=wide))
+                wide.forks.append(SequenceState("b", [1, 2, 3], 3, 6, tenant="B", index=i, fork_of=wide))
             s.add(wide)
         chunks = s.schedule()
         advance(chunks)

@@ -100,11 +100,15 @@ def test_the_engine_reports_its_step_times_as_prometheus_histograms(runner) -> N
     engine.run_all([EngineRequest("a", [5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)),
                     EngineRequest("b", list(range(10, 40)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))])
     families = {f.name: f for f in text_string_to_metric_families(engine.counters.prometheus())}
-    samples = {f"{s.name}{s.labels.get('le', '')}": s.value for name in ("loraplex_engine_step_seconds", "loraplex_engine_decode_step_seconds")
+    samples = {f"{s.name}{s.labels.get('le', '')}": s.value
+               for name in ("loraplex_engine_step_seconds", "loraplex_engine_decode_step_seconds")
                for s in families[name].samples}
     steps = engine.counters.steps
     decode_only = sum(1 for _, prompt in timed.passes if prompt == 0)
-    assert samples["loraplex_engine_step_seconds_count"] == steps and samples["loraplex_engine_step_seconds_sum"] == pytest.approx(timed.now)
+    assert (
+        samples["loraplex_engine_step_seconds_count"] == steps
+        and samples["loraplex_engine_step_seconds_sum"] == pytest.approx(timed.now)
+    )
     assert samples["loraplex_engine_decode_step_seconds_count"] == decode_only > 0
     assert samples["loraplex_engine_step_seconds_bucket0.02"] == 0  # every modelled pass costs more than its fixed 20 ms
     assert samples["loraplex_engine_step_seconds_bucket0.2"] == steps  # and less than 200 ms

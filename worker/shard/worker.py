@@ -1,0 +1,149 @@
+"""One replica of a shard: built from a `WorkerSpec` (the base model with the shard's
+deploy-time adapters on one device, an engine on its own thread, and the prefix cache), it
+takes `WorkerCall`s and streams `Delta`s back (worker/contract/calls.py). A request the
+worker refuses gets one `Delta.refused`.
+
+A caller (a gateway process) opens one channel per replica with `channel(id)`, starts
+requests on it with `start(id, call)`, and gets every request's deltas of an engine step as
+one batch (worker/shard/channel.py). The worker knows adapters by fingerprint only: a call
+names them so, and `Pins` turns each into the adapter slot that holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import weakref
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from worker.contract.calls import Delta, WorkerCall
+from worker.contract.identity import AdapterSlot, Fingerprint
+from worker.contract.spec import WorkerSpec
+from worker.engine.engine import Engine, EngineRequest
+from worker.engine.loop import EngineLoop, Overloaded, Subscription
+from worker.engine.pins import NotHeld, Pins
+from worker.engine.prefix_kv import open_prefix_cache
+from worker.engine.runner import ModelRunner
+from worker.formats.tokenizer import GGUFTokenizer
+from worker.model.device import DeviceConfig
+from worker.shard.channel import CallerChannel, Mailbox
+from worker.shard.metrics import adapter_metrics, memory_report, thread_metrics
+
+log = logging.getLogger(__name__)
+
+
+class ShardWorker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+
+        def build() -> Engine:  # on the engine's thread, which then makes every torch call (worker/engine/loop.py)
+            device = DeviceConfig.of(spec.device)
+            device.apply_to_process()
+            self.runner = ModelRunner.from_paths(spec.model_path, spec.adapter_paths, device)
+            self.tokenizer = GGUFTokenizer(self.runner.base)
+            self.prefix_cache = open_prefix_cache(self.runner, spec.cache, fingerprint_dir=spec.fingerprint_dir)
+            self.base_bytes = sum(t.numel() * t.element_size() for t in self.runner.model.state_dict().values())  # adapters are not in it
+            return Engine(self.runner, self.tokenizer, spec.engine, prefix_cache=self.prefix_cache)
+
+        self.loop = EngineLoop(build, spec.engine.max_waiting)
+        self.pins = Pins(self.loop, self.runner.base)
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+        self._channels: dict[str, CallerChannel] = {}
+
+    def request(self, call: WorkerCall) -> EngineRequest:
+        """The engine's request; NotHeld when it names an adapter this replica does not hold."""
+        scales_by_slot: dict[AdapterSlot, float] = {}
+        for fingerprint, scale in call.scales_by_fingerprint.items():
+            slot = self.pins.slot_of(Fingerprint(fingerprint))
+            scales_by_slot[slot] = scales_by_slot.get(slot, 0.0) + float(scale)
+        return EngineRequest(
+            call.request_id, list(call.prompt_ids), call.params, scales_by_slot,
+            cache_salt=call.cache_salt, cache_prompt=call.cache_prompt, tenant=call.tenant, timeout_s=call.timeout_s,
+        )
+
+    async def _submit(self, call: WorkerCall, receive: Callable[[Delta], None]) -> tuple[Subscription | None, Delta | None]:
+        """Start `call`, its deltas going to `receive` on this event loop: (its subscription,
+        None), or (None, the refusal) when the worker does not take it."""
+        mailbox = self._mailbox()
+        try:
+            request = self.request(call)
+        except NotHeld as e:  # routed here before a pin arrived or after it left: the gateway tries another replica
+            return None, Delta.refused(str(e), status=503, request_id=call.request_id)
+        try:  # the cache lookup runs off the event loop
+            return await asyncio.to_thread(self.loop.submit, request, lambda delta: mailbox.post(receive, delta)), None
+        except (ValueError, TypeError, ArithmeticError) as e:  # RequestError, MultipleALoRAError, bad numbers: the request's fault
+            return None, Delta.refused(str(e), request_id=call.request_id)
+        except Overloaded as e:
+            return None, Delta.refused(str(e), status=503, request_id=call.request_id)
+        except Exception:
+            log.exception("request %s could not be submitted", call.request_id)
+            return None, Delta.refused("internal error in the worker", status=500, request_id=call.request_id)
+
+    async def channel(self, channel_id: str) -> AsyncIterator[list[Delta]]:
+        """Open a channel: first an empty batch (requests may be started on it from then on),
+        then one batch of deltas per read. When the caller stops reading (it went away), the
+        requests started on it are cancelled."""
+        channel = self._channels[channel_id] = CallerChannel()
+        try:
+            yield []
+            while True:
+                yield await channel.batch()
+        finally:
+            self._channels.pop(channel_id, None)
+            channel.close()
+
+    async def start(self, channel_id: str, call: WorkerCall) -> Delta | None:
+        """Start `call` on an open channel: None, its deltas then come on the channel (the last
+        one `is_finished`), or the refusal. LookupError when no such channel is open here (a
+        restarted replica): the caller opens a new one."""
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            raise LookupError(f"no channel {channel_id!r} is open on this replica")
+        channel.running[call.request_id] = None
+        subscription, refusal = await self._submit(call, channel.add)
+        if subscription is None:
+            channel.running.pop(call.request_id, None)
+        elif channel.closed or call.request_id in channel.cancelled:  # stopped while it was being submitted
+            channel.cancelled.discard(call.request_id)
+            channel.running.pop(call.request_id, None)
+            subscription.cancel()
+        elif call.request_id in channel.running:  # not finished already
+            channel.running[call.request_id] = subscription
+        return refusal
+
+    def cancel(self, channel_id: str, request_id: str) -> None:
+        """Stop a request started on a channel (its caller went away); a finished one: nothing."""
+        channel = self._channels.get(channel_id)
+        if channel is None or request_id not in channel.running:
+            return
+        if channel.running[request_id] is None:  # still being submitted: `start` cancels it
+            channel.cancelled.add(request_id)
+        else:
+            channel.running.pop(request_id).cancel()
+
+    def _mailbox(self) -> Mailbox:
+        """The running event loop's mailbox (one per loop: a replica has one; tests run several)."""
+        loop = asyncio.get_running_loop()
+        mailbox = self._mailboxes.get(loop)
+        if mailbox is None:
+            mailbox = self._mailboxes[loop] = Mailbox(loop, self.loop.delivering)
+        return mailbox
+
+    async def sync(self, version: int, pins: dict[Fingerprint, str]) -> dict[str, Any]:
+        """Hold exactly `pins` (fingerprint -> adapter file) from now on (worker/engine/pins.py)."""
+        return await self.pins.sync(version, pins)
+
+    def health(self) -> dict[str, Any]:
+        return {"shard": self.spec.shard, "adapters": self.pins.held, "pid": os.getpid(), "cache": self.prefix_cache.health(),
+                "pins": self.pins.state(), "memory": memory_report(self.runner, self.base_bytes)}
+
+    def metrics(self) -> str:
+        engine = self.loop.engine
+        return (self.prefix_cache.prometheus() + engine.counters.prometheus() + thread_metrics(engine)
+                + adapter_metrics(self.pins, self.runner))
+
+    def close(self) -> None:
+        self.loop.close()
+        self.prefix_cache.close()
