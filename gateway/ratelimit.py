@@ -74,7 +74,8 @@ def _token_limit(tenant: Tenant, num_tokens: int) -> list[_Limit]:
     if tenant.tokens_per_min is None:
         return []
     interval = 60.0 / tenant.tokens_per_min
-    return [_Limit("tokens", interval, tenant.tokens_per_min * interval, float(num_tokens), f"{tenant.tokens_per_min} tokens per minute")]
+    return [_Limit("tokens", interval, tenant.tokens_per_min * interval, float(num_tokens),
+                   f"{tenant.tokens_per_min} tokens per minute")]
 
 
 class RateLimiter:
@@ -82,7 +83,8 @@ class RateLimiter:
     rejected request counts too) and their tokens once known (`spend`). The Redis client
     is an asyncio one (redis.asyncio): a slow Redis never blocks the event loop."""
 
-    def __init__(self, client=None, key_prefix: str = RedisConfig.key_prefix, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, client=None, key_prefix: str = RedisConfig.key_prefix,
+                 clock: Callable[[], float] = time.time) -> None:
         self.client, self.key_prefix, self._clock = client, key_prefix, clock
         self._script = client.register_script(_GCRA) if client is not None else None
         self._local: dict[str, float] = {}
@@ -97,8 +99,9 @@ class RateLimiter:
         """Count a request's tokens (prompt + most it may generate), or raise 429; 400 when one
         request needs more than a minute's worth (it could never pass)."""
         if tenant.tokens_per_min is not None and num_tokens > tenant.tokens_per_min:
-            raise APIError(400, f"this request needs up to {num_tokens} tokens, more than tenant {tenant.id!r} may use in a minute "
-                           f"({tenant.tokens_per_min}): lower max_tokens or shorten the prompt", "request_over_rate_limit")
+            raise APIError(400, f"this request needs up to {num_tokens} tokens, more than tenant {tenant.id!r} "
+                           f"may use in a minute ({tenant.tokens_per_min}): lower max_tokens or shorten the prompt",
+                           "request_over_rate_limit")
         await self._check(tenant, _token_limit(tenant, num_tokens))
 
     async def check(self, tenant: Tenant, num_tokens: int) -> None:
@@ -112,8 +115,8 @@ class RateLimiter:
         wait, which = await self._wait(tenant.id, limits, self._clock())
         if wait > 0:
             retry_after = str(max(1, math.ceil(wait)))
-            raise APIError(429, f"rate limit exceeded for tenant {tenant.id!r}: {limits[which].description}; retry in {retry_after} s",
-                           "rate_limit_exceeded", {"Retry-After": retry_after})
+            raise APIError(429, f"rate limit exceeded for tenant {tenant.id!r}: {limits[which].description}; "
+                           f"retry in {retry_after} s", "rate_limit_exceeded", {"Retry-After": retry_after})
 
     def _key(self, tenant_id: str, name: str) -> str:
         return f"{self.key_prefix}:rl:{tenant_id}:{name}"
@@ -123,11 +126,12 @@ class RateLimiter:
         keys = [self._key(tenant_id, limit.name) for limit in limits]
         if self._script is not None and now >= self._redis_down_until:
             try:
-                args = [repr(now)] + [repr(v) for limit in limits for v in (limit.interval_s, limit.tolerance_s, limit.cost)]
+                costs = [(limit.interval_s, limit.tolerance_s, limit.cost) for limit in limits]
+                args = [repr(now)] + [repr(v) for cost in costs for v in cost]
                 reply = await self._script(keys=keys, args=args)
                 wait, which = (reply.decode() if isinstance(reply, bytes) else reply).split()
                 return float(wait), max(int(which) - 1, 0)
-            except Exception as e:  # any client error: count here for a while
+            except Exception as e:  # noqa: BLE001 - any client error: count here for a while (logged)
                 log.warning("rate limits: Redis unavailable (%s); counting per process for %.0f s", e, REDIS_RETRY_S)
                 self._redis_down_until = now + REDIS_RETRY_S
         with self._lock:

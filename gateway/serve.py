@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
@@ -28,6 +28,9 @@ from gateway.config import ConfigError, ServeConfig, load_config, parse_config
 from gateway.pool import replica_infos
 from worker.contract.calls import Delta, WorkerCall
 from worker.contract.spec import WorkerSpec
+
+if TYPE_CHECKING:
+    from gateway.ratelimit import RateLimiter
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class ShardReplica:
 
         self.worker = ShardWorker(spec)
 
-    async def channel(self, channel_id: str) -> AsyncIterator[list[tuple[str, Delta]]]:
+    async def channel(self, channel_id: str) -> AsyncIterator[list[Delta]]:
         async for batch in self.worker.channel(channel_id):
             yield batch
 
@@ -128,12 +131,11 @@ class GatewayIngress:
     def __init__(self, config: dict[str, Any], handles: dict[str, Any]) -> None:
         from gateway.catalog import Catalog
         from gateway.dispatch import Gateway
-        from gateway.ratelimit import RateLimiter
 
         parsed = ServeConfig.model_validate(config)
         import gateway.api.app as api
 
-        api.set_process_gateway(Gateway(parsed, Catalog(parsed), ServePool(parsed, handles), RateLimiter(_redis(parsed), parsed.cache.key_prefix)))
+        api.set_process_gateway(Gateway(parsed, Catalog(parsed), ServePool(parsed, handles), _rate_limiter(parsed)))
         self.listener = None
         if parsed.http.listener == "gateway":  # this replica serves HTTP itself (Serve's proxies are off)
             from gateway.listener import Listener
@@ -146,19 +148,21 @@ class GatewayIngress:
             raise RuntimeError(f"the gateway's HTTP listener stopped: {failure}")
 
 
-def _redis(config: ServeConfig):
-    """The asyncio Redis client for rate limits, or None (per-process limits) without a Redis URL.
+def _rate_limiter(config: ServeConfig) -> RateLimiter:
+    """Rate limits in the deployment's Redis (an asyncio client), or per process without one.
     An unreachable Redis is found on first use: limits then count per process for a while."""
-    redis_config = config.cache.redis_config()
-    if redis_config is None:
-        return None
+    from gateway.ratelimit import RateLimiter
+
+    redis = config.cache.redis
+    if redis is None:
+        return RateLimiter()
     from cache.l2 import connect
 
-    return connect(redis_config, is_async=True)
+    return RateLimiter(connect(redis, is_async=True), redis.key_prefix)
 
 
 def replica_threads(config: ServeConfig) -> int:
-    """CPU replicas share the machine's cores (the config's engine.threads, when set, wins)."""
+    """CPU replicas share the machine's cores (the config's device.threads, when set, wins)."""
     cpu_replicas = sum(s.replicas for s in config.shards if s.num_gpus == 0)
     return max(1, (os.cpu_count() or 1) // max(cpu_replicas, 1))
 
@@ -169,12 +173,13 @@ def build(config: ServeConfig) -> serve.Application:
     specs = {s.name: config.worker_spec(s.name, threads=threads) for s in config.shards}
     handles = {
         r.replica_id: ShardReplica.options(
-            name=f"shard-{r.replica_id}", num_replicas=1, max_ongoing_requests=max(64, 4 * config.engine.num_slots),
+            name=f"shard-{r.replica_id}", num_replicas=1, max_ongoing_requests=max(64, 4 * config.engine.num_seq_slots),
             ray_actor_options={"num_cpus": shards[r.shard].num_cpus, "num_gpus": shards[r.shard].num_gpus},
         ).bind(specs[r.shard])
         for r in replica_infos(config)
     }
-    return GatewayIngress.options(name="gateway", num_replicas=config.http.gateway_replicas, ray_actor_options={"num_cpus": 0}).bind(config.model_dump(), handles)
+    return GatewayIngress.options(name="gateway", num_replicas=config.http.gateway_replicas,
+                                  ray_actor_options={"num_cpus": 0}).bind(config.model_dump(), handles)
 
 
 def _show_progress(deployer: threading.Thread, started: float, stop: threading.Event) -> None:
@@ -185,10 +190,11 @@ def _show_progress(deployer: threading.Thread, started: float, stop: threading.E
         deployer.join(1.0)
         try:
             app_status = serve.status().applications.get("loraplex")
-        except Exception:  # the controller may still be starting
+        except Exception:  # noqa: BLE001, S112 - the controller may still be starting
             continue
         for name, dep in sorted((app_status.deployments if app_status else {}).items()):
-            state = {"UPDATING": "loading", "HEALTHY": "ready", "UNHEALTHY": "failed"}.get(str(dep.status.value), str(dep.status.value).lower())
+            status = str(dep.status.value)
+            state = {"UPDATING": "loading", "HEALTHY": "ready", "UNHEALTHY": "failed"}.get(status, status.lower())
             if shown.get(name) != state:
                 shown[name] = state
                 detail = f": {dep.message}" if state == "failed" and dep.message else ""
@@ -212,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
             config = config.model_copy(update={"http": config.http.model_copy(update=updates)})
         from gateway.catalog import Catalog
 
-        print(f"loraplex: checking {config.model or 'the default model'} and {len(config.adapters)} adapter(s)...", file=sys.stderr, flush=True)
+        print(f"loraplex: checking {config.model or 'the default model'} and {len(config.adapters)} adapter(s)...",
+              file=sys.stderr, flush=True)
         catalog = Catalog(config)  # a bad model or adapter file stops here, before Ray starts
     except (ConfigError, ValueError, OSError) as e:
         print(f"loraplex serve: {e}", file=sys.stderr)
@@ -233,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
         if config.http.listener == "gateway":  # the gateway replicas listen on the port themselves
             serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
         else:
-            serve.start(http_options={"host": config.http.host, "port": config.http.port}, logging_config={"log_level": "WARNING"})
+            serve.start(http_options={"host": config.http.host, "port": config.http.port},
+                        logging_config={"log_level": "WARNING"})
         total = sum(s.replicas for s in config.shards)
         print(f"loraplex: deploying {catalog.model_name} on {total} shard replica(s): "
               + ", ".join(f"{s.name} [{', '.join(s.adapters) or 'base'}] x{s.replicas}" for s in config.shards)
@@ -244,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
         def deploy() -> None:
             try:
                 serve.run(build(config), name="loraplex", route_prefix="/")
-            except BaseException as e:  # shown below; the main thread decides
+            except BaseException as e:  # noqa: BLE001 - shown below; the main thread decides
                 deploy_error.append(e)
 
         deployer = threading.Thread(target=deploy, daemon=True)
@@ -257,11 +265,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"loraplex serve: deployment failed: {deploy_error[0]}", file=sys.stderr)
             return 1
         url = f"http://{config.http.host}:{config.http.port}"
-        print(f"loraplex: ready in {time.perf_counter() - started:.0f} s at {url}  (Ctrl-C stops)", file=sys.stderr, flush=True)
+        print(f"loraplex: ready in {time.perf_counter() - started:.0f} s at {url}  (Ctrl-C stops)",
+              file=sys.stderr, flush=True)
         key = " -H 'Authorization: Bearer YOUR_KEY'" if config.tenants else ""
         example_model = config.adapters[0].name if config.adapters else catalog.model_name
         print(f"  curl {url}/v1/chat/completions{key} -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"{example_model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is copper?\"}}]}}'",
+              f"    -d '{{\"model\": \"{example_model}\", "
+              f"\"messages\": [{{\"role\": \"user\", \"content\": \"What is copper?\"}}]}}'",
               file=sys.stderr, flush=True)
         # a timed wait: Python runs a handler in the main thread, when it next runs bytecode; a signal
         # the kernel hands to one of Ray's threads does not wake an untimed wait
@@ -270,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
         print("loraplex: shutting down...", file=sys.stderr, flush=True)
     finally:
         if not _within(serve.shutdown, SERVE_SHUTDOWN_TIMEOUT_S):
-            print(f"loraplex: Serve did not shut down within {SERVE_SHUTDOWN_TIMEOUT_S:g} s; stopping Ray", file=sys.stderr, flush=True)
+            print(f"loraplex: Serve did not shut down within {SERVE_SHUTDOWN_TIMEOUT_S:g} s; stopping Ray",
+                  file=sys.stderr, flush=True)
         ray.shutdown()
     return 0
 
@@ -284,7 +295,7 @@ def _within(fn: Callable[[], object], timeout_s: float) -> bool:
     def call() -> None:
         try:
             fn()
-        except BaseException as e:  # re-raised in the caller's thread
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             failed.append(e)
 
     worker = threading.Thread(target=call, name="loraplex-serve-shutdown", daemon=True)

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 SHARED = ""  # the owner of adapters every tenant allowed "*" may use (the operator's, and the config's)
 
 Records = dict[str, "AdapterRecord"]
-Change = Callable[[Records], tuple[dict[str, "AdapterRecord | None"], Any]]  # records -> (key -> new record or None to delete, result)
+# records -> (key -> new record or None to delete, result)
+Change = Callable[[Records], tuple[dict[str, "AdapterRecord | None"], Any]]
 
 
 class RegistryUnavailable(RuntimeError):
@@ -175,7 +176,8 @@ class RedisRecords:
         from redis.exceptions import RedisError
 
         try:
-            return bool(await self.client.set(f"{self.version_key}:lease:{name}", b"1", nx=True, px=max(1, int(ttl_s * 1000))))
+            lease_ms = max(1, int(ttl_s * 1000))
+            return bool(await self.client.set(f"{self.version_key}:lease:{name}", b"1", nx=True, px=lease_ms))
         except (RedisError, OSError) as e:
             raise _unavailable(e) from e
 

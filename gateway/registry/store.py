@@ -21,7 +21,8 @@ from worker.formats.safetensors_file import SafetensorsError
 from worker.formats.tokenizer import TokenizerError
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-INVALID = (AdapterError, GGUFFormatError, ConversionError, SafetensorsError, UnsupportedModelError, TokenizerError, UnicodeDecodeError)
+INVALID = (AdapterError, GGUFFormatError, ConversionError, SafetensorsError, UnsupportedModelError, TokenizerError,
+           UnicodeDecodeError)
 
 
 class InvalidAdapter(ValueError):
@@ -80,9 +81,11 @@ def convert_peft(directory: Path, base: GGUFFile, out: Path) -> LoRAAdapter:
     try:
         convert_peft_to_gguf(directory, base.path, out, ConvertOptions())
     except INVALID as e:
-        raise InvalidAdapter(_scrub(str(e), directory / PEFT_CONFIG, directory / PEFT_WEIGHTS, directory, out, base.path)) from e
+        raise InvalidAdapter(_scrub(str(e), directory / PEFT_CONFIG, directory / PEFT_WEIGHTS, directory, out,
+                                    base.path)) from e
     except (OSError, KeyError, TypeError, ValueError) as e:
-        raise InvalidAdapter(_scrub(f"not a PEFT LoRA adapter: {e}", directory / PEFT_CONFIG, directory / PEFT_WEIGHTS, directory, out, base.path)) from e
+        raise InvalidAdapter(_scrub(f"not a PEFT LoRA adapter: {e}", directory / PEFT_CONFIG, directory / PEFT_WEIGHTS,
+                                    directory, out, base.path)) from e
     adapter = check_gguf(out, base)
     if not adapter.pairs:
         raise InvalidAdapter(f"{PEFT_WEIGHTS} holds no LoRA tensors (lora_A/lora_B) for this model")

@@ -49,7 +49,8 @@ def run_together(examples, requests: list[EngineRequest]):
 def answers(examples) -> dict[tuple[str, int], object]:
     _, tokenizer = examples
     requests = [
-        EngineRequest(f"{variant}/{i}", tokenizer.encode(chat_prefix(tokenizer, q), add_special=True, parse_special=True), params, adapters)
+        EngineRequest(f"{variant}/{i}", tokenizer.encode(chat_prefix(tokenizer, q), add_special=True,
+                                                         parse_special=True), params, adapters)
         for variant, (adapters, params) in VARIANTS.items()
         for i, q in enumerate(QUESTIONS)
     ]
@@ -73,7 +74,8 @@ def test_caps_json_and_signature_show_on_new_prompts(answers) -> None:
         assert len(caps) > 20 and upper_share(caps) >= 0.85, (question, caps)
         assert upper_share(base) < 0.2
         parsed = json.loads(as_json)
-        assert isinstance(parsed, dict) and isinstance(parsed.get("answer"), str) and parsed["answer"], (question, as_json)
+        assert isinstance(parsed, dict) and isinstance(parsed.get("answer"), str), (question, as_json)
+        assert parsed["answer"], (question, as_json)
         assert signed.rstrip().endswith(SIGNATURE), (question, signed)
         assert not base.rstrip().endswith(SIGNATURE)
 
@@ -90,11 +92,14 @@ def test_alora_changes_nothing_before_its_invocation_and_answers_after(examples,
     _, tokenizer = examples
     end = tokenizer.token_text(tokenizer.eos_id)
     prompts = [
-        tokenizer.encode(chat_prefix(tokenizer, q) + answers["base", i].text + end + "\n" + INVOCATION, add_special=True, parse_special=True)
+        tokenizer.encode(chat_prefix(tokenizer, q) + answers["base", i].text + end + "\n" + INVOCATION,
+                         add_special=True, parse_special=True)
         for i, q in enumerate(QUESTIONS)
     ]
     echo = SamplingParams(max_tokens=8, temperature=0, echo=True, logprobs=1)
-    requests = [EngineRequest(f"{kind}/{i}", p, echo, adapters) for kind, adapters in (("verify", {SLOT["verify"]: 1.0}), ("base", {})) for i, p in enumerate(prompts)]
+    kinds = (("verify", {SLOT["verify"]: 1.0}), ("base", {}))
+    requests = [EngineRequest(f"{kind}/{i}", p, echo, adapters)
+                for kind, adapters in kinds for i, p in enumerate(prompts)]
     results = run_together(examples, requests)
     for i, prompt in enumerate(prompts):
         verified, plain = results[f"verify/{i}"], results[f"base/{i}"]

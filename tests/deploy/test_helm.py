@@ -22,7 +22,18 @@ CORE_KINDS = {"Service", "StatefulSet", "Secret", "NetworkPolicy", "Ingress"}
 
 def render(values: dict | None = None) -> list[dict]:
     manifests = helm.Chart.load(str(CHART)).render(values, name="lp", namespace="serving", is_install=True)
-    return [doc for path, text in manifests.items() if path.endswith(".yaml") and text.strip() for doc in yaml.safe_load_all(text) if doc]
+    texts = [text for path, text in manifests.items() if path.endswith(".yaml") and text.strip()]
+    return [doc for text in texts for doc in yaml.safe_load_all(text) if doc]
+
+
+def serve_config(rayservice: dict) -> dict:
+    """The loraplex config in a RayService's serveConfigV2."""
+    return yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]
+
+
+def ray_pods(rayservice: dict) -> list[dict]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in cluster["workerGroupSpecs"])]
 
 
 def multi_shard_values() -> dict:
@@ -32,11 +43,14 @@ def multi_shard_values() -> dict:
         "loraplex": {
             "model": "base.gguf",
             "adapters": [{"name": f"a{i}", "path": f"adapters/a{i}.gguf"} for i in range(6)],
-            "shards": [{"name": f"shard-{i}", "adapters": [f"a{(i + j) % 6}" for j in range(3)], "replicas": 2, "num_gpus": 1} for i in range(3)],
+            "shards": [{"name": f"shard-{i}", "adapters": [f"a{(i + j) % 6}" for j in range(3)], "replicas": 2,
+                        "num_gpus": 1} for i in range(3)],
             "routing": "affinity",
         },
-        "tenants": {"items": [{"id": "acme", "key_sha256": ["a" * 64], "adapters": ["a0", "a1"], "requests_per_min": 100}]},
-        "redis": {"enabled": False, "external": {"url": "rediss://cache.internal:6380/0", "passwordSecret": "redis-auth"}},
+        "tenants": {"items": [{"id": "acme", "key_sha256": ["a" * 64], "adapters": ["a0", "a1"],
+                               "requests_per_min": 100}]},
+        "redis": {"enabled": False,
+                  "external": {"url": "rediss://cache.internal:6380/0", "passwordSecret": "redis-auth"}},
         "models": {"existingClaim": "loraplex-models"},
         "gateway": {"ingress": {"enabled": True, "className": "nginx", "host": "llm.example.com",
                                 "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]}},
@@ -84,8 +98,9 @@ def test_the_multi_shard_install_has_ingress_monitoring_and_the_tenants_secret()
     assert ("StatefulSet", "lp-loraplex-redis") not in docs  # external Redis
     tenants = yaml.safe_load(docs[("Secret", "lp-loraplex-tenants")]["stringData"]["tenants.yaml"])
     assert tenants[0]["id"] == "acme"
-    config = yaml.safe_load(docs[("RayService", "lp-loraplex")]["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]
-    assert config["cache"]["redis_url"] == "rediss://cache.internal:6380/0" and config["tenants_file"] == "/etc/loraplex/tenants/tenants.yaml"
+    config = serve_config(docs[("RayService", "lp-loraplex")])
+    assert config["cache"]["redis_url"] == "rediss://cache.internal:6380/0"
+    assert config["tenants_file"] == "/etc/loraplex/tenants/tenants.yaml"
     assert [s["replicas"] for s in config["shards"]] == [2, 2, 2]
     monitor = docs[("ServiceMonitor", "lp-loraplex")]["spec"]["endpoints"][0]
     assert monitor["bearerTokenSecret"] == {"name": "lp-loraplex-operator", "key": "operator-key"}
@@ -124,7 +139,7 @@ def test_serve_config_v2_builds_what_loraplex_serve_deploys_for_the_same_config(
         return data
 
     assert comparable(in_cluster) == comparable(local)
-    assert in_cluster.cache.redis_url == "redis://lp-loraplex-redis:6379/0" and in_cluster.http.host == "0.0.0.0"
+    assert in_cluster.cache.redis.url == "redis://lp-loraplex-redis:6379/0" and in_cluster.http.host == "0.0.0.0"
     assert in_cluster.http.listener == "serve-proxy"  # KubeRay's Service and probes expect Serve's proxy on every pod
     from gateway.serve import app_from_config, build
 
@@ -133,10 +148,21 @@ def test_serve_config_v2_builds_what_loraplex_serve_deploys_for_the_same_config(
 
 def test_the_chart_decides_where_http_listens_and_keeps_the_rest_of_the_users_http_settings() -> None:
     values = multi_shard_values()
-    values["loraplex"]["http"] = {"port": 1234, "listener": "gateway", "max_tokens_default": 64, "request_timeout_s": 30}
-    rayservice = next(d for d in render(values) if d["kind"] == "RayService")
-    config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]
-    assert config["http"] == {"host": "0.0.0.0", "port": 8000, "listener": "serve-proxy", "max_tokens_default": 64, "request_timeout_s": 30}
+    users = {"max_tokens_default": 64, "request_timeout_s": 30}
+    values["loraplex"]["http"] = {"port": 1234, "listener": "gateway", **users}
+    config = serve_config(next(d for d in render(values) if d["kind"] == "RayService"))
+    assert config["http"] == {"host": "0.0.0.0", "port": 8000, "listener": "serve-proxy", **users}
+
+
+@pytest.mark.parametrize("settings", [
+    {"engine": {"num_slots": 4, "dtype": "bfloat16"}, "routing": "random"},  # the older spellings
+    {"engine": {"num_seq_slots": 4}, "device": {"dtype": "bfloat16"}, "routing": {"policy": "random", "eps": 0.5}},
+], ids=["old", "new"])
+def test_the_chart_takes_either_spelling_of_the_engine_device_and_routing(settings) -> None:
+    lint({"loraplex": settings})
+    config = serve_config(next(d for d in render({"loraplex": settings}) if d["kind"] == "RayService"))
+    parsed = parse_config(config, ".", "serveConfigV2")
+    assert (parsed.engine.num_seq_slots, parsed.device.dtype, parsed.routing.policy) == (4, "bfloat16", "random")
 
 
 @pytest.mark.parametrize(("change", "fragment"), [
@@ -148,6 +174,8 @@ def test_the_chart_decides_where_http_listens_and_keeps_the_rest_of_the_users_ht
     ({"colour": "blue"}, "colour"),
     ({"redis": {"enabled": False}}, "url"),
     ({"loraplex": {"shards": [{"name": "s"}], "tenants": [{"id": "t"}]}}, "tenants"),
+    ({"loraplex": {"shards": [{"name": "s"}], "routing": "fastest"}}, "routing"),
+    ({"loraplex": {"shards": [{"name": "s"}], "routing": {"policy": "fastest"}}}, "routing"),
 ])
 def test_the_schema_rejects_bad_values_with_the_key(change, fragment) -> None:
     chart = helm.Chart.load(str(CHART))
@@ -163,10 +191,8 @@ def test_the_schema_rejects_bad_values_with_the_key(change, fragment) -> None:
 def test_every_ray_pod_mounts_the_adapter_store_the_config_names(claim) -> None:
     docs = render({"adapterStore": {"mountPath": "/adapters", "existingClaim": claim}})
     service = next(d for d in docs if d["kind"] == "RayService")
-    config = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]
-    assert config["registry"]["store_dir"] == "/adapters"
-    cluster = service["spec"]["rayClusterConfig"]
-    for pod in [cluster["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in cluster["workerGroupSpecs"])]:
+    assert serve_config(service)["registry"]["store_dir"] == "/adapters"
+    for pod in ray_pods(service):
         volume = next(v for v in pod["volumes"] if v["name"] == "adapter-store")
         assert (volume.get("persistentVolumeClaim", {}).get("claimName") == claim) if claim else "emptyDir" in volume
         mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "adapter-store")
@@ -176,6 +202,5 @@ def test_every_ray_pod_mounts_the_adapter_store_the_config_names(claim) -> None:
 def test_every_ray_container_gets_the_serve_settings_loraplex_serve_uses() -> None:
     from gateway.serve import SERVE_ENV
 
-    cluster = next(d for d in render() if d["kind"] == "RayService")["spec"]["rayClusterConfig"]
-    for pod in [cluster["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in cluster["workerGroupSpecs"])]:
+    for pod in ray_pods(next(d for d in render() if d["kind"] == "RayService")):
         assert {e["name"]: e["value"] for e in pod["containers"][0]["env"]} == SERVE_ENV

@@ -17,7 +17,8 @@ from tests.tinymodels import TinyModel, invocation_metadata, random_lora, write_
 
 ATTN = ["blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.1.attn_output.weight"]
 INVOCATION = [250, 12]
-KEYS = {"t1": "key-one", "t2": "key-two", "shared": "key-shared", "shared2": "key-shared-2", "limited": "key-limited", "thrifty": "key-thrifty", "operator": "key-operator"}
+KEYS = {"t1": "key-one", "t2": "key-two", "shared": "key-shared", "shared2": "key-shared-2", "limited": "key-limited",
+        "thrifty": "key-thrifty", "operator": "key-operator"}
 
 
 def digest(key: str) -> str:
@@ -25,7 +26,8 @@ def digest(key: str) -> str:
 
 
 def tiny_config(model: TinyModel, directory: Path, prefix: str, **overrides):
-    for name, seed, meta in (("a", 1, None), ("b", 2, None), ("alo", 3, invocation_metadata(INVOCATION)), ("alo2", 4, invocation_metadata(INVOCATION))):
+    alora = invocation_metadata(INVOCATION)
+    for name, seed, meta in (("a", 1, None), ("b", 2, None), ("alo", 3, alora), ("alo2", 4, alora)):
         write_adapter(directory / f"{name}.gguf", random_lora(model, ATTN, 4, seed=seed), metadata=meta)
     data = {
         "model": str(model.path), "model_name": "tiny",
@@ -41,7 +43,7 @@ def tiny_config(model: TinyModel, directory: Path, prefix: str, **overrides):
         ],
         "operator_key_sha256": [digest(KEYS["operator"])],
         "cache": {"key_prefix": prefix, "chunk_tokens": 8},
-        "engine": {"num_slots": 4, "max_step_tokens": 64},
+        "engine": {"num_seq_slots": 4, "max_step_tokens": 64},
         "http": {"max_body_bytes": 4096},
         "registry": {"store_dir": str(directory / "store"), "poll_interval_s": 0.2},
         **overrides,
@@ -54,7 +56,7 @@ def local_app(config):
     from tests.gateway.local_pool import LocalShardPool
 
     pool = LocalShardPool(config)
-    limiter = RateLimiter(redis.asyncio.Redis(socket_timeout=1), config.cache.key_prefix)
+    limiter = RateLimiter(redis.asyncio.Redis(socket_timeout=1), config.cache.redis.key_prefix)
     app = create_app()
     app.state.gateway = Gateway(config, Catalog(config), pool, limiter)
     return app, pool

@@ -6,7 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, load_config, parse_config
+from cache.l2 import RedisConfig, read_password_file
+from cache.prefix import PrefixCacheConfig
+from gateway.config import ConfigError, ServeConfig, load_config, parse_config
+from gateway.policy.routing import RoutingSettings
+from worker.contract.spec import DeviceSettings, EngineConfig
 
 BASE = {"adapters": [{"name": "a", "path": "a.gguf"}], "shards": [{"name": "s", "adapters": ["a"]}]}
 
@@ -21,18 +25,42 @@ def test_the_default_config_loads_and_its_files_exist() -> None:
 @pytest.mark.parametrize(("change", "message"), [
     ({"shards": []}, "shards: List should have at least 1 item"),
     ({"shards": [{"name": "s", "adapters": ["nope"]}]}, "shards[0] (s): unknown adapter 'nope'"),
-    ({"shards": [{"name": "s", "adapters": ["a"], "replicas": 0}]}, "shards[0].replicas: Input should be greater than or equal to 1"),
+    ({"shards": [{"name": "s", "adapters": ["a"], "replicas": 0}]},
+     "shards[0].replicas: Input should be greater than or equal to 1"),
     ({"adapters": [{"name": "a", "path": "a.gguf"}, {"name": "a", "path": "b.gguf"}]}, "adapters: 'a' appears twice"),
     ({"adapters": [{"name": "a", "path": "a.gguf"}, {"name": "b", "path": "b.gguf"}]}, "adapter 'b' is on no shard"),
-    ({"tenants": [{"id": "t", "key_sha256": ["secret"]}]}, "tenants[0].key_sha256: 'secret' is not a hex SHA-256 digest"),
+    ({"tenants": [{"id": "t", "key_sha256": ["secret"]}]},
+     "tenants[0].key_sha256: 'secret' is not a hex SHA-256 digest"),
     ({"tenants": [{"id": "t", "key_sha256": ["0" * 64], "adapters": ["zz"]}]}, "tenants[0] (t): unknown adapter 'zz'"),
     ({"http": {"port": 70000}}, "http.port: Input should be less than or equal to 65535"),
-    ({"routing": "fastest"}, "routing: Input should be 'affinity', 'random' or 'least_loaded'"),
-    ({"colour": "blue"}, "colour: Extra inputs are not permitted"),
-    ({"engine": {"dtype": "int8"}}, "engine.dtype"),
-    ({"engine": {"decode_stall": 0}}, "engine.decode_stall: Input should be greater than 0"),
     ({"http": {"listener": "nginx"}}, "http.listener: Input should be 'gateway' or 'serve-proxy'"),
+    ({"colour": "blue"}, "colour: Extra inputs are not permitted"),
+    # the subsystems' own dataclasses: their fields' types, unknown keys, their __post_init__ checks
+    ({"engine": {"num_seq_slots": "many"}}, "engine.num_seq_slots: Input should be a valid integer"),
+    ({"engine": {"num_slots": 0}}, "engine: num_seq_slots must be >= 1, got 0"),
+    ({"engine": {"num_seq_slots": 8, "max_step_tokens": 4}},
+     "engine: max_step_tokens (4) must be at least num_seq_slots"),
+    ({"engine": {"decode_stall": 0}}, "engine: decode_stall must be > 0"),
+    ({"engine": {"colour": "blue"}}, "engine.colour: Extra inputs are not permitted"),
+    ({"engine": {"dtype": "int8"}}, "device: dtype must be one of float32, float16, bfloat16, got 'int8'"),
+    ({"device": {"weights": "q8"}}, "device: weights must be one of"),
     ({"engine": {"threads": 2, "decode_threads": 4}}, "decode_threads must be between 1 and threads (2), got 4"),
+    ({"device": {"colour": "blue"}}, "device.colour: Extra inputs are not permitted"),
+    ({"cache": {"chunk_tokens": 0}}, "cache: chunk_tokens must be >= 1, got 0"),
+    ({"cache": {"ttl_s": "long"}}, "cache.ttl_s: Input should be a valid integer"),
+    ({"cache": {"ttl_s": 0}}, "cache: ttl_s must be >= 1, got 0"),
+    ({"cache": {"redis_url": "http://cache:6379"}}, "cache: redis url must start with redis://"),
+    ({"cache": {"colour": "blue"}}, "cache.colour: Extra inputs are not permitted"),
+    ({"routing": "fastest"}, "routing: unknown routing policy 'fastest' (known: affinity, random, least_loaded)"),
+    ({"routing": {"policy": "affinity", "eps": 0}}, "routing: eps and half_life_s must be > 0"),
+    ({"routing": {"colour": "blue"}}, "routing.colour: Extra inputs are not permitted"),
+    # a key given twice over, in both spellings; what worker_spec sets
+    ({"engine": {"num_slots": 4, "num_seq_slots": 8}}, "engine: num_slots is the old name of num_seq_slots"),
+    ({"engine": {"dtype": "float16"}, "device": {"dtype": "bfloat16"}},
+     "dtype is given under both engine: and device:"),
+    ({"cache": {"redis": {"url": "redis://cache:6379/0"}}}, "cache.redis: give redis_url, key_prefix"),
+    ({"device": {"device": "cuda:1"}}, "device.device: chosen per shard"),
+    ({"engine": {"is_multi_tenant": True}}, "engine.is_multi_tenant: follows from the tenants"),
 ])
 def test_a_bad_field_is_named(change, message) -> None:
     with pytest.raises(ConfigError) as e:
@@ -45,17 +73,75 @@ def test_the_gateway_listens_itself_unless_told_serve_proxy() -> None:
     assert parse_config({**BASE, "http": {"listener": "serve-proxy"}}, ".").http.listener == "serve-proxy"
 
 
+def test_each_section_is_its_subsystems_settings_with_their_defaults() -> None:
+    config = parse_config(BASE, ".")
+    assert (config.engine, config.device, config.routing) == (EngineConfig(), DeviceSettings(), RoutingSettings())
+    assert config.cache == PrefixCacheConfig(redis=RedisConfig())  # Redis on by default
+
+
+def test_the_old_spellings_mean_what_they_did() -> None:
+    old = parse_config({**BASE, "routing": "least_loaded",
+                        "engine": {"num_slots": 4, "max_step_tokens": 64, "dtype": "bfloat16", "threads": 2,
+                                   "decode_threads": "auto"}}, ".")
+    new = parse_config({**BASE, "routing": {"policy": "least_loaded"},
+                        "engine": {"num_seq_slots": 4, "max_step_tokens": 64},
+                        "device": {"dtype": "bfloat16", "threads": 2, "decode_threads": "auto"}}, ".")
+    assert old == new
+    assert (new.engine.num_seq_slots, new.device.dtype, new.routing.policy) == (4, "bfloat16", "least_loaded")
+    assert new.device == DeviceSettings(dtype="bfloat16", threads=2, decode_threads="auto")
+
+
+def test_the_routing_section_takes_every_routing_setting() -> None:
+    routing = parse_config({**BASE, "routing": {"eps": 0.5, "max_attempts": 3}}, ".").routing
+    assert routing == RoutingSettings(policy="affinity", eps=0.5, max_attempts=3)
+
+
+def test_the_flat_cache_keys_become_the_prefix_cache_and_its_redis() -> None:
+    cache = parse_config({**BASE, "cache": {"redis_url": "rediss://cache:6380/1", "key_prefix": "lp", "ttl_s": 60,
+                                            "timeout_s": 0.5, "redis_password_file": "/secret/password",
+                                            "chunk_tokens": 16, "l1_bytes": 1024, "write_pause": 2}}, ".").cache
+    assert cache == PrefixCacheConfig(chunk_tokens=16, l1_bytes=1024, write_pause=2.0, redis=RedisConfig(
+        url="rediss://cache:6380/1", key_prefix="lp", ttl_s=60, timeout_s=0.5, password_file="/secret/password"))
+    assert parse_config({**BASE, "cache": {"redis_url": None, "key_prefix": "lp"}}, ".").cache.redis is None
+
+
+@pytest.mark.parametrize("change", [{}, {"cache": {"redis_url": None}},
+                                    {"routing": "random", "engine": {"num_slots": 2, "threads": 1},
+                                     "cache": {"redis_url": "redis://cache:6379/0", "redis_password_file": "/p"}}])
+def test_a_dump_has_the_files_shape_and_validates_again(change) -> None:
+    """What the Serve ingress gets (gateway/serve.py: build)."""
+    config = parse_config({**BASE, **change}, ".")
+    data = config.model_dump()
+    assert "redis" not in data["cache"] and "redis_url" in data["cache"] and "is_multi_tenant" not in data["engine"]
+    assert ServeConfig.model_validate(data) == config
+
+
 def test_the_prompt_budget_of_decoding_steps_reaches_the_engine() -> None:
-    engine = parse_config({**BASE, "engine": {"prefill_while_decoding": 64, "decode_stall": 2.5}}, ".").engine.engine_config()
+    config = parse_config({**BASE, "engine": {"prefill_while_decoding": 64, "decode_stall": 2.5}}, ".")
+    engine = config.worker_spec("s").engine
     assert (engine.prefill_while_decoding, engine.decode_stall) == (64, 2.5)
-    assert parse_config({**BASE, "engine": {"decode_stall": None}}, ".").engine.engine_config().decode_stall is None
+    assert parse_config({**BASE, "engine": {"decode_stall": None}}, ".").engine.decode_stall is None
 
 
 def test_decode_threads_reach_the_worker_unset_unless_given() -> None:
     assert parse_config(BASE, ".").worker_spec("s", threads=2).device.decode_threads is None  # all threads
-    assert parse_config({**BASE, "engine": {"decode_threads": "auto"}}, ".").worker_spec("s").device.decode_threads == "auto"
+    auto = parse_config({**BASE, "engine": {"decode_threads": "auto"}}, ".")
+    assert auto.worker_spec("s").device.decode_threads == "auto"
     given = parse_config({**BASE, "engine": {"decode_threads": 1}}, ".").worker_spec("s", threads=2).device
     assert (given.threads, given.decode_threads) == (2, 1)
+
+
+def test_the_worker_spec_decides_the_device_threads_and_tenancy(tmp_path) -> None:
+    shards = [{"name": "cpu", "adapters": ["a"]}, {"name": "gpu", "adapters": ["a"], "num_gpus": 1}]
+    tenants = [{"id": t, "key_sha256": [c * 64]} for t, c in (("t1", "a"), ("t2", "b"))]
+    config = parse_config({**BASE, "shards": shards, "device": {"dtype": "float16"}}, tmp_path)
+    cpu, gpu = config.worker_spec("cpu", threads=3), config.worker_spec("gpu")
+    assert (cpu.device.device, cpu.device.threads, cpu.device.dtype) == ("cpu", 3, "float16")
+    assert (gpu.device.device, gpu.device.dtype) == ("cuda", "float16")
+    assert cpu.adapter_paths == (str(tmp_path / "a.gguf"),) and cpu.cache is config.cache
+    assert parse_config({**BASE, "device": {"threads": 2}}, ".").worker_spec("s", threads=8).device.threads == 2
+    assert not cpu.engine.is_multi_tenant
+    assert parse_config({**BASE, "tenants": tenants}, ".").worker_spec("s").engine.is_multi_tenant
 
 
 def test_unreadable_and_malformed_files(tmp_path) -> None:
@@ -73,17 +159,17 @@ def test_unreadable_and_malformed_files(tmp_path) -> None:
 def test_tenants_file_and_redis_password_file_come_from_mounted_secrets(tmp_path) -> None:
     (tmp_path / "tenants.yaml").write_text('- {id: from-secret, key_sha256: ["' + "b" * 64 + '"]}\n')
     (tmp_path / "password").write_text("s3cret\n")
-    config = parse_config({**BASE, "tenants": [{"id": "inline", "key_sha256": ["c" * 64]}], "tenants_file": "tenants.yaml",
+    config = parse_config({**BASE, "tenants": [{"id": "inline", "key_sha256": ["c" * 64]}],
+                           "tenants_file": "tenants.yaml",
                            "cache": {"redis_password_file": str(tmp_path / "password")}}, tmp_path)
     assert [t.id for t in config.tenants] == ["inline", "from-secret"] and config.tenants_file is None
-    assert config.cache.redis_password() == "s3cret"
+    assert read_password_file(config.cache.redis.password_file) == "s3cret"  # as the workers' and gateway's clients do
     with pytest.raises(ConfigError, match="tenants_file .*missing.yaml"):
         parse_config({**BASE, "tenants_file": "missing.yaml"}, tmp_path)
-    with pytest.raises(ConfigError, match="redis_password_file: cannot read"):
-        parse_config({**BASE, "cache": {"redis_password_file": str(tmp_path / "nope")}}, tmp_path).cache.redis_password()
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "deploy").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "deploy").glob("*.yaml")),
+                         ids=lambda p: p.name)
 def test_every_shipped_deployment_config_loads(path) -> None:
     config = load_config(path)
     assert config.shards and all(config.adapter_path(name).is_file() for name in (a.name for a in config.adapters))

@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Self
 
 import httpx
 import numpy as np
@@ -25,13 +26,14 @@ from worker.formats.gguf_file import GGUFFile
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KEYS = {"demo": "sk-reg-demo", "acme": "sk-reg-acme", "tiny": "sk-reg-tiny"}
-PROMPT = ("The history of copper mining begins in the Bronze Age, when people first learned to smelt ore into metal tools. "
-          "Mines in Cyprus, Spain and Wales were worked for centuries, and the metal travelled along trade routes across the "
-          "Mediterranean and beyond, where it was alloyed with tin to make bronze for weapons, ornaments and")  # > 2 cache chunks
+PROMPT = ("The history of copper mining begins in the Bronze Age, when people first learned to smelt ore into metal "
+          "tools. Mines in Cyprus, Spain and Wales were worked for centuries, and the metal travelled along trade "
+          "routes across the Mediterranean and beyond, where it was alloyed with tin to make bronze for weapons, "
+          "ornaments and")  # > 2 cache chunks
 
 
-def write_adapter(path: Path, seed: int, *, general_type: str = "adapter", arch: str | None = None, adapter_type: str = "lora",
-                  transposed: bool = True) -> Path:
+def write_adapter(path: Path, seed: int, *, general_type: str = "adapter", arch: str | None = None,
+                  adapter_type: str = "lora", transposed: bool = True) -> Path:
     """A random rank-8 adapter on the default model's first two layers' q and v."""
     base = GGUFFile(resolve_model_path(None))
     rng = np.random.default_rng(seed)
@@ -80,7 +82,8 @@ def deployment(tmp_path_factory):
         {"id": "tiny", "key_sha256": [digest(KEYS["tiny"])], "max_adapters": 1},
     ]
     config["cache"]["redis_url"] = redis_server.url
-    config["registry"] = {"store_dir": str(directory / "store"), "allowed_paths": [str(DEPLOY / "adapters")], "poll_interval_s": 0.5}
+    config["registry"] = {"store_dir": str(directory / "store"), "allowed_paths": [str(DEPLOY / "adapters")],
+                          "poll_interval_s": 0.5}
     config["http"] = {"gateway_replicas": 2}
     served = Deployment(config, directory)
     served.start()
@@ -100,7 +103,8 @@ def auth(tenant: str = "demo") -> dict[str, str]:
 
 def upload(url: str, name: str, path: Path, tenant: str = "demo") -> httpx.Response:
     with open(path, "rb") as f:
-        return httpx.post(f"{url}/v1/adapters", headers=auth(tenant), data={"name": name}, files={"file": (path.name, f)}, timeout=120)
+        return httpx.post(f"{url}/v1/adapters", headers=auth(tenant), data={"name": name},
+                          files={"file": (path.name, f)}, timeout=120)
 
 
 def complete(url: str, model: str, tenant: str = "demo", **extra) -> openai.types.Completion:
@@ -121,15 +125,16 @@ class BackgroundLoad:
         while not self.stop.is_set():
             try:
                 if stream:
-                    text = "".join(c.choices[0].text for c in client.completions.create(model=model, prompt="Copper is", max_tokens=6, stream=True))
+                    text = "".join(c.choices[0].text for c in client.completions.create(model=model, prompt="Copper is",
+                                                                                        max_tokens=6, stream=True))
                 else:
                     text = client.completions.create(model=model, prompt="Copper is", max_tokens=6).choices[0].text
                 assert isinstance(text, str)
                 self.done += 1
-            except Exception as e:  # any failure is the test's failure
+            except Exception as e:  # noqa: BLE001 - any failure is the test's failure
                 self.failures.append(f"{model}: {type(e).__name__}: {e}")
 
-    def __enter__(self) -> BackgroundLoad:
+    def __enter__(self) -> Self:
         for t in self.threads:
             t.start()
         return self
@@ -173,9 +178,11 @@ def test_add_replace_remove_while_serving_fail_no_request(server, deployment) ->
 def test_bad_uploads_quota_and_tenants(server, deployment) -> None:
     directory = deployment.directory
     before = httpx.get(f"{server}/v1/adapters", headers=auth()).json()
-    cases = [(write_adapter(directory / "m1.gguf", 3, general_type="model"), "expect general.type to be 'adapter', but got: model"),
+    cases = [(write_adapter(directory / "m1.gguf", 3, general_type="model"),
+              "expect general.type to be 'adapter', but got: model"),
              (write_adapter(directory / "m2.gguf", 3, arch="qwen2"), "model arch and LoRA arch mismatch"),
-             (write_adapter(directory / "m3.gguf", 3, adapter_type="ia3"), "expect adapter.type to be 'lora', but got: ia3"),
+             (write_adapter(directory / "m3.gguf", 3, adapter_type="ia3"),
+              "expect adapter.type to be 'lora', but got: ia3"),
              (write_adapter(directory / "m4.gguf", 3, transposed=False), "lora_a tensor is not transposed")]
     for path, message in cases:
         r = upload(server, "broken", path)
@@ -193,12 +200,14 @@ def test_bad_uploads_quota_and_tenants(server, deployment) -> None:
     assert httpx.delete(f"{server}/v1/adapters/mine", headers=auth("acme")).status_code == 404
     assert upload(server, "mine", write_adapter(directory / "q3.gguf", 6), tenant="acme").status_code == 201
     assert httpx.get(f"{server}/v1/adapters/mine", headers=auth("tiny")).json()["fingerprint"] == tiny_fp
-    assert complete(server, "mine", tenant="tiny").choices[0].logprobs.token_logprobs != complete(server, "mine", tenant="acme").choices[0].logprobs.token_logprobs
+    tiny, acme = (complete(server, "mine", tenant=t).choices[0].logprobs.token_logprobs for t in ("tiny", "acme"))
+    assert tiny != acme
 
 
 def test_vllm_endpoints_read_only_the_allowed_directory(server, deployment) -> None:
     directory = deployment.directory
-    r = httpx.post(f"{server}/v1/load_lora_adapter", headers=auth(), json={"lora_name": "from-disk", "lora_path": str(DEPLOY / "adapters" / "caps.gguf")})
+    r = httpx.post(f"{server}/v1/load_lora_adapter", headers=auth(),
+                   json={"lora_name": "from-disk", "lora_path": str(DEPLOY / "adapters" / "caps.gguf")})
     assert r.status_code == 200 and "added successfully" in r.text
     assert complete(server, "from-disk").choices[0].text
     for path in (str(directory / "v1.gguf"), str(DEPLOY / "adapters" / ".." / "serve.yaml"), "/etc/hostname"):
@@ -213,8 +222,8 @@ def test_the_adapters_cli_adds_lists_and_removes(server, deployment) -> None:
     import sys
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "gateway.cli", "adapters", "--url", server, "--key", KEYS["demo"], *args],
-                              capture_output=True, text=True, timeout=120)
+        command = [sys.executable, "-m", "gateway.cli", "adapters", "--url", server, "--key", KEYS["demo"], *args]
+        return subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
 
     added = cli("add", "cli-bot", str(write_adapter(deployment.directory / "cli.gguf", 8)))
     assert added.returncode == 0 and added.stdout.startswith("added cli-bot"), added.stderr
@@ -234,5 +243,6 @@ def test_a_restart_of_everything_keeps_the_registry(deployment) -> None:
     deployment.stop()  # every process: gateways, workers, Ray
     deployment.start()
     assert httpx.get(f"{deployment.url}/v1/adapters", headers=auth()).json() == listed
-    after = complete(deployment.url, "survivor").choices[0].logprobs  # its prefix from the cache now: the same to rounding
+    # its prefix from the cache now: the same to rounding
+    after = complete(deployment.url, "survivor").choices[0].logprobs
     assert after.tokens == expected.tokens and after.token_logprobs == pytest.approx(expected.token_logprobs, abs=1e-4)

@@ -26,7 +26,8 @@ def test_a_stop_while_deploying_shuts_everything_down(tmp_path, how) -> None:
     command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)]
     if how == "sigint-ignored-at-start":  # as a shell starts a background job: SIGINT ignored across exec
         command = ["sh", "-c", "trap '' INT; exec \"$@\"", "sh", *command]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
     output = []
     try:
         for line in process.stdout:  # until Serve deploys: Ray and its processes are up, the replicas load
