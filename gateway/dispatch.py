@@ -1,7 +1,8 @@
 """The request path between HTTP and the shard replicas (torch-free): a `Gateway` admits a
 tenant's request (gateway/admission.py), routes it to a replica that holds its adapters
 (gateway/policy/routing.py), runs it there and fails over to another replica when one
-dies before answering; and it asks every replica for its health and metrics.
+dies before answering; and it asks every replica for its health and metrics. Its
+tunables are the config's `routing` (RoutingSettings).
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.admission import Admission, Prepared
 from gateway.api.protocol import APIError
@@ -27,68 +28,66 @@ from gateway.tenants import Tenants
 from worker.contract.calls import Delta, WorkerCall
 
 log = logging.getLogger(__name__)
-FAILED_REPLICA_COOLDOWN_S = 5.0
-HEALTH_TIMEOUT_S = 2.0
-MAX_ATTEMPTS = 2  # replicas a request may be tried on: one failover, so one poison request cannot take down them all
-BUSY_RETRY_AFTER_S = "1"
-WORKER_GRACE_S = 5.0  # past the worker's own deadline, the gateway stops waiting for it
+T = TypeVar("T")
 
 
 class Gateway:
     def __init__(self, config: ServeConfig, catalog: Catalog, pool: ShardPool, limiter: RateLimiter | None = None,
-                 metrics: GatewayMetrics | None = None, clock: Callable[[], float] = time.monotonic, registry: AdapterRegistry | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 registry: AdapterRegistry | None = None) -> None:
         self.config, self.catalog, self.pool = config, catalog, pool
+        self.routing = config.routing
         self.tenants = Tenants(config)
         self.limiter = limiter or RateLimiter()
-        self.registry = registry or open_registry(config, catalog, pool)
+        self.registry = registry or open_registry(config, catalog, pool, clock)
         self.admission = Admission(config, catalog, self.limiter, self.registry, clock)
         self.metrics = metrics or GatewayMetrics()
         self._clock = clock
         self._in_flight: dict[str, int] = {}
-        self._failed_until: dict[str, float] = {}
-        self._recent = RecentLoad()
+        self._failed_until_s: dict[str, float] = {}
+        self._recent = RecentLoad(self.routing.half_life_s)
 
     # routing and running
 
     def views(self) -> list[ReplicaView]:
-        now = self._clock()
-        engine = self.config.engine
+        now_s = self._clock()
+        num_seq_slots = self.config.engine.num_seq_slots
         return [
-            ReplicaView(r.replica_id, r.shard, self.registry.held[r.replica_id], self._in_flight.get(r.replica_id, 0), self._failed_until.get(r.replica_id, 0.0) <= now,
-                        self._recent.get(r.replica_id, now), engine.num_slots, engine.num_slots + engine.max_waiting)
+            ReplicaView(r.replica_id, r.shard, self.registry.held[r.replica_id],
+                        in_flight=self._in_flight.get(r.replica_id, 0),
+                        is_healthy=self._failed_until_s.get(r.replica_id, 0.0) <= now_s,
+                        recent=self._recent.get(r.replica_id, now_s), num_seq_slots=num_seq_slots,
+                        capacity=num_seq_slots + self.config.engine.max_waiting)
             for r in self.pool.replicas
         ]
 
-    def _attempt(self, prepared: Prepared, tried: set[str]) -> ReplicaView:
-        """Choose a replica not tried yet for this request and count it busy (503 when none is left)."""
+    def _retry_after(self) -> dict[str, str]:
+        return {"Retry-After": str(self.routing.busy_retry_after_s)}
+
+    def _route(self, prepared: Prepared, tried: set[str], busy: Delta | None) -> ReplicaView:
+        """A replica not tried yet for this request, counted in flight. When none is left: the
+        last refusal of a full replica (`busy`) if there was one, else a 503."""
         try:
-            pool = candidates(self.views(), prepared.adapters, exclude=tried, labels=prepared.labels)
-        except ReplicasBusy as e:
-            raise APIError(503, str(e), "replicas_busy", {"Retry-After": BUSY_RETRY_AFTER_S}) from e
+            pool = candidates(self.views(), prepared.scales_by_fingerprint, exclude=tried,
+                              names=prepared.names_by_fingerprint)
         except NoCandidateError as e:
-            raise APIError(503, str(e), "no_healthy_worker", {"Retry-After": BUSY_RETRY_AFTER_S}) from e
-        replica = choose(pool, prepared.affinity, self.config.routing, shared_cache=bool(self.config.cache.redis_url))
-        self.metrics.route(replica.shard, replica.replica_id, self.config.routing)
+            if busy is not None:
+                raise self.error_of(busy, prepared) from None
+            code = "replicas_busy" if isinstance(e, ReplicasBusy) else "no_healthy_worker"
+            raise APIError(503, str(e), code, self._retry_after()) from e
+        replica = choose(pool, prepared.affinity, self.routing, shared_cache=self.config.cache.redis is not None)
+        self.metrics.route(replica.shard, replica.replica_id, self.routing.policy)
         if not tried:
-            self.registry.count(prepared.adapters)
+            self.registry.count(prepared.scales_by_fingerprint)
         tried.add(replica.replica_id)
         self._recent.add(replica.replica_id, self._clock())
         prepared.route = {"replica": replica.replica_id, "shard": replica.shard}
         self._in_flight[replica.replica_id] = self._in_flight.get(replica.replica_id, 0) + 1
         return replica
 
-    def _next(self, prepared: Prepared, tried: set[str], busy: Delta | None) -> ReplicaView:
-        """The next replica to try; when none is left after a full one refused, that refusal."""
-        try:
-            return self._attempt(prepared, tried)
-        except APIError:
-            if busy is not None:
-                raise self.error_of(busy, prepared) from None
-            raise
-
     def _failed(self, replica: ReplicaView, error: Exception, what_next: str) -> None:
         """The replica itself failed (it died or could not be reached): down for a while."""
-        self._failed_until[replica.replica_id] = self._clock() + FAILED_REPLICA_COOLDOWN_S
+        self._failed_until_s[replica.replica_id] = self._clock() + self.routing.failed_cooldown_s
         self.metrics.replica_failure(replica.replica_id)
         log.warning("replica %s failed (%s)%s", replica.replica_id, error, what_next)
 
@@ -98,97 +97,100 @@ class Gateway:
         status = delta.status or 500
         if status < 500:
             return APIError(status, delta.error or "bad request", "invalid_request")
-        log.warning("request %s on %s: %s (%d)", prepared.call.request_id, prepared.route.get("replica"), delta.error, status)
+        log.warning("request %s on %s: %s (%d)", prepared.call.request_id, prepared.route.get("replica"),
+                    delta.error, status)
         if status == 503:
-            return APIError(503, delta.error or "the worker is busy", "worker_busy", {"Retry-After": BUSY_RETRY_AFTER_S})
+            return APIError(503, delta.error or "the worker is busy", "worker_busy", self._retry_after())
         if status in (502, 504):  # the gateway's own words, or the deadline's
-            return APIError(status, delta.error or "the worker failed", "timeout" if status == 504 else "worker_failed")
+            code = "timeout" if status == 504 else "worker_failed"
+            return APIError(status, delta.error or "the worker failed", code)
         return APIError(status, "the worker failed to complete the request", "worker_error")
 
     def _call(self, prepared: Prepared) -> WorkerCall:
         """The call with what is left of the request's deadline."""
-        left = prepared.call.timeout_s - (self._clock() - prepared.admitted_s) if prepared.call.timeout_s is not None else None
-        if left is not None and left <= 0:
-            raise APIError(503, f"the request waited past its deadline of {prepared.call.timeout_s:g} s", "timeout",
-                           {"Retry-After": BUSY_RETRY_AFTER_S})
-        return replace(prepared.call, timeout_s=left)
+        timeout_s = prepared.call.timeout_s
+        if timeout_s is None:
+            return prepared.call
+        left_s = timeout_s - (self._clock() - prepared.admitted_s)
+        if left_s <= 0:
+            raise APIError(503, f"the request waited past its deadline of {timeout_s:g} s", "timeout",
+                           self._retry_after())
+        return replace(prepared.call, timeout_s=left_s)
 
     def _deadline(self, call: WorkerCall) -> float | None:
         """When (event-loop time) the gateway stops waiting for the worker: a little past the worker's own deadline."""
-        return None if call.timeout_s is None else asyncio.get_running_loop().time() + call.timeout_s + WORKER_GRACE_S
+        if call.timeout_s is None:
+            return None
+        return asyncio.get_running_loop().time() + call.timeout_s + self.routing.worker_grace_s
 
-    async def stream(self, prepared: Prepared) -> AsyncIterator[Delta]:
-        """The worker's deltas. Before the first one, a replica that fails is marked down and the
-        request goes to another (once), as it does when a replica refuses it as too busy; a
-        refusal for the request's own sake is its APIError, never retried. After the first,
-        a failure ends the stream with an error delta."""
+    async def _attempts(self, prepared: Prepared, is_streamed: bool,
+                        on_first: Callable[[], None] | None = None) -> AsyncIterator[Delta]:
+        """The request's deltas from one replica after another, until one runs it (at most
+        `max_attempts`). A replica refusing it as too busy, or failing before any delta reached
+        the client, sends it to the next; a refusal for the request's own sake is its APIError,
+        never retried. Streamed, each delta goes out as it comes, so once one has, a failure
+        ends the stream with an error delta; whole, the deltas go out once the worker finished,
+        so it fails over at any point. `on_first` when an attempt's first delta is taken."""
+        max_attempts = self.routing.max_attempts
         tried: set[str] = set()
         busy: Delta | None = None  # the last refusal of a full replica
         while True:
             call = self._call(prepared)
-            replica = self._next(prepared, tried, busy)
-            started = False
+            replica = self._route(prepared, tried, busy)
+            is_first, is_delivered = True, False
+            whole: list[Delta] = []
             try:
                 async with aclosing(_until(self.pool.stream(replica.replica_id, call), self._deadline(call))) as deltas:
                     async for delta in deltas:
-                        if not started and delta.status is not None:  # nothing ran
-                            if delta.status == 503 and len(tried) < MAX_ATTEMPTS:
+                        if is_first:
+                            is_first = False
+                            if delta.status == 503 and len(tried) < max_attempts:
                                 busy = delta
                                 break  # that replica is full: another may not be
-                            raise self.error_of(delta, prepared)
-                        started = True
-                        yield delta
+                            if on_first is not None:
+                                on_first()
+                            if delta.status is not None:  # nothing ran
+                                raise self.error_of(delta, prepared)
+                        if is_streamed:
+                            is_delivered = True
+                            yield delta
+                        else:
+                            whole.append(delta)
                     else:
+                        for delta in whole:
+                            yield delta
                         return
             except WorkerFailed as e:
-                self._failed(replica, e, "" if started else "; retrying elsewhere")
-                if started:
+                is_retried = not is_delivered and len(tried) < max_attempts
+                self._failed(replica, e, "; retrying elsewhere" if is_retried else "")
+                if is_delivered:
                     yield Delta.failed("the worker failed mid-stream", status=502)
                     return
-                if len(tried) >= MAX_ATTEMPTS:
-                    raise APIError(503, "the workers failed to take the request", "worker_failed", {"Retry-After": BUSY_RETRY_AFTER_S}) from e
+                if not is_retried:
+                    what = "take" if is_streamed else "run"
+                    raise APIError(503, f"the workers failed to {what} the request", "worker_failed",
+                                   self._retry_after()) from e
             except TimeoutError as e:
                 self._failed(replica, e, "; it did not answer within the request's deadline")
-                if started:
+                if is_delivered:
                     yield Delta.failed("the request did not finish within its deadline", status=504)
                     return
                 raise APIError(504, "the request did not finish within its deadline", "timeout") from e
             finally:
                 self._in_flight[replica.replica_id] -= 1
 
+    def stream(self, prepared: Prepared) -> AsyncIterator[Delta]:
+        """The worker's deltas as they come (`_attempts`): it fails over only before the first."""
+        return self._attempts(prepared, is_streamed=True)
+
     async def collect(self, prepared: Prepared, on_first: Callable[[], None] | None = None) -> list[Delta]:
         """All deltas of a non-streamed request (`on_first` when the first arrives). Nothing has
-        reached the client yet, so a replica failing at any point sends the whole request to
-        another (once); an error delta is the request's APIError."""
-        tried: set[str] = set()
-        busy: Delta | None = None
-        while True:
-            call = self._call(prepared)
-            replica = self._next(prepared, tried, busy)
-            deltas: list[Delta] = []
-            try:
-                async with aclosing(_until(self.pool.stream(replica.replica_id, call), self._deadline(call))) as stream:
-                    async for delta in stream:
-                        if not deltas:
-                            if delta.status == 503 and len(tried) < MAX_ATTEMPTS:
-                                busy = delta
-                                break  # that replica is full: another may not be
-                            if on_first is not None:
-                                on_first()
-                        deltas.append(delta)
-                    else:
-                        if deltas[-1].finish_reason == "error":
-                            raise self.error_of(deltas[-1], prepared)
-                        return deltas
-            except WorkerFailed as e:
-                self._failed(replica, e, "; retrying the whole request elsewhere")
-                if len(tried) >= MAX_ATTEMPTS:
-                    raise APIError(503, "the workers failed to run the request", "worker_failed", {"Retry-After": BUSY_RETRY_AFTER_S}) from e
-            except TimeoutError as e:
-                self._failed(replica, e, "; it did not answer within the request's deadline")
-                raise APIError(504, "the request did not finish within its deadline", "timeout") from e
-            finally:
-                self._in_flight[replica.replica_id] -= 1
+        reached the client yet, so it fails over at any point (`_attempts`); an error delta is
+        the request's APIError."""
+        deltas = [delta async for delta in self._attempts(prepared, is_streamed=False, on_first=on_first)]
+        if deltas[-1].finish_reason == "error":
+            raise self.error_of(deltas[-1], prepared)
+        return deltas
 
     async def full_health(self) -> dict[str, Any]:
         """Per shard and replica (asking every worker at once, within a timeout), and the
@@ -198,7 +200,7 @@ class Gateway:
         shard has no healthy replica: some requests cannot be served).
         """
         views = self.views()
-        answers = await asyncio.gather(*(_within(self.pool.health(v.replica_id)) for v in views), return_exceptions=True)
+        answers = await self._ask_all(self.pool.health(v.replica_id) for v in views)
         shards: dict[str, dict[str, Any]] = {}
         redis_states = set()
         for view, answer in zip(views, answers):
@@ -207,7 +209,8 @@ class Gateway:
             if isinstance(answer, BaseException):  # unreachable, dead, or too slow to answer: down
                 report.update(healthy=False, error=type(answer).__name__)
             else:
-                report.update(healthy=view.is_healthy, cache=answer.get("cache", {}), pid=answer.get("pid"),  # for operators only
+                report.update(healthy=view.is_healthy, cache=answer.get("cache", {}),
+                              pid=answer.get("pid"),  # for operators only
                               adapters=len(answer.get("adapters", ())), memory=answer.get("memory", {}))
                 redis_states.add(report["cache"].get("redis", "off"))
             entry["replicas"].append(report)
@@ -224,7 +227,7 @@ class Gateway:
     async def full_metrics(self) -> str:
         """The gateway's metrics and every replica's (asked all at once, within a timeout)."""
         replicas = self.pool.replicas
-        answers = await asyncio.gather(*(_within(self.pool.metrics(r.replica_id)) for r in replicas), return_exceptions=True)
+        answers = await self._ask_all(self.pool.metrics(r.replica_id) for r in replicas)
         texts = {}
         for replica, answer in zip(replicas, answers):
             if isinstance(answer, BaseException):  # a replica that cannot answer leaves its series out
@@ -233,9 +236,11 @@ class Gateway:
                 texts[replica.replica_id] = answer
         return self.metrics.render() + merge_worker_metrics(texts)
 
-
-async def _within(awaitable, timeout_s: float = HEALTH_TIMEOUT_S):
-    return await asyncio.wait_for(awaitable, timeout_s)
+    async def _ask_all(self, questions: Iterable[Awaitable[T]]) -> list[T | BaseException]:
+        """Every replica's answer, asked all at once; an exception for one that fails or takes
+        longer than `health_timeout_s`."""
+        timeout_s = self.routing.health_timeout_s
+        return await asyncio.gather(*(asyncio.wait_for(q, timeout_s) for q in questions), return_exceptions=True)
 
 
 async def _until(deltas: AsyncIterator[Delta], deadline: float | None) -> AsyncIterator[Delta]:

@@ -14,18 +14,20 @@ from typing import Any, Protocol
 
 from gateway.config import ServeConfig
 from worker.contract.calls import Delta, WorkerCall
+from worker.contract.identity import Fingerprint
 
 
 @dataclass(frozen=True)
 class ReplicaInfo:
+    """Which replica, of which shard (what it holds is the registry's to know)."""
+
     replica_id: str
     shard: str
-    adapters: frozenset[str]
 
 
 def replica_infos(config: ServeConfig) -> list[ReplicaInfo]:
     """Every replica of every shard, named `<shard>-<i>` (the Serve deployment is `shard-<shard>-<i>`)."""
-    return [ReplicaInfo(f"{s.name}-{i}", s.name, frozenset(s.adapters)) for s in config.shards for i in range(s.replicas)]
+    return [ReplicaInfo(f"{s.name}-{i}", s.name) for s in config.shards for i in range(s.replicas)]
 
 
 class WorkerFailed(RuntimeError):
@@ -40,7 +42,7 @@ class ShardPool(Protocol):
 
     async def health(self, replica_id: str) -> dict[str, Any]: ...
 
-    async def sync(self, replica_id: str, version: int, pins: dict[str, str]) -> dict[str, Any]:
+    async def sync(self, replica_id: str, version: int, pins: dict[Fingerprint, str]) -> dict[str, Any]:
         """Make the replica hold exactly `pins` (fingerprint -> adapter file); what it holds now
         (worker/engine/pins.py). A pool without it: its workers keep the config's adapters."""
 

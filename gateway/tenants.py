@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from gateway.api.protocol import APIError
 from gateway.config import ServeConfig, TenantConfig
+from worker.contract.identity import AdapterName
 
 ANONYMOUS = "anonymous"
 SHARED_SALT = "shared"
@@ -23,16 +24,16 @@ SHARED_SALT = "shared"
 @dataclass
 class Tenant:
     id: str
-    allowed: frozenset[str] | None  # None: every adapter
+    allowed: frozenset[AdapterName] | None  # None: every adapter
     requests_per_min: int | None = None
     tokens_per_min: int | None = None
     shared_cache: bool = False
     max_adapters: int = 32  # adapters it may register at run time, and their total bytes
     max_adapter_bytes: int = 1 << 30
-    default_scales: dict[str, float] = field(default_factory=dict)  # set by POST /lora-adapters
+    default_scales: dict[AdapterName, float] = field(default_factory=dict)  # set by POST /lora-adapters
 
-    def may_use(self, adapter: str) -> bool:
-        return self.allowed is None or adapter in self.allowed
+    def may_use(self, name: AdapterName) -> bool:
+        return self.allowed is None or name in self.allowed
 
     def cache_salt(self, request_salt: str | None) -> str:
         base = SHARED_SALT if self.shared_cache else f"tenant:{self.id}"
@@ -40,8 +41,9 @@ class Tenant:
 
     @classmethod
     def from_config(cls, t: TenantConfig) -> Tenant:
-        allowed = None if t.adapters == "*" else frozenset(t.adapters)
-        return cls(t.id, allowed, t.requests_per_min, t.tokens_per_min, t.shared_cache, t.max_adapters, t.max_adapter_bytes)
+        allowed = None if t.adapters == "*" else frozenset(AdapterName(n) for n in t.adapters)
+        return cls(t.id, allowed, t.requests_per_min, t.tokens_per_min, t.shared_cache, t.max_adapters,
+                   t.max_adapter_bytes)
 
 
 class Tenants:
@@ -80,7 +82,8 @@ class Tenants:
         if self.is_operator_open:
             return
         if not self._operator_digests:
-            raise APIError(403, "this endpoint needs an operator key, and none is configured (operator_key_sha256)", "operator_only")
+            raise APIError(403, "this endpoint needs an operator key, and none is configured (operator_key_sha256)",
+                           "operator_only")
         if _match(_key_digest(authorization), self._operator_digests) is None:
             raise APIError(401, "invalid operator key", "invalid_api_key")
 

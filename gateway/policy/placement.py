@@ -24,6 +24,8 @@ import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from worker.contract.identity import Fingerprint
+
 
 class PlacementError(ValueError):
     """The inputs cannot fit; the message says by how much."""
@@ -89,12 +91,14 @@ def plan(adapters: Sequence[AdapterSpec], shares: Mapping[str, float], num_worke
         raise PlacementError(f"capacity must be at least 1 adapter per worker, got {max_adapters}")
     too_big = [a.name for a in adapters if max_bytes is not None and a.size_bytes > max_bytes]
     if too_big:
-        raise PlacementError(f"adapter {too_big[0]!r} ({size[too_big[0]]} bytes) is larger than a worker's capacity ({max_bytes} bytes)")
+        raise PlacementError(f"adapter {too_big[0]!r} ({size[too_big[0]]} bytes) is larger than a worker's capacity "
+                             f"({max_bytes} bytes)")
     if max_adapters is not None and len(adapters) > num_workers * max_adapters:
         raise PlacementError(f"{len(adapters)} adapters do not fit on {num_workers} workers of {max_adapters}: "
                              f"{num_workers * max_adapters} slots (need {-(-len(adapters) // max_adapters)} workers)")
     if max_bytes is not None and sum(size.values()) > num_workers * max_bytes:
-        raise PlacementError(f"the adapters ({sum(size.values())} bytes) do not fit on {num_workers} workers of {max_bytes} bytes")
+        raise PlacementError(f"the adapters ({sum(size.values())} bytes) do not fit on {num_workers} workers "
+                             f"of {max_bytes} bytes")
     share = normalize(shares, names)
     order = sorted(names, key=lambda n: (-share[n], n))  # hottest first; ties by name
 
@@ -160,12 +164,14 @@ def plan(adapters: Sequence[AdapterSpec], shares: Mapping[str, float], num_worke
             if any(name in h for h in held):
                 copies[name] -= 1  # a spare copy that fits nowhere: drop it
                 continue
-            raise PlacementError(f"could not place {name!r}: every worker is full or already holds it (try more workers or capacity)")
+            raise PlacementError(f"could not place {name!r}: every worker is full or already holds it "
+                                 "(try more workers or capacity)")
         put(w, name, per_copy)
     load = [sum(share[n] / copies[n] for n in held[w]) for w in range(num_workers)]  # with the final copy counts
     single = [n for n in names if copies[n] < target]
     if single:
-        warnings.append(f"no room for a second copy of {len(single)} adapter(s) (coldest: {', '.join(sorted(single, key=lambda n: (share[n], n))[:5])}): "
+        coldest = ", ".join(sorted(single, key=lambda n: (share[n], n))[:5])
+        warnings.append(f"no room for a second copy of {len(single)} adapter(s) (coldest: {coldest}): "
                         "one replica's failure makes them unavailable")
 
     per_copy = {n: share[n] / copies[n] for n in names}
@@ -182,8 +188,8 @@ def plan(adapters: Sequence[AdapterSpec], shares: Mapping[str, float], num_worke
     return Plan(shards, copies, tuple(load), tuple(warnings))
 
 
-def _separate_identical_sets(held: list[list[str]], held_bytes: list[int], load: list[float], per_copy: dict[str, float],
-                             size: dict[str, int], max_bytes: int | None) -> None:
+def _separate_identical_sets(held: list[list[str]], held_bytes: list[int], load: list[float],
+                             per_copy: dict[str, float], size: dict[str, int], max_bytes: int | None) -> None:
     for _ in range(4 * len(held) ** 2):  # bounded; each swap makes one worker's set unique
         seen: dict[frozenset[str], int] = {}
         twin = None
@@ -203,7 +209,8 @@ def _separate_identical_sets(held: list[list[str]], held_bytes: list[int], load:
                 for b in other:
                     if b in held[twin]:
                         continue
-                    if max_bytes is not None and (held_bytes[twin] - size[a] + size[b] > max_bytes or held_bytes[x] - size[b] + size[a] > max_bytes):
+                    if max_bytes is not None and max(held_bytes[twin] - size[a] + size[b],
+                                                     held_bytes[x] - size[b] + size[a]) > max_bytes:
                         continue
                     cost = (abs(per_copy[a] - per_copy[b]), per_copy[a] + per_copy[b], a, b, x)
                     if best is None or cost < best:
@@ -240,9 +247,10 @@ def place_new(pinned: Mapping[str, int], replicas: Mapping[str, int], copies: in
     return tuple(chosen)
 
 
-def rebalance(placed: Mapping[str, tuple[str, ...]], traffic: Mapping[str, float], replicas: Mapping[str, int], copies: int,
-              capacity: int, fixed: Mapping[str, int] | None = None) -> dict[str, tuple[str, ...]]:
-    """Pins to move while running, from recent traffic (adapter -> requests): an adapter whose
+def rebalance(placed: Mapping[Fingerprint, tuple[str, ...]], traffic: Mapping[Fingerprint, float],
+              replicas: Mapping[str, int], copies: int, capacity: int,
+              fixed: Mapping[str, int] | None = None) -> dict[Fingerprint, tuple[str, ...]]:
+    """Pins to move while running, from recent traffic (fingerprint -> requests): an adapter whose
     share of the traffic is more than its share of the replicas holding it gets one more
     shard (the least loaded with room), one held by more replicas than its traffic and the
     redundancy need loses its most loaded shard. At most one change per adapter per call,
@@ -253,19 +261,22 @@ def rebalance(placed: Mapping[str, tuple[str, ...]], traffic: Mapping[str, float
     if total_traffic <= 0 or total_replicas <= 1:
         return {}
     pinned = {s: sum(s in shards for shards in placed.values()) + (fixed or {}).get(s, 0) for s in replicas}
-    load = {s: sum(traffic.get(a, 0.0) / max(sum(replicas[x] for x in shards), 1) for a, shards in placed.items() if s in shards) for s in replicas}
-    changes: dict[str, tuple[str, ...]] = {}
-    for name in sorted(placed, key=lambda a: (-traffic.get(a, 0.0), a)):
-        shards = placed[name]
+    per_replica = {a: traffic.get(a, 0.0) / max(sum(replicas[s] for s in shards), 1) for a, shards in placed.items()}
+    load = {s: sum(per_replica[a] for a, shards in placed.items() if s in shards) for s in replicas}
+    changes: dict[Fingerprint, tuple[str, ...]] = {}
+    for fingerprint in sorted(placed, key=lambda a: (-traffic.get(a, 0.0), a)):
+        shards = placed[fingerprint]
         holding = sum(replicas[s] for s in shards)
-        wanted = traffic.get(name, 0.0) / total_traffic * total_replicas  # replicas its share of the traffic deserves
+        # the replicas its share of the traffic deserves
+        wanted = traffic.get(fingerprint, 0.0) / total_traffic * total_replicas
         if wanted > holding + 0.5:
             room = sorted((s for s in replicas if s not in shards and pinned[s] < capacity), key=lambda s: (load[s], s))
             if room:
-                changes[name] = (*shards, room[0])
+                changes[fingerprint] = (*shards, room[0])
                 pinned[room[0]] += 1
-        elif len(shards) > 1 and holding - replicas[max(shards, key=lambda s: (load[s], s))] >= max(copies, wanted + 0.5):
+        elif len(shards) > 1:
             drop = max(shards, key=lambda s: (load[s], s))
-            changes[name] = tuple(s for s in shards if s != drop)
-            pinned[drop] -= 1
+            if holding - replicas[drop] >= max(copies, wanted + 0.5):
+                changes[fingerprint] = tuple(s for s in shards if s != drop)
+                pinned[drop] -= 1
     return changes

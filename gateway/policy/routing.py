@@ -1,22 +1,20 @@
 """Which replica serves a request (SPEC §7): pure functions over a snapshot.
 
-Candidates are the healthy replicas whose shard holds every adapter the request
-enables. Among them, `affinity` ranks replicas by rendezvous hashing of the
-request's affinity key (adapter-set fingerprint + first prefix chunk), so the
-same prefix under the same adapters goes to the same replica and finds its KV
-in that worker's memory, and takes the first whose load stays within
-`(1 + eps)` times the mean after adding this request (consistent hashing with
-bounded loads), twice over: for requests in flight, so a request never queues
-behind others on its favourite replica while another replica is idle (its KV
-is an L2 hit there; without a shared cache tier it would be computed again, so
-this bound is skipped then), and for load, which adds the
-requests a replica was sent recently (a decaying count), since bounding
-in-flight requests alone keeps no balance when traffic is light (everything in
-flight is 0 or 1, so the hot prefix's replica gets every request it is idle
-for).
-A replica whose slots and queue are full is no candidate (`ReplicasBusy` when
-none is left: the gateway answers 503 with Retry-After); with a shared tier, a
-replica with a free slot comes before any whose slots are all taken.
+Adapters are known here by fingerprint only. Candidates are the healthy replicas whose
+shard holds every adapter the request enables. Among them, `affinity` ranks replicas by
+rendezvous hashing of the request's affinity key (adapter-set fingerprint + first prefix
+chunk), so the same prefix under the same adapters goes to the same replica and finds its
+KV in that worker's memory, and takes the first whose load stays within `(1 + eps)` times
+the mean after adding this request (consistent hashing with bounded loads), twice over:
+for requests in flight, so a request never queues behind others on its favourite replica
+while another replica is idle (its KV is an L2 hit there; without a shared cache tier it
+would be computed again, so this bound is skipped then), and for load, which adds the
+requests a replica was sent recently (a decaying count), since bounding in-flight
+requests alone keeps no balance when traffic is light (everything in flight is 0 or 1,
+so the hot prefix's replica gets every request it is idle for).
+A replica whose slots and queue are full is no candidate (`ReplicasBusy` when none is
+left: the gateway answers 503 with Retry-After); with a shared tier, a replica with a
+free slot comes before any whose slots are all taken.
 `random` and `least_loaded` (in flight) are there to compare against.
 """
 
@@ -24,8 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import random as random_module
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+
+from worker.contract.identity import AdapterName, Fingerprint
 
 POLICIES = ("affinity", "random", "least_loaded")
 
@@ -56,18 +56,20 @@ class RoutingSettings:
 
 @dataclass(frozen=True)
 class ReplicaView:
+    """One replica as routing sees it, at one moment."""
+
     replica_id: str
     shard: str
-    adapters: frozenset[str]
+    fingerprints: frozenset[Fingerprint]  # the adapters it takes requests for
     in_flight: int = 0
     is_healthy: bool = True
     recent: float = 0.0  # requests routed here lately (exponentially decayed count)
-    num_slots: int = 1 << 30  # requests it runs at once; more wait in its queue
-    capacity: int = 1 << 30  # requests it may hold: its slots plus its queue
+    num_seq_slots: int = 1 << 30  # requests it runs at once; more wait in its queue
+    capacity: int = 1 << 30  # requests it may hold: its sequence slots plus its queue
 
     @property
-    def has_free_slot(self) -> bool:
-        return self.in_flight < self.num_slots
+    def has_free_seq_slot(self) -> bool:
+        return self.in_flight < self.num_seq_slots
 
     @property
     def load(self) -> float:
@@ -77,13 +79,13 @@ class ReplicaView:
 class RecentLoad:
     """Requests routed to each replica, decaying with half-life `half_life_s` (the clock is passed in)."""
 
-    def __init__(self, half_life_s: float = 30.0) -> None:
+    def __init__(self, half_life_s: float) -> None:
         self.half_life_s = half_life_s
         self._values: dict[str, tuple[float, float]] = {}
 
     def get(self, replica_id: str, now_s: float) -> float:
-        value, at = self._values.get(replica_id, (0.0, now_s))
-        return value * 0.5 ** ((now_s - at) / self.half_life_s)
+        value, at_s = self._values.get(replica_id, (0.0, now_s))
+        return value * 0.5 ** ((now_s - at_s) / self.half_life_s)
 
     def add(self, replica_id: str, now_s: float) -> None:
         self._values[replica_id] = (self.get(replica_id, now_s) + 1.0, now_s)
@@ -97,12 +99,13 @@ class ReplicasBusy(NoCandidateError):
     """Replicas hold the adapters, but every one of them is full (its slots and queue)."""
 
 
-def candidates(replicas: Sequence[ReplicaView], adapters: Collection[str], exclude: Collection[str] = (),
-               labels: Mapping[str, str] | None = None) -> list[ReplicaView]:
-    """`adapters` as the replicas know them (fingerprints); `labels` name them in errors."""
-    needed = frozenset(adapters)
-    shown = ", ".join(sorted((labels or {}).get(a, a) for a in needed)) or "(base model)"
-    holding = [r for r in replicas if needed <= r.adapters]
+def candidates(replicas: Sequence[ReplicaView], fingerprints: Collection[Fingerprint], exclude: Collection[str] = (),
+               names: Mapping[Fingerprint, AdapterName] | None = None) -> list[ReplicaView]:
+    """The replicas that may take a request for `fingerprints`, not in `exclude` (replica ids);
+    `names` (the tenant's, by fingerprint) name the adapters in errors."""
+    needed = frozenset(fingerprints)
+    shown = ", ".join(sorted((names or {}).get(fp, fp) for fp in needed)) or "(base model)"
+    holding = [r for r in replicas if needed <= r.fingerprints]
     if not holding:
         raise NoCandidateError(f"no shard holds all of the adapters {shown} together")
     healthy = [r for r in holding if r.is_healthy and r.replica_id not in exclude]
@@ -126,29 +129,29 @@ def _rank(key: bytes, replica_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(key + replica_id.encode(), digest_size=8).digest(), "big")
 
 
-def choose(pool: Sequence[ReplicaView], key: bytes, policy: str = "affinity", eps: float = 0.25, rng: random_module.Random | None = None,
-           shared_cache: bool = True) -> ReplicaView:
-    """One replica of `pool` (non-empty candidates) for a request with affinity `key`.
+def choose(pool: Sequence[ReplicaView], key: bytes, settings: RoutingSettings = RoutingSettings(), *,
+           rng: random_module.Random | None = None, shared_cache: bool = True) -> ReplicaView:
+    """One replica of `pool` (non-empty candidates) for a request with affinity `key`, by
+    `settings.policy` (and, for affinity, its bound `settings.eps`).
     `shared_cache`: every replica can fetch every prefix (Redis); without it, affinity does
     not spill a request to an idle replica, where its prefix would be computed again."""
     if not pool:
         raise NoCandidateError("no candidate replicas")
-    if policy == "random":
+    if settings.policy == "random":
         return (rng or random_module).choice(list(pool))
-    if policy == "least_loaded":
+    if settings.policy == "least_loaded":
         return min(pool, key=lambda r: (r.in_flight, _rank(key, r.replica_id)))
-    if policy != "affinity":
-        raise ValueError(f"unknown routing policy {policy!r} (known: {', '.join(POLICIES)})")
+    eps = settings.eps
     ranked = sorted(pool, key=lambda r: _rank(key, r.replica_id), reverse=True)
     load_bound = _bound(pool, lambda r: r.load, eps)
     not_busy = ranked
     if shared_cache:  # never queue behind a full replica's slots while another has one free: start soonest
-        ranked = [r for r in ranked if r.has_free_slot] or ranked
+        ranked = [r for r in ranked if r.has_free_seq_slot] or ranked
         in_flight_bound = _bound(pool, lambda r: r.in_flight, eps)
         not_busy = [r for r in ranked if r.in_flight + 1 <= in_flight_bound] or [min(ranked, key=lambda r: r.in_flight)]
     return next((r for r in not_busy if r.load + 1 <= load_bound), None) or min(not_busy, key=lambda r: r.load)
 
 
-def _bound(pool: Sequence[ReplicaView], load, eps: float) -> float:
+def _bound(pool: Sequence[ReplicaView], load: Callable[[ReplicaView], float], eps: float) -> float:
     """(1 + eps) x the mean `load` once this request is added, and at least 1."""
     return max(1.0, (1 + eps) * (sum(load(r) for r in pool) + 1) / len(pool))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,44 +29,63 @@ from gateway.api.protocol import APIError
 from gateway.catalog import AdapterInfo, Catalog
 from gateway.config import ServeConfig
 from gateway.policy.placement import PlacementError, place_new, rebalance
-from gateway.pool import ReplicaInfo
-from gateway.registry.records import SHARED, AdapterRecord, FileRecords, Records, RecordStore, RedisRecords, RegistryUnavailable, record_key
+from gateway.pool import ReplicaInfo, ShardPool
+from gateway.registry.records import (
+    SHARED,
+    AdapterRecord,
+    FileRecords,
+    Records,
+    RecordStore,
+    RedisRecords,
+    RegistryUnavailable,
+    record_key,
+)
 from gateway.registry.store import AdapterStore
 from gateway.tenants import Tenant
+from worker.contract.identity import Fingerprint
 from worker.formats.adapter import LoRAAdapter
 
 log = logging.getLogger(__name__)
 PENDING = "pending:"  # key prefix of a staged change
 UNAVAILABLE_BACKOFF_S = 5.0
-Sync = Callable[[str, int, dict[str, str]], Awaitable[dict[str, Any]]]
+Pins = dict[Fingerprint, str]  # what a worker should hold: fingerprint -> adapter file
+Sync = Callable[[str, int, Pins], Awaitable[dict[str, Any]]]
 
 
 def describe(adapter: LoRAAdapter, owner: str, name: str, size: int) -> AdapterRecord:
-    kinds = sorted({target.split(".")[-2] if target.count(".") >= 2 else target.split(".")[0] for target in adapter.pairs})
-    return AdapterRecord(owner, name, adapter.fingerprint, size, max((p.rank for p in adapter.pairs.values()), default=0), tuple(kinds),
-                         adapter.alpha, adapter.invocation_tokens, adapter.task_name, adapter.prompt_prefix, time.time())
+    kinds = sorted({t.split(".")[-2] if t.count(".") >= 2 else t.split(".")[0] for t in adapter.pairs})
+    rank = max((p.rank for p in adapter.pairs.values()), default=0)
+    return AdapterRecord(owner, name, adapter.fingerprint, size, rank, tuple(kinds), adapter.alpha,
+                         adapter.invocation_tokens, adapter.task_name, adapter.prompt_prefix, time.time())
 
 
 class AdapterRegistry:
     def __init__(self, config: ServeConfig, catalog: Catalog, records: RecordStore, store: AdapterStore,
-                 replicas: list[ReplicaInfo], sync: Sync | None = None) -> None:
+                 replicas: list[ReplicaInfo], sync: Sync | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.catalog, self.records, self.store = config, catalog, records, store
         self.settings = config.registry
         self.replicas = replicas
         self.sync = sync
+        self._clock = clock
         self.seed = dict(catalog.adapters)  # the config's adapters, shared (SPEC: the registry's seed)
-        self.seed_pins = {s.name: {catalog.adapters[n].fingerprint: str(catalog.adapters[n].path) for n in s.adapters} for s in config.shards}
+        self.seed_pins: dict[str, Pins] = {  # shard -> its config adapters
+            s.name: {catalog.adapters[n].fingerprint: str(catalog.adapters[n].path) for n in s.adapters}
+            for s in config.shards
+        }
         self.version, self.current = -1, {}
-        self.held = {r.replica_id: frozenset(self.seed_pins[r.shard]) for r in replicas}  # what each worker takes requests for
-        self.resident: dict[str, frozenset[str]] = dict(self.held)  # held or draining: files still in use
-        self.failed: dict[str, dict[str, str]] = {}
+        self.held: dict[str, frozenset[Fingerprint]] = {  # what each worker takes requests for
+            r.replica_id: frozenset(self.seed_pins[r.shard]) for r in replicas
+        }
+        self.resident: dict[str, frozenset[Fingerprint]] = dict(self.held)  # held or draining: files still in use
+        self.failed: dict[str, dict[Fingerprint, str]] = {}  # replica -> the adapters it could not load, and why
         self._visible: dict[str, dict[str, AdapterInfo]] = {}
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
-        self._checked = 0.0  # when the last finished version check began (or when Redis may be tried again)
+        self._checked_s = 0.0  # when the last finished version check began (or when Redis may be tried again)
         self._check: asyncio.Future | None = None
-        self.traffic: dict[str, float] = {}  # fingerprint -> requests lately (decayed at each re-plan)
-        self._replanned = time.monotonic()
+        self.traffic: dict[Fingerprint, float] = {}  # requests lately (decayed at each re-plan)
+        self._replanned_s = clock()
 
     # what requests see
 
@@ -76,21 +95,23 @@ class AdapterRegistry:
         cached = self._visible.get(tenant.id)
         if cached is None:
             cached = {n: info for n, info in self.seed.items() if tenant.may_use(n)}
-            committed = sorted((r for k, r in self.current.items() if not k.startswith(PENDING)), key=lambda r: (r.created_s, r.name))
+            committed = sorted((r for k, r in self.current.items() if not k.startswith(PENDING)),
+                               key=lambda r: (r.created_s, r.name))
             cached.update((r.name, self.info(r)) for r in committed if r.owner == SHARED and tenant.may_use(r.name))
             cached.update((r.name, self.info(r)) for r in committed if r.owner == tenant.id)
             self._visible[tenant.id] = cached
         return cached
 
     def info(self, r: AdapterRecord) -> AdapterInfo:
-        return AdapterInfo(r.name, self.store.path(r.fingerprint), r.fingerprint, r.task_name, r.prompt_prefix, r.invocation_tokens, r.owner)
+        return AdapterInfo(r.name, self.store.path(r.fingerprint), r.fingerprint, r.task_name, r.prompt_prefix,
+                           r.invocation_tokens, r.owner)
 
     def owned(self, owner: str | None) -> list[AdapterRecord]:
         """Committed records of `owner` (None: everyone's)."""
-        return sorted((r for k, r in self.current.items() if not k.startswith(PENDING) and (owner is None or r.owner == owner)),
-                      key=lambda r: (r.owner, r.created_s, r.name))
+        committed = (r for k, r in self.current.items() if not k.startswith(PENDING) and owner in (None, r.owner))
+        return sorted(committed, key=lambda r: (r.owner, r.created_s, r.name))
 
-    def pins(self, shard: str, records: Records | None = None) -> dict[str, str]:
+    def pins(self, shard: str, records: Records | None = None) -> Pins:
         """What `shard`'s workers should hold (fingerprint -> file): its config adapters and the
         records (default: the current ones) placed on it."""
         pins = dict(self.seed_pins.get(shard, {}))
@@ -100,23 +121,23 @@ class AdapterRegistry:
 
     def health(self) -> dict[str, Any]:
         pending = sum(k.startswith(PENDING) for k in self.current)
-        return {"version": self.version, "registered": len(self.current) - pending, "pending": pending, "config": len(self.seed),
-                "failed_loads": {rid: len(f) for rid, f in self.failed.items() if f}}
+        return {"version": self.version, "registered": len(self.current) - pending, "pending": pending,
+                "config": len(self.seed), "failed_loads": {rid: len(f) for rid, f in self.failed.items() if f}}
 
-    def is_held(self, fingerprint: str, shards: tuple[str, ...]) -> bool:
+    def is_held(self, fingerprint: Fingerprint, shards: tuple[str, ...]) -> bool:
         return any(fingerprint in self.held[r.replica_id] for r in self.replicas if r.shard in shards)
 
-    def count(self, adapters) -> None:
-        """A request routed for these fingerprints (the re-plan's traffic)."""
-        for fingerprint in adapters:
+    def count(self, fingerprints: Iterable[Fingerprint]) -> None:
+        """A request routed for these adapters (a `ScalesByFingerprint` will do): the re-plan's traffic."""
+        for fingerprint in fingerprints:
             self.traffic[fingerprint] = self.traffic.get(fingerprint, 0.0) + 1.0
 
-    async def replan(self) -> dict[str, tuple[str, ...]]:
+    async def replan(self) -> dict[Fingerprint, tuple[str, ...]]:
         """Move registered adapters' pins with the traffic this gateway saw (one gateway at a time,
         under a lease): hot ones get another shard, cold ones give extra copies back."""
         if not await self.records.lease("replan", self.settings.replan_interval_s):
             return {}
-        placed: dict[str, tuple[str, ...]] = {}
+        placed: dict[Fingerprint, tuple[str, ...]] = {}
         for r in self.current.values():
             placed[r.fingerprint] = tuple(sorted(set(placed.get(r.fingerprint, ())) | set(r.shards)))
         replicas = {s.name: s.replicas for s in self.config.shards}
@@ -128,7 +149,8 @@ class AdapterRegistry:
             return {}
 
         def move(records: Records):
-            return {k: replace(r, shards=changes[r.fingerprint]) for k, r in records.items() if r.fingerprint in changes}, None
+            return {k: replace(r, shards=changes[r.fingerprint])
+                    for k, r in records.items() if r.fingerprint in changes}, None
 
         await self.records.transact(move)
         await self.refresh(force=True)
@@ -142,17 +164,17 @@ class AdapterRegistry:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        last_push = time.monotonic()
+        last_push_s = self._clock()
         while True:
             try:
                 if await self.refresh():
-                    last_push = time.monotonic()
-                elif time.monotonic() - last_push > self.settings.resync_interval_s:  # a restarted worker gets its pins back
-                    await self.push()
+                    last_push_s = self._clock()
+                elif self._clock() - last_push_s > self.settings.resync_interval_s:
+                    await self.push()  # a restarted worker gets its pins back
                     self.collect_garbage()
-                    last_push = time.monotonic()
-                if time.monotonic() - self._replanned > self.settings.replan_interval_s:
-                    self._replanned = time.monotonic()
+                    last_push_s = self._clock()
+                if self._clock() - self._replanned_s > self.settings.replan_interval_s:
+                    self._replanned_s = self._clock()
                     await self.replan()
             except RegistryUnavailable as e:
                 log.warning("%s; serving what is known", e)
@@ -165,20 +187,20 @@ class AdapterRegistry:
         another gateway replica just before is seen). Requests that come together share one
         version check; one that comes while a check runs waits for the next; Redis being down
         changes nothing (its requests do not each wait on it)."""
-        arrived = time.monotonic()
-        while self._checked < arrived:
+        arrived_s = self._clock()
+        while self._checked_s < arrived_s:
             if self._check is None or self._check.done():
                 self._check = asyncio.ensure_future(self._version_check())
             await asyncio.shield(self._check)
 
     async def _version_check(self) -> None:
-        began = time.monotonic()
+        began_s = self._clock()
         try:
             await self.refresh()
         except RegistryUnavailable:
-            began += UNAVAILABLE_BACKOFF_S
+            began_s += UNAVAILABLE_BACKOFF_S
         finally:
-            self._checked = max(self._checked, began)
+            self._checked_s = max(self._checked_s, began_s)
 
     async def refresh(self, force: bool = False) -> bool:
         """Take the stored records when they changed: pins pushed first, names after."""
@@ -192,19 +214,21 @@ class AdapterRegistry:
             self._visible.clear()
             return True
 
-    async def push(self, version: int | None = None, records: Records | None = None, replicas: list[ReplicaInfo] | None = None) -> None:
+    async def push(self, version: int | None = None, records: Records | None = None,
+                   replicas: list[ReplicaInfo] | None = None) -> None:
         """Send every worker its pins for `records` and learn what it holds."""
         version = self.version if version is None else version
         wanted = {r.replica_id: self.pins(r.shard, records) for r in replicas or self.replicas}
         await asyncio.gather(*(self._push_one(rid, version, pins) for rid, pins in wanted.items()))
 
-    async def _push_one(self, replica_id: str, version: int, pins: dict[str, str]) -> None:
+    async def _push_one(self, replica_id: str, version: int, pins: Pins) -> None:
         if self.sync is None:  # workers without pins to change (tests' fakes): they hold what they are given
             self.held[replica_id] = self.resident[replica_id] = frozenset(pins)
             return
         try:
             reply = await asyncio.wait_for(self.sync(replica_id, version, pins), self.settings.load_timeout_s)
-        except Exception as e:  # a dead or slow worker keeps its last known set; the health check marks it down
+        except Exception as e:  # noqa: BLE001 - whatever the transport raises
+            # a dead or slow worker keeps its last known set; the health check marks it down
             log.warning("replica %s did not take its pins (%s)", replica_id, type(e).__name__)
             return
         if reply.get("version", version) > version:
@@ -214,8 +238,10 @@ class AdapterRegistry:
         self.failed[replica_id] = dict(reply.get("failed", {}))
 
     def collect_garbage(self) -> None:
-        """Adapter files no record pins and no worker still holds (old enough that no staging is under way)."""
-        wanted = {r.fingerprint for r in self.current.values()} | {fp for pins in self.seed_pins.values() for fp in pins}
+        """Adapter files no record pins and no worker still holds (old enough that no staging is under way;
+        file ages are wall-clock time)."""
+        wanted = {r.fingerprint for r in self.current.values()}
+        wanted.update(fp for pins in self.seed_pins.values() for fp in pins)
         in_use = set().union(*self.resident.values()) if self.resident else set()
         for fingerprint in self.store.fingerprints() - wanted - in_use:
             path = self.store.path(fingerprint)
@@ -234,18 +260,21 @@ class AdapterRegistry:
             raise APIError(409, f"the name {name!r} is taken by a shared adapter this key uses", "name_taken")
 
     async def register(self, owner: str, name: str, adapter: LoRAAdapter, staged: Path, limits: tuple[int, int] | None,
-                       replace_existing: bool = True, tenant: Tenant | None = None) -> tuple[AdapterRecord, AdapterRecord | None, float]:
+                       replace_existing: bool = True,
+                       tenant: Tenant | None = None) -> tuple[AdapterRecord, AdapterRecord | None, float]:
         """Add or replace `owner`'s `name` with the checked adapter in `staged`; (the record, the
         one it replaced, seconds until it was servable). A tenant's name may not hide a shared
         adapter it uses (one it cannot see, it may). Raises APIError for a refusal."""
-        started = time.monotonic()
+        started_s = self._clock()
         if owner == SHARED and name in self.seed:
-            raise APIError(409, f"adapter {name!r} is defined in the deployment config; change it there", "config_adapter")
+            raise APIError(409, f"adapter {name!r} is defined in the deployment config; change it there",
+                           "config_adapter")
         self.store.put(staged, adapter.fingerprint)  # the file before any record names it
         fresh = describe(adapter, owner, name, staged.stat().st_size)
         key, pending_key = record_key(owner, name), PENDING + record_key(owner, name)
 
-        shared = frozenset() if tenant is None else frozenset(n for n, info in self.visible(tenant).items() if info.owner == SHARED)
+        shared = frozenset(
+            () if tenant is None else (n for n, info in self.visible(tenant).items() if info.owner == SHARED))
 
         def stage(records: Records):
             self._taken(name, shared)
@@ -253,26 +282,29 @@ class AdapterRegistry:
             if old is not None and not replace_existing:
                 raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "adapter_exists")
             if limits is not None and owner != SHARED:
-                mine: dict[str, AdapterRecord] = {}  # the owner's other names, staged versions counted at their new size
+                # the owner's other names, staged versions counted at their new size
+                mine: dict[str, AdapterRecord] = {}
                 for k, r in records.items():
                     if r.owner == owner and r.name != name and (r.name not in mine or k.startswith(PENDING)):
                         mine[r.name] = r
                 count, size = limits
                 if len(mine) + 1 > count:
-                    raise APIError(403, f"this key already has {len(mine)} adapters, its limit is {count}: delete one first", "adapter_quota_exceeded")
+                    raise APIError(403, f"this key already has {len(mine)} adapters, its limit is {count}: "
+                                   "delete one first", "adapter_quota_exceeded")
                 used = sum(r.size_bytes for r in mine.values())
                 if used + fresh.size_bytes > size:
-                    raise APIError(403, f"this adapter ({fresh.size_bytes} bytes) would take this key's adapters to {used + fresh.size_bytes} "
-                                   f"bytes, over its limit of {size}", "adapter_quota_exceeded")
+                    raise APIError(403, f"this adapter ({fresh.size_bytes} bytes) would take this key's adapters to "
+                                   f"{used + fresh.size_bytes} bytes, over its limit of {size}",
+                                   "adapter_quota_exceeded")
             return {pending_key: replace(fresh, shards=self._place(fresh.fingerprint, old, records))}, old
 
         await self.records.transact(stage)
         await self.refresh(force=True)
         placed = self.current.get(pending_key, fresh)
         targets = [r for r in self.replicas if r.shard in placed.shards]
-        deadline = time.monotonic() + self.settings.load_timeout_s
+        deadline_s = self._clock() + self.settings.load_timeout_s
         # the push above waited for the loads; this is for workers that did not answer in time (a failed load is final)
-        while (not self.is_held(fresh.fingerprint, placed.shards) and time.monotonic() < deadline
+        while (not self.is_held(fresh.fingerprint, placed.shards) and self._clock() < deadline_s
                and not all(fresh.fingerprint in self.failed.get(r.replica_id, {}) for r in targets)):
             await asyncio.sleep(0.25)
             await self.push(replicas=targets)
@@ -289,11 +321,11 @@ class AdapterRegistry:
         await self.refresh(force=True)
         if committed is None:
             reasons = {why for failed in self.failed.values() for fp, why in failed.items() if fp == fresh.fingerprint}
-            raise APIError(503, "no worker could load the adapter" + (f": {sorted(reasons)[0]}" if reasons else " in time"),
+            raise APIError(503, "no worker could load the adapter" + (f": {min(reasons)}" if reasons else " in time"),
                            "adapter_not_loaded", {"Retry-After": "5"})
-        return committed, replaced, time.monotonic() - started
+        return committed, replaced, self._clock() - started_s
 
-    def _place(self, fingerprint: str, old: AdapterRecord | None, records: Records) -> tuple[str, ...]:
+    def _place(self, fingerprint: Fingerprint, old: AdapterRecord | None, records: Records) -> tuple[str, ...]:
         """Shards for a new pin: where the same content already is, else where the old version
         was, else the planner's choice among shards with room."""
         for r in records.values():
@@ -306,13 +338,15 @@ class AdapterRegistry:
             return old.shards
         pinned = {s.name: len(self.pins(s.name, records)) for s in self.config.shards}
         try:
-            return place_new(pinned, {s.name: s.replicas for s in self.config.shards}, self.settings.copies, self.settings.max_adapters_per_worker)
+            replicas = {s.name: s.replicas for s in self.config.shards}
+            return place_new(pinned, replicas, self.settings.copies, self.settings.max_adapters_per_worker)
         except PlacementError as e:
             raise APIError(507, str(e), "no_worker_room") from e
 
     async def unregister(self, owner: str, name: str) -> AdapterRecord:
         if owner == SHARED and name in self.seed:
-            raise APIError(409, f"adapter {name!r} is defined in the deployment config; change it there", "config_adapter")
+            raise APIError(409, f"adapter {name!r} is defined in the deployment config; change it there",
+                           "config_adapter")
         key = record_key(owner, name)
 
         def drop(records: Records):
@@ -326,13 +360,13 @@ class AdapterRegistry:
         return old
 
 
-
-def open_registry(config: ServeConfig, catalog: Catalog, pool) -> AdapterRegistry:
+def open_registry(config: ServeConfig, catalog: Catalog, pool: ShardPool,
+                  clock: Callable[[], float] = time.monotonic) -> AdapterRegistry:
     """The deployment's registry over `pool`'s workers: its records in Redis when the deployment
     has one, else in a file in the store; records are per base model (adapters fit only it)."""
     store = AdapterStore(config.store_path())
     scope = catalog.base_fingerprint[:16]
-    redis_config = config.cache.redis_config()
+    redis_config = config.cache.redis
     if redis_config is not None:
         from cache.l2 import connect
 
@@ -340,4 +374,4 @@ def open_registry(config: ServeConfig, catalog: Catalog, pool) -> AdapterRegistr
                                             mirror=store.directory / f"registry-{scope}.redis-mirror.json")
     else:
         records = FileRecords(store.directory, scope)
-    return AdapterRegistry(config, catalog, records, store, pool.replicas, getattr(pool, "sync", None))
+    return AdapterRegistry(config, catalog, records, store, pool.replicas, getattr(pool, "sync", None), clock)

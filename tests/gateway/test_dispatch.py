@@ -15,6 +15,7 @@ from gateway.policy.routing import candidates, choose
 from gateway.ratelimit import RateLimiter
 from tests.gateway.fake_pool import FakePool
 from tests.gateway.gateway_setup import tiny_config
+from worker.contract.calls import Delta
 from worker.contract.params import SamplingParams
 
 PROMPT = [11, 12, 13, 14, 15]
@@ -30,12 +31,16 @@ def gateway(config):
     return Gateway(config, Catalog(config), FakePool(config), RateLimiter())
 
 
-def prepare(gateway: Gateway, adapters: dict[str, float], max_tokens: int = 3, tenant: str = "t1"):
-    return asyncio.run(gateway.admission.prepare(gateway.tenants.by_id[tenant], PROMPT, SamplingParams(max_tokens=max_tokens), adapters))
+def prepare(gateway: Gateway, adapters: dict[str, float], max_tokens: int = 3, tenant: str = "t1",
+            timeout_s: float | None = None):
+    params = SamplingParams(max_tokens=max_tokens)
+    return asyncio.run(gateway.admission.prepare(gateway.tenants.by_id[tenant], PROMPT, params, adapters,
+                                                 timeout_s=timeout_s))
 
 
-def run(gateway: Gateway, adapters: dict[str, float], max_tokens: int = 3, tenant: str = "t1", stream: bool = False):
-    prepared = prepare(gateway, adapters, max_tokens, tenant)
+def run(gateway: Gateway, adapters: dict[str, float], max_tokens: int = 3, tenant: str = "t1", stream: bool = False,
+        timeout_s: float | None = None):
+    prepared = prepare(gateway, adapters, max_tokens, tenant, timeout_s)
 
     async def go():
         if not stream:
@@ -50,7 +55,8 @@ def test_the_worker_gets_a_typed_call_on_a_replica_holding_the_adapters(gateway)
     (replica, call), = gateway.pool.calls
     assert replica == "s2-0" and prepared.route == {"replica": "s2-0", "shard": "s2"}
     assert call.prompt_ids == tuple(PROMPT) and call.params.max_tokens == 3
-    assert dict(call.adapters) == {gateway.catalog.adapters["b"].fingerprint: 0.5}  # by content (SPEC §3), not by name
+    # by content (SPEC §3), not by name
+    assert dict(call.scales_by_fingerprint) == {gateway.catalog.adapters["b"].fingerprint: 0.5}
     assert call.tenant == "t1" and call.cache_salt == "tenant:t1" and call.cache_prompt
     assert [d.token_ids for d in deltas] == [(11,), (12,), (13,)] and deltas[-1].usage.completion_tokens == 3
     run(gateway, {"alo": 1.0})
@@ -84,16 +90,16 @@ def test_a_replica_dying_mid_stream_ends_the_stream_but_a_whole_request_goes_els
     assert streamed[-1].finish_reason == "error" and "mid-stream" in streamed[-1].error and len(streamed) == 3
     assert not {v.replica_id: v.is_healthy for v in gateway.views()}["s2-0"]
     probe = prepare(gateway, {"alo": 1.0}, 4)
-    favourite = choose(candidates(gateway.views(), probe.adapters), probe.affinity).replica_id
+    pool = candidates(gateway.views(), probe.scales_by_fingerprint)
+    favourite = choose(pool, probe.affinity, gateway.routing).replica_id
     gateway.pool.fail_after[favourite] = 2
     _, whole = run(gateway, {"alo": 1.0}, max_tokens=4)
-    assert [d.token_ids for d in whole] == [d.token_ids for d in deltas]  # the whole request, again, on the other replica
+    # the whole request, again, on the other replica
+    assert [d.token_ids for d in whole] == [d.token_ids for d in deltas]
     assert [r for r, _ in gateway.pool.calls[-2:]] == [favourite, ({"s1-0", "s1-1"} - {favourite}).pop()]
 
 
-def test_health_and_metrics_ask_every_replica_at_once_within_a_timeout(config, monkeypatch) -> None:
-    import gateway.dispatch as dispatch
-
+def test_health_and_metrics_ask_every_replica_at_once_within_a_timeout(tiny_llama, tmp_path) -> None:
     class Slow(FakePool):
         in_flight = peak = 0
 
@@ -112,13 +118,84 @@ def test_health_and_metrics_ask_every_replica_at_once_within_a_timeout(config, m
         async def metrics(self, replica_id: str):
             return await self._answer("hang" if replica_id == "s2-0" else "")
 
-    monkeypatch.setattr(dispatch, "HEALTH_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(dispatch._within, "__defaults__", (0.5,))
+    config = tiny_config(tiny_llama, tmp_path, f"loraplex-test-{uuid.uuid4().hex}", routing={"health_timeout_s": 0.5})
     gateway = Gateway(config, Catalog(config), Slow(config), RateLimiter())
     health = asyncio.run(gateway.full_health())
     assert Slow.peak == 3  # all three replicas at once
-    assert health["shards"]["s2"]["replicas"][0] == {"id": "s2-0", "in_flight": 0, "healthy": False, "error": "TimeoutError"}
+    s2 = {"id": "s2-0", "in_flight": 0, "healthy": False, "error": "TimeoutError"}
+    assert health["shards"]["s2"]["replicas"][0] == s2
     assert health["status"] == "down"  # s2's only replica did not answer in time
     Slow.peak = 0
     asyncio.run(gateway.full_metrics())
     assert Slow.peak == 3
+
+
+class Busy(FakePool):
+    """Replicas in `full` refuse every call as too busy (503), as a worker whose slots and queue are full does."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.full: set[str] = set()
+
+    async def stream(self, replica_id: str, call):
+        if replica_id in self.full:
+            self.calls.append((replica_id, call))
+            yield Delta.refused("the worker is full", status=503)
+            return
+        async for delta in super().stream(replica_id, call):
+            yield delta
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_busy_refusal_goes_to_the_next_replica_and_is_the_error_when_none_is_left(config, stream) -> None:
+    gateway = Gateway(config, Catalog(config), Busy(config), RateLimiter())
+    probe = prepare(gateway, {"alo": 1.0})
+    favourite = choose(candidates(gateway.views(), probe.scales_by_fingerprint), probe.affinity, gateway.routing)
+    other = ({"s1-0", "s1-1"} - {favourite.replica_id}).pop()
+    gateway.pool.full.add(favourite.replica_id)
+    _, deltas = run(gateway, {"alo": 1.0}, stream=stream)
+    assert deltas[-1].finish_reason == "length" and [r for r, _ in gateway.pool.calls] == [favourite.replica_id, other]
+    assert all(v.is_healthy and v.in_flight == 0 for v in gateway.views())  # busy is not failed
+    gateway.pool.full.add(other)
+    with pytest.raises(APIError) as e:
+        run(gateway, {"alo": 1.0}, stream=stream)
+    assert (e.value.status, e.value.code, e.value.message) == (503, "worker_busy", "the worker is full")
+    assert e.value.headers == {"Retry-After": "1"} and len(gateway.pool.calls) == 4  # each replica once, no more
+
+
+@pytest.mark.parametrize(("stream", "what"), [(False, "run"), (True, "take")])
+def test_after_max_attempts_failed_replicas_the_request_gives_up(config, stream, what) -> None:
+    gateway = Gateway(config, Catalog(config), FakePool(config), RateLimiter())
+    gateway.pool.killed.update({"s1-0", "s1-1"})
+    with pytest.raises(APIError) as e:
+        run(gateway, {"alo": 1.0}, stream=stream)
+    message = f"the workers failed to {what} the request"
+    assert (e.value.status, e.value.code, e.value.message) == (503, "worker_failed", message)
+    assert len(gateway.pool.calls) == gateway.routing.max_attempts == 2
+    assert not any(v.is_healthy for v in gateway.views() if v.shard == "s1")
+    with pytest.raises(APIError) as e:  # both down for their cool-down: nothing to try
+        run(gateway, {"alo": 1.0}, stream=stream)
+    assert (e.value.status, e.value.code) == (503, "no_healthy_worker") and len(gateway.pool.calls) == 2
+
+
+class Stalls(FakePool):
+    """Every replica sends one delta, then nothing."""
+
+    async def stream(self, replica_id: str, call):
+        self.calls.append((replica_id, call))
+        yield Delta((call.prompt_ids[0],), "x")
+        await asyncio.sleep(60)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_replica_past_the_deadline_is_marked_down_and_not_retried(tiny_llama, tmp_path, stream) -> None:
+    config = tiny_config(tiny_llama, tmp_path, f"loraplex-test-{uuid.uuid4().hex}", routing={"worker_grace_s": 0.0})
+    gateway = Gateway(config, Catalog(config), Stalls(config), RateLimiter())
+    if stream:  # the first delta went out: the stream ends with the deadline's error
+        _, deltas = run(gateway, {"b": 1.0}, stream=True, timeout_s=0.3)
+        assert deltas[-1].finish_reason == "error" and deltas[-1].status == 504 and len(deltas) == 2
+    else:
+        with pytest.raises(APIError) as e:
+            run(gateway, {"b": 1.0}, timeout_s=0.3)
+        assert (e.value.status, e.value.code) == (504, "timeout")
+    assert len(gateway.pool.calls) == 1 and not {v.replica_id: v.is_healthy for v in gateway.views()}["s2-0"]

@@ -10,8 +10,10 @@ from gateway.policy.placement import PlacementError, place_new, rebalance
 def test_a_new_adapter_goes_to_the_emptiest_shards_until_it_has_its_copies() -> None:
     replicas = {"a": 1, "b": 1, "c": 2}
     assert place_new({"a": 5, "b": 2, "c": 3}, replicas, copies=2, capacity=10) == ("b", "c")
-    assert place_new({"a": 1, "b": 2, "c": 3}, {"a": 2, "b": 1, "c": 1}, copies=2, capacity=10) == ("a",)  # two replicas already
-    assert place_new({"a": 10, "b": 9, "c": 10}, replicas, copies=2, capacity=10) == ("b",)  # as many copies as there is room for
+    # two replicas already
+    assert place_new({"a": 1, "b": 2, "c": 3}, {"a": 2, "b": 1, "c": 1}, copies=2, capacity=10) == ("a",)
+    # as many copies as there is room for
+    assert place_new({"a": 10, "b": 9, "c": 10}, replicas, copies=2, capacity=10) == ("b",)
     with pytest.raises(PlacementError, match="limit of 10 adapters"):
         place_new({"a": 10, "b": 10, "c": 10}, replicas, copies=2, capacity=10)
 

@@ -7,7 +7,16 @@ from collections import Counter
 
 import pytest
 
-from gateway.policy.routing import NoCandidateError, ReplicaView, affinity_key, candidates, choose
+from gateway.policy.routing import (
+    NoCandidateError,
+    RecentLoad,
+    ReplicasBusy,
+    ReplicaView,
+    RoutingSettings,
+    affinity_key,
+    candidates,
+    choose,
+)
 
 
 def replicas(loads: dict[str, int] | None = None) -> list[ReplicaView]:
@@ -22,10 +31,16 @@ def test_candidates_hold_every_adapter_and_are_healthy() -> None:
     assert len(candidates(replicas(), set())) == 4  # the base model runs anywhere
     with pytest.raises(NoCandidateError, match="no shard holds all of the adapters x, z together"):
         candidates(replicas(), {"x", "z"})
-    down = [r if r.replica_id != "b-0" else ReplicaView("b-0", "b", r.adapters, 0, is_healthy=False) for r in replicas()]
+    with pytest.raises(NoCandidateError, match="adapters my-x, z together"):  # the tenant's names, where known
+        candidates(replicas(), {"x", "z"}, names={"x": "my-x"})
+    down = [r if r.replica_id != "b-0" else ReplicaView("b-0", "b", r.fingerprints, 0, is_healthy=False)
+            for r in replicas()]
     with pytest.raises(NoCandidateError, match="no healthy replica for adapters z: all 1 are down"):
         candidates(down, {"z"})
     assert [r.replica_id for r in candidates(replicas(), {"x"}, exclude={"a-0"})] == ["a-1"]
+    full = [ReplicaView(r.replica_id, r.shard, r.fingerprints, 2, num_seq_slots=1, capacity=2) for r in replicas()]
+    with pytest.raises(ReplicasBusy, match="every replica for adapters z is full"):
+        candidates(full, {"z"})
 
 
 def test_affinity_is_sticky_per_prefix_and_adapter_set() -> None:
@@ -44,38 +59,36 @@ def test_affinity_yields_to_bounded_load() -> None:
     favourite = choose(pool, key).replica_id
     other = "a-1" if favourite == "a-0" else "a-0"
     loaded = candidates(replicas({favourite: 3, other: 0}), {"x"})
-    assert choose(loaded, key, eps=0.25).replica_id == other  # 4 > ceil(1.25 * 4 / 2)
-    assert choose(loaded, key, eps=10).replica_id == favourite
+    assert choose(loaded, key, RoutingSettings(eps=0.25)).replica_id == other  # 4 > ceil(1.25 * 4 / 2)
+    assert choose(loaded, key, RoutingSettings(eps=10)).replica_id == favourite
     # with everyone placed by the policy, no replica exceeds (1 + eps) x the mean
     load = {"a-0": 0, "a-1": 0}
     for i in range(200):
         view = candidates(replicas(load), {"x"})
-        load[choose(view, affinity_key("hot", [7], 32), eps=0.25).replica_id] += 1
+        load[choose(view, affinity_key("hot", [7], 32), RoutingSettings(eps=0.25)).replica_id] += 1
     assert max(load.values()) <= 1.25 * sum(load.values()) / 2 + 1
 
 
 def test_random_and_least_loaded() -> None:
     pool = candidates(replicas({"a-0": 5, "a-1": 1}), {"x"})
-    assert choose(pool, b"k", "least_loaded").replica_id == "a-1"
+    assert choose(pool, b"k", RoutingSettings(policy="least_loaded")).replica_id == "a-1"
     rng = random.Random(0)
-    seen = Counter(choose(pool, b"k", "random", rng=rng).replica_id for _ in range(100))
+    seen = Counter(choose(pool, b"k", RoutingSettings(policy="random"), rng=rng).replica_id for _ in range(100))
     assert set(seen) == {"a-0", "a-1"}
     with pytest.raises(ValueError, match="unknown routing policy"):
-        choose(pool, b"k", "fastest")
+        RoutingSettings(policy="fastest")
 
 
 def test_light_traffic_stays_balanced_through_recent_load() -> None:
     """One request at a time (nothing else in flight): a hot prefix still spreads once its
     replica has had more than its share lately."""
-    from gateway.policy.routing import RecentLoad
-
     recent, now, counts = RecentLoad(half_life_s=30), 0.0, Counter()
     hot = affinity_key("set", [1] * 32, 32)
     for i in range(400):
         now += 1.0
         key = hot if i % 3 else affinity_key("set", [i] * 32, 32)  # two thirds of the traffic is one prefix
         view = [ReplicaView(r, "a", frozenset({"x"}), 0, True, recent.get(r, now)) for r in ("r0", "r1", "r2", "r3")]
-        chosen = choose(view, key, eps=0.25).replica_id
+        chosen = choose(view, key, RoutingSettings(eps=0.25)).replica_id
         recent.add(chosen, now)
         counts[chosen] += 1
     assert max(counts.values()) / (sum(counts.values()) / 4) <= 1.3
@@ -88,12 +101,12 @@ def test_affinity_does_not_queue_behind_its_favourite_while_another_replica_is_i
     favourite = choose(idle, key).replica_id
     # the favourite has one request running and was sent less than the others lately:
     # by load alone it would still take this one and make it wait
-    busy = [ReplicaView(r.replica_id, "a", r.adapters, 1 if r.replica_id == favourite else 0, True,
+    busy = [ReplicaView(r.replica_id, "a", r.fingerprints, 1 if r.replica_id == favourite else 0, True,
                         0.0 if r.replica_id == favourite else 3.0) for r in idle]
     chosen = choose(busy, key)
     assert chosen.replica_id != favourite and chosen.in_flight == 0
     # without a shared cache tier the prefix's KV is only on the favourite: waiting beats recomputing
     assert choose(busy, key, shared_cache=False).replica_id == favourite
     # once everyone is busy, the favourite is as good as any and takes it again
-    all_busy = [ReplicaView(r.replica_id, "a", r.adapters, 1, True, 0.0) for r in idle]
+    all_busy = [ReplicaView(r.replica_id, "a", r.fingerprints, 1, True, 0.0) for r in idle]
     assert choose(all_busy, key).replica_id == favourite
