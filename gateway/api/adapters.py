@@ -3,10 +3,8 @@
 over the same registry (gateway/registry/).
 
 A tenant's key manages that tenant's names; the operator's key manages the shared ones
-(and, with `?owner=`, any tenant's). An upload is `multipart/form-data` with a `name`
-and either a `file` (a GGUF adapter) or PEFT's `adapter_config.json` and
-`adapter_model.safetensors` (converted here). Its body has its own size limit. A bad
-file is a 400 with llama.cpp's message and changes nothing.
+(and, with `?owner=`, any tenant's). An upload (gateway/api/uploads.py) has its own size
+limit. A bad file is a 400 with llama.cpp's message and changes nothing.
 """
 
 from __future__ import annotations
@@ -15,26 +13,26 @@ import asyncio
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.datastructures import UploadFile
 
-from gateway.api.protocol import APIError, load_json, parse, read_body
+from gateway.api.incoming import begin, gateway_of, read_parsed
+from gateway.api.protocol import APIError
+from gateway.api.uploads import ReadAdapter, adapter_reader, read_form
 from gateway.catalog import AdapterInfo
 from gateway.config import NAME
+from gateway.dispatch import Gateway
 from gateway.registry.records import SHARED, AdapterRecord, RegistryUnavailable
-from gateway.registry.store import PEFT_CONFIG, PEFT_WEIGHTS, InvalidAdapter, PathNotAllowed, check_gguf, convert_peft, read_server_path
+from gateway.registry.registry import AdapterRegistry
+from gateway.registry.store import InvalidAdapter, PathNotAllowed, read_server_path
+from gateway.tenants import Tenant
+from worker.formats.adapter import LoRAAdapter
 
-UPLOAD_PARTS = ("name", "file", PEFT_CONFIG, PEFT_WEIGHTS)
-UPLOAD_BODY = {"required": True, "content": {"multipart/form-data": {"schema": {  # POST /v1/adapters, for the OpenAPI document
-    "type": "object", "required": ["name"],
-    "properties": {"name": {"type": "string", "pattern": NAME}, "file": {"type": "string", "format": "binary"},
-                   PEFT_CONFIG: {"type": "string", "format": "binary"}, PEFT_WEIGHTS: {"type": "string", "format": "binary"}}}}}}
+router = APIRouter()
 
 
 class LoadLoRARequest(BaseModel):
@@ -52,213 +50,171 @@ class UnloadLoRARequest(BaseModel):
     lora_int_id: int | None = None
 
 
+async def registry_unavailable(request: Request, e: RegistryUnavailable) -> JSONResponse:
+    """The app's answer while the registry's Redis is down: changes wait for it; serving goes on."""
+    error = APIError(503, "the adapter registry is unavailable (its Redis cannot be reached): try again shortly",
+                     "registry_unavailable", {"Retry-After": "5"})
+    return JSONResponse(error.body(), status_code=503, headers=error.headers)
+
+
 def _check_name(name: Any) -> str:
     if not isinstance(name, str) or not name:
         raise APIError(400, "name: a form field with the adapter's name is required", "invalid_value")
     if not re.match(NAME, name):
-        raise APIError(400, f"name: {name[:80]!r} is not a valid adapter name (letters, digits, '.', '_', '-'; at most 64; "
-                       "starting with a letter or digit)", "invalid_value")
+        raise APIError(400, f"name: {name[:80]!r} is not a valid adapter name (letters, digits, '.', '_', '-'; "
+                       "at most 64; starting with a letter or digit)", "invalid_value")
     return name
 
 
-def entry(name: str, info: AdapterInfo, record: AdapterRecord | None, registry, is_operator: bool) -> dict[str, Any]:
+def entry(name: str, info: AdapterInfo, record: AdapterRecord | None, registry: AdapterRegistry,
+          is_operator: bool) -> dict[str, Any]:
     """An adapter as GET /v1/adapters shows it (no path, no other tenant's name)."""
-    out: dict[str, Any] = {"object": "adapter", "name": name, "fingerprint": info.fingerprint, "shared": info.owner == SHARED,
-                           "task_name": info.task_name, "prompt_prefix": info.prompt_prefix,
-                           "alora_invocation_tokens": list(info.invocation_tokens) if info.invocation_tokens else None}
+    out: dict[str, Any] = {
+        "object": "adapter", "name": name, "fingerprint": info.fingerprint, "shared": info.owner == SHARED,
+        "task_name": info.task_name, "prompt_prefix": info.prompt_prefix,
+        "alora_invocation_tokens": list(info.invocation_tokens) if info.invocation_tokens else None,
+    }
     if is_operator:
         out["owner"] = info.owner or None
     if record is not None:
-        out.update(rank=record.rank, targets=list(record.targets), size_bytes=record.size_bytes, alpha=record.alpha, created=int(record.created_s),
-                   shards=list(record.shards), ready=registry.is_held(record.fingerprint, record.shards))
+        out.update(rank=record.rank, targets=list(record.targets), size_bytes=record.size_bytes, alpha=record.alpha,
+                   created=int(record.created_s), shards=list(record.shards),
+                   ready=registry.is_held(record.fingerprint, record.shards))
     else:
         out.update(ready=True, source="config")
     return out
 
 
-def add_adapter_routes(app: FastAPI, current: Callable[[Request], Any], begin) -> None:
-    @app.exception_handler(RegistryUnavailable)
-    async def _unavailable(request: Request, e: RegistryUnavailable) -> JSONResponse:  # changes wait for Redis; serving goes on
-        error = APIError(503, "the adapter registry is unavailable (its Redis cannot be reached): try again shortly", "registry_unavailable",
-                         {"Retry-After": "5"})
-        return JSONResponse(error.body(), status_code=503, headers=error.headers)
+async def _caller(request: Request) -> tuple[Gateway, str, Tenant | None]:
+    """(gateway, owner, tenant or None for the operator)."""
+    gateway = gateway_of(request)
+    gateway.registry.ensure_running()
+    if gateway.tenants.is_operator(request.headers.get("authorization")):
+        return gateway, SHARED, None
+    gateway, tenant, _ = await begin(request)
+    return gateway, tenant.id, tenant
 
-    async def _caller(request: Request):
-        """(gateway, owner, tenant or None for the operator)."""
-        gateway = current(request)
-        gateway.registry.ensure_running()
-        if gateway.tenants.is_operator(request.headers.get("authorization")):
-            return gateway, SHARED, None
-        gateway, tenant, _ = await begin(request)
-        return gateway, tenant.id, tenant
 
-    def _owner_of(request: Request, owner: str, tenant) -> str:
-        asked = request.query_params.get("owner")
-        if asked is None:
-            return owner
-        if tenant is not None:
-            raise APIError(403, "owner= is for the operator's key", "operator_only")
-        return asked
+def _owner_of(request: Request, owner: str, tenant: Tenant | None) -> str:
+    asked = request.query_params.get("owner")
+    if asked is None:
+        return owner
+    if tenant is not None:
+        raise APIError(403, "owner= is for the operator's key", "operator_only")
+    return asked
 
-    async def _register(gateway, owner: str, tenant, name: str, make, replace_existing: bool = True):
-        """Check the adapter `make(scratch)` reads (in a thread), then register it; the response entry."""
-        scratch = Path(tempfile.mkdtemp(prefix=".staging-", dir=gateway.registry.store.directory))
+
+async def _register(gateway: Gateway, owner: str, tenant: Tenant | None, name: str, read: ReadAdapter,
+                    replace_existing: bool = True) -> tuple[dict[str, Any], AdapterRecord | None]:
+    """Check the adapter `read(scratch)` reads (in a thread), then register it; (the response entry,
+    the record it replaced)."""
+    scratch = Path(tempfile.mkdtemp(prefix=".staging-", dir=gateway.registry.store.directory))
+    try:
         try:
-            try:
-                adapter = await asyncio.to_thread(make, scratch)
-            except InvalidAdapter as e:
-                raise APIError(400, str(e), "invalid_adapter") from e
-            limits = None if tenant is None else (tenant.max_adapters, tenant.max_adapter_bytes)
-            record, replaced, ready_s = await gateway.registry.register(owner, name, adapter, Path(adapter.path), limits, replace_existing,
-                                                                        tenant)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        info = gateway.registry.info(record)
-        out = entry(name, info, record, gateway.registry, tenant is None)
-        out.update(replaced=replaced.fingerprint if replaced is not None else None, ready_s=round(ready_s, 3))
-        return out, replaced
+            adapter = await asyncio.to_thread(read, scratch)
+        except InvalidAdapter as e:
+            raise APIError(400, str(e), "invalid_adapter") from e
+        limits = None if tenant is None else (tenant.max_adapters, tenant.max_adapter_bytes)
+        record, replaced, ready_s = await gateway.registry.register(owner, name, adapter, Path(adapter.path), limits,
+                                                                    replace_existing, tenant)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    out = entry(name, gateway.registry.info(record), record, gateway.registry, tenant is None)
+    out.update(replaced=replaced.fingerprint if replaced is not None else None, ready_s=round(ready_s, 3))
+    return out, replaced
 
-    @app.post("/v1/adapters")
-    async def upload(request: Request) -> JSONResponse:
-        gateway, owner, tenant = await _caller(request)
-        owner = _owner_of(request, owner, tenant)
-        form = await _read_form(request, gateway.config.registry.max_upload_bytes)
+
+@router.post("/v1/adapters")
+async def upload(request: Request) -> JSONResponse:
+    gateway, owner, tenant = await _caller(request)
+    owner = _owner_of(request, owner, tenant)
+    form = await read_form(request, gateway.config.registry.max_upload_bytes)
+    try:
+        name = _check_name(form.get("name"))
+        out, replaced = await _register(gateway, owner, tenant, name, adapter_reader(form, gateway.catalog.base))
+    finally:
+        await form.close()
+    return JSONResponse(out, status_code=200 if replaced is not None else 201)
+
+
+def _visible(gateway: Gateway, tenant: Tenant | None) -> list[tuple[str, AdapterInfo, AdapterRecord | None]]:
+    """(name, info, its registry record or None for a config adapter) of what the caller sees."""
+    registry = gateway.registry
+    if tenant is not None:
+        records = {r.name: r for r in registry.owned(tenant.id)} | {r.name: r for r in registry.owned(SHARED)}
+        return [(n, info, records.get(n) if records.get(n) and records[n].fingerprint == info.fingerprint else None)
+                for n, info in registry.visible(tenant).items()]
+    shared = [(n, info, None) for n, info in registry.seed.items()]
+    return shared + [(r.name, registry.info(r), r) for r in registry.owned(None)]
+
+
+@router.get("/v1/adapters")
+async def list_adapters(request: Request) -> dict[str, Any]:
+    gateway, _, tenant = await _caller(request)
+    await gateway.registry.refresh_if_stale()
+    rows = _visible(gateway, tenant)
+    return {"object": "list",
+            "data": [entry(n, info, record, gateway.registry, tenant is None) for n, info, record in rows]}
+
+
+@router.get("/v1/adapters/{name}")
+async def get_adapter(name: str, request: Request) -> dict[str, Any]:
+    gateway, owner, tenant = await _caller(request)
+    owner = _owner_of(request, owner, tenant)
+    await gateway.registry.refresh_if_stale()
+    for n, info, record in _visible(gateway, tenant):
+        if n == name and (tenant is not None or info.owner == owner):
+            return entry(n, info, record, gateway.registry, tenant is None)
+    raise APIError(404, f"adapter {name[:80]!r} not found", "adapter_not_found")
+
+
+async def _delete(gateway: Gateway, owner: str, tenant: Tenant | None, name: str) -> AdapterRecord:
+    if tenant is not None:
+        visible = gateway.registry.visible(tenant).get(name)
+        if visible is not None and visible.owner != tenant.id:
+            raise APIError(403, f"adapter {name!r} is shared with this key by the operator; only the operator can "
+                           "remove it", "shared_adapter")
+    return await gateway.registry.unregister(owner, name)
+
+
+@router.delete("/v1/adapters/{name}")
+async def delete_adapter(name: str, request: Request) -> dict[str, Any]:
+    gateway, owner, tenant = await _caller(request)
+    record = await _delete(gateway, _owner_of(request, owner, tenant), tenant, name)
+    return {"object": "adapter.deleted", "name": name, "fingerprint": record.fingerprint, "deleted": True}
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> PlainTextResponse:
+    gateway, owner, tenant = await _caller(request)
+    body = await read_parsed(request, gateway, LoadLoRARequest)
+    name = _check_name(body.lora_name)
+    roots, base_dir = gateway.config.allowed_paths(), Path(gateway.config.base_dir)
+
+    def read(scratch: Path) -> LoRAAdapter:
         try:
-            name = _check_name(form.get("name"))
-            files = {k: form.get(k) for k in ("file", PEFT_CONFIG, PEFT_WEIGHTS)}
-            given = {k for k, v in files.items() if v is not None}
-            not_files = [k for k in given if not isinstance(files[k], UploadFile)]
-            if not_files:
-                raise APIError(400, f"{not_files[0]}: expected a file part", "invalid_value")
-            if given == {"file"}:
-                upload_file = files["file"]
+            return read_server_path(body.lora_path, roots, base_dir, gateway.catalog.base, scratch)
+        except PathNotAllowed as e:
+            raise _Refused(403, str(e), "path_not_allowed") from e
+        except FileNotFoundError as e:
+            raise _Refused(404, str(e), "adapter_path_not_found") from e
 
-                def make(scratch: Path):
-                    path = scratch / "adapter.gguf"
-                    _save(upload_file, path)
-                    return check_gguf(path, gateway.catalog.base)
-            elif given == {PEFT_CONFIG, PEFT_WEIGHTS}:
-                config_part, weights_part = files[PEFT_CONFIG], files[PEFT_WEIGHTS]
+    try:
+        await _register(gateway, owner, tenant, name, read, replace_existing=body.load_inplace)
+    except _Refused as e:
+        raise APIError(e.status, e.message, e.code) from None
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-                def make(scratch: Path):
-                    peft = scratch / "peft"
-                    peft.mkdir()
-                    _save(config_part, peft / PEFT_CONFIG)
-                    _save(weights_part, peft / PEFT_WEIGHTS)
-                    return convert_peft(peft, gateway.catalog.base, scratch / "adapter.gguf")
-            else:
-                raise APIError(400, f"send either a 'file' part (a GGUF adapter) or both '{PEFT_CONFIG}' and '{PEFT_WEIGHTS}' "
-                               f"(a PEFT adapter); got {', '.join(sorted(given)) or 'no file'}", "invalid_value")
-            out, replaced = await _register(gateway, owner, tenant, name, make)
-        finally:
-            await form.close()
-        return JSONResponse(out, status_code=200 if replaced is not None else 201)
 
-    def _visible(gateway, owner: str, tenant) -> list[tuple[str, AdapterInfo, AdapterRecord | None]]:
-        registry = gateway.registry
-        if tenant is not None:
-            records = {r.name: r for r in registry.owned(tenant.id)} | {r.name: r for r in registry.owned(SHARED)}
-            return [(n, info, records.get(n) if records.get(n) and records[n].fingerprint == info.fingerprint else None)
-                    for n, info in registry.visible(tenant).items()]
-        shared = [(n, info, None) for n, info in registry.seed.items()]
-        return shared + [(r.name, registry.info(r), r) for r in registry.owned(None)]
-
-    @app.get("/v1/adapters")
-    async def list_adapters(request: Request) -> dict[str, Any]:
-        gateway, owner, tenant = await _caller(request)
-        await gateway.registry.refresh_if_stale()
-        rows = _visible(gateway, owner, tenant)
-        return {"object": "list", "data": [entry(n, info, record, gateway.registry, tenant is None) for n, info, record in rows]}
-
-    @app.get("/v1/adapters/{name}")
-    async def get_adapter(name: str, request: Request) -> dict[str, Any]:
-        gateway, owner, tenant = await _caller(request)
-        owner = _owner_of(request, owner, tenant)
-        await gateway.registry.refresh_if_stale()
-        for n, info, record in _visible(gateway, owner, tenant):
-            if n == name and (tenant is not None or info.owner == owner):
-                return entry(n, info, record, gateway.registry, tenant is None)
-        raise APIError(404, f"adapter {name[:80]!r} not found", "adapter_not_found")
-
-    async def _delete(gateway, owner: str, tenant, name: str) -> AdapterRecord:
-        if tenant is not None:
-            visible = gateway.registry.visible(tenant).get(name)
-            if visible is not None and visible.owner != tenant.id:
-                raise APIError(403, f"adapter {name!r} is shared with this key by the operator; only the operator can remove it", "shared_adapter")
-        return await gateway.registry.unregister(owner, name)
-
-    @app.delete("/v1/adapters/{name}")
-    async def delete_adapter(name: str, request: Request) -> dict[str, Any]:
-        gateway, owner, tenant = await _caller(request)
-        record = await _delete(gateway, _owner_of(request, owner, tenant), tenant, name)
-        return {"object": "adapter.deleted", "name": name, "fingerprint": record.fingerprint, "deleted": True}
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request) -> PlainTextResponse:
-        gateway, owner, tenant = await _caller(request)
-        body = parse(LoadLoRARequest, load_json(await read_body(request, gateway.config.http.max_body_bytes)))
-        name = _check_name(body.lora_name)
-        roots, base_dir = gateway.config.allowed_paths(), Path(gateway.config.base_dir)
-
-        def make(scratch: Path):
-            try:
-                return read_server_path(body.lora_path, roots, base_dir, gateway.catalog.base, scratch)
-            except PathNotAllowed as e:
-                raise _Refused(403, str(e), "path_not_allowed") from e
-            except FileNotFoundError as e:
-                raise _Refused(404, str(e), "adapter_path_not_found") from e
-
-        try:
-            await _register(gateway, owner, tenant, name, make, replace_existing=body.load_inplace)
-        except _Refused as e:
-            raise APIError(e.status, e.message, e.code) from None
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
-        gateway, owner, tenant = await _caller(request)
-        body = parse(UnloadLoRARequest, load_json(await read_body(request, gateway.config.http.max_body_bytes)))
-        await _delete(gateway, owner, tenant, body.lora_name)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+    gateway, owner, tenant = await _caller(request)
+    body = await read_parsed(request, gateway, UnloadLoRARequest)
+    await _delete(gateway, owner, tenant, body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 class _Refused(Exception):
     def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
-
-
-def _save(part: UploadFile, path: Path) -> None:
-    part.file.seek(0)
-    with open(path, "wb") as out:
-        shutil.copyfileobj(part.file, out, 1 << 20)
-
-
-async def _read_form(request: Request, limit: int):
-    """The multipart form, read to at most `limit` bytes (413 beyond, whatever the header said)."""
-    content_type = request.headers.get("content-type", "")
-    if not content_type.startswith("multipart/form-data"):
-        raise APIError(400, "expected a multipart/form-data body: a 'name' field and a 'file' part, or "
-                       f"'{PEFT_CONFIG}' and '{PEFT_WEIGHTS}' parts", "invalid_value")
-    if int(request.headers.get("content-length") or 0) > limit:
-        raise APIError(413, f"upload over {limit} bytes (registry.max_upload_bytes)", "body_too_large")
-    spool = tempfile.SpooledTemporaryFile(max_size=8 << 20)
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            spool.close()
-            raise APIError(413, f"upload over {limit} bytes (registry.max_upload_bytes)", "body_too_large")
-        spool.write(chunk)
-    spool.seek(0)
-
-    async def receive() -> dict[str, Any]:
-        chunk = spool.read(1 << 20)
-        return {"type": "http.request", "body": chunk, "more_body": bool(chunk)}
-
-    try:
-        return await Request(request.scope, receive).form(max_files=len(UPLOAD_PARTS), max_fields=len(UPLOAD_PARTS))
-    except Exception as e:  # a malformed multipart body, too many parts
-        raise APIError(400, f"the multipart body cannot be read: {getattr(e, 'detail', None) or e}", "invalid_value") from e
-    finally:
-        spool.close()

@@ -13,7 +13,6 @@ from pydantic import Field, field_validator, model_validator
 
 from gateway.api.protocol import (
     MAX_ADAPTER_SCALE,
-    MAX_LOGIT_BIAS,
     MAX_MESSAGES,
     MAX_SEED,
     MAX_TOKENS,
@@ -27,14 +26,16 @@ from gateway.api.protocol import (
     refuse_unless_unused,
     stops_of,
 )
+from worker.contract.params import MAX_LOGIT_BIAS
 
 MAX_LLAMA_STOP = 16
 # llama-server sampler fields we do not run, and the values that leave them off
-_LLAMA_OFF = {"mirostat": (0, None), "dynatemp_range": (0, 0.0, None), "top_n_sigma": (-1, -1.0, 0, 0.0, None), "xtc_probability": (0, 0.0, None),
-              "typical_p": (1, 1.0, None), "dry_multiplier": (0, 0.0, None), "min_keep": (0, None), "grammar_lazy": (False, None)}
+_LLAMA_OFF = {"mirostat": (0, None), "dynatemp_range": (0, 0.0, None), "top_n_sigma": (-1, -1.0, 0, 0.0, None),
+              "xtc_probability": (0, 0.0, None), "typical_p": (1, 1.0, None), "dry_multiplier": (0, 0.0, None),
+              "min_keep": (0, None), "grammar_lazy": (False, None)}
 # llama-server's sampler names (and the letters of its string form); those we run must come in our order
-_LLAMA_SAMPLERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p", "m": "min_p", "x": "xtc",
-                   "t": "temperature"}
+_LLAMA_SAMPLERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
+                   "m": "min_p", "x": "xtc", "t": "temperature"}
 _OUR_ORDER = ["top_k", "top_p", "min_p", "temperature"]
 
 
@@ -53,7 +54,8 @@ class LlamaCompletionRequest(_Generation):
     """llama-server's `POST /completion`."""
 
     prompt: str | list[int]
-    n_predict: int | None = Field(None, ge=-1, le=MAX_TOKENS)  # absent: the server's default; -1: until the end of generation
+    # absent: the server's default; -1: until the end of generation
+    n_predict: int | None = Field(None, ge=-1, le=MAX_TOKENS)
     temperature: float = Field(0.8, ge=0.0, le=100.0, allow_inf_nan=False)
     top_p: float = Field(0.95, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(40, ge=0, le=MAX_TOP_K)
@@ -94,7 +96,8 @@ class LlamaCompletionRequest(_Generation):
 
     json_schema: dict[str, Any] | bool | None = None  # the output follows this JSON Schema
     grammar: str | None = None  # or this GBNF grammar
-    post_sampling_probs: bool = False  # n_probs of the distribution each token was drawn from (after the sampler's filters)
+    # n_probs of the distribution each token was drawn from (after the sampler's filters)
+    post_sampling_probs: bool = False
     return_tokens: bool = False  # list the generated token ids in `tokens` (streamed events always do)
 
     @model_validator(mode="before")
@@ -103,7 +106,8 @@ class LlamaCompletionRequest(_Generation):
         if isinstance(data, dict):
             refuse_unless_unused(data, _LLAMA_OFF, " (its samplers: penalties, top_k, top_p, min_p, temperature)")
             if data.get("samplers") is not None and not _samplers_we_run_in_order(data["samplers"]):
-                raise ValueError("'samplers' is supported only in this server's order: penalties, top_k, top_p, min_p, temperature")
+                raise ValueError("'samplers' is supported only in this server's order: penalties, top_k, top_p, min_p, "
+                                 "temperature")
         return data
 
     @model_validator(mode="after")

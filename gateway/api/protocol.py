@@ -10,20 +10,23 @@ ignored.
 
 from __future__ import annotations
 
-import functools
-import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from worker.contract.params import MAX_CHOICES, MAX_LOGIT_BIAS
 
 
 class APIError(Exception):
     """An error answered as `{"error": {"message", "type", "code"}}` with an HTTP status."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
+    TYPES: ClassVar[dict[int, str]] = {
+        400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+        413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error",
+    }
 
-    def __init__(self, status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.headers = status, message, code, headers or {}
 
@@ -31,7 +34,8 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"), "code": self.code}}
 
 
-# Every number a client sends has a finite bound, checked here before any work (README, "Limits").
+# Every number a client sends has a finite bound, checked here before any work (README, "Limits");
+# the bounds a worker shares (choices, logit biases) are the contract's (worker/contract/params.py).
 MAX_ADAPTER_SCALE = 100.0  # |scale| of a request's adapter
 MAX_LORA_ENTRIES = 32
 MAX_STOP = 4  # OpenAI's; llama-server's /completion takes more (gateway/api/llama_protocol.py)
@@ -41,12 +45,11 @@ MAX_TOKENS = 1_000_000  # and at most what fits the context (gateway/admission.p
 MAX_MESSAGES = 1024
 MAX_NAME_CHARS = 256  # model and adapter names, cache salts
 MAX_SEED = 2**63
-MAX_LOGIT_BIAS = 1024  # entries (OpenAI allows 300)
-MAX_CHOICES = 16  # n and best_of (each choice takes a KV slot; a worker has few)
 MAX_TOOLS = 128
 # OpenAI fields we do not support, and the value that means "not used"
-_UNSUPPORTED_AT = {"functions": (None, []), "function_call": (None, "none", "auto"), "suffix": (None, ""), "audio": (None,),
-                   "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,)}
+_UNSUPPORTED_AT = {"functions": (None, []), "function_call": (None, "none", "auto"), "suffix": (None, ""),
+                   "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+                   "web_search_options": (None,)}
 
 
 def refuse_unless_unused(data: Any, unused: dict[str, tuple], why: str) -> None:
@@ -91,7 +94,8 @@ class _Generation(_Body):
     lora: list[LoraEntry] | None = Field(None, max_length=MAX_LORA_ENTRIES)
     cache_salt: str | None = Field(None, max_length=MAX_NAME_CHARS)
     ignore_eos: bool = False
-    timeout_s: float | None = Field(None, gt=0, le=24 * 3600, allow_inf_nan=False)  # this request's deadline (at most the server's)
+    # this request's deadline (at most the server's)
+    timeout_s: float | None = Field(None, gt=0, le=24 * 3600, allow_inf_nan=False)
 
 
 class _Sampling(_Generation):
@@ -106,7 +110,8 @@ class _Sampling(_Generation):
     seed: int | None = Field(None, ge=0, lt=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)  # over the generated tokens, as OpenAI
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)  # vLLM's extension (here over the generated tokens too)
+    # vLLM's extension (here over the generated tokens too)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)  # vLLM's extension
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     response_format: dict[str, Any] | None = None
@@ -140,7 +145,8 @@ class _Sampling(_Generation):
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
                 raise ValueError("response_format json_schema needs a 'json_schema' object with a 'schema'")
             return "json_schema", spec.get("schema", {})
-        raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {fmt.get('type')!r}")
+        raise ValueError("response_format type must be 'text', 'json_object' or 'json_schema', "
+                         f"got {fmt.get('type')!r}")
 
     @property
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -149,7 +155,7 @@ class _Sampling(_Generation):
         for key, bias in (self.logit_bias or {}).items():
             if not key.isdigit() or len(key) > 12:
                 raise ValueError(f"logit_bias keys are token ids, got {key!r}")
-            if not -100 <= bias <= 100 or bias != bias:
+            if not -100 <= bias <= 100:  # NaN too
                 raise ValueError(f"logit_bias values must be between -100 and 100, got {bias}")
             pairs.append((int(key), float(bias)))
         return tuple(pairs)
@@ -160,7 +166,8 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS)  # null: the server's default
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # sample this many, answer the n of highest mean token log-probability
+    # sample this many, answer the n of highest mean token log-probability
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
 
     @model_validator(mode="after")
     def _best_of(self) -> CompletionRequest:
@@ -271,70 +278,3 @@ class ChatRequest(_Sampling):
     def token_limit(self) -> int | None:
         """The completion's limit; None: the server's default."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-MAX_JSON_DEPTH = 32
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def load_json(body: bytes) -> Any:
-    """A request body's JSON: 400 when malformed, nested deeper than MAX_JSON_DEPTH, holding
-    NaN or Infinity, or a string that is not valid Unicode (a lone surrogate)."""
-    try:
-        data = json.loads(body, parse_constant=_no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
-        raise APIError(400, f"malformed JSON body: {e}", "invalid_json") from e
-    except RecursionError as e:
-        raise APIError(400, f"JSON body nested deeper than {MAX_JSON_DEPTH} levels", "invalid_json") from e
-    stack = [(data, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, str):
-            _check_unicode(value)
-        elif isinstance(value, dict | list):
-            if depth > MAX_JSON_DEPTH:
-                raise APIError(400, f"JSON body nested deeper than {MAX_JSON_DEPTH} levels", "invalid_json")
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, item in items:
-                if isinstance(key, str):
-                    _check_unicode(key)
-                stack.append((item, depth + 1))
-    return data
-
-
-def _check_unicode(text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError(400, f"a string in the body is not valid Unicode (a lone surrogate U+{ord(text[e.start]):04X})", "invalid_json") from e
-
-
-@functools.cache
-def _adapter(model: Any) -> TypeAdapter:
-    return TypeAdapter(model, config=None if isinstance(model, type) and issubclass(model, BaseModel) else ConfigDict(strict=True))
-
-
-async def read_body(request, limit: int) -> bytes:
-    """A request's body, 413 past `limit` bytes (the header's claim, or what is actually sent)."""
-    if int(request.headers.get("content-length") or 0) > limit:
-        raise APIError(413, f"request body over {limit} bytes", "body_too_large")
-    body = bytearray()
-    async for part in request.stream():  # stop reading at the limit, whatever the header said
-        body += part
-        if len(body) > limit:
-            raise APIError(413, f"request body over {limit} bytes", "body_too_large")
-    return bytes(body)
-
-
-def parse(model: Any, data: Any) -> Any:
-    """Validate a JSON body against a model (or a list of one); a bad one is a 400 naming the field."""
-    try:
-        return _adapter(model).validate_python(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"] if not isinstance(p, str) or not p.startswith(("function-", "list[", "str", "int")))
-        message = err["msg"].removeprefix("Value error, ")
-        raise APIError(400, f"{where}: {message}" if where else message, "invalid_value") from e

@@ -32,51 +32,56 @@ def openai_params(gateway: Gateway, num_prompt_tokens: int, max_tokens: int | No
     choices from one prefill (each takes a KV slot, so at most a worker's slots)."""
     if max_tokens is None:
         max_tokens = gateway.admission.default_max_tokens(num_prompt_tokens)
-    slots = gateway.config.engine.num_slots
-    if n > slots:
-        raise APIError(400, f"n ({n}) is more than this server runs at once per worker ({slots})", "invalid_value")
+    num_seq_slots = gateway.config.engine.num_seq_slots
+    if n > num_seq_slots:
+        raise APIError(400, f"n ({n}) is more than this server runs at once per worker ({num_seq_slots})",
+                       "invalid_value")
     return _checked(lambda: SamplingParams(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-        top_k=max(body.top_k, 0), seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, echo=echo, stop=tuple(body.stop_list),
-        logit_bias=body.bias_pairs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repeat_penalty=body.repetition_penalty, min_p=body.min_p, grammar=grammar, n=n, temperature_last=False,
+        top_k=max(body.top_k, 0), seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, echo=echo,
+        stop=tuple(body.stop_list), logit_bias=body.bias_pairs, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repeat_penalty=body.repetition_penalty, min_p=body.min_p,
+        grammar=grammar, n=n, temperature_last=False,
     ))
 
 
-def llama_params(gateway: Gateway, num_prompt_tokens: int, body: LlamaCompletionRequest, grammar: str | None = None) -> SamplingParams:
+def llama_params(gateway: Gateway, num_prompt_tokens: int, body: LlamaCompletionRequest,
+                 grammar: str | None = None) -> SamplingParams:
     """/completion: llama.cpp's defaults, its penalties over the last repeat_last_n tokens of prompt and output."""
     n_predict = gateway.admission.default_max_tokens(num_prompt_tokens) if body.n_predict is None else body.n_predict
     return _checked(lambda: SamplingParams(
         max_tokens=n_predict, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         seed=None if body.seed in (None, -1) else body.seed, ignore_eos=body.ignore_eos, logprobs=body.n_probs or None,
-        post_sampling_probs=body.post_sampling_probs,
-        stop=tuple(body.stop), logit_bias=_llama_bias(gateway, body), min_p=body.min_p, repeat_penalty=body.repeat_penalty,
-        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        penalty_last_n=body.repeat_last_n, penalize_prompt=True, grammar=grammar,
+        post_sampling_probs=body.post_sampling_probs, stop=tuple(body.stop), logit_bias=_llama_bias(gateway, body),
+        min_p=body.min_p, repeat_penalty=body.repeat_penalty, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, penalty_last_n=body.repeat_last_n, penalize_prompt=True,
+        grammar=grammar,
     ))
 
 
 LLAMA_RANDOM_SEED = 0xFFFFFFFF  # what llama-server reports for a random seed
 SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]  # our chain, in llama-server's names
 # llama.cpp samplers we do not run, at the values that leave them off (llama-server reports them; a request
-# that turns one on is refused: gateway/api/protocol.py)
-_OFF = {"dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
-        "typical_p": 1.0, "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
-        "dry_sequence_breakers": ["\n", ":", "\"", "*"], "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
-        "adaptive_target": -1.0, "adaptive_decay": 0.9, "min_keep": 0}
+# that turns one on is refused: gateway/api/llama_protocol.py)
+_OFF = {"dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0,
+        "xtc_threshold": 0.1, "typical_p": 1.0, "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2,
+        "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n", ":", "\"", "*"], "mirostat": 0, "mirostat_tau": 5.0,
+        "mirostat_eta": 0.1, "adaptive_target": -1.0, "adaptive_decay": 0.9, "min_keep": 0}
 
 
-def settings_of(params: SamplingParams, stream: bool = False) -> dict[str, Any]:
+def settings_of(params: SamplingParams, is_streamed: bool = False) -> dict[str, Any]:
     """The parameters as llama-server reports them (`generation_settings`, `/props`), with the same keys."""
     return {
         "seed": LLAMA_RANDOM_SEED if params.seed is None else params.seed, "temperature": params.temperature,
         "top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p, **_OFF,
         "repeat_last_n": params.penalty_last_n, "repeat_penalty": params.repeat_penalty,
         "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
-        "stop": list(params.stop), "max_tokens": params.max_tokens, "n_predict": params.max_tokens, "n_keep": 0, "n_discard": 0,
-        "ignore_eos": params.ignore_eos, "stream": stream, "logit_bias": [[t, b] for t, b in params.logit_bias],
+        "stop": list(params.stop), "max_tokens": params.max_tokens, "n_predict": params.max_tokens, "n_keep": 0,
+        "n_discard": 0,
+        "ignore_eos": params.ignore_eos, "stream": is_streamed, "logit_bias": [[t, b] for t, b in params.logit_bias],
         "n_probs": params.logprobs or 0, "grammar": params.grammar or "", "grammar_lazy": False, "grammar_triggers": [],
-        "preserved_tokens": [], "chat_format": "Content-only", "reasoning_format": "none", "reasoning_in_content": False,
+        "preserved_tokens": [], "chat_format": "Content-only", "reasoning_format": "none",
+        "reasoning_in_content": False,
         "generation_prompt": "", "samplers": SAMPLERS, "speculative.types": "none", "timings_per_token": False,
         "post_sampling_probs": params.post_sampling_probs, "backend_sampling": False, "lora": [],
     }
@@ -91,7 +96,8 @@ async def compiled_grammar(gateway: Gateway, body, field: str, tools: ToolPlan |
     if body.grammar_source() is None:
         return None
     kind, spec = body.grammar_source()
-    make = {"json_object": json_object_grammar, "json_schema": lambda: json_schema_grammar(spec), "gbnf": lambda: gbnf_grammar(spec)}[kind]
+    make = {"json_object": json_object_grammar, "json_schema": lambda: json_schema_grammar(spec),
+            "gbnf": lambda: gbnf_grammar(spec)}[kind]
     return await asyncio.to_thread(_checked_grammar, gateway, field, make)
 
 

@@ -51,7 +51,8 @@ class Function:
     parameters: dict[str, Any]
 
     def as_tool(self) -> dict[str, Any]:
-        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": function}
 
     def call_schema(self, pointer: str) -> dict[str, Any]:
         """{"name", "arguments"} of a call of this function, for a schema placed at JSON pointer
@@ -64,8 +65,8 @@ class Function:
 def _rebased(schema: Any, pointer: str) -> Any:
     """A copy of `schema` with its local references ("#/...") made to point below `pointer`."""
     if isinstance(schema, dict):
-        return {k: "#" + pointer + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, pointer)
-                for k, v in schema.items()}
+        return {k: "#" + pointer + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                else _rebased(v, pointer) for k, v in schema.items()}
     if isinstance(schema, list):
         return [_rebased(v, pointer) for v in schema]
     return schema
@@ -116,7 +117,9 @@ class ToolPlan:
         return self.choice != "auto"
 
     def allowed(self) -> list[Function]:
-        return self.functions if self.choice in ("auto", "required") else [f for f in self.functions if f.name == self.choice]
+        if self.choice in ("auto", "required"):
+            return self.functions
+        return [f for f in self.functions if f.name == self.choice]
 
     # to the model
 
@@ -128,7 +131,8 @@ class ToolPlan:
         if self.is_forced:
             ask = f"Respond in JSON format with a call of one of these tools: {shape}"
         else:
-            ask = f'Respond in JSON format, either with a call of a tool: {shape}, or with a reply to the user: {{"response": "<your reply>"}}'
+            ask = (f"Respond in JSON format, either with a call of a tool: {shape}, "
+                   'or with a reply to the user: {"response": "<your reply>"}')
         return f"You can use these tools:\n{listing}\n\n{ask}"
 
     def template_tools(self) -> list[dict[str, Any]]:
@@ -148,13 +152,19 @@ class ToolPlan:
                 return None
             block = f'"{OPEN}\\n" call "\\n{CLOSE}"'
             body = json.dumps({**calls(""), "x-guidance": JSON_OPTIONS})
-            return gbnf_grammar(f"start: {block} (\"\\n\" {block})*\ncall: %json {body}" if self.parallel else f"start: {block}\ncall: %json {body}")
+            start = f'{block} ("\\n" {block})*' if self.parallel else block
+            return gbnf_grammar(f"start: {start}\ncall: %json {body}")
         key = "tool_calls" if self.parallel else "tool_call"
         root = "" if self.is_forced else "/anyOf/0"
-        value = {"type": "array", "items": calls(f"{root}/properties/{key}/items"), "minItems": 1} if self.parallel else calls(f"{root}/properties/{key}")
-        schema: dict[str, Any] = {"type": "object", "properties": {key: value}, "required": [key], "additionalProperties": False}
+        if self.parallel:
+            value = {"type": "array", "items": calls(f"{root}/properties/{key}/items"), "minItems": 1}
+        else:
+            value = calls(f"{root}/properties/{key}")
+        schema: dict[str, Any] = {"type": "object", "properties": {key: value}, "required": [key],
+                                  "additionalProperties": False}
         if not self.is_forced:
-            reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"], "additionalProperties": False}
+            reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                     "additionalProperties": False}
             schema = {"anyOf": [schema, reply]}
         return json_schema_grammar(schema)
 
@@ -167,7 +177,8 @@ class ToolPlan:
         """A whole answer as (content, calls); content is None when there are calls and nothing else."""
         reader = self.reader()
         events = reader.feed(text) + reader.finish()
-        calls = [ToolCall(e["id"], e["function"]["name"], e["function"]["arguments"]) for e in events if isinstance(e, dict)]
+        calls = [ToolCall(e["id"], e["function"]["name"], e["function"]["arguments"])
+                 for e in events if isinstance(e, dict)]
         content = "".join(e for e in events if isinstance(e, str))
         return (content or None) if calls else content, calls
 
@@ -209,7 +220,8 @@ class ToolReader:
             if not self._in_call:
                 at = self._pending.find(OPEN)
                 if at < 0:  # hold back what may be the start of a block
-                    keep = next((n for n in range(min(len(OPEN) - 1, len(self._pending)), 0, -1) if OPEN.startswith(self._pending[-n:])), 0)
+                    longest = min(len(OPEN) - 1, len(self._pending))
+                    keep = next((n for n in range(longest, 0, -1) if OPEN.startswith(self._pending[-n:])), 0)
                     cut = len(self._pending) - keep
                     self._emit(events, self._pending[:cut])
                     self._pending = self._pending[cut:]
@@ -219,7 +231,8 @@ class ToolReader:
             end = self._pending.find(CLOSE)
             if end < 0:
                 return events
-            block, self._pending, self._in_call = self._pending[: end + len(CLOSE)], self._pending[end + len(CLOSE) :], False
+            end += len(CLOSE)
+            block, self._pending, self._in_call = self._pending[:end], self._pending[end:], False
             self._emit(events, self._block(block) or block)
 
     def _block(self, block: str) -> ToolCall | None:
@@ -233,7 +246,8 @@ class ToolReader:
         rest, self._pending = self._pending, ""
         events: list[str | dict[str, Any]] = []
         if self.plan.style == HERMES:
-            self._emit(events, (self._block(rest + CLOSE) if self._in_call else None) or rest)  # a block left open by the end
+            left_open = self._block(rest + CLOSE) if self._in_call else None  # a block left open by the end
+            self._emit(events, left_open or rest)
             self._in_call = False
             return events
         try:
@@ -243,7 +257,10 @@ class ToolReader:
         if isinstance(data, dict) and isinstance(data.get("response"), str):
             self._emit(events, data["response"])
             return events
-        items = data.get("tool_calls") if isinstance(data, dict) and "tool_calls" in data else [data.get("tool_call")] if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            items = None
+        else:
+            items = data.get("tool_calls") if "tool_calls" in data else [data.get("tool_call")]
         calls = [_call_of(item, self.plan.names) for item in items] if isinstance(items, list) and items else []
         if calls and all(c is not None for c in calls):
             for call in calls:
@@ -258,7 +275,8 @@ def plan_of(body, style: str) -> ToolPlan | None:
     choice = body.tool_choice
     if not body.tools or choice == "none":
         return None
-    functions = [Function(t.function.name, t.function.description or "", t.function.parameters or dict(_EMPTY_PARAMETERS)) for t in body.tools]
+    functions = [Function(t.function.name, t.function.description or "",
+                          t.function.parameters or dict(_EMPTY_PARAMETERS)) for t in body.tools]
     if len({f.name for f in functions}) < len(functions):
         raise ValueError("tools: function names must be unique")
     if isinstance(choice, Mapping) or hasattr(choice, "function"):
@@ -280,10 +298,12 @@ def chat_messages(messages: Sequence[Mapping[str, Any]], plan: ToolPlan | None, 
         for call in calls:
             names[call["id"]] = call["function"]["name"]
         if role == "assistant" and calls:
-            parsed = [{"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])} for c in calls]
+            parsed = [{"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}
+                      for c in calls]
             if style == HERMES:
                 out.append({"role": "assistant", "content": content,
-                            "tool_calls": [{"id": c["id"], "type": "function", "function": p} for c, p in zip(calls, parsed)]})
+                            "tool_calls": [{"id": c["id"], "type": "function", "function": p}
+                                           for c, p in zip(calls, parsed)]})
             else:
                 data = {"tool_calls": parsed} if len(parsed) > 1 else {"tool_call": parsed[0]}
                 out.append({"role": "assistant", "content": json.dumps(data, ensure_ascii=False)})
@@ -292,7 +312,8 @@ def chat_messages(messages: Sequence[Mapping[str, Any]], plan: ToolPlan | None, 
             if style == HERMES:
                 out.append({"role": "tool", "content": content, "tool_call_id": m.get("tool_call_id"), "name": name})
             else:
-                out.append({"role": "user", "content": json.dumps({"tool_response": {"name": name, "content": content}}, ensure_ascii=False)})
+                response = {"tool_response": {"name": name, "content": content}}
+                out.append({"role": "user", "content": json.dumps(response, ensure_ascii=False)})
         else:
             out.append({"role": role, "content": content})
     if plan is not None and style == GENERIC:

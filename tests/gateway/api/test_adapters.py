@@ -26,11 +26,12 @@ def setup(tiny_llama, tmp_path_factory):
     allowed = directory / "allowed"
     allowed.mkdir()
     prefix = f"loraplex-test-{uuid.uuid4().hex}"
-    tenants = [{"id": "t1", "key_sha256": [digest(KEYS["t1"])]}, {"id": "t2", "key_sha256": [digest(KEYS["t2"])], "adapters": ["b"]},
+    tenants = [{"id": "t1", "key_sha256": [digest(KEYS["t1"])]},
+               {"id": "t2", "key_sha256": [digest(KEYS["t2"])], "adapters": ["b"]},
                {"id": "quota", "key_sha256": [digest(QUOTA_KEY)], "max_adapters": 1, "max_adapter_bytes": 15_000}]
     config = tiny_config(tiny_llama, directory, prefix, tenants=tenants, registry={
-        "store_dir": str(directory / "store"), "allowed_paths": [str(allowed)], "poll_interval_s": 0.2, "garbage_age_s": 0,
-        "resync_interval_s": 0.5})
+        "store_dir": str(directory / "store"), "allowed_paths": [str(allowed)], "poll_interval_s": 0.2,
+        "garbage_age_s": 0, "resync_interval_s": 0.5})
     saved = worker.engine.pins.DRAIN_GRACE_S
     worker.engine.pins.DRAIN_GRACE_S = 0.2
     app, pool = local_app(config)
@@ -77,7 +78,8 @@ def test_an_uploaded_adapter_serves_at_once_for_its_tenant_only(setup, tiny_llam
     served = greedy(client, "bot")
     assert served.status_code == 200, served.text
     base = greedy(client, "tiny")
-    assert served.json()["choices"][0]["logprobs"]["token_logprobs"] != base.json()["choices"][0]["logprobs"]["token_logprobs"]
+    logprobs = [r.json()["choices"][0]["logprobs"]["token_logprobs"] for r in (served, base)]
+    assert logprobs[0] != logprobs[1]
     assert "bot" in [m["id"] for m in client.get("/v1/models", headers=auth()).json()["data"]]
     assert "bot" in [a["name"] for a in client.get("/lora-adapters", headers=auth()).json()]
     # tenant t2 cannot see, use, read or delete it, and has its own name space
@@ -96,7 +98,8 @@ def test_an_uploaded_adapter_serves_at_once_for_its_tenant_only(setup, tiny_llam
 
 def test_replacing_moves_the_name_and_never_serves_the_old_kv(setup, tiny_llama) -> None:
     client, pool, directory, _, gateway, _ = setup
-    first, second = adapter_file(tiny_llama, directory / "v1.gguf", 21), adapter_file(tiny_llama, directory / "v2.gguf", 22)
+    first = adapter_file(tiny_llama, directory / "v1.gguf", 21)
+    second = adapter_file(tiny_llama, directory / "v2.gguf", 22)
     assert upload(client, "swap", first).status_code == 201
     old = greedy(client, "swap")
     again = greedy(client, "swap")
@@ -131,15 +134,18 @@ SPEC_ERRORS = [
     ({"general_type": "model"}, "expect general.type to be 'adapter', but got: model"),
     ({"arch": "qwen2"}, "model arch and LoRA arch mismatch"),
     ({"adapter_type": "ia3"}, "expect adapter.type to be 'lora', but got: ia3"),
-    ({"metadata": {"adapter.alora.invocation_tokens": (GGUFValueType.UINT32, 5, None)}}, "invalid gguf type for adapter.alora.invocation_tokens"),
+    ({"metadata": {"adapter.alora.invocation_tokens": (GGUFValueType.UINT32, 5, None)}},
+     "invalid gguf type for adapter.alora.invocation_tokens"),
     ({"metadata": {"adapter.alora.invocation_tokens": (GGUFValueType.ARRAY, [1, 2], GGUFValueType.INT32)}},
      "invalid gguf element type for adapter.alora.invocation_tokens"),
-    ({"extra_tensors": {"blk.0.attn_q.weight.lora_c": np.zeros((4, 64), np.float32)}}, "LoRA tensor 'blk.0.attn_q.weight.lora_c' has unexpected suffix"),
+    ({"extra_tensors": {"blk.0.attn_q.weight.lora_c": np.zeros((4, 64), np.float32)}},
+     "LoRA tensor 'blk.0.attn_q.weight.lora_c' has unexpected suffix"),
 ]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), SPEC_ERRORS)
-def test_a_malformed_upload_is_a_400_with_llama_cpps_message_and_changes_nothing(setup, tiny_llama, kwargs, message) -> None:
+def test_a_malformed_upload_is_a_400_with_llama_cpps_message_and_changes_nothing(setup, tiny_llama, kwargs,
+                                                                                 message) -> None:
     client, pool, directory, _, gateway, _ = setup
     before = client.get("/v1/adapters", headers=auth()).json()
     r = upload(client, "broken", adapter_file(tiny_llama, directory / "broken.gguf", 41, **kwargs))
@@ -182,7 +188,8 @@ def test_uploads_that_are_not_one_adapter_are_refused_clearly(setup, tiny_llama)
     assert r.status_code == 400 and "send either a 'file' part" in r.json()["error"]["message"]
     r = client.post("/v1/adapters", headers=auth(), json={"name": "x"})
     assert r.status_code == 400 and "multipart/form-data" in r.json()["error"]["message"]
-    r = client.post("/v1/adapters", headers={**auth(), "content-type": "multipart/form-data; boundary=zz"}, content=b"--zz\r\ngarbage")
+    r = client.post("/v1/adapters", headers={**auth(), "content-type": "multipart/form-data; boundary=zz"},
+                    content=b"--zz\r\ngarbage")
     assert r.status_code == 400
     assert client.post("/v1/adapters", files={"file": ("a", b"x")}, data={"name": "x"}).status_code == 401
 
@@ -196,7 +203,8 @@ def test_quotas_are_a_clear_403_and_leave_the_registry_as_it_was(setup, tiny_lla
     big = write_adapter(directory / "big.gguf", random_lora(tiny_llama, ATTN, 16, seed=63))
     r = upload(client, "one", big, key=QUOTA_KEY)  # replacing counts its new size
     assert r.status_code == 403 and "over its limit of 15000" in r.json()["error"]["message"]
-    names = [a["name"] for a in client.get("/v1/adapters", headers={"Authorization": f"Bearer {QUOTA_KEY}"}).json()["data"] if not a["shared"]]
+    listed = client.get("/v1/adapters", headers={"Authorization": f"Bearer {QUOTA_KEY}"}).json()["data"]
+    names = [a["name"] for a in listed if not a["shared"]]
     assert names == ["one"]
 
 
@@ -205,11 +213,14 @@ def test_vllm_load_and_unload_read_only_allowed_paths(setup, tiny_llama) -> None
     inside = adapter_file(tiny_llama, allowed / "vl.gguf", 71)
     outside = adapter_file(tiny_llama, directory / "secret.gguf", 72)
     (allowed / "link.gguf").symlink_to(outside)
-    for path in (str(outside), str(allowed / ".." / "secret.gguf"), str(allowed / "link.gguf"), "/etc/passwd", "relative/../../x"):
+    refused = (str(outside), str(allowed / ".." / "secret.gguf"), str(allowed / "link.gguf"), "/etc/passwd",
+               "relative/../../x")
+    for path in refused:
         r = client.post("/v1/load_lora_adapter", headers=auth(), json={"lora_name": "vl", "lora_path": path})
         assert r.status_code == 403, (path, r.text)
         assert "secret" not in r.text and "passwd" not in r.text and str(directory) not in r.text
-    r = client.post("/v1/load_lora_adapter", headers=auth(), json={"lora_name": "vl", "lora_path": str(allowed / "missing.gguf")})
+    r = client.post("/v1/load_lora_adapter", headers=auth(),
+                    json={"lora_name": "vl", "lora_path": str(allowed / "missing.gguf")})
     assert r.status_code == 404
     r = client.post("/v1/load_lora_adapter", headers=auth(), json={"lora_name": "vl", "lora_path": str(inside)})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'vl' added successfully."
@@ -227,9 +238,11 @@ def test_a_peft_upload_is_converted_and_serves_what_the_converter_makes(setup, t
 
     client, pool, directory, _, gateway, _ = setup
     make_peft(tiny_llama, tmp_path / "peft", seed=3, target_modules=["q_proj", "v_proj"])
-    with open(tmp_path / "peft" / "adapter_config.json", "rb") as c, open(tmp_path / "peft" / "adapter_model.safetensors", "rb") as w:
+    peft = tmp_path / "peft"
+    with open(peft / "adapter_config.json", "rb") as c, open(peft / "adapter_model.safetensors", "rb") as w:
         r = client.post("/v1/adapters", headers=auth(), data={"name": "peft-bot"},
-                        files={"adapter_config.json": ("adapter_config.json", c), "adapter_model.safetensors": ("m.safetensors", w)})
+                        files={"adapter_config.json": ("adapter_config.json", c),
+                               "adapter_model.safetensors": ("m.safetensors", w)})
     assert r.status_code == 201, r.text
     assert set(r.json()["targets"]) == {"attn_q", "attn_v"}
     from worker.formats.gguf_file import GGUFFile
@@ -238,15 +251,18 @@ def test_a_peft_upload_is_converted_and_serves_what_the_converter_makes(setup, t
     convert_peft_to_gguf(tmp_path / "peft", tiny_llama.path, tmp_path / "ref.gguf", ConvertOptions())
     from worker.formats.adapter import load_adapter
 
-    assert r.json()["fingerprint"] == load_adapter(tmp_path / "ref.gguf", GGUFFile(tiny_llama.path)).fingerprint  # what convert-lora makes
+    reference = load_adapter(tmp_path / "ref.gguf", GGUFFile(tiny_llama.path))
+    assert r.json()["fingerprint"] == reference.fingerprint  # what convert-lora makes
     assert greedy(client, "peft-bot").status_code == 200
     with open(tmp_path / "peft" / "adapter_config.json", "rb") as c:
         r = client.post("/v1/adapters", headers=auth(), data={"name": "peft-bad"},
-                        files={"adapter_config.json": ("adapter_config.json", c), "adapter_model.safetensors": ("m", b"\x08\x00\x00\x00\x00\x00\x00\x00{}")})
+                        files={"adapter_config.json": ("adapter_config.json", c),
+                               "adapter_model.safetensors": ("m", b"\x08\x00\x00\x00\x00\x00\x00\x00{}")})
     assert r.status_code == 400 and "holds no LoRA tensors" in r.text
     with open(tmp_path / "peft" / "adapter_config.json", "rb") as c:
         r = client.post("/v1/adapters", headers=auth(), data={"name": "peft-bad"},
-                        files={"adapter_config.json": ("adapter_config.json", c), "adapter_model.safetensors": ("m", b"garbage" * 9)})
+                        files={"adapter_config.json": ("adapter_config.json", c),
+                               "adapter_model.safetensors": ("m", b"garbage" * 9)})
     assert r.status_code == 400 and str(tmp_path) not in r.text and str(directory) not in r.text
     assert client.get("/v1/adapters/peft-bad", headers=auth()).status_code == 404
 
@@ -255,7 +271,8 @@ def test_a_request_running_on_the_old_version_finishes_on_it(setup, tiny_llama) 
     import threading
 
     client, pool, directory, _, gateway, _ = setup
-    first, second = adapter_file(tiny_llama, directory / "r1.gguf", 81), adapter_file(tiny_llama, directory / "r2.gguf", 82)
+    first = adapter_file(tiny_llama, directory / "r1.gguf", 81)
+    second = adapter_file(tiny_llama, directory / "r2.gguf", 82)
     assert upload(client, "live", first).status_code == 201
     whole = greedy(client, "live", max_tokens=40, ignore_eos=True).json()["choices"][0]["text"]
     got: list[str] = []
@@ -282,7 +299,8 @@ def test_a_redis_that_comes_back_empty_gets_the_registry_back(setup, tiny_llama)
     time.sleep(0.3)
     assert client.get("/v1/adapters/durable", headers=auth()).json()["fingerprint"] == before["fingerprint"]
     assert greedy(client, "durable").status_code == 200
-    assert r.exists(f"{prefix}:{gateway.catalog.base_fingerprint[:16]}:registry:version")  # back in Redis, for every gateway
+    # back in Redis, for every gateway
+    assert r.exists(f"{prefix}:{gateway.catalog.base_fingerprint[:16]}:registry:version")
 
 
 def test_changes_wait_for_an_unreachable_registry_and_serving_goes_on(setup, tiny_llama, monkeypatch) -> None:
@@ -297,7 +315,8 @@ def test_changes_wait_for_an_unreachable_registry_and_serving_goes_on(setup, tin
     for method in ("transact", "version", "load"):
         monkeypatch.setattr(gateway.registry.records, method, down)
     r = upload(client, "later", adapter_file(tiny_llama, directory / "later.gguf", 96))
-    assert r.status_code == 503 and r.headers["retry-after"] and "registry is unavailable" in r.json()["error"]["message"]
+    assert r.status_code == 503 and r.headers["retry-after"]
+    assert "registry is unavailable" in r.json()["error"]["message"]
     assert client.delete("/v1/adapters/steady", headers=auth()).status_code == 503
     assert greedy(client, "steady").status_code == 200  # what is known still serves
     assert client.get("/v1/adapters/steady", headers=auth()).status_code == 200

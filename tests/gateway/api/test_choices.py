@@ -57,7 +57,8 @@ def test_streamed_choices_carry_their_index_and_reassemble(client) -> None:
     for chunk in streamed:
         for c in chunk.choices:
             by_index[c.index] = by_index.get(c.index, "") + c.text
-    assert by_index == {c.index: c.text for c in oa.completions.create(model="a", prompt=PROMPT, n=2, **SAMPLED).choices}
+    whole = oa.completions.create(model="a", prompt=PROMPT, n=2, **SAMPLED)
+    assert by_index == {c.index: c.text for c in whole.choices}
 
 
 def test_best_of_answers_the_samples_of_highest_mean_log_probability(client) -> None:
@@ -74,8 +75,9 @@ def test_best_of_answers_the_samples_of_highest_mean_log_probability(client) -> 
 
 
 def test_echo_with_logprobs_on_every_choice(client) -> None:
-    r = client.post("/v1/completions", headers=auth(), json={"model": "a", "prompt": PROMPT[:6], "n": 2, "echo": True, "logprobs": 1,
-                                                              "max_tokens": 2, "temperature": 1.0, "seed": 3})
+    body = {"model": "a", "prompt": PROMPT[:6], "n": 2, "echo": True, "logprobs": 1, "max_tokens": 2,
+            "temperature": 1.0, "seed": 3}
+    r = client.post("/v1/completions", headers=auth(), json=body)
     assert r.status_code == 200, r.text
     for choice in r.json()["choices"]:
         lps = choice["logprobs"]["token_logprobs"]
@@ -107,4 +109,5 @@ def test_best_of_ranks_a_choice_by_the_token_that_ended_it_too() -> None:
     best = CompletionFormatter(Tokens(), "m", [1, 2, 3], False, None, keep=1).whole([empty, spoken])
     assert [c["text"] for c in best["choices"]] == ["x"] and best["usage"]["completion_tokens"] == 2
     quick = Delta((), "", None, "stop", usage=usage, stop_logprob=-0.5, index=0, others_running=1)
-    assert CompletionFormatter(Tokens(), "m", [1, 2, 3], False, None, keep=1).whole([quick, spoken])["choices"][0]["text"] == ""
+    best = CompletionFormatter(Tokens(), "m", [1, 2, 3], False, None, keep=1).whole([quick, spoken])
+    assert best["choices"][0]["text"] == ""

@@ -31,8 +31,9 @@ def served(tiny_llama, tmp_path_factory):
     config = tiny_config(
         tiny_llama, directory, prefix,
         adapters=[{"name": n, "path": f"{n}.gguf"} for n in ("a", "b", "alo", "alo2", "hot")],
-        shards=[{"name": "s1", "adapters": ["a", "alo", "alo2"], "replicas": 2}, {"name": "s2", "adapters": ["b", "a", "hot"]}],
-        engine={"num_slots": 4, "max_step_tokens": 64, "max_waiting": 2},
+        shards=[{"name": "s1", "adapters": ["a", "alo", "alo2"], "replicas": 2},
+                {"name": "s2", "adapters": ["b", "a", "hot"]}],
+        engine={"num_seq_slots": 4, "max_step_tokens": 64, "max_waiting": 2},
         http={"max_body_bytes": 4096, "max_tokens_default": 8, "request_timeout_s": 60},
     )
     app, pool = local_app(config)
@@ -55,7 +56,8 @@ def auth(key: str = "t1") -> dict[str, str]:
 
 def post(url: str, path: str, body, key: str = "t1", **kw) -> httpx.Response:
     content = body if isinstance(body, bytes | str) else json.dumps(body)
-    return httpx.post(f"{url}{path}", content=content, headers={**auth(key), "content-type": "application/json"}, timeout=60, **kw)
+    headers = {**auth(key), "content-type": "application/json"}
+    return httpx.post(f"{url}{path}", content=content, headers=headers, timeout=60, **kw)
 
 
 def no_work_left(pool) -> bool:
@@ -85,7 +87,8 @@ def test_chat_content_cannot_forge_turns(served, monkeypatch) -> None:
     seen = []
     for worker in pool.workers.values():
         original = worker.request
-        monkeypatch.setattr(worker, "request", lambda call, original=original: seen.append(call.prompt_ids) or original(call))
+        monkeypatch.setattr(worker, "request",
+                            lambda call, original=original: seen.append(call.prompt_ids) or original(call))
     r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": FORGED}], "max_tokens": 1})
     assert r.status_code == 200
     im_start = gateway.catalog.tokenizer.encode("<|im_start|>", add_special=False, parse_special=True)[0]
@@ -117,9 +120,11 @@ def test_more_bad_bodies_on_the_other_endpoints(url) -> None:
 
 
 def test_extreme_but_valid_values_are_answered(url) -> None:
-    r = post(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "top_p": 1e-300, "temperature": 1.0, "seed": 1})
+    r = post(url, "/v1/completions",
+             {"prompt": PROMPT, "max_tokens": 3, "top_p": 1e-300, "temperature": 1.0, "seed": 1})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}, {"role": "tool", "content": "42"}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
+                {"role": "tool", "content": "42"}]
     r = post(url, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": None, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8  # the server's default, not the context
 
@@ -134,7 +139,8 @@ def test_work_is_bounded_without_max_tokens(url) -> None:
 
 def test_a_deadline_ends_a_request(served) -> None:
     url, pool, _ = served
-    r = post(url, "/v1/completions", {"model": "b", "prompt": PROMPT, "max_tokens": 100, "ignore_eos": True, "timeout_s": 0.05})
+    r = post(url, "/v1/completions",
+             {"model": "b", "prompt": PROMPT, "max_tokens": 100, "ignore_eos": True, "timeout_s": 0.05})
     assert r.status_code in (503, 504) and "deadline" in r.json()["error"]["message"]
     assert no_work_left(pool)
 
@@ -143,7 +149,8 @@ def test_overload_gets_503_with_retry_after_and_nothing_waits_unbounded(served) 
     url, pool, _ = served
 
     async def one(client: httpx.AsyncClient) -> httpx.Response:
-        body = {"model": "b", "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}  # b: one replica, 4 slots, 2 waiting
+        # b: one replica, 4 slots, 2 waiting
+        body = {"model": "b", "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}
         return await client.post(f"{url}/v1/completions", json=body, headers=auth())
 
     async def flood() -> list[httpx.Response]:
@@ -154,7 +161,8 @@ def test_overload_gets_503_with_retry_after_and_nothing_waits_unbounded(served) 
     codes = sorted(r.status_code for r in answers)
     assert set(codes) == {200, 503} and codes.count(200) >= 4, codes
     busy = [r for r in answers if r.status_code == 503]
-    assert all(r.headers["retry-after"] == "1" and r.json()["error"]["code"] in ("replicas_busy", "worker_busy") for r in busy)
+    assert all(r.headers["retry-after"] == "1" for r in busy)
+    assert all(r.json()["error"]["code"] in ("replicas_busy", "worker_busy") for r in busy)
     assert no_work_left(pool)
 
 
@@ -163,7 +171,8 @@ def test_details_need_the_operator_key(url) -> None:
     assert httpx.get(f"{url}/health", headers=auth("t1")).status_code == 401  # a tenant is no operator
     details = httpx.get(f"{url}/health", headers=auth("operator")).json()
     assert details["shards"]["s1"]["replicas"][0]["id"] == "s1-0"
-    assert httpx.get(f"{url}/metrics").status_code == 401 and httpx.get(f"{url}/metrics", headers=auth("t2")).status_code == 401
+    assert httpx.get(f"{url}/metrics").status_code == 401
+    assert httpx.get(f"{url}/metrics", headers=auth("t2")).status_code == 401
     text = httpx.get(f"{url}/metrics", headers=auth("operator")).text
     assert "loraplex_gateway_requests_total" in text and "loraplex_gateway_queue_seconds_bucket" in text
 
@@ -172,12 +181,13 @@ def test_a_mid_stream_failure_carries_nothing_internal(served) -> None:
     url, pool, gateway = served
     pool.fail_after["s2-0"] = 1
     try:
-        r = post(url, "/v1/completions", {"model": "b", "prompt": PROMPT, "max_tokens": 4, "stream": True, "ignore_eos": True})
+        r = post(url, "/v1/completions",
+                 {"model": "b", "prompt": PROMPT, "max_tokens": 4, "stream": True, "ignore_eos": True})
         error = json.loads([line[6:] for line in r.text.splitlines() if line.startswith("data: ")][1])["error"]
         assert error["message"] == "the worker failed mid-stream" and error["code"] == "worker_failed"
     finally:
         pool.fail_after.clear()
-        gateway._failed_until.clear()
+        gateway._failed_until_s.clear()
 
 
 def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(served, monkeypatch) -> None:
@@ -215,8 +225,10 @@ def test_the_openapi_document_describes_every_body(url) -> None:
     body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/CompletionRequest"}
     completion = spec["components"]["schemas"]["CompletionRequest"]
-    assert "prompt" in completion["required"] and completion["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 1_000_000
-    assert spec["paths"]["/lora-adapters"]["post"]["requestBody"]["content"]["application/json"]["schema"]["type"] == "array"
+    assert "prompt" in completion["required"]
+    assert completion["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 1_000_000
+    scales = spec["paths"]["/lora-adapters"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert scales["type"] == "array"
     assert digest("x")  # (the keys are digests in the config: nothing in the document names a tenant)
     assert "t1" not in json.dumps(spec)
 
@@ -234,16 +246,19 @@ def test_fuzzing_every_operation_of_the_published_api_finds_no_server_error(serv
     url, pool, _ = served
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/completion", "/lora-adapters", "/health"}
+    paths = {op.path for op in operations}
+    assert paths >= {"/v1/completions", "/v1/chat/completions", "/completion", "/lora-adapters", "/health"}
     failures = []
     for operation in operations:
         for mode in GenerationMode:
             @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+            @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
             def exercise(case) -> None:
                 response = case.call(base_url=url, headers=auth(), timeout=30)
                 if response.status_code >= 500 or "Traceback" in response.text:
-                    failures.append(f"{operation.method.upper()} {operation.path} ({mode.value}) -> {response.status_code}: {response.text[:200]}")
+                    failures.append(f"{operation.method.upper()} {operation.path} ({mode.value}) -> "
+                                    f"{response.status_code}: {response.text[:200]}")
 
             exercise()
     assert not failures, "\n".join(failures[:10])

@@ -14,8 +14,8 @@ from tests.gateway.gateway_setup import INVOCATION, PROMPT, SCHEMA, auth
 
 def test_llama_server_logit_bias_penalties_and_min_p(client) -> None:
     def tokens(**kw) -> list[int]:
-        r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 8, "temperature": 0, "ignore_eos": True,
-                                                              "return_tokens": True, **kw})
+        body = {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "ignore_eos": True, "return_tokens": True, **kw}
+        r = client.post("/completion", headers=auth(), json=body)
         assert r.status_code == 200, r.text
         return r.json()["tokens"]
 
@@ -33,7 +33,8 @@ def test_llama_server_logit_bias_penalties_and_min_p(client) -> None:
 
 def test_llama_server_json_schema_and_gbnf_grammar(client) -> None:
     def complete(**kw):
-        r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 40, "temperature": 0.8, "seed": 5, **kw})
+        body = {"prompt": PROMPT, "n_predict": 40, "temperature": 0.8, "seed": 5, **kw}
+        r = client.post("/completion", headers=auth(), json=body)
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -49,13 +50,16 @@ def test_llama_server_json_schema_and_gbnf_grammar(client) -> None:
 
 
 def test_llama_server_logit_bias_strings_are_bounded(client, monkeypatch) -> None:
-    import gateway.api.sampling as app_module
+    import gateway.api.sampling as sampling
 
-    monkeypatch.setattr(app_module, "MAX_BIAS_TEXT_CHARS", 100)  # the test server's bodies are small
-    long_bias = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "logit_bias": [["hello world " * 10, 1]]})
-    assert long_bias.status_code == 400 and "logit_bias strings total 120 characters, over 100" in long_bias.json()["error"]["message"]
-    monkeypatch.setattr(app_module, "MAX_LOGIT_BIAS", 3)
-    many = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "logit_bias": [["hello there, world", 1]]})
+    monkeypatch.setattr(sampling, "MAX_BIAS_TEXT_CHARS", 100)  # the test server's bodies are small
+    long_bias = client.post("/completion", headers=auth(),
+                            json={"prompt": PROMPT, "logit_bias": [["hello world " * 10, 1]]})
+    assert long_bias.status_code == 400
+    assert "logit_bias strings total 120 characters, over 100" in long_bias.json()["error"]["message"]
+    monkeypatch.setattr(sampling, "MAX_LOGIT_BIAS", 3)
+    many = client.post("/completion", headers=auth(),
+                       json={"prompt": PROMPT, "logit_bias": [["hello there, world", 1]]})
     assert many.status_code == 400 and "over 3" in many.json()["error"]["message"]
 
 
@@ -64,7 +68,8 @@ def test_llama_server_n_probs_and_the_fields_its_clients_read(client) -> None:
     whole = client.post("/completion", headers=auth(), json=body).json()
     probs = whole["completion_probabilities"]
     assert [p["id"] for p in probs] == whole["tokens"] and all(len(p["top_logprobs"]) == 3 for p in probs)
-    assert all(p["top_logprobs"][0]["id"] == p["id"] and p["logprob"] == p["top_logprobs"][0]["logprob"] for p in probs)  # greedy: the top one
+    # greedy: the top one
+    assert all(p["top_logprobs"][0]["id"] == p["id"] and p["logprob"] == p["top_logprobs"][0]["logprob"] for p in probs)
     assert all(bytes(p["bytes"]).decode("utf-8", "replace") == p["token"] for p in probs)
     assert (whole["index"], whole["stopping_word"], whole["truncated"]) == (0, "", False)
     settings = whole["generation_settings"]
@@ -75,24 +80,30 @@ def test_llama_server_n_probs_and_the_fields_its_clients_read(client) -> None:
     assert whole["stop_type"] == "limit"
     text = client.post("/completion", headers=auth(), json={**body, "n_predict": 12, "n_probs": 0}).json()["content"]
     word = text[3:5]
-    stopped = client.post("/completion", headers=auth(), json={**body, "n_predict": 12, "n_probs": 0, "stop": ["zzzz", word]}).json()
-    assert (stopped["stop_type"], stopped["stopping_word"]) == ("word", word) and stopped["content"] == text[: text.find(word)]
+    stopped = client.post("/completion", headers=auth(),
+                          json={**body, "n_predict": 12, "n_probs": 0, "stop": ["zzzz", word]}).json()
+    assert (stopped["stop_type"], stopped["stopping_word"]) == ("word", word)
+    assert stopped["content"] == text[: text.find(word)]
 
 
 def test_post_sampling_probs_are_those_of_the_filtered_distribution(client) -> None:
-    greedy = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 3, "temperature": 0, "ignore_eos": True,
-                                                              "n_probs": 4, "post_sampling_probs": True}).json()
+    greedy = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 3, "temperature": 0,
+                                                              "ignore_eos": True, "n_probs": 4,
+                                                              "post_sampling_probs": True}).json()
     for p in greedy["completion_probabilities"]:  # greedy keeps one token: certain
-        assert p["prob"] == 1.0 and [(t["id"], t["prob"]) for t in p["top_probs"]] == [(p["id"], 1.0)] and "logprob" not in p
-    body = {"prompt": PROMPT, "n_predict": 6, "temperature": 1.5, "top_k": 3, "min_p": 0, "seed": 4, "ignore_eos": True, "n_probs": 5,
-            "return_tokens": True}
+        assert p["prob"] == 1.0 and [(t["id"], t["prob"]) for t in p["top_probs"]] == [(p["id"], 1.0)]
+        assert "logprob" not in p
+    body = {"prompt": PROMPT, "n_predict": 6, "temperature": 1.5, "top_k": 3, "min_p": 0, "seed": 4, "ignore_eos": True,
+            "n_probs": 5, "return_tokens": True}
     post = client.post("/completion", headers=auth(), json={**body, "post_sampling_probs": True}).json()
     model = client.post("/completion", headers=auth(), json=body).json()
     assert post["tokens"] == model["tokens"]  # the same draws; only what is reported differs
     for p, m in zip(post["completion_probabilities"], model["completion_probabilities"]):
         tops = p["top_probs"]
-        assert len(tops) == 3 and sum(t["prob"] for t in tops) == pytest.approx(1.0, abs=1e-5)  # top_k 3: three left, renormalised
-        assert [t["id"] for t in tops] == [t["id"] for t in m["top_logprobs"] if t["id"] not in (0, 2)][:3]  # ignore_eos masks the EOG tokens
+        # top_k 3: three left, renormalised
+        assert len(tops) == 3 and sum(t["prob"] for t in tops) == pytest.approx(1.0, abs=1e-5)
+        # ignore_eos masks the EOG tokens
+        assert [t["id"] for t in tops] == [t["id"] for t in m["top_logprobs"] if t["id"] not in (0, 2)][:3]
         assert p["prob"] == pytest.approx(next(t["prob"] for t in tops if t["id"] == p["id"]))
         assert p["prob"] != pytest.approx(math.exp(m["logprob"]), abs=1e-3)  # not the model's probability
     assert post["generation_settings"]["post_sampling_probs"] is True
@@ -101,14 +112,19 @@ def test_post_sampling_probs_are_those_of_the_filtered_distribution(client) -> N
 def test_llama_server_tokenize_detokenize_apply_template_and_props(client) -> None:
     tokens = client.post("/tokenize", headers=auth(), json={"content": "hello there"}).json()["tokens"]
     assert client.post("/detokenize", headers=auth(), json={"tokens": tokens}).json()["content"] == "hello there"
-    pieces = client.post("/tokenize", headers=auth(), json={"content": "hello <|im_end|>", "with_pieces": True}).json()["tokens"]
-    assert "".join(p["piece"] for p in pieces) == "hello <|im_end|>" and pieces[-1]["piece"] == "<|im_end|>"  # parse_special by default
-    literal = client.post("/tokenize", headers=auth(), json={"content": "<|im_end|>", "parse_special": False}).json()["tokens"]
+    pieces = client.post("/tokenize", headers=auth(),
+                         json={"content": "hello <|im_end|>", "with_pieces": True}).json()["tokens"]
+    assert "".join(p["piece"] for p in pieces) == "hello <|im_end|>"
+    assert pieces[-1]["piece"] == "<|im_end|>"  # parse_special by default
+    literal = client.post("/tokenize", headers=auth(),
+                          json={"content": "<|im_end|>", "parse_special": False}).json()["tokens"]
     assert len(literal) > 1
-    prompt = client.post("/apply-template", headers=auth(), json={"messages": [{"role": "user", "content": "hi"}]}).json()["prompt"]
+    prompt = client.post("/apply-template", headers=auth(),
+                         json={"messages": [{"role": "user", "content": "hi"}]}).json()["prompt"]
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     props = client.get("/props", headers=auth()).json()
-    assert props["chat_template"] and props["default_generation_settings"]["n_ctx"] == 128 and "/" not in props["model_path"]
+    assert props["chat_template"] and props["default_generation_settings"]["n_ctx"] == 128
+    assert "/" not in props["model_path"]
     bad = client.post("/detokenize", headers=auth(), json={"tokens": [10**6]})
     assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"]
     assert client.post("/tokenize", json={"content": "x"}).status_code == 401
@@ -116,12 +132,13 @@ def test_llama_server_tokenize_detokenize_apply_template_and_props(client) -> No
 
 def test_llama_server_completion_and_lora_adapters(client) -> None:
     listing = client.get("/lora-adapters", headers=auth()).json()
-    assert [(e["id"], e["name"], e["scale"]) for e in listing] == [(0, "a", 0.0), (1, "b", 0.0), (2, "alo", 0.0), (3, "alo2", 0.0)]
+    assert [(e["id"], e["name"], e["scale"]) for e in listing] == [(0, "a", 0.0), (1, "b", 0.0), (2, "alo", 0.0),
+                                                                   (3, "alo2", 0.0)]
     assert listing[2]["alora_invocation_tokens"] == INVOCATION
 
     def complete(**kw):
-        r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 5, "temperature": 0, "ignore_eos": True,
-                                                              "return_tokens": True, **kw})
+        body = {"prompt": PROMPT, "n_predict": 5, "temperature": 0, "ignore_eos": True, "return_tokens": True, **kw}
+        r = client.post("/completion", headers=auth(), json=body)
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -135,10 +152,12 @@ def test_llama_server_completion_and_lora_adapters(client) -> None:
     try:
         assert complete()["tokens"] == with_a["tokens"]  # the tenant's default scales apply without a `lora` field
         assert complete(lora=[])["tokens"] == base["tokens"]  # an explicit list replaces them
-        assert client.get("/lora-adapters", headers=auth("t2")).json()[0]["scale"] == 0.0  # another tenant's defaults are its own
+        # another tenant's defaults are its own
+        assert client.get("/lora-adapters", headers=auth("t2")).json()[0]["scale"] == 0.0
     finally:
         client.post("/lora-adapters", headers=auth(), json=[{"id": 0, "scale": 0.0}])
-    streamed = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 5, "temperature": 0, "ignore_eos": True, "stream": True})
+    streamed = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 5, "temperature": 0,
+                                                                "ignore_eos": True, "stream": True})
     events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert events[-1]["stop"] is True and "".join(e["content"] for e in events) == base["content"]
 
@@ -154,26 +173,32 @@ def test_completion_answers_in_llama_servers_shape(client) -> None:
     settings = whole["generation_settings"]
     assert settings["samplers"] == ["penalties", "top_k", "top_p", "min_p", "temperature"] and settings["mirostat"] == 0
     assert settings["seed"] == 0xFFFFFFFF and settings["stream"] is False  # random, reported as llama-server does
-    events = [json.loads(line[6:]) for line in client.post("/completion", headers=auth(), json={**body, "stream": True}).text.splitlines()
-              if line.startswith("data: ")]
+    streamed = client.post("/completion", headers=auth(), json={**body, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
     partial, last = events[:-1], events[-1]
     counts = [e["tokens_predicted"] for e in partial]  # one token an event, unless the client fell behind (then merged)
     assert counts[-1] == 5 and not any(e["stop"] for e in partial)
-    assert [len(e["tokens"]) for e in partial] == [b - a for a, b in zip([0, *counts], counts)] and all(counts[i] < counts[i + 1] for i in range(len(counts) - 1))
+    assert [len(e["tokens"]) for e in partial] == [b - a for a, b in zip([0, *counts], counts)]
+    assert all(counts[i] < counts[i + 1] for i in range(len(counts) - 1))
     assert "".join(e["content"] for e in partial) == whole["content"]
-    assert last["stop"] and last["content"] == "" and last["stop_type"] == "limit" and last["generation_settings"]["stream"] is True
+    assert last["stop"] and last["content"] == "" and last["stop_type"] == "limit"
+    assert last["generation_settings"]["stream"] is True
 
 
-@pytest.mark.parametrize(("field", "value"), [("mirostat", 2), ("typical_p", 0.5), ("dry_multiplier", 0.8), ("xtc_probability", 0.5),
-                                              ("samplers", ["top_k", "temperature"])])
+@pytest.mark.parametrize(("field", "value"), [("mirostat", 2), ("typical_p", 0.5), ("dry_multiplier", 0.8),
+                                              ("xtc_probability", 0.5), ("samplers", ["top_k", "temperature"])])
 def test_llama_samplers_we_do_not_run_are_refused_by_name(client, field, value) -> None:
     r = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 1, field: value})
-    assert r.status_code == 400 and f"'{field}' is " in r.json()["error"]["message"] and "supported" in r.json()["error"]["message"]
-    off = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 1, field: {"mirostat": 0, "typical_p": 1.0}.get(field)})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and f"'{field}' is " in message and "supported" in message
+    unused = {"mirostat": 0, "typical_p": 1.0}.get(field)
+    off = client.post("/completion", headers=auth(), json={"prompt": PROMPT, "n_predict": 1, field: unused})
     assert off.status_code == 200, off.text  # their "off" values are fine
 
 
-@pytest.mark.parametrize("samplers", ["edkypmxt", ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"],
+@pytest.mark.parametrize("samplers", ["edkypmxt",
+                                      ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc",
+                                       "temperature"],
                                       ["top_k", "top_p", "min_p", "temperature"]])
 def test_llama_servers_own_sampler_orders_are_ours(client, samplers) -> None:
     """llama-server's default order (list or string), its web UI's, or ours without the off ones: all run as ours."""
@@ -184,6 +209,6 @@ def test_llama_servers_own_sampler_orders_are_ours(client, samplers) -> None:
 def test_streamed_completion_reports_a_new_line_anywhere_in_it(client) -> None:
     body = {"prompt": PROMPT, "n_predict": 12, "temperature": 0, "ignore_eos": True}
     whole = client.post("/completion", headers=auth(), json=body).json()
-    events = [json.loads(line[6:]) for line in client.post("/completion", headers=auth(), json={**body, "stream": True}).text.splitlines()
-              if line.startswith("data: ")]
+    streamed = client.post("/completion", headers=auth(), json={**body, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert events[-1]["has_new_line"] == whole["has_new_line"] == ("\n" in whole["content"])

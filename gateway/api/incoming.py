@@ -1,0 +1,74 @@
+"""What every route does with a request before its own work (torch-free): find the app's gateway,
+authenticate the caller (its request counts against its rate limit before its body is read),
+read and validate the body, and tokenize or render prompts, large ones off the event loop; text
+too long to fit the context is refused before tokenizing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from gateway.api.json_body import load_json, parse, read_body
+from gateway.api.protocol import APIError
+from gateway.api.tools import ToolPlan, chat_input
+from gateway.dispatch import Gateway
+from gateway.tenants import Tenant
+from worker.formats.chat_template import ChatTemplateError
+from worker.formats.tokenizer import TokenizerError
+
+OFF_LOOP_CHARS = 4096  # texts longer than this are tokenized in a worker thread
+T = TypeVar("T")
+
+
+def gateway_of(request: Request) -> Gateway:
+    """The gateway of the app serving `request` (create_app's `current`, or `app.state.gateway`)."""
+    return request.app.state.find_gateway()
+
+
+async def read_parsed(request: Request, gateway: Gateway, body_type: Any) -> Any:
+    """The JSON body, read to at most the configured size and validated against `body_type`."""
+    return parse(body_type, load_json(await read_body(request, gateway.config.http.max_body_bytes)))
+
+
+async def begin(request: Request, body_type: Any = None) -> tuple[Gateway, Tenant, Any]:
+    """The gateway, the calling tenant (its request counted against its rate), and the parsed body
+    (None without `body_type`)."""
+    gateway = gateway_of(request)
+    gateway.registry.ensure_running()
+    tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
+    await gateway.limiter.admit(tenant)
+    await gateway.registry.refresh_if_stale()
+    body = None if body_type is None else await read_parsed(request, gateway, body_type)
+    return gateway, tenant, body
+
+
+async def off_loop(gateway: Gateway, num_chars: int, work: Callable[[], T]) -> T:
+    """Tokenizing or rendering `num_chars` of text: refused when it cannot fit the context; off the
+    event loop when large."""
+    if num_chars > gateway.catalog.max_prompt_chars:
+        raise APIError(400, f"the prompt ({num_chars} characters) cannot fit the model's context of "
+                       f"{gateway.catalog.max_positions} tokens", "context_length_exceeded")
+    try:
+        return await asyncio.to_thread(work) if num_chars > OFF_LOOP_CHARS else work()
+    except (TokenizerError, ChatTemplateError) as e:
+        raise APIError(400, str(e), "invalid_prompt") from e
+
+
+async def tokenized(gateway: Gateway, prompt: str | list[int]) -> list[int]:
+    """A prompt's token ids (a list of ids is taken as it is)."""
+    if isinstance(prompt, list):
+        return prompt
+    tokenizer = gateway.catalog.tokenizer  # raw prompts parse special tokens, as llama.cpp does
+    return await off_loop(gateway, len(prompt), lambda: tokenizer.encode(prompt, add_special=True, parse_special=True))
+
+
+def checked_chat_input(gateway: Gateway, body: Any) -> tuple[ToolPlan | None, list[dict[str, Any]], dict[str, Any]]:
+    """A chat body's tool plan, messages and template arguments (a 400 for duplicate or unknown tools,
+    or an earlier call's arguments that are not JSON)."""
+    try:
+        return chat_input(body, gateway.catalog.tool_style)
+    except ValueError as e:
+        raise APIError(400, str(e), "invalid_value") from e

@@ -1,0 +1,137 @@
+"""llama-server's API (SPEC §6; torch-free): `/completion`, `/tokenize`, `/detokenize`,
+`/apply-template`, `/props` and `/lora-adapters`, as the calling tenant sees the server: its
+adapters only (ids are positions in its list), no paths."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from gateway.api.formats import token_str
+from gateway.api.incoming import begin, checked_chat_input, off_loop, tokenized
+from gateway.api.llama_formats import LlamaFormatter, tokenize_piece
+from gateway.api.llama_protocol import (
+    ApplyTemplateRequest,
+    DetokenizeRequest,
+    LlamaCompletionRequest,
+    LoraScale,
+    TokenizeRequest,
+)
+from gateway.api.protocol import APIError
+from gateway.api.respond import respond
+from gateway.api.sampling import compiled_grammar, llama_params, settings_of
+from gateway.api.tools import rendered_size
+from gateway.dispatch import Gateway
+from gateway.tenants import Tenant
+from worker.formats.chat_template import render_chat
+
+OFF_LOOP_TOKENS = 4096  # token lists longer than this are decoded in a worker thread
+
+router = APIRouter()
+
+
+@router.post("/completion")
+async def llama_complete(request: Request) -> Response:
+    gateway, tenant, body = await begin(request, LlamaCompletionRequest)
+    scales_by_name = gateway.admission.resolve_scales(tenant, None, body.lora)
+    prompt_ids = await tokenized(gateway, body.prompt)
+    grammar = await compiled_grammar(gateway, body, "json_schema" if body.json_schema is not None else "grammar")
+    params = llama_params(gateway, len(prompt_ids), body, grammar)
+    prepared = await gateway.admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
+                                               body.cache_prompt, body.timeout_s)
+    lora = [{"id": i, "scale": scales_by_name[name]}
+            for i, name in enumerate(gateway.admission.adapter_names(tenant)) if name in scales_by_name]
+    settings = {**settings_of(params, is_streamed=body.stream), "lora": lora}
+    formatter = LlamaFormatter(gateway.catalog.tokenizer, gateway.catalog.model_name, prompt_ids, settings,
+                               body.return_tokens)
+    return await respond(gateway, prepared, "completion", formatter, body.stream, done_marker=False)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    gateway, _, body = await begin(request, TokenizeRequest)
+    tokenizer = gateway.catalog.tokenizer
+
+    def work() -> list:
+        ids = tokenizer.encode(body.content, add_special=body.add_special, parse_special=body.parse_special)
+        return ids if not body.with_pieces else [tokenize_piece(tokenizer, t) for t in ids]
+
+    return {"tokens": await off_loop(gateway, len(body.content), work)}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, Any]:
+    gateway, _, body = await begin(request, DetokenizeRequest)
+    vocab_size = gateway.catalog.tokenizer.vocab_size
+    out_of_range = [t for t in body.tokens if not 0 <= t < vocab_size]
+    if out_of_range:
+        raise APIError(400, f"token id {out_of_range[0]} is out of range (vocabulary size {vocab_size})",
+                       "invalid_value")
+    decode = functools.partial(gateway.catalog.tokenizer.decode, body.tokens, skip_special=False)
+    return {"content": await asyncio.to_thread(decode) if len(body.tokens) > OFF_LOOP_TOKENS else decode()}
+
+
+@router.post("/apply-template")
+async def apply_template(request: Request) -> dict[str, Any]:
+    gateway, _, body = await begin(request, ApplyTemplateRequest)
+    _, messages, extra = checked_chat_input(gateway, body)
+    prompt = await off_loop(gateway, rendered_size(messages, extra),
+                            lambda: render_chat(gateway.catalog.tokenizer, messages, **extra))
+    return {"prompt": prompt}
+
+
+@router.get("/props")
+async def props(request: Request) -> dict[str, Any]:
+    """llama-server's server properties, as the calling tenant sees them (no paths, no other tenant)."""
+    gateway, tenant, _ = await begin(request)
+    catalog = gateway.catalog
+    tokenizer = catalog.tokenizer
+    defaults = llama_params(gateway, 1, LlamaCompletionRequest(prompt=[0]))  # what a /completion that sets nothing gets
+    return {
+        "default_generation_settings": {"n_ctx": catalog.max_positions, "params": settings_of(defaults)},
+        "total_slots": gateway.config.engine.num_seq_slots,  # per replica
+        "model_path": catalog.model_name,
+        "model_alias": catalog.model_name,
+        "chat_template": tokenizer.chat_template or "",
+        "bos_token": token_str(tokenizer, tokenizer.bos_id) if tokenizer.bos_id is not None else "",
+        "eos_token": token_str(tokenizer, tokenizer.eos_id) if tokenizer.eos_id is not None else "",
+        "modalities": {"vision": False, "audio": False},
+        "build_info": "loraplex",
+        "lora_adapters": len(gateway.admission.adapter_names(tenant)),
+    }
+
+
+def _lora_adapters(gateway: Gateway, tenant: Tenant) -> list[dict[str, Any]]:
+    """The tenant's adapters with their default scales, as `/lora-adapters` lists them."""
+    out = []
+    for i, (name, info) in enumerate(gateway.admission.adapters(tenant).items()):
+        listed = {"id": i, "name": name, "path": info.path.name, "scale": tenant.default_scales.get(name, 0.0),
+                  "task_name": info.task_name, "prompt_prefix": info.prompt_prefix}
+        if info.is_alora:
+            listed["alora_invocation_tokens"] = list(info.invocation_tokens)
+            listed["alora_invocation_string"] = "".join(token_str(gateway.catalog.tokenizer, t)
+                                                        for t in info.invocation_tokens)
+        out.append(listed)
+    return out
+
+
+@router.get("/lora-adapters")
+async def list_adapters(request: Request) -> list[dict[str, Any]]:
+    gateway, tenant, _ = await begin(request)
+    return _lora_adapters(gateway, tenant)
+
+
+@router.post("/lora-adapters")
+async def set_adapters(request: Request) -> list[dict[str, Any]]:
+    gateway, tenant, lora_scales = await begin(request, list[LoraScale])
+    names = gateway.admission.adapter_names(tenant)
+    for lora_scale in lora_scales:
+        if lora_scale.id >= len(names):
+            raise APIError(404, f"adapter id {lora_scale.id} not found (this key has {len(names)} adapters)",
+                           "adapter_not_found")
+    tenant.default_scales = gateway.admission.enabled(tenant, {names[s.id]: s.scale for s in lora_scales})
+    return _lora_adapters(gateway, tenant)

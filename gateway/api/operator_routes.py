@@ -1,0 +1,30 @@
+"""The operator's routes (torch-free): `/health` and `/metrics`. They take the operator's key,
+not a tenant's, and count against no rate limit."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from gateway.api.incoming import gateway_of
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """Without a key: liveness only (the gateway answers). With the operator key: every
+    shard and replica, and the cache's Redis state (503 when a shard has no healthy replica)."""
+    gateway = gateway_of(request)
+    if request.headers.get("authorization") is None and not gateway.tenants.is_operator_open:
+        return JSONResponse({"status": "ok"})
+    gateway.tenants.authenticate_operator(request.headers.get("authorization"))
+    report = await gateway.full_health()
+    return JSONResponse(report, status_code=200 if report["status"] != "down" else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> PlainTextResponse:
+    gateway = gateway_of(request)
+    gateway.tenants.authenticate_operator(request.headers.get("authorization"))
+    return PlainTextResponse(await gateway.full_metrics(), media_type="text/plain; version=0.0.4")

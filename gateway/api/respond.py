@@ -1,0 +1,117 @@
+"""A prepared request's answer (torch-free): one JSON body once the worker is done, or server-sent
+events as its deltas come. Either way the tenant's in-flight gauge and the latency metrics are
+kept, and the headers name the shard and replica that ran it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import Any, Protocol
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import Gauge
+
+from gateway.admission import Prepared
+from gateway.api.formats import sse, summary
+from gateway.api.protocol import APIError
+from gateway.dispatch import Gateway
+from gateway.metrics import adapter_label
+from worker.contract.calls import Delta
+
+JSONObject = dict[str, Any]
+UsageChunk = Callable[[Sequence[Delta]], JSONObject]
+
+
+class Formatter(Protocol):
+    """An API's answer shape (gateway/api/formats.py, llama_formats.py): the whole answer, or the
+    event data of one delta (`first`: the first of its choice)."""
+
+    def whole(self, deltas: list[Delta]) -> JSONObject: ...
+
+    def chunk(self, delta: Delta, first: bool) -> JSONObject | list[JSONObject]: ...  # several: tool calls
+
+
+def route_headers(prepared: Prepared) -> dict[str, str]:
+    return {"x-loraplex-shard": prepared.route.get("shard", ""),
+            "x-loraplex-replica": prepared.route.get("replica", "")}
+
+
+class Timing:
+    """A request's latency and time to first token, recorded once it is done."""
+
+    def __init__(self, gateway: Gateway, prepared: Prepared, endpoint: str) -> None:
+        self.gateway, self.tenant, self.endpoint = gateway, prepared.tenant, endpoint
+        self.adapter = adapter_label(prepared.names_by_fingerprint.values())
+        self.started_s, self.first_token_s = time.perf_counter(), None
+
+    def token(self) -> None:
+        if self.first_token_s is None:
+            self.first_token_s = time.perf_counter()
+
+    def done(self, status: int, final: Delta | None) -> None:
+        to_first_token_s = None if self.first_token_s is None else self.first_token_s - self.started_s
+        self.gateway.metrics.finished(self.tenant.id, self.adapter, self.endpoint, status,
+                                      time.perf_counter() - self.started_s, to_first_token_s, final)
+
+
+async def respond(gateway: Gateway, prepared: Prepared, endpoint: str, formatter: Formatter, is_streamed: bool,
+                  usage_chunk: UsageChunk | None = None, done_marker: bool = True) -> Response:
+    """The answer: `formatter.whole` of every delta, or an event per `formatter.chunk`, then
+    `usage_chunk` of each choice's last delta (when given) and `[DONE]` (with `done_marker`)."""
+    timing = Timing(gateway, prepared, endpoint)
+    in_flight = gateway.metrics.in_flight.labels(prepared.tenant.id)
+    in_flight.inc()
+    if not is_streamed:
+        try:
+            deltas = await gateway.collect(prepared, on_first=timing.token)
+        except APIError as e:
+            timing.done(e.status, None)
+            raise
+        finally:
+            in_flight.dec()
+        timing.done(200, summary([d for d in deltas if d.finish_reason is not None]))
+        return JSONResponse(formatter.whole(deltas), headers=route_headers(prepared))
+    deltas = gateway.stream(prepared)
+    try:
+        first = await anext(deltas)  # errors before the first token are still HTTP errors
+    except BaseException as e:
+        in_flight.dec()
+        timing.done(e.status if isinstance(e, APIError) else 500, None)
+        raise
+    events = _events(gateway, prepared, first, deltas, formatter, usage_chunk, done_marker, timing, in_flight)
+    return StreamingResponse(events, media_type="text/event-stream", headers=route_headers(prepared))
+
+
+async def _events(gateway: Gateway, prepared: Prepared, first: Delta, deltas: AsyncGenerator[Delta, None],
+                  formatter: Formatter, usage_chunk: UsageChunk | None, done_marker: bool, timing: Timing,
+                  in_flight: Gauge) -> AsyncIterator[bytes]:
+    """The events of a streamed answer, from its `first` delta on. A worker's error delta ends it
+    with an error event (its status goes to the metrics: the HTTP status was sent with the first)."""
+    finals: list[Delta] = []  # each choice's last delta
+    status, started_choices = 200, set()
+    try:
+        delta = first
+        while True:
+            timing.token()
+            if delta.finish_reason == "error":
+                error = gateway.error_of(delta, prepared)
+                status = error.status
+                yield sse(error.body())
+                break
+            out = formatter.chunk(delta, delta.index not in started_choices)
+            for event in out if isinstance(out, list) else [out]:
+                yield sse(event)
+            started_choices.add(delta.index)
+            if delta.finish_reason is not None:
+                finals.append(delta)
+            if delta.is_finished:
+                if usage_chunk is not None:
+                    yield sse(usage_chunk(finals))
+                break
+            delta = await anext(deltas)
+        if done_marker:
+            yield sse("[DONE]")
+    finally:
+        await deltas.aclose()  # a client that went away cancels the worker's request
+        in_flight.dec()
+        timing.done(status, summary(finals) if finals and status == 200 else None)
