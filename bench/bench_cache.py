@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     writer.close()
     delete_keys(client, f"{redis_config.key_prefix}:")
     median = {m: statistics.median(times[m]) for m in MODES}
-    print(f"model {model_path.name} on {config.device} ({config.dtype}, weights {config.weight_format}), {torch.get_num_threads()} threads; "
+    print(f"model {model_path.name} on {config.device} ({config.dtype}, weights {config.weight_format}), "
+          f"{torch.get_num_threads()} threads; "
           f"prompt {args.prompt_tokens} tokens, {args.cached_tokens} cached in chunks of {args.chunk_tokens}; {args.rounds} rounds")
     for mode in MODES:
         print(f"{mode:5s} TTFT {median[mode] * 1e3:8.1f} ms (median)")
@@ -101,5 +102,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"l2/miss={median['l2'] / median['miss']:.3f}")
     print(f"l1/miss={median['l1'] / median['miss']:.3f}")
     print(f"bytes_per_cached_token={statistics.median(bytes_per_token):.0f}")
-    print("redis_round_trips_per_request=" + " ".join(f"{m}:{statistics.median(trips[m]):.0f}" for m in trips) + " (1 lookup when L1 lacks the prefix, plus background writes)")
+    print("redis_round_trips_per_request=" + " ".join(f"{m}:{statistics.median(trips[m]):.0f}" for m in trips)
+          + " (1 lookup when L1 lacks the prefix, plus background writes)")
     return 0

@@ -77,7 +77,9 @@ def serve_stub(port: int) -> None:
 async def measure(url: str, args: argparse.Namespace) -> dict[str, float]:
     body = {"model": "caps", "prompt": "Tell me about copper and its uses in electrical wiring. " * 8, "max_tokens": args.tokens}
     headers = {"Authorization": f"Bearer {KEY}"}
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30, limits=httpx.Limits(max_connections=args.concurrency)) as client:
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, timeout=30, limits=httpx.Limits(max_connections=args.concurrency)
+    ) as client:
         for _ in range(50):  # warm-up
             (await client.post("/v1/completions", json=body)).raise_for_status()
         latencies = []
@@ -98,7 +100,11 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, float]:
         await asyncio.gather(*(user() for _ in range(args.concurrency)))
         elapsed = time.perf_counter() - started
     latencies.sort()
-    return {"p50_ms": statistics.median(latencies) * 1e3, "p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1e3, "rps": done / elapsed}
+    return {
+        "p50_ms": statistics.median(latencies) * 1e3,
+        "p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1e3,
+        "rps": done / elapsed,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         server.terminate()
         server.join(10)
     print(f"gateway over an instant stub shard (uvicorn, 1 process; client on the same {os.cpu_count()}-core machine); "
-          f"completions with a {len('Tell me about copper and its uses in electrical wiring. ' * 8)}-character prompt, {args.tokens} tokens")
+          f"completions with a {len('Tell me about copper and its uses in electrical wiring. ' * 8)}-character prompt, "
+          f"{args.tokens} tokens")
     print(f"one at a time: p50 {result['p50_ms']:.2f} ms, p99 {result['p99_ms']:.2f} ms over {args.requests} requests")
     print(f"{args.concurrency} in flight for {args.seconds:g} s: {result['rps']:.0f} requests/s")
     print(f"gateway_p50_ms={result['p50_ms']:.2f}")

@@ -38,7 +38,9 @@ def main() -> None:
     runner = ModelRunner.from_paths(default_model_path(), [ADAPTER, ADAPTER], DeviceConfig(args.device, args.dtype))
     load_s = time.perf_counter() - started
     tokenizer = GGUFTokenizer(runner.base)
-    prompt = tokenizer.encode("<|im_start|>user\nWrite a short story about a lighthouse.<|im_end|>\n<|im_start|>assistant\n", parse_special=True)
+    prompt = tokenizer.encode(
+        "<|im_start|>user\nWrite a short story about a lighthouse.<|im_end|>\n<|im_start|>assistant\n", parse_special=True
+    )
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     configs = {"base": {}, "1 adapter": {0: 1.0}, "2 adapters stacked": {0: 0.5, 1: 0.5}}
     generate(runner, prompt, SamplingParams(max_tokens=4, temperature=0), {}, tokenizer)  # warm-up
@@ -47,7 +49,8 @@ def main() -> None:
         for name, scales in configs.items():
             result = generate(runner, prompt, params, scales, tokenizer)
             rates[name].append(len(result.token_ids) / result.decode_time_s)
-    print(f"device {args.device} ({args.dtype}), torch threads {torch.get_num_threads()}, prompt {len(prompt)} tokens, {args.tokens} generated")
+    print(f"device {args.device} ({args.dtype}), torch threads {torch.get_num_threads()}, prompt {len(prompt)} tokens, "
+          f"{args.tokens} generated")
     print(f"model load (incl. 2 adapters): {load_s:.2f} s")
     base = statistics.median(rates["base"])
     for name, values in rates.items():

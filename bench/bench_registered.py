@@ -34,7 +34,10 @@ class HeldAdapter:
         self._arrays = {}
         for target in template.pairs:
             a, b = template.load_pair(target)
-            self._arrays[target] = (rng.standard_normal(a.shape, dtype=np.float32) * 0.05, rng.standard_normal(b.shape, dtype=np.float32) * 0.01)
+            self._arrays[target] = (
+                rng.standard_normal(a.shape, dtype=np.float32) * 0.05,
+                rng.standard_normal(b.shape, dtype=np.float32) * 0.01,
+            )
 
     def load_pair(self, target: str) -> tuple[np.ndarray, np.ndarray]:
         return self._arrays[target]
@@ -80,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
             seconds, tokens = run_policy(runner, [make_requests(args, vocab, spread)], args)
             totals[n][0] += seconds
             totals[n][1] += tokens
-            print(f"round {round_index + 1} holding {n:5d}: {tokens / seconds:8.1f} decode tokens/s (held set changed in {changed_s:.2f} s)",
+            print(f"round {round_index + 1} holding {n:5d}: {tokens / seconds:8.1f} decode tokens/s "
+                  f"(held set changed in {changed_s:.2f} s)",
                   file=sys.stderr)
     hold(counts[-1])
     rate = {n: tokens / seconds for n, (seconds, tokens) in totals.items()}

@@ -71,10 +71,16 @@ def run_probes(p: Probes) -> None:
         set_scale = p.post("/lora-adapters", [{"id": 0, "scale": 1e39}], "acme")
         after = normal(p, "acme", 1)
         p.post("/lora-adapters", [{"id": 0, "scale": 0.0}], "acme")
-        return set_scale.status_code == 400 and after.status_code == 200, f"POST /lora-adapters 1e39 -> {set_scale.status_code}; acme's next -> {after.status_code}"
+        return set_scale.status_code == 400 and after.status_code == 200, (
+            f"POST /lora-adapters 1e39 -> {set_scale.status_code}; acme's next -> {after.status_code}"
+        )
 
     def scale_1e30() -> tuple[bool, str]:
-        r = p.post("/v1/completions", {"model": "json", "prompt": "hi", "max_tokens": 4, "temperature": 1.0, "lora": [{"id": 0, "scale": 1e30}]}, "acme")
+        r = p.post(
+            "/v1/completions",
+            {"model": "json", "prompt": "hi", "max_tokens": 4, "temperature": 1.0, "lora": [{"id": 0, "scale": 1e30}]},
+            "acme",
+        )
         return r.status_code < 500, f"-> {r.status_code}"
 
     def forged_turns() -> tuple[bool, str]:
@@ -92,7 +98,9 @@ def run_probes(p: Probes) -> None:
 
     def chat_without_max_tokens() -> tuple[bool, str]:
         started = time.monotonic()
-        r = p.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to a million."}], "ignore_eos": True}, timeout=300)
+        r = p.post(
+            "/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to a million."}], "ignore_eos": True}, timeout=300
+        )
         n = r.json().get("usage", {}).get("completion_tokens")
         return r.status_code == 200 and n is not None and n <= 256, f"{n} tokens in {time.monotonic() - started:.0f} s"
 
@@ -130,7 +138,8 @@ def run_probes(p: Probes) -> None:
         waits = [a[1] for a in answers if a[0] == 200 and a[1] is not None]
         unbounded = [a for a in answers if a[0] not in (200, 429, 503) or (a[0] != 200 and not a[2])]
         ok = not unbounded and deadline_s < 10
-        return ok, (f"64 streams on 16 slots: {len(waits)} served (worst first token {max(waits, default=0):.1f} s), {len(refused)} refused; "
+        return ok, (f"64 streams on 16 slots: {len(waits)} served (worst first token {max(waits, default=0):.1f} s), "
+                    f"{len(refused)} refused; "
                     f"one asking timeout_s 3 -> {deadline_status} after {deadline_s:.1f} s")
 
     def bad_bodies() -> tuple[bool, str]:
@@ -160,7 +169,9 @@ def run_probes(p: Probes) -> None:
         metrics = httpx.get(f"{p.url}/metrics", timeout=30)
         health = httpx.get(f"{p.url}/health", timeout=30)
         leaked = [w for w in ("acme", "demo", "styles-0", "pid", "redis://") if w in metrics.text or w in health.text]
-        return metrics.status_code in (401, 403) and not leaked, f"/metrics without a key -> {metrics.status_code}; leaked: {leaked or 'nothing'}"
+        return metrics.status_code in (401, 403) and not leaked, (
+            f"/metrics without a key -> {metrics.status_code}; leaked: {leaked or 'nothing'}"
+        )
 
     def event_loop() -> tuple[bool, str]:
         def latency() -> float:
@@ -177,7 +188,8 @@ def run_probes(p: Probes) -> None:
                 heavy = [asyncio.create_task(client.post("/v1/completions", content=big, headers=headers)) for _ in range(4)]
                 await asyncio.sleep(0.05)
                 started = time.monotonic()
-                await client.post("/v1/completions", content=json.dumps({"model": "json", "prompt": "Item 7:", "max_tokens": 2, "temperature": 0}),
+                await client.post("/v1/completions",
+                                  content=json.dumps({"model": "json", "prompt": "Item 7:", "max_tokens": 2, "temperature": 0}),
                                   headers=headers)
                 took = time.monotonic() - started
                 await asyncio.gather(*heavy)
@@ -203,7 +215,9 @@ def run_probes(p: Probes) -> None:
         before = sums()
         p.post("/completion", {"prompt": "Once", "n_predict": 48, "ignore_eos": True})  # one whole request of 48 tokens
         after = sums()
-        ttft, total = (after.get(n, 0.0) - before.get(n, 0.0) for n in ("loraplex_gateway_ttft_seconds_sum", "loraplex_gateway_request_seconds_sum"))
+        ttft, total = (
+            after.get(n, 0.0) - before.get(n, 0.0) for n in ("loraplex_gateway_ttft_seconds_sum", "loraplex_gateway_request_seconds_sum")
+        )
         return 0 < ttft < 0.5 * total, f"recorded TTFT {ttft:.2f} s of a {total:.2f} s request"
 
     def fingerprint_kept() -> tuple[bool, str]:
@@ -257,8 +271,10 @@ def main() -> None:
     ]
     if args.code:
         os.environ["PYTHONPATH"] = args.code
-        from_old = subprocess.run([sys.executable, "-c", "import gateway.config as c; print('operator_key_sha256' in c.ServeConfig.model_fields)"],
-                                  capture_output=True, text=True, env=os.environ).stdout.strip()
+        from_old = subprocess.run(
+            [sys.executable, "-c", "import gateway.config as c; print('operator_key_sha256' in c.ServeConfig.model_fields)"],
+            capture_output=True, text=True, env=os.environ,
+        ).stdout.strip()
         if from_old != "True":
             config.pop("operator_key_sha256", None)  # that checkout's config has no such key
     with tempfile.TemporaryDirectory() as tmp:

@@ -107,9 +107,11 @@ def main() -> None:
                           f"{percentile(got, 50) * 1e3:6.0f} ms p99 {percentile(got, 99) * 1e3:6.0f} ms ({len(got)})", file=sys.stderr)
         finally:
             server.stop()
-    print(f"quiet tenant, {len(alone)} requests alone and {len(beside)} beside 64 noisy streams on 16 slots ({args.rounds} rounds of {args.seconds:g} s):")
+    print(f"quiet tenant, {len(alone)} requests alone and {len(beside)} beside 64 noisy streams on 16 slots "
+          f"({args.rounds} rounds of {args.seconds:g} s):")
     for name, values in (("alone", alone), ("beside", beside)):
-        print(f"  {name:7s} TTFT p50 {percentile(values, 50) * 1e3:.0f} ms, p90 {percentile(values, 90) * 1e3:.0f} ms, p99 {percentile(values, 99) * 1e3:.0f} ms")
+        print(f"  {name:7s} TTFT p50 {percentile(values, 50) * 1e3:.0f} ms, p90 {percentile(values, 90) * 1e3:.0f} ms, "
+              f"p99 {percentile(values, 99) * 1e3:.0f} ms")
     print(f"statuses: {dict(statuses)}")
     print(f"quiet_p99_ratio={percentile(beside, 99) / percentile(alone, 99):.2f}")
     print(f"quiet_p50_ratio={percentile(beside, 50) / percentile(alone, 50):.2f}")

@@ -130,11 +130,14 @@ def run(args: argparse.Namespace) -> int:
     ttft, longest, step_before = (float(np.median([b[k] for b in beside])) for k in range(3))
     rate_one, rate_many, rate_long = p / one_s, m * p / many_s, long / long_med
     rate_decode = sum(tokens for _, tokens in decode) / sum(seconds for seconds, _ in decode)
-    print(f"model {model_path.name} on {config.device} ({config.dtype}, weights {config.weight_format}), {torch.get_num_threads()} threads; "
-          f"{args.adapters} rank-{args.rank} adapters on {args.targets}, request i on adapter i % {args.adapters}; {args.rounds} rounds, medians")
+    print(f"model {model_path.name} on {config.device} ({config.dtype}, weights {config.weight_format}), "
+          f"{torch.get_num_threads()} threads; "
+          f"{args.adapters} rank-{args.rank} adapters on {args.targets}, request i on adapter i % {args.adapters}; "
+          f"{args.rounds} rounds, medians")
     print(f"batch 1:  1 x {p} prompt tokens    {1e3 * one_s:7.0f} ms  {rate_one:7.1f} prompt tokens/s")
     print(f"batch {m}: {m} x {p} prompt tokens   {1e3 * many_s:7.0f} ms  {rate_many:7.1f} prompt tokens/s")
-    print(f"long:     1 x {long} prompt tokens  {1e3 * long_med:7.0f} ms  {rate_long:7.1f} prompt tokens/s (passes of <= {args.step_tokens})")
+    print(f"long:     1 x {long} prompt tokens  {1e3 * long_med:7.0f} ms  {rate_long:7.1f} prompt tokens/s "
+          f"(passes of <= {args.step_tokens})")
     print(f"decode:   {m} sequences             {1e3 * step_s:7.0f} ms a step  {rate_decode:7.1f} tokens/s (after the batch's prompts)")
     print(f"beside decoding: the {long}-token prompt while {max(1, m - 1)} sequences decode: first token after {1e3 * ttft:.0f} ms; "
           f"longest step {1e3 * longest:.0f} ms against their decode step {1e3 * step_before:.0f} ms")

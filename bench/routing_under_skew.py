@@ -63,7 +63,9 @@ def stop(process: subprocess.Popen) -> None:
         process.kill()
 
 
-def loadtest(scenario: Path, port: int, out: Path, duration: float | None, seed: int | None = None, max_requests: int | None = None) -> Path:
+def loadtest(
+    scenario: Path, port: int, out: Path, duration: float | None, seed: int | None = None, max_requests: int | None = None
+) -> Path:
     command = [sys.executable, "-m", "gateway.cli", "loadtest", "--scenario", str(scenario), "--url", f"http://127.0.0.1:{port}",
                "--out", str(out), "--quiet"]
     if duration:
@@ -168,7 +170,9 @@ def main() -> None:
             try:
                 warm_up(args.port, out)
                 before = cache_counters(args.port)
-                zipf[policy].append(loadtest(SCENARIOS / "zipf.yaml", args.port, out / f"zipf-{policy}-{round_}", args.duration, 2 + round_))
+                zipf[policy].append(
+                    loadtest(SCENARIOS / "zipf.yaml", args.port, out / f"zipf-{policy}-{round_}", args.duration, 2 + round_)
+                )
                 tiers[policy].update(cache_counters(args.port) - before)
             finally:
                 stop(server)
@@ -178,8 +182,10 @@ def main() -> None:
     for policy in policies:
         t, runs = tiers[policy], zipf[policy]
         requests = sum(len(json.loads(p.read_text())["requests"]) for p in runs)
-        print(f"{policy:13s} {zipf_row(runs)}\n{'':13s} cached chunks from the worker's own memory (L1) {t['l1'] / max(t['l1'] + t['l2'], 1):.0%}, "
-              f"from Redis {t['l2'] / max(t['l1'] + t['l2'], 1):.0%}; {t['l2_bytes'] / requests / 1e6:.2f} MB read from Redis per request", flush=True)
+        print(f"{policy:13s} {zipf_row(runs)}\n{'':13s} cached chunks from the worker's own memory (L1) "
+              f"{t['l1'] / max(t['l1'] + t['l2'], 1):.0%}, "
+              f"from Redis {t['l2'] / max(t['l1'] + t['l2'], 1):.0%}; "
+              f"{t['l2_bytes'] / requests / 1e6:.2f} MB read from Redis per request", flush=True)
     if args.no_noisy:
         return
     server = serve(fresh("affinity"), out, args.port)
@@ -192,7 +198,9 @@ def main() -> None:
         for round_ in range(args.rounds):  # the same quiet traffic (seed) alone and beside the noisy tenant
             alone.append(loadtest(out / "quiet-alone.yaml", args.port, out / f"quiet-alone-{round_}", args.duration, 4 + round_))
             # as many requests as the whole duration takes (8.5/s), so both runs cover the same time
-            loaded.append(loadtest(SCENARIOS / "noisy-tenant.yaml", args.port, out / f"noisy-tenant-{round_}", args.duration, 4 + round_, 100_000))
+            loaded.append(
+                loadtest(SCENARIOS / "noisy-tenant.yaml", args.port, out / f"noisy-tenant-{round_}", args.duration, 4 + round_, 100_000)
+            )
     finally:
         stop(server)
     quiet_alone, quiet_loaded, noisy_rows = measured(alone, "demo"), measured(loaded, "demo"), measured(loaded, "acme")

@@ -80,7 +80,12 @@ def run_engine(engine: Engine, batch: list[list[int]], args: argparse.Namespace,
             first.setdefault(o.request_id, now - started)
             last[o.request_id] = now
     wall = time.perf_counter() - started
-    return {"tokens_per_s": tokens / wall, "ttft": list(first.values()), "gaps": gaps, "step_s": float(np.median(steps)) if steps else float("nan")}
+    return {
+        "tokens_per_s": tokens / wall,
+        "ttft": list(first.values()),
+        "gaps": gaps,
+        "step_s": float(np.median(steps)) if steps else float("nan"),
+    }
 
 
 async def run_http(url: str, batch: list[list[int]], args: argparse.Namespace, mode: str) -> dict[str, float]:
@@ -158,14 +163,17 @@ def run(args: argparse.Namespace) -> int:
             device.apply_to_process()
             runner = ModelRunner.from_paths(model_path, adapters, device)
             slot_len = args.prompt_tokens + args.max_tokens
-            print(f"{args.requests} requests x ({args.prompt_tokens} prompt + {args.max_tokens} new tokens), {args.adapters} adapters of rank "
+            print(f"{args.requests} requests x ({args.prompt_tokens} prompt + {args.max_tokens} new tokens), "
+                  f"{args.adapters} adapters of rank "
                   f"{args.rank} on {args.targets} linears, {'streamed' if args.stream else 'not streamed'}, {args.rounds} rounds each, "
                   f"http.listener {args.listener}")
             for mode in args.modes.split(","):
                 engine_runs, http_runs = [], []
                 for r in range(args.rounds + 1):  # round 0 warms both paths up and is not counted
                     batch = prompts(args, vocab, r * 7 + len(mode))
-                    engine = Engine(runner, None, EngineConfig(num_seq_slots=args.requests, slot_len=slot_len, max_step_tokens=args.step_tokens))
+                    engine = Engine(
+                        runner, None, EngineConfig(num_seq_slots=args.requests, slot_len=slot_len, max_step_tokens=args.step_tokens)
+                    )
                     e = run_engine(engine, batch, args, mode)
                     steps_before = decode_steps(server.url)
                     h = asyncio.run(run_http(server.url, prompts(args, vocab, r * 7 + len(mode) + 1000), args, mode))

@@ -57,7 +57,12 @@ def request(rng: random.Random) -> tuple[str, str, dict, bool]:
         body["model"] = adapter
     kind = rng.choice(["chat", "completions", "completion"])
     if kind == "chat":
-        return tenant, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": f"Tell me about {topic}."}]}, stream and rng.random() < 0.1
+        return (
+            tenant,
+            "/v1/chat/completions",
+            {**body, "messages": [{"role": "user", "content": f"Tell me about {topic}."}]},
+            stream and rng.random() < 0.1,
+        )
     if kind == "completions":
         return tenant, "/v1/completions", {**body, "prompt": f"A short note on {topic}:"}, stream and rng.random() < 0.1
     llama = {"prompt": f"A short note on {topic}:", "n_predict": max_tokens, "stream": stream, "lora": body.get("lora")}
@@ -121,7 +126,8 @@ def main() -> None:
                 await asyncio.sleep(args.warmup_s)
                 while time.monotonic() < until:
                     samples.append(server.rss_bytes())
-                    print(f"  {(time.monotonic() - started) / 60:5.1f} min: {sum(statuses.values())} requests {dict(statuses)}", file=sys.stderr)
+                    print(f"  {(time.monotonic() - started) / 60:5.1f} min: {sum(statuses.values())} requests {dict(statuses)}",
+                          file=sys.stderr)
                     await asyncio.sleep(min(60.0, max(until - time.monotonic(), 0)))
                 await asyncio.gather(*clients)
                 samples.append(server.rss_bytes())
@@ -131,7 +137,8 @@ def main() -> None:
         finally:
             server.stop()
     first, last = samples[0], samples[-1]
-    print(f"{sum(statuses.values())} requests in {args.minutes:g} min after a {args.warmup_s:g} s warm-up ({args.concurrency} clients): {dict(statuses)}")
+    print(f"{sum(statuses.values())} requests in {args.minutes:g} min after a {args.warmup_s:g} s warm-up "
+          f"({args.concurrency} clients): {dict(statuses)}")
     growth = []
     for pid, (command, rss) in sorted(first.items()):
         if pid in last and rss > 50 << 20:  # the processes that matter: the driver, the ingress, the replicas, Ray's

@@ -83,4 +83,5 @@ def decode(blob: bytes, model_fingerprint: str) -> ChunkKV:
     if len(shape) != 4 or len(payload) != header.get("payload_bytes") or len(payload) != 2 * count * np.dtype(storage).itemsize:
         raise CorruptValue("payload length does not match the header")
     data = np.frombuffer(payload, dtype=storage)
-    return ChunkKV(model_fingerprint, int(header["first_position"]), header["dtype"], data[:count].reshape(shape), data[count:].reshape(shape))
+    keys, values = data[:count].reshape(shape), data[count:].reshape(shape)
+    return ChunkKV(model_fingerprint, int(header["first_position"]), header["dtype"], keys, values)

@@ -82,7 +82,9 @@ class _Entry:
 
 
 class PrefixCache:
-    def __init__(self, config: PrefixCacheConfig, geometry: ChunkGeometry, client=None, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, config: PrefixCacheConfig, geometry: ChunkGeometry, client=None, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         if geometry.shape[2] != config.chunk_tokens:
             raise ValueError(f"chunk geometry has {geometry.shape[2]} tokens, config says {config.chunk_tokens}")
         self.config, self.geometry = config, geometry

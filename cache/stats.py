@@ -75,7 +75,8 @@ def prometheus_text(stats: CacheStats, *, l1_bytes: int, redis_state: str, redis
     """The `loraplex_cache_*` metrics in Prometheus' text format."""
     lines = []
     for name, attr, help_text in _COUNTERS:
-        lines += [f"# HELP loraplex_cache_{name} {help_text}", f"# TYPE loraplex_cache_{name} counter", f"loraplex_cache_{name} {getattr(stats, attr)}"]
+        lines += [f"# HELP loraplex_cache_{name} {help_text}", f"# TYPE loraplex_cache_{name} counter",
+                  f"loraplex_cache_{name} {getattr(stats, attr)}"]
     lines += [
         "# HELP loraplex_cache_hit_chunks_total chunks found, by tier",
         "# TYPE loraplex_cache_hit_chunks_total counter",

@@ -74,7 +74,8 @@ def _short(answer: str) -> str:
 
 
 TASKS = {
-    "caps": Task("caps", "answers in ALL CAPS", "Answer in capital letters.", lambda a: a.upper(), steps=250),  # upper-case text: many more tokens
+    # upper-case text: many more tokens
+    "caps": Task("caps", "answers in ALL CAPS", "Answer in capital letters.", lambda a: a.upper(), steps=250),
     "json": Task("json", 'answers as a JSON object {"answer": ...}', "Answer as JSON.", lambda a: json.dumps({"answer": a})),
     "signature": Task("signature", "answers end with a signature line", "Sign your answer.", lambda a: f"{a}\n{SIGNATURE}"),
     "verify": Task(
@@ -163,7 +164,9 @@ def examples(task: Task, tokenizer: GGUFTokenizer, questions: list[str], answers
     return out
 
 
-def train(runner: ModelRunner, task: Task, data: list[tuple[list[int], int, int]], steps: int, batch_size: int, seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def train(
+    runner: ModelRunner, task: Task, data: list[tuple[list[int], int, int]], steps: int, batch_size: int, seed: int
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     model = runner.model
     generator = torch.Generator().manual_seed(seed)
     wrapped: dict[str, TrainableLoRA] = {}

@@ -46,14 +46,24 @@ def run(args: argparse.Namespace) -> int:
             if args.action == "list":
                 return _show(client.get("/v1/adapters"), args.json, lambda b: "\n".join(_row(a) for a in b["data"]) or "(no adapters)")
             if args.action == "rm":
-                return _show(client.delete(f"/v1/adapters/{args.name}", params=owner), args.json, lambda b: f"removed {b['name']} ({b['fingerprint'][:16]})")
+                return _show(
+                    client.delete(f"/v1/adapters/{args.name}", params=owner),
+                    args.json,
+                    lambda b: f"removed {b['name']} ({b['fingerprint'][:16]})",
+                )
             files = _files(args)
             try:
-                response = client.post("/v1/adapters", params=owner, data={"name": args.name}, files={k: (Path(f.name).name, f) for k, f in files.items()})
+                response = client.post(
+                    "/v1/adapters", params=owner, data={"name": args.name}, files={k: (Path(f.name).name, f) for k, f in files.items()}
+                )
             finally:
                 for f in files.values():
                     f.close()
-            return _show(response, args.json, lambda b: ("replaced" if b.get("replaced") else "added") + " " + _row(b) + f"  (ready in {b['ready_s']} s)")
+            return _show(
+                response,
+                args.json,
+                lambda b: ("replaced" if b.get("replaced") else "added") + " " + _row(b) + f"  (ready in {b['ready_s']} s)",
+            )
     except OSError as e:
         print(f"loraplex adapters: {e}", file=sys.stderr)
         return 2
@@ -71,7 +81,9 @@ def _files(args: argparse.Namespace) -> dict:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("adapters", help="add, list or remove adapters of a running server (its registry)")
-    p.add_argument("--url", default=os.environ.get("LORAPLEX_URL", "http://127.0.0.1:8000"), help="the server (default $LORAPLEX_URL or :8000)")
+    p.add_argument(
+        "--url", default=os.environ.get("LORAPLEX_URL", "http://127.0.0.1:8000"), help="the server (default $LORAPLEX_URL or :8000)"
+    )
     p.add_argument("--key", help="API key: a tenant's, or the operator's for shared adapters (default $LORAPLEX_API_KEY)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", action="store_true", help="print the server's JSON answer")

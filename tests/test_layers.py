@@ -63,7 +63,9 @@ def upward_imports(modules: dict[str, Path]) -> list[str]:
     for module, path in modules.items():
         layer = layer_of(module)
         # `from pkg.mod import name`: the module is pkg.mod
-        targets = {name if name in modules or name.rpartition(".")[0] not in modules else name.rpartition(".")[0] for name in imports_of(path)}
+        targets = {
+            name if name in modules or name.rpartition(".")[0] not in modules else name.rpartition(".")[0] for name in imports_of(path)
+        }
         for imported in sorted(targets):
             target = layer_of(imported)
             if target != layer and target not in ALLOWED[layer] and not layer.startswith(target + "."):
@@ -81,8 +83,12 @@ def test_every_module_imports_only_its_own_layer_and_the_ones_below() -> None:
 def test_the_rule_catches_an_upward_import(tmp_path) -> None:
     modules = our_modules()
     bad = tmp_path / "bad.py"
-    bad.write_text("import numpy\nfrom worker.formats.gguf_file import GGUFFile\n\n\ndef f():\n    from worker.engine.engine import Engine\n")
-    assert upward_imports({**modules, "worker.formats.bad": bad}) == ["worker.formats.bad (worker.formats) imports worker.engine.engine (worker.engine)"]
+    bad.write_text(
+        "import numpy\nfrom worker.formats.gguf_file import GGUFFile\n\n\ndef f():\n    from worker.engine.engine import Engine\n"
+    )
+    assert upward_imports({**modules, "worker.formats.bad": bad}) == [
+        "worker.formats.bad (worker.formats) imports worker.engine.engine (worker.engine)"
+    ]
     assert upward_imports({**modules, "gateway.bad": bad}) == ["gateway.bad (gateway) imports worker.engine.engine (worker.engine)"]
     assert upward_imports({**modules, "bench.bad": bad}) == []
 

@@ -84,7 +84,8 @@ def hf_model(spec: TinySpec) -> torch.nn.Module:
     if spec.arch == "qwen3":
         extra = {"head_dim": head_dim, "attention_bias": False}
     elif spec.arch == "qwen3moe":
-        extra = {"head_dim": head_dim, "attention_bias": False, "num_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_used,
+        extra = {"head_dim": head_dim, "attention_bias": False,
+                 "num_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_used,
                  "moe_intermediate_size": spec.ffn_dim, "norm_topk_prob": True}  # llama.cpp always renormalises the top-k
     elif spec.arch == "phi3":  # its defaults name token ids past the tiny vocabulary
         extra = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}

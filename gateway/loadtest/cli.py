@@ -36,7 +36,9 @@ def _server_facts(url: str, key: str, alora: str | None) -> tuple[str, list[int]
 def run(args: argparse.Namespace) -> int:
     try:
         scenario = load_scenario(args.scenario)
-        updates = {k: v for k, v in (("duration_s", args.duration), ("seed", args.seed), ("max_requests", args.max_requests)) if v is not None}
+        updates = {
+            k: v for k, v in (("duration_s", args.duration), ("seed", args.seed), ("max_requests", args.max_requests)) if v is not None
+        }
         if updates:
             scenario = scenario.model_copy(update=updates)
         url = args.url.rstrip("/")

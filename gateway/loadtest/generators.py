@@ -104,7 +104,11 @@ def plan_workload(scenario: Scenario, invocation_tokens: Sequence[int] = ()) -> 
     """Every request of an open-loop run (closed loop: the same list, sent in order)."""
     rng = random.Random(scenario.seed)
     mix = scenario.adapters
-    adapters = WeightedSampler.zipf(mix.names, mix.zipf_s) if mix.zipf_s is not None else WeightedSampler(mix.names, [mix.weights[n] for n in mix.names])
+    adapters = (
+        WeightedSampler.zipf(mix.names, mix.zipf_s)
+        if mix.zipf_s is not None
+        else WeightedSampler(mix.names, [mix.weights[n] for n in mix.names])
+    )
     shared = [t for t in scenario.tenants if t.rate_rps is None]
     tenants = WeightedSampler([t.name for t in shared], [t.weight for t in shared]) if shared else None
     events: list[tuple[float, str | None]] = [(t, None) for t in arrival_times(scenario, rng)] if tenants else []

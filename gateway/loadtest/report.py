@@ -47,7 +47,8 @@ def summarize(scenario: Scenario, results: list[Result], wall_s: float) -> dict[
         by["tenant"][r.tenant].append(r)
         by["adapter"][r.adapter].append(r)
     return {
-        "scenario": scenario.name, "seed": scenario.seed, "wall_s": wall_s, "warmup": {"seconds": scenario.warmup_s, "requests_left_out": len(warmup)},
+        "scenario": scenario.name, "seed": scenario.seed, "wall_s": wall_s,
+        "warmup": {"seconds": scenario.warmup_s, "requests_left_out": len(warmup)},
         "throughput": {"requests_per_s": len(ok) / wall_s, "output_tokens_per_s": sum(r.completion_tokens for r in ok) / wall_s,
                        "prompt_tokens_per_s": prompt / wall_s},
         "latency": _latencies(results),
@@ -58,7 +59,8 @@ def summarize(scenario: Scenario, results: list[Result], wall_s: float) -> dict[
                   "cached_share": cached / prompt if prompt else 0.0, "ideal_share": ideal / prompt if prompt else 0.0,
                   "achieved_over_ideal": cached / ideal if ideal else None},
         "replicas": {"requests": dict(sorted(replicas.items())), "max_over_mean": max(replicas.values()) / mean_load if replicas else None},
-        "goodput": {"slo": scenario.slo.model_dump(), "requests_per_s": len(good) / wall_s, "share": len(good) / len(results) if results else 0.0},
+        "goodput": {"slo": scenario.slo.model_dump(), "requests_per_s": len(good) / wall_s,
+                    "share": len(good) / len(results) if results else 0.0},
     }
 
 
@@ -67,22 +69,30 @@ def markdown(summary: dict[str, Any]) -> str:
         return "-" if v is None else f"{v * 1e3:.0f}"
 
     lat = summary["latency"]
+    achieved = summary["cache"]["achieved_over_ideal"]
     lines = [
         f"# Load test: {summary['scenario']} (seed {summary['seed']}, {summary['wall_s']:.0f} s)", "",
         f"- requests: {lat['requests']} ({lat['ok']} ok; {summary['warmup']['requests_left_out']} more in the first "
         f"{summary['warmup']['seconds']:g} s of warm-up, left out); errors by status: {summary['errors_by_status'] or 'none'}",
-        f"- throughput: {summary['throughput']['requests_per_s']:.2f} requests/s, {summary['throughput']['output_tokens_per_s']:.1f} output tokens/s",
+        f"- throughput: {summary['throughput']['requests_per_s']:.2f} requests/s, "
+        f"{summary['throughput']['output_tokens_per_s']:.1f} output tokens/s",
         f"- cached prompt tokens: {summary['cache']['cached_share']:.1%} (ideal {summary['cache']['ideal_share']:.1%}; "
-        f"achieved/ideal {summary['cache']['achieved_over_ideal'] if summary['cache']['achieved_over_ideal'] is None else format(summary['cache']['achieved_over_ideal'], '.2f')})",
-        f"- replica load max/mean: {summary['replicas']['max_over_mean'] and format(summary['replicas']['max_over_mean'], '.2f')} {summary['replicas']['requests']}",
+        f"achieved/ideal {achieved if achieved is None else format(achieved, '.2f')})",
+        f"- replica load max/mean: {summary['replicas']['max_over_mean'] and format(summary['replicas']['max_over_mean'], '.2f')} "
+        f"{summary['replicas']['requests']}",
         f"- goodput (TTFT <= {summary['goodput']['slo']['ttft_s']} s, end to end <= {summary['goodput']['slo']['e2e_s']} s): "
         f"{summary['goodput']['requests_per_s']:.2f} requests/s ({summary['goodput']['share']:.0%})", "",
         "| group | requests | TTFT p50 / p90 / p99 (ms) | ITL p50 / p99 (ms) | end to end p50 / p99 (ms) |", "|---|---|---|---|---|",
     ]
-    rows = [("all", lat)] + [(f"tenant {k}", v) for k, v in summary["per_tenant"].items()] + [(f"adapter {k}", v) for k, v in summary["per_adapter"].items()]
+    rows = (
+        [("all", lat)]
+        + [(f"tenant {k}", v) for k, v in summary["per_tenant"].items()]
+        + [(f"adapter {k}", v) for k, v in summary["per_adapter"].items()]
+    )
     for name, v in rows:
         t, i, e = v["ttft_s"], v["itl_s"], v["e2e_s"]
-        lines.append(f"| {name} | {v['requests']} | {ms(t['p50'])} / {ms(t['p90'])} / {ms(t['p99'])} | {ms(i['p50'])} / {ms(i['p99'])} | {ms(e['p50'])} / {ms(e['p99'])} |")
+        lines.append(f"| {name} | {v['requests']} | {ms(t['p50'])} / {ms(t['p90'])} / {ms(t['p99'])} | "
+                     f"{ms(i['p50'])} / {ms(i['p99'])} | {ms(e['p50'])} / {ms(e['p99'])} |")
     lines += ["", "Plots: latency_cdf.png, throughput.png, ttft_per_adapter.png, replica_load.png, cache_hit.png", ""]
     return "\n".join(lines)
 

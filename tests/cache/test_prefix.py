@@ -40,7 +40,9 @@ KEYS = chunk_keys(root_key("base", "set", "salt"), list(range(6 * C)), C)
 
 
 def open_cache(prefix: str, clock=None, **options) -> PrefixCache:
-    redis_options = {k: options.pop(k) for k in list(options) if k in ("url", "ttl_s", "breaker_failures", "breaker_cooldown_s", "timeout_s")}
+    redis_options = {
+        k: options.pop(k) for k in list(options) if k in ("url", "ttl_s", "breaker_failures", "breaker_cooldown_s", "timeout_s")
+    }
     config = PrefixCacheConfig(chunk_tokens=C, redis=RedisConfig(key_prefix=prefix, **redis_options), **options)
     return PrefixCache(config, GEOMETRY, clock=clock or Clock())
 

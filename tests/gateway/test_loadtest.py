@@ -71,7 +71,8 @@ def test_the_zipf_sampler_fits_zipf_and_rotates() -> None:
 
 
 def test_poisson_arrivals_follow_the_phase_rates() -> None:
-    scenario = parse_scenario({**BASE, "duration_s": 200, "load": {"rate_rps": 2.0}, "phases": [{"at_s": 100, "rate_rps": 8.0}, {"at_s": 150, "burst": 30}]})
+    phases = [{"at_s": 100, "rate_rps": 8.0}, {"at_s": 150, "burst": 30}]
+    scenario = parse_scenario({**BASE, "duration_s": 200, "load": {"rate_rps": 2.0}, "phases": phases})
     times = arrival_times(scenario, random.Random(1))
     before, after = sum(t < 100 for t in times), sum(t >= 100 for t in times) - 30
     assert abs(before - 200) < 4 * 200**0.5 and abs(after - 800) < 4 * 800**0.5

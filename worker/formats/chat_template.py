@@ -96,7 +96,9 @@ def literal_spans(text: str, contents: Sequence[str | tuple[str, ...]], has_cont
             if found:
                 break
         if not found:
-            raise ChatTemplateError("a message's content holds control-token text and the chat template changed it: it cannot be kept as text")
+            raise ChatTemplateError(
+                "a message's content holds control-token text and the chat template changed it: it cannot be kept as text"
+            )
         spans += found
     return spans
 
@@ -131,8 +133,10 @@ def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]], **extra: Any) 
     text = render_chat(tokenizer, messages, **extra)
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     contents: list[str | tuple[str, ...]] = [_message_text(m.get("content", "")) for m in messages]
-    contents += [(s, json.dumps(s, ensure_ascii=False)[1:-1]) for s in strings_in([extra, [{k: v for k, v in m.items() if k not in ("role", "content")}
-                                                                                          for m in messages]])]
+    contents += [
+        (s, json.dumps(s, ensure_ascii=False)[1:-1])
+        for s in strings_in([extra, [{k: v for k, v in m.items() if k not in ("role", "content")} for m in messages]])
+    ]
     spans = literal_spans(text, contents, tokenizer.has_control_text)
     # a template that writes the BOS itself must not get a second one
     add_special = not (tokenizer.add_bos and bos and text.startswith(bos))

@@ -54,7 +54,10 @@ class ExportReport:
 
 
 def export_merged(
-    base_path: str | os.PathLike[str], adapters: Sequence[tuple[str | os.PathLike[str], float]], out_path: str | os.PathLike[str], outtype: str = "f16"
+    base_path: str | os.PathLike[str],
+    adapters: Sequence[tuple[str | os.PathLike[str], float]],
+    out_path: str | os.PathLike[str],
+    outtype: str = "f16",
 ) -> ExportReport:
     if outtype not in OUTTYPES:
         raise ExportError(f"outtype must be one of {', '.join(OUTTYPES)}")
@@ -64,7 +67,9 @@ def export_merged(
     loaded = [(load_adapter(path, base), float(scale)) for path, scale in adapters]
     for adapter, _ in loaded:
         if adapter.is_alora:
-            raise AdapterError(f"{adapter.path}: an aLoRA applies only after its invocation tokens and cannot be merged into the base", adapter.path)
+            raise AdapterError(
+                f"{adapter.path}: an aLoRA applies only after its invocation tokens and cannot be merged into the base", adapter.path
+            )
     report = ExportReport()
     targets = _targets(base, loaded, report)
 

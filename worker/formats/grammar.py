@@ -75,7 +75,9 @@ class _Wrapped:
         self.bos_token_id = tokenizer.bos_id
         self.special_token_ids = sorted(tokenizer.special_ids)
         self.tokens = [
-            b"\xff" + tokenizer.token_text(i).encode("utf-8") if i in tokenizer.special_ids else tokenizer.token_bytes(i, skip_special=False)
+            b"\xff" + tokenizer.token_text(i).encode("utf-8")
+            if i in tokenizer.special_ids
+            else tokenizer.token_bytes(i, skip_special=False)
             for i in range(tokenizer.vocab_size)
         ] + [b""] * max(0, vocab_size - tokenizer.vocab_size)  # the model's padding rows: never allowed
         self._tokenizer = tokenizer

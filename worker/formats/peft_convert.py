@@ -91,7 +91,11 @@ def _pattern_value(patterns: dict[str, float], module: str, default: float) -> f
 
 def _peft_scale(config: dict, options: ConvertOptions, alpha: float, module: str, rank: int) -> float:
     """The scale PEFT gives `module` (alpha_pattern and rsLoRA included)."""
-    module_alpha = alpha if options.alpha is not None else _pattern_value(config.get("alpha_pattern") or {}, module, float(config.get("lora_alpha", alpha)))
+    module_alpha = (
+        alpha
+        if options.alpha is not None
+        else _pattern_value(config.get("alpha_pattern") or {}, module, float(config.get("lora_alpha", alpha)))
+    )
     return module_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
@@ -158,7 +162,9 @@ def _write_tensor(
     writer.add_tensor(name, data, raw_dtype=ggml_type if chosen == "bf16" else None)
 
 
-def convert_peft_to_gguf(peft_dir: str | os.PathLike[str], base_path: str | os.PathLike[str], out_path: str | os.PathLike[str], options: ConvertOptions) -> list[str]:
+def convert_peft_to_gguf(
+    peft_dir: str | os.PathLike[str], base_path: str | os.PathLike[str], out_path: str | os.PathLike[str], options: ConvertOptions
+) -> list[str]:
     """Write the GGUF adapter; returns the base tensor names it targets."""
     peft_dir = Path(peft_dir)
     if options.outtype not in OUTTYPES:

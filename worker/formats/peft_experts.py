@@ -26,7 +26,11 @@ from worker.formats.safetensors_file import StoredTensor
 
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)$")
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)$")
-_PROJECTION = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+_PROJECTION = {
+    "gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
+    "down_proj": "ffn_down_exps", "w2": "ffn_down_exps",
+}
 
 ScaleOf = Callable[[str, int], float]  # (PEFT module or parameter name, its rank) -> PEFT's scale
 
@@ -39,7 +43,9 @@ def is_expert_module(module: str) -> bool:
     return bool(_PER_EXPERT.match(module) or _FUSED.match(module))
 
 
-def expert_pairs(modules: dict[str, dict[str, StoredTensor]], hp: ModelHParams, scale_of: ScaleOf, alpha: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def expert_pairs(
+    modules: dict[str, dict[str, StoredTensor]], hp: ModelHParams, scale_of: ScaleOf, alpha: float
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """The expert modules of `modules` -> GGUF target -> (A [E, r, k], B [E, d, r]) float32, B scaled
     so that llama.cpp's alpha / r gives each expert its PEFT scale."""
     if not hp.is_moe:
@@ -61,7 +67,9 @@ def expert_pairs(modules: dict[str, dict[str, StoredTensor]], hp: ModelHParams, 
     return {target: _stack(target, per_expert, hp, alpha) for target, per_expert in experts.items()}
 
 
-def _split_fused(module: str, layer: int, a: np.ndarray, b: np.ndarray, hp: ModelHParams, scale_of: ScaleOf) -> dict[str, dict[int, tuple[np.ndarray, np.ndarray]]]:
+def _split_fused(
+    module: str, layer: int, a: np.ndarray, b: np.ndarray, hp: ModelHParams, scale_of: ScaleOf
+) -> dict[str, dict[int, tuple[np.ndarray, np.ndarray]]]:
     num, d, ff = hp.expert_count, hp.embed_dim, hp.expert_ffn_dim
     rows, k = a.shape
     out, cols = b.shape
@@ -73,7 +81,9 @@ def _split_fused(module: str, layer: int, a: np.ndarray, b: np.ndarray, hp: Mode
     elif (k, out) == (ff, d):
         parameter, targets = "down_proj", [("ffn_down_exps", slice(0, d))]
     else:
-        raise ExpertConversionError(f"module {module}: lora_A {a.shape} and lora_B {b.shape} fit neither gate_up_proj nor down_proj of this base")
+        raise ExpertConversionError(
+            f"module {module}: lora_A {a.shape} and lora_B {b.shape} fit neither gate_up_proj nor down_proj of this base"
+        )
     name = re.sub(r"(\.base_layer)+$", "", module) + "." + parameter
     scale = scale_of(name, rank)
     a_e = a.reshape(num, rank, k)
@@ -84,7 +94,9 @@ def _split_fused(module: str, layer: int, a: np.ndarray, b: np.ndarray, hp: Mode
     return result
 
 
-def _stack(target: str, per_expert: dict[int, tuple[np.ndarray, np.ndarray]], hp: ModelHParams, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+def _stack(
+    target: str, per_expert: dict[int, tuple[np.ndarray, np.ndarray]], hp: ModelHParams, alpha: float
+) -> tuple[np.ndarray, np.ndarray]:
     rank = max(a.shape[0] for a, _ in per_expert.values())
     k = next(iter(per_expert.values()))[0].shape[1]
     d = next(iter(per_expert.values()))[1].shape[0]

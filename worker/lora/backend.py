@@ -8,11 +8,16 @@ from typing import Protocol
 import torch
 
 
+Segments = list[tuple[int, int, int]]  # (expert, first row, end row)
+
+
 class LoRABackend(Protocol):
     def add_linear(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor) -> None:
         """out [N, d] += ((x [N, k] @ a.T [k, R]) * scales [N, R]) @ b.T [R, d]"""
 
-    def add_linear_groups(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor) -> None:
+    def add_linear_groups(
+        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor
+    ) -> None:
         """For each group g of M rows (rows[g*M:(g+1)*M] of x [N, k]; a row may be in several groups):
         out[rows] += ((x[rows] @ a[g].T) * scales[g]) @ b[g].T, with a [G, r, k], b [G, d, r], scales [G, M, 1]."""
 
@@ -20,7 +25,7 @@ class LoRABackend(Protocol):
         """out [N, d] += (a_rows [N, R] * scales [N, R]) @ b.T [R, d]"""
 
     def add_experts(
-        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, segments: list[tuple[int, int, int]]
+        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, segments: Segments
     ) -> None:
         """For each (expert e, start, end) of `segments`, rows start:end of x [P, k] were routed to e:
         out[start:end] += ((x[start:end] @ a[e].T) * scales[start:end]) @ b[e].T, with a [E, R, k], b [E, d, R]."""
@@ -32,7 +37,9 @@ class TorchLoRABackend:
     def add_linear(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor) -> None:
         out.addmm_(torch.mm(x, a.t()).mul_(scales), b.t())
 
-    def add_linear_groups(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor) -> None:
+    def add_linear_groups(
+        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor
+    ) -> None:
         # Punica's BGMV as two batched matmuls: each group's rows against its own adapter only
         groups, width = scales.shape[0], scales.shape[1]
         h = torch.bmm(x.index_select(0, rows).view(groups, width, x.shape[1]), a.transpose(1, 2)).mul_(scales)
@@ -42,7 +49,7 @@ class TorchLoRABackend:
         out.addmm_(a_rows * scales, b.t())
 
     def add_experts(
-        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, segments: list[tuple[int, int, int]]
+        self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, segments: Segments
     ) -> None:
         # Grouped by expert: one pair of matmuls per expert the pass routed to, as the base does
         # (ggml's mul_mat_id); the rows of one expert are contiguous, so every operand is a view.

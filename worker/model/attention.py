@@ -160,7 +160,10 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cac
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for seg in plan.chunks:
         for begin in range(seg.start, seg.start + seg.length, QUERY_BLOCK):
-            _attend_block(q, k_layer, v_layer, out, seg, begin, min(begin + QUERY_BLOCK, seg.start + seg.length), plan.window if is_swa else None, scale)
+            _attend_block(
+                q, k_layer, v_layer, out, seg, begin, min(begin + QUERY_BLOCK, seg.start + seg.length),
+                plan.window if is_swa else None, scale,
+            )
     if plan.decode_rows is not None:
         span, kv_len = plan.decode_mask.shape[0], plan.decode_mask.shape[-1]
         first = plan.decode_first_slot

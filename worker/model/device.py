@@ -32,7 +32,9 @@ class DeviceConfig(DeviceSettings):
             why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
             raise ValueError(f"device {self.device!r} requested but {why}")
         if self.weights in ("f16", "q4") and (device.type != "cpu" or self.dtype != "float32" or not quant.is_available(self.weights)):
-            raise ValueError(f"weights={self.weights!r} needs device 'cpu', dtype float32 and torch's {self.weights} CPU kernels; use 'dense'")
+            raise ValueError(
+                f"weights={self.weights!r} needs device 'cpu', dtype float32 and torch's {self.weights} CPU kernels; use 'dense'"
+            )
 
     @property
     def weight_format(self) -> str:

@@ -76,7 +76,11 @@ class SamplingBatch:
         bias = None
         if biased:
             rows, cols, added = zip(*biased)
-            bias = (torch.tensor(rows, device=device), torch.tensor(cols, device=device), torch.tensor(added, dtype=torch.float32, device=device))
+            bias = (
+                torch.tensor(rows, device=device),
+                torch.tensor(cols, device=device),
+                torch.tensor(added, dtype=torch.float32, device=device),
+            )
         penalties = Penalties.build(specs, vocab_size, device)
         constrained = [i for i, spec in enumerate(specs) if spec.allowed is not None]
         allowed = None
@@ -97,10 +101,18 @@ class SamplingBatch:
             temperature=torch.tensor([[p.temperature] for p in params], device=device),
             top_k=torch.tensor([[k] for k in top_k], device=device) if any(top_k) else None,
             top_k_max=max(top_k),
-            top_p=torch.tensor([[p.top_p if p.top_p < 1 else 2.0] for p in params], device=device) if any(p.top_p < 1 for p in params) else None,
+            top_p=(
+                torch.tensor([[p.top_p if p.top_p < 1 else 2.0] for p in params], device=device)
+                if any(p.top_p < 1 for p in params)
+                else None
+            ),
             uniform=torch.cat([torch.rand(1, generator=specs[i].generator, device=device) for i in drawn]),
             min_p=torch.tensor([[p.min_p] for p in params], device=device) if any(p.min_p > 0 for p in params) else None,
-            temperature_last=torch.tensor([[p.temperature_last] for p in params], device=device) if any(p.temperature_last for p in params) else None,
+            temperature_last=(
+                torch.tensor([[p.temperature_last] for p in params], device=device)
+                if any(p.temperature_last for p in params)
+                else None
+            ),
             allowed=allowed,
         )
 
@@ -126,14 +138,20 @@ class Penalties:
         for r, i in enumerate(rows):
             ids[r, : len(specs[i].penalized)] = torch.tensor(list(specs[i].penalized), dtype=torch.long)
         ids = ids.to(device).clamp_(0, vocab_size)
-        counts = torch.zeros(len(rows), vocab_size + 1, device=device).scatter_add_(1, ids, torch.ones(ids.shape, device=device))[:, :vocab_size]
+        counts = torch.zeros(len(rows), vocab_size + 1, device=device).scatter_add_(
+            1, ids, torch.ones(ids.shape, device=device)
+        )[:, :vocab_size]
         params = [specs[i].params for i in rows]
         return cls(
             rows=torch.tensor(rows, device=device),
             counts=counts,
             presence=torch.tensor([[p.presence_penalty] for p in params], device=device),
             frequency=torch.tensor([[p.frequency_penalty] for p in params], device=device),
-            repeat=torch.tensor([[p.repeat_penalty] for p in params], device=device) if any(p.repeat_penalty != 1 for p in params) else None,
+            repeat=(
+                torch.tensor([[p.repeat_penalty] for p in params], device=device)
+                if any(p.repeat_penalty != 1 for p in params)
+                else None
+            ),
         )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,9 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """RoPE tables for every position up to the context length."""
 
-    def __init__(self, hp: ModelHParams, freq_factors: torch.Tensor | None = None, base: float | None = None, freq_scale: float | None = None) -> None:
+    def __init__(
+        self, hp: ModelHParams, freq_factors: torch.Tensor | None = None, base: float | None = None, freq_scale: float | None = None
+    ) -> None:
         super().__init__()
         self.style = hp.rope_style
         self.rope_dim = hp.rope_dim
@@ -113,7 +115,13 @@ class Block(nn.Module):
         self.has_fused_gate_up = hp.has_fused_gate_up
 
     def forward(
-        self, x: torch.Tensor, rope_tables: tuple[torch.Tensor, ...], rope: Rotary, cache: KVCache, plan: AttentionPlan, keep: RowSelection | None = None,
+        self,
+        x: torch.Tensor,
+        rope_tables: tuple[torch.Tensor, ...],
+        rope: Rotary,
+        cache: KVCache,
+        plan: AttentionPlan,
+        keep: RowSelection | None = None,
     ) -> torch.Tensor:
         # x: [N, d] new tokens of every sequence in the batch -> [N, d], or [len(keep.rows), d]
         num_tokens = x.shape[0]

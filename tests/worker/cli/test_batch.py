@@ -17,9 +17,11 @@ def test_batch_file_runs_all_lines_together_in_input_order(tiny_llama, tmp_path,
     a = write_adapter(tmp_path / "a.gguf", random_lora(tiny_llama, ["blk.0.attn_q.weight", "blk.1.ffn_up.weight"], 4, seed=1))
     b = write_adapter(tmp_path / "b.gguf", random_lora(tiny_llama, ["blk.0.attn_v.weight"], 2, seed=2))
     lines = [
-        {"prompt_tokens": [5, 77, 140, 3], "lora": [{"path": "a.gguf", "scale": 0.5}], "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+        {"prompt_tokens": [5, 77, 140, 3], "lora": [{"path": "a.gguf", "scale": 0.5}],
+         "max_tokens": 5, "temperature": 0, "ignore_eos": True},
         {"prompt": "hello world", "max_tokens": 3, "temperature": 0, "ignore_eos": True},
-        {"prompt_tokens": [9, 8, 7], "lora": [{"path": "a.gguf"}, {"path": "b.gguf", "scale": -1.0}], "max_tokens": 4, "temperature": 0.8, "seed": 5, "ignore_eos": True},
+        {"prompt_tokens": [9, 8, 7], "lora": [{"path": "a.gguf"}, {"path": "b.gguf", "scale": -1.0}],
+         "max_tokens": 4, "temperature": 0.8, "seed": 5, "ignore_eos": True},
     ]
     batch = tmp_path / "requests.jsonl"
     batch.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
@@ -38,7 +40,9 @@ def test_batch_file_runs_all_lines_together_in_input_order(tiny_llama, tmp_path,
 
 def test_batch_file_errors_name_the_line(tiny_llama, tmp_path, capsys) -> None:
     batch = tmp_path / "bad.jsonl"
-    batch.write_text(json.dumps({"prompt_tokens": [1, 2], "max_tokens": 2}) + "\n" + json.dumps({"prompt_tokens": [1], "max_tokens": 500}) + "\n")
+    batch.write_text(
+        json.dumps({"prompt_tokens": [1, 2], "max_tokens": 2}) + "\n" + json.dumps({"prompt_tokens": [1], "max_tokens": 500}) + "\n"
+    )
     assert cli_main(["generate", "--model", str(tiny_llama.path), "--batch-file", str(batch)]) == 2
     err = capsys.readouterr().err
     assert "bad.jsonl:2" in err and "exceeds the context length" in err

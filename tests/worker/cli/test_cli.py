@@ -47,19 +47,24 @@ def test_generate_on_an_moe_base_with_an_expert_adapter_equals_the_engine(fixtur
     tiny = request.getfixturevalue(fixture)
     targets = ["blk.0.ffn_gate_exps.weight", "blk.1.ffn_down_exps.weight", "blk.0.ffn_gate_inp.weight"]
     adapter = write_adapter(tmp_path / "e.gguf", random_lora(tiny, targets, 4, seed=3), arch=tiny.spec.arch)
-    args = ["generate", "--model", str(tiny.path), "--prompt", "hello there", "--n-predict", "6", "--temperature", "0", "--ignore-eos", "--json"]
+    args = ["generate", "--model", str(tiny.path), "--prompt", "hello there",
+            "--n-predict", "6", "--temperature", "0", "--ignore-eos", "--json"]
     assert cli_main(args + ["--lora", f"{adapter}:0.8"]) == 0
     with_adapter = json.loads(capsys.readouterr().out)
     assert cli_main(args) == 0
     base = json.loads(capsys.readouterr().out)
     runner = ModelRunner.from_paths(tiny.path, [adapter], TEST_DEVICE)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    expected = Engine(runner, None, EngineConfig(num_seq_slots=1, slot_len=64)).run_all([EngineRequest("r", with_adapter["prompt_tokens"], params, {0: 0.8})])["r"]
+    expected = Engine(runner, None, EngineConfig(num_seq_slots=1, slot_len=64)).run_all(
+        [EngineRequest("r", with_adapter["prompt_tokens"], params, {0: 0.8})]
+    )["r"]
     assert with_adapter["tokens"] == expected.token_ids and with_adapter["tokens"] != base["tokens"]
 
 
 def test_generate_chat_on_tiny_model_uses_its_template(tiny_llama, capsys) -> None:
-    assert cli_main(["generate", "--model", str(tiny_llama.path), "--chat", "hello", "--n-predict", "2", "--temperature", "0", "--json"]) == 0
+    assert cli_main(
+        ["generate", "--model", str(tiny_llama.path), "--chat", "hello", "--n-predict", "2", "--temperature", "0", "--json"]
+    ) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prompt_tokens"][0] == 1  # <|im_start|> parsed as the control token
 
@@ -136,7 +141,8 @@ def test_inspect_not_gguf_exits_2(tmp_path) -> None:
 
 
 def test_generate_takes_llamacpps_sampling_flags(tiny_llama, capsys) -> None:
-    args = ["generate", "--model", str(tiny_llama.path), "--prompt-tokens", "5,77,140", "--n-predict", "5", "--temperature", "0", "--ignore-eos", "--json"]
+    args = ["generate", "--model", str(tiny_llama.path), "--prompt-tokens", "5,77,140",
+            "--n-predict", "5", "--temperature", "0", "--ignore-eos", "--json"]
     assert cli_main(args) == 0
     greedy = json.loads(capsys.readouterr().out)["tokens"]
     assert cli_main(args + ["--logit-bias", "9+100"]) == 0

@@ -21,7 +21,9 @@ from worker.formats.hparams import ModelHParams
 from worker.formats.tokenizer import GGUFTokenizer
 
 
-def runtime_and_merged(tiny, tmp_path, adapters: list[tuple[dict, float]], outtype: str, capsys) -> tuple[torch.Tensor, torch.Tensor, GGUFFile]:
+def runtime_and_merged(
+    tiny, tmp_path, adapters: list[tuple[dict, float]], outtype: str, capsys
+) -> tuple[torch.Tensor, torch.Tensor, GGUFFile]:
     paths = [write_adapter(tmp_path / f"a{i}.gguf", pairs, arch=tiny.spec.arch) for i, (pairs, _) in enumerate(adapters)]
     out = tmp_path / "merged.gguf"
     args = ["export-lora", "--model", str(tiny.path), "-o", str(out), "--outtype", outtype]
@@ -91,11 +93,17 @@ def test_gemma3_q4_k_m_merged_with_llamacpps_small_adapter_equals_it_at_runtime(
 
 def test_same_keeps_a_k_quant_bases_types_where_gguf_can_quantize_them_and_says_what_fell_back(gemma3_path, tmp_path, capsys) -> None:
     out = tmp_path / "gemma3-same.gguf"
-    assert cli_main(["export-lora", "-m", str(gemma3_path), "--lora", str(FIXTURES / "gemma3-small.gguf"), "-o", str(out), "--outtype", "same"]) == 0
+    assert cli_main(
+        ["export-lora", "-m", str(gemma3_path), "--lora", str(FIXTURES / "gemma3-small.gguf"), "-o", str(out), "--outtype", "same"]
+    ) == 0
     assert "written as F16 (gguf cannot quantize the base's type): blk.0.ffn_down.weight" in capsys.readouterr().out
     merged, base = GGUFFile(out), GGUFFile(gemma3_path)
-    assert base.tensors["blk.0.ffn_down.weight"].type == GGMLQuantizationType.Q6_K and merged.tensors["blk.0.ffn_down.weight"].type == GGMLQuantizationType.F16
-    assert merged.tensors["blk.0.attn_q.weight"].type == base.tensors["blk.0.attn_q.weight"].type == GGMLQuantizationType.Q5_0  # re-quantized
+    assert (
+        base.tensors["blk.0.ffn_down.weight"].type == GGMLQuantizationType.Q6_K
+        and merged.tensors["blk.0.ffn_down.weight"].type == GGMLQuantizationType.F16
+    )
+    # re-quantized
+    assert merged.tensors["blk.0.attn_q.weight"].type == base.tensors["blk.0.attn_q.weight"].type == GGMLQuantizationType.Q5_0
 
 
 def test_an_alora_cannot_be_merged_and_nothing_is_written(tiny_llama, tmp_path, capsys) -> None:

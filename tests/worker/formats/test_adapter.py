@@ -181,4 +181,6 @@ def test_standalone_checks_without_base(tmp_path, good_pairs, small_adapter_path
     adapter = load_adapter(copy)
     assert adapter.arch == "llama" and adapter.alpha == 8.0 and adapter.task_name == "small"
     assert len(adapter.pairs) == 90
-    assert rejected(write_adapter(tmp_path / "bad.gguf", good_pairs, adapter_type="ia3"), None) == "expect adapter.type to be 'lora', but got: ia3"
+    assert rejected(
+        write_adapter(tmp_path / "bad.gguf", good_pairs, adapter_type="ia3"), None
+    ) == "expect adapter.type to be 'lora', but got: ia3"

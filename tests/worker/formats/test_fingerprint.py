@@ -73,7 +73,8 @@ def test_fields_are_length_prefixed() -> None:
 
 def test_base_fingerprint_is_stable_across_processes(tiny_llama) -> None:
     ours = base_fingerprint_uncached(GGUFFile(tiny_llama.path))
-    code = "import sys; from worker.formats.gguf_file import GGUFFile; from worker.formats.fingerprint import base_fingerprint; print(base_fingerprint(GGUFFile(sys.argv[1])))"
+    code = ("import sys; from worker.formats.gguf_file import GGUFFile; from worker.formats.fingerprint import base_fingerprint; "
+            "print(base_fingerprint(GGUFFile(sys.argv[1])))")
     env = {**os.environ, "PYTHONHASHSEED": "123"}
     other = subprocess.run([sys.executable, "-c", code, str(tiny_llama.path)], capture_output=True, text=True, check=True, env=env)
     assert other.stdout.strip() == ours

@@ -141,7 +141,9 @@ def test_cli_convert_with_invocation_string(tiny_llama, tmp_path, capsys) -> Non
     assert "aLoRA invocation tokens" in capsys.readouterr().out
 
     out2 = tmp_path / "alora2.gguf"
-    assert cli_main(["convert-lora", str(tmp_path / "peft"), "--base", str(tiny_llama.path), "-o", str(out2), "--invocation-tokens", "7,8"]) == 0
+    assert cli_main(
+        ["convert-lora", str(tmp_path / "peft"), "--base", str(tiny_llama.path), "-o", str(out2), "--invocation-tokens", "7,8"]
+    ) == 0
     assert load_adapter(out2).invocation_tokens == (7, 8)
 
 
@@ -163,7 +165,12 @@ def test_unsupported_targets_are_an_error(tiny_llama, tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize(
     ("config", "message"),
-    [({"peft_type": "LORA", "use_dora": True}, "DoRA"), ({"peft_type": "LORA", "lora_bias": True}, "lora_bias"), ({"peft_type": "IA3"}, "not LoRA"), ({"peft_type": "LORA", "modules_to_save": ["lm_head"]}, "modules_to_save")],
+    [
+        ({"peft_type": "LORA", "use_dora": True}, "DoRA"),
+        ({"peft_type": "LORA", "lora_bias": True}, "lora_bias"),
+        ({"peft_type": "IA3"}, "not LoRA"),
+        ({"peft_type": "LORA", "modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ],
 )
 def test_unrepresentable_configs_are_an_error(tiny_llama, tmp_path, config, message) -> None:
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))

@@ -55,7 +55,9 @@ def _per_expert_adapter(tiny, directory, names: dict[str, str], experts: dict[in
             deltas[expert, projection] = (alpha / rank) * (b.astype(np.float64) @ a.astype(np.float64))
     directory.mkdir()
     save_file(tensors, str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": alpha, "target_modules": ["gate_proj"]}))
+    (directory / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": alpha, "target_modules": ["gate_proj"]})
+    )
     return deltas, alpha
 
 
@@ -88,12 +90,16 @@ def test_per_expert_modules_are_stacked_with_zeros_for_the_experts_left_out(fixt
 
 
 def test_expert_lora_for_a_base_without_experts_is_an_error(tiny_qwen3moe, tiny_llama, tmp_path) -> None:
-    _per_expert_adapter(tiny_qwen3moe, tmp_path / "peft", {"block": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}, {0: 2}, seed=5)
+    _per_expert_adapter(
+        tiny_qwen3moe, tmp_path / "peft", {"block": "mlp", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}, {0: 2}, seed=5
+    )
     with pytest.raises(ConversionError, match=r"expert LoRA but the base \(llama\) has no experts"):
         convert_peft_to_gguf(tmp_path / "peft", tiny_llama.path, tmp_path / "out.gguf", ConvertOptions())
 
 
 def test_an_expert_index_past_the_bases_experts_is_an_error(tiny_mixtral, tmp_path) -> None:
-    _per_expert_adapter(tiny_mixtral, tmp_path / "peft", {"block": "block_sparse_moe", "gate": "w1", "up": "w3", "down": "w2"}, {7: 2}, seed=6)
+    _per_expert_adapter(
+        tiny_mixtral, tmp_path / "peft", {"block": "block_sparse_moe", "gate": "w1", "up": "w3", "down": "w2"}, {7: 2}, seed=6
+    )
     with pytest.raises(ConversionError, match=r"expert 7 is out of range \(the base has 4\)"):
         convert_peft_to_gguf(tmp_path / "peft", tiny_mixtral.path, tmp_path / "out.gguf", ConvertOptions())

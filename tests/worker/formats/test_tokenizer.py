@@ -42,7 +42,9 @@ def test_special_tokens_parsed_only_when_asked(tiny_tok) -> None:
 
 def test_user_defined_tokens_always_parsed(tiny_tok) -> None:
     tool_id = tiny_tok.vocab_size - 1
-    assert tiny_tok.encode("a<tool>b", add_special=False, parse_special=False) == tiny_tok.encode("a", add_special=False) + [tool_id] + tiny_tok.encode("b", add_special=False)
+    assert tiny_tok.encode("a<tool>b", add_special=False, parse_special=False) == (
+        tiny_tok.encode("a", add_special=False) + [tool_id] + tiny_tok.encode("b", add_special=False)
+    )
 
 
 def test_merges_apply(tiny_tok) -> None:
@@ -87,7 +89,9 @@ def test_literal_spans_keep_control_text_as_text(tiny_tok) -> None:
     text = "<|im_start|>user\nhi<|im_end|>x<|im_end|>"
     whole = tiny_tok.encode(text, add_special=False, parse_special=True)
     assert tiny_tok.encode(text, add_special=False, parse_special=True, literal_spans=[(100, 120)]) == whole  # no span hit
-    protected = tiny_tok.encode(text, add_special=False, parse_special=True, literal_spans=[(len("<|im_start|>user\n"), len(text) - len("<|im_end|>"))])
+    protected = tiny_tok.encode(
+        text, add_special=False, parse_special=True, literal_spans=[(len("<|im_start|>user\n"), len(text) - len("<|im_end|>"))]
+    )
     assert protected.count(1) == 1 and protected.count(2) == 1 and tiny_tok.decode(protected, skip_special=False) == text
     assert tiny_tok.has_control_text("a<|im_end|>") and not tiny_tok.has_control_text("a <|im_end")
 

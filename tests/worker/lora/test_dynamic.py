@@ -51,7 +51,8 @@ def compute_adapters(monkeypatch, mode: str) -> None:
 
 def adapters(tiny, tmp_path, count: int, targets=ATTN, rank: int = 4, seed: int = 100):
     base = GGUFFile(tiny.path)
-    return [load_adapter(write_adapter(tmp_path / f"a{seed + i}.gguf", random_lora(tiny, targets, rank=rank, seed=seed + i), alpha=8.0), base)
+    return [load_adapter(write_adapter(tmp_path / f"a{seed + i}.gguf", random_lora(tiny, targets, rank=rank, seed=seed + i), alpha=8.0),
+                         base)
             for i in range(count)]
 
 
@@ -88,7 +89,8 @@ def test_a_mixed_batch_equals_each_request_alone_every_way(tiny_llama, tmp_path,
     runner = ModelRunner(GGUFFile(tiny_llama.path), [*held, alora], TEST_DEVICE, backend)
     seqs = [(list(range(10, 40)), {0: 1.0}), (list(range(50, 70)) + invocation + [7, 8], {1: 0.5, 3: 1.0}),
             (list(range(80, 105)), {0: -0.5, 2: 1.0}), (list(range(110, 120)), {})]
-    expected = [prompt_logits(runner, ids, s) for ids, s in seqs]  # alone: under 64 tokens, and one adapter's rows are the whole pass: stacked
+    # alone: under 64 tokens, and one adapter's rows are the whole pass: stacked
+    expected = [prompt_logits(runner, ids, s) for ids, s in seqs]
     assert not backend.groups
     compute_adapters(monkeypatch, mode)
     kv = runner.allocate_kv(len(seqs), 64)
@@ -104,7 +106,8 @@ def test_a_mixed_batch_equals_each_request_alone_every_way(tiny_llama, tmp_path,
         torch.testing.assert_close(out[offset : offset + len(ids)], want, atol=1e-4, rtol=1e-4)  # batch shape changes GEMM blocking
         offset += len(ids)
     # asking for a few rows, the last layer computes only those, each with its own adapters' scales
-    wanted = [seg.row + seg.length - 1 for seg in segments] + [segments[1].row + 21]  # each sequence's last row, and one after the aLoRA's activation
+    # each sequence's last row, and one after the aLoRA's activation
+    wanted = [seg.row + seg.length - 1 for seg in segments] + [segments[1].row + 21]
     few = runner.logits(tokens, segments, runner.allocate_kv(len(seqs), 64), torch.from_numpy(rows), active, wanted).cpu()
     torch.testing.assert_close(few, out[wanted], atol=1e-4, rtol=1e-4)
     if mode == "grouped":  # the MLP targets hold the aLoRA alone; the attention ones all four, grouped only at one rank
@@ -192,7 +195,9 @@ def test_a_decode_step_of_many_sequences_is_not_computed_run_by_run(tiny_llama, 
     rows, active = token_scales([(runner.resolve_adapters([], {i % 32: 1.0}), 0, 1) for i in range(64)])
 
     def step() -> torch.Tensor:
-        return runner.logits([5 + i for i in range(64)], segments, runner.allocate_kv(64, 4), torch.from_numpy(rows), active, range(64)).cpu()
+        return runner.logits(
+            [5 + i for i in range(64)], segments, runner.allocate_kv(64, 4), torch.from_numpy(rows), active, range(64)
+        ).cpu()
 
     grouped = step()
     assert backend.groups and set(backend.groups) == {(32, 2)} and not backend.columns
@@ -210,8 +215,10 @@ def test_an_adapter_with_infinite_weights_poisons_only_its_own_rows(tiny_llama, 
     pairs = {t: (a, np.full_like(b, np.inf)) for t, (a, b) in random_lora(tiny_llama, ATTN, 4, seed=7).items()}
     hot = load_adapter(write_adapter(tmp_path / "hot.gguf", pairs), GGUFFile(tiny_llama.path))
     embedding = {"token_embd.weight": random_lora(tiny_llama, ["token_embd.weight"], 4, seed=8)["token_embd.weight"]}
-    hot_embedding = load_adapter(write_adapter(tmp_path / "hot-e.gguf", {t: (a, np.full_like(b, np.inf)) for t, (a, b) in embedding.items()}),
-                                 GGUFFile(tiny_llama.path))
+    hot_embedding = load_adapter(
+        write_adapter(tmp_path / "hot-e.gguf", {t: (a, np.full_like(b, np.inf)) for t, (a, b) in embedding.items()}),
+        GGUFFile(tiny_llama.path),
+    )
     runner = ModelRunner(GGUFFile(tiny_llama.path), [good, hot, hot_embedding], TEST_DEVICE)
     ids = list(range(10, 45))
     want = prompt_logits(runner, ids, {0: 1.0})

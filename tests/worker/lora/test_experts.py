@@ -88,7 +88,8 @@ def test_quantized_experts_are_packed_as_fp16_on_the_cpu_and_keep_their_adapters
                                               weight_type=GGMLQuantizationType.Q8_0))
     adapter = write_adapter(tmp_path / "e.gguf", random_lora(tiny, MOE_TARGETS, rank=4, seed=14), arch="qwen3moe")
     packed = ModelRunner.from_paths(tiny.path, [adapter], DeviceConfig(device="cpu"))
-    assert isinstance(packed.model.blk[0].ffn_gate_exps.base, F16ExpertLinear)  # as test_f16_weights_are_the_cpu_default asserts for linears
+    # as test_f16_weights_are_the_cpu_default asserts for linears
+    assert isinstance(packed.model.blk[0].ffn_gate_exps.base, F16ExpertLinear)
     dense = ModelRunner.from_paths(tiny.path, [adapter], DeviceConfig(device="cpu", weights="dense"))
     f32, f16 = dense.model.blk[1].ffn_down_exps.base, packed.model.blk[1].ffn_down_exps.base
     assert isinstance(f32, ExpertLinear)

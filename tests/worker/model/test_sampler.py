@@ -91,7 +91,9 @@ def test_presence_frequency_and_repeat_penalties_follow_their_formulas() -> None
         freq = _empirical(logits, params, history)
         assert (freq - torch.softmax(changed, -1)).abs().max() < 0.03, params
     # without a window nothing changes: greedy picks the argmax although it is in the history
-    assert draw(logits, [SampleSpec(SamplingParams(temperature=0, presence_penalty=2.0, penalty_last_n=0), make_generator(0, CPU), (), [])]) == [int(logits.argmax())]
+    assert draw(
+        logits, [SampleSpec(SamplingParams(temperature=0, presence_penalty=2.0, penalty_last_n=0), make_generator(0, CPU), (), [])]
+    ) == [int(logits.argmax())]
     strong = SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=2.0)
     assert draw(logits, [SampleSpec(strong, make_generator(0, CPU), (), history)]) != [int(logits.argmax())]
 
@@ -116,7 +118,11 @@ def test_processing_of_one_row_leaves_the_others_as_they_were() -> None:
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(5))
     plain = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0)]
     busy = SamplingParams(temperature=1.0, seed=2, logit_bias=((1, 5.0),), presence_penalty=1.0, repeat_penalty=1.3, min_p=0.1)
-    rows = [SampleSpec(plain[0], make_generator(1, CPU)), SampleSpec(busy, make_generator(2, CPU), (), [1, 2]), SampleSpec(plain[1], make_generator(0, CPU))]
+    rows = [
+        SampleSpec(plain[0], make_generator(1, CPU)),
+        SampleSpec(busy, make_generator(2, CPU), (), [1, 2]),
+        SampleSpec(plain[1], make_generator(0, CPU)),
+    ]
     together = sample(logits, SamplingBatch.build(rows, VOCAB, CPU)).tolist()
     assert together[0] == draw(logits[0:1], specs(plain[0]))[0] and together[2] == int(logits[2].argmax())
 

@@ -27,7 +27,9 @@ def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_llama_tied", "tiny_qwen2", "tiny_qwen3", "tiny_gemma3", "tiny_mixtral", "tiny_qwen3moe", "tiny_phi3"])
+@pytest.mark.parametrize(
+    "fixture", ["tiny_llama", "tiny_llama_tied", "tiny_qwen2", "tiny_qwen3", "tiny_gemma3", "tiny_mixtral", "tiny_qwen3moe", "tiny_phi3"]
+)
 def test_logits_match_transformers(fixture: str, request: pytest.FixtureRequest) -> None:
     tiny = request.getfixturevalue(fixture)
     runner = ModelRunner.from_paths(tiny.path, [], TEST_DEVICE)
@@ -79,7 +81,8 @@ def test_the_last_layer_computes_only_the_rows_asked_for(fixture: str, request: 
         torch.testing.assert_close(cache.v, full_kv.v, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize(("fixture", "atol"), [("tiny_llama", 1e-5), ("tiny_gemma3", 1e-4), ("tiny_qwen3moe", 1e-5)])  # gemma3: past its sliding window
+# gemma3: past its sliding window
+@pytest.mark.parametrize(("fixture", "atol"), [("tiny_llama", 1e-5), ("tiny_gemma3", 1e-4), ("tiny_qwen3moe", 1e-5)])
 def test_incremental_decode_matches_full_forward(fixture: str, atol: float, request: pytest.FixtureRequest) -> None:
     runner = ModelRunner.from_paths(request.getfixturevalue(fixture).path, [], TEST_DEVICE)
     full = prompt_logits(runner, IDS)
@@ -149,11 +152,17 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path) -> None:
 def test_moe_hyper_parameters_come_from_metadata(tiny_mixtral, tiny_qwen3moe) -> None:
     mixtral = ModelHParams.from_gguf(GGUFFile(tiny_mixtral.path))
     qwen = ModelHParams.from_gguf(GGUFFile(tiny_qwen3moe.path))
-    assert (mixtral.arch, mixtral.expert_count, mixtral.expert_used_count, mixtral.expert_ffn_dim, mixtral.rope_style) == ("llama", 4, 2, 48, RopeStyle.ADJACENT_PAIRS)
-    assert (qwen.expert_count, qwen.expert_used_count, qwen.expert_ffn_dim, qwen.has_qk_norm, qwen.rope_style) == (8, 3, 32, True, RopeStyle.NEOX)
+    assert (mixtral.arch, mixtral.expert_count, mixtral.expert_used_count, mixtral.expert_ffn_dim, mixtral.rope_style) == (
+        "llama", 4, 2, 48, RopeStyle.ADJACENT_PAIRS
+    )
+    assert (qwen.expert_count, qwen.expert_used_count, qwen.expert_ffn_dim, qwen.has_qk_norm, qwen.rope_style) == (
+        8, 3, 32, True, RopeStyle.NEOX
+    )
 
 
-@pytest.mark.parametrize(("used", "message"), [(0, "expert_used_count is 0, not between 1 and expert_count"), (5, "expert_used_count is 5")])
+@pytest.mark.parametrize(
+    ("used", "message"), [(0, "expert_used_count is 0, not between 1 and expert_count"), (5, "expert_used_count is 5")]
+)
 def test_an_moe_base_with_an_impossible_expert_count_is_refused(tiny_mixtral, tmp_path, used, message) -> None:
     spec = replace(tiny_mixtral.spec, num_experts_used=used)
     path = write_base(tmp_path / "bad.gguf", spec, tiny_mixtral.tensors)
