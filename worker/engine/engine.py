@@ -18,93 +18,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
-
-import torch
 
 from cache.prefix import PrefixCache
 from worker.contract.calls import Delta, TokenLogprob, Usage
-from worker.contract.identity import ScalesBySlot
-from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig, slot_length
 from worker.engine.constraint import GrammarRefused, Grammars, allowed_tokens
 from worker.engine.decode_threads import DecodeThreads
 from worker.engine.outputs import EngineCounters, GenerationResult
 from worker.engine.prefix_kv import CacheHit, PrefixKV
+from worker.engine.request import CheckedRequest, Choice, EngineRequest, RequestError
 from worker.engine.runner import ModelRunner, SpanInput, SpanOutput
 from worker.engine.scheduler import Scheduler, Span
 from worker.engine.sequence import SequenceState
 from worker.engine.step_costs import StepCosts
 from worker.engine.stop import StopMatcher
 from worker.formats.tokenizer import GGUFTokenizer, IncrementalDecoder
-from worker.lora.mapping import RequestAdapters
 from worker.model.sampler import SampleSpec, make_generator
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """The request cannot run as given (nothing was computed)."""
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """A request as the engine takes it: what the gateway checked (worker/contract/calls.py), its
-    adapters already turned into this worker's slots."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    scales_by_slot: ScalesBySlot = field(default_factory=dict)
-    cache_salt: str = ""  # the tenant's prefix-cache namespace (SPEC §5)
-    cache_prompt: bool = True  # False: neither reuse nor store this request's KV
-    tenant: str = ""  # whose request: the scheduler shares prompt tokens and free slots fairly between tenants
-    timeout_s: float | None = None  # its deadline, from arrival: past it, the request ends (Engine.expire)
-
-
-@dataclass(frozen=True)
-class CheckedRequest:
-    """A request the engine has checked against what only it knows (its KV slots and their
-    length, the adapters it holds): resolved once, then looked up and queued as it is."""
-
-    request: EngineRequest
-    max_len: int  # KV positions each choice needs: prompt + max_tokens
-    adapters: RequestAdapters  # its slots' scales, the aLoRA's activation resolved against the prompt
-
-
-@dataclass(eq=False)
-class _Choice:
-    """One of a request's n choices while it runs."""
-
-    request: EngineRequest
-    seq: SequenceState
-    adapters: RequestAdapters
-    generator: torch.Generator
-    decoder: IncrementalDecoder | None
-    stop: StopMatcher
-    result: GenerationResult
-    arrived_s: float
-    first_step_s: float | None = None
-    first_token_s: float | None = None
-    matcher: Any = None  # llguidance.LLMatcher of a request with a grammar
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.seq.key
-
-    @property
-    def deadline_s(self) -> float | None:
-        return None if self.request.timeout_s is None else self.arrived_s + self.request.timeout_s
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.request.params.echo and self.request.params.logprobs is not None
-
-    @property
-    def is_at_limit(self) -> bool:
-        """No token may be added (max_tokens 0)."""
-        return len(self.result.token_ids) >= self.seq.max_len - self.seq.num_prompt_tokens
 
 
 class Engine:
@@ -126,8 +57,8 @@ class Engine:
         self.eog_ids = tokenizer.eog_ids if tokenizer is not None else frozenset()
         self._eog_sorted = tuple(sorted(self.eog_ids))
         self.grammars = Grammars(tokenizer, runner.hparams.vocab_size)
-        self._choices: dict[tuple[str, int], _Choice] = {}  # by sequence key: request id and choice
-        self._requests: dict[str, list[_Choice]] = {}  # request id -> its choices still running
+        self._choices: dict[tuple[str, int], Choice] = {}  # by sequence key: request id and choice
+        self._requests: dict[str, list[Choice]] = {}  # request id -> its choices still running
         self.counters = EngineCounters()
         self.clock = clock
 
@@ -206,14 +137,14 @@ class Engine:
             self.prefix.track(leader.key, hit)
         self.scheduler.add(leader)
 
-    def _new_choice(self, checked: CheckedRequest, index: int, num_cached: int, arrived_s: float) -> _Choice:
+    def _new_choice(self, checked: CheckedRequest, index: int, num_cached: int, arrived_s: float) -> Choice:
         request, params = checked.request, checked.request.params
         seq = SequenceState(request.request_id, list(request.prompt_ids), len(request.prompt_ids), checked.max_len,
                             tenant=request.tenant, index=index)
         result = GenerationResult(list(request.prompt_ids), alora_activation=checked.adapters.activation, cached_tokens=num_cached)
         if params.logprobs is not None:
             result.logprobs = []
-        return _Choice(
+        return Choice(
             request, seq, checked.adapters, make_generator(params.choice_seed(index), self.runner.config.torch_device),
             IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None,
             StopMatcher(params.stop), result, arrived_s,
@@ -296,7 +227,7 @@ class Engine:
             self.prefix.store(spans, self.kv)  # the slots hold the new KV, even of requests finishing below
         return outputs
 
-    def _live(self, spans: list[Span]) -> Iterable[_Choice]:
+    def _live(self, spans: list[Span]) -> Iterable[Choice]:
         """The choices of the spans' sequences, skipping those a failed choice of theirs has ended."""
         for span in spans:
             choice = self._choices.get(span.seq.key)
@@ -332,7 +263,7 @@ class Engine:
                 deltas.append(delta)
         return deltas
 
-    def _advance(self, choice: _Choice, span: Span, out: SpanOutput) -> Delta | None:
+    def _advance(self, choice: Choice, span: Span, out: SpanOutput) -> Delta | None:
         """What the pass's output `out` adds to `choice`: its next token, or its end."""
         seq, params, result = choice.seq, choice.request.params, choice.result
         if out.prompt_logprobs:
@@ -372,7 +303,7 @@ class Engine:
             return self._finish(choice, "length", (token,), text, logprobs)
         return Delta((token,), text, logprobs, index=seq.index, request_id=seq.request_id)
 
-    def _finish(self, choice: _Choice, reason: str, token_ids: tuple[int, ...] = (), text: str = "",
+    def _finish(self, choice: Choice, reason: str, token_ids: tuple[int, ...] = (), text: str = "",
                 logprobs: tuple[TokenLogprob, ...] | None = None, *, error: str | None = None, status: int | None = None) -> Delta:
         """End one choice, with the last of its new tokens; a cancel or an error ends the
         request's other choices first (without deltas of their own), so the delta returned is the
@@ -399,7 +330,7 @@ class Engine:
             request_id=choice.seq.request_id,
         )
 
-    def _retire(self, choice: _Choice, reason: str, error: str | None = None, status: int | None = None) -> None:
+    def _retire(self, choice: Choice, reason: str, error: str | None = None, status: int | None = None) -> None:
         """Record a choice's end and free its slot."""
         result = choice.result
         result.finish_reason, result.error, result.error_status = reason, error, status
