@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from cache.codec import ChunkKV, CorruptValue, decode, encode
 from cache.keys import DEFAULT_CHUNK_TOKENS
 from cache.l1 import LRUBytes
-from cache.l2 import RedisConfig, RedisTier, connect
+from cache.l2 import RedisConfig, RedisTier
 from cache.stats import CacheStats, prometheus_text
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class PrefixCache:
         self.l1 = LRUBytes(config.l1_bytes)
         self.tier: RedisTier | None = None
         if config.redis is not None:
-            self.tier = RedisTier(client if client is not None else connect(config.redis), config.redis)
+            self.tier = RedisTier(client, config.redis)  # client None: the tier connects at first use
         self._clock = clock
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)

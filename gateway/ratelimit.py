@@ -8,7 +8,9 @@ window boundary: the noisy tenant's accepted requests arrive evenly, so they
 do not crowd out the others. A rejected request counts nothing.
 
 Kept in Redis (one atomic script per check) so the limits hold across every
-gateway replica; per process when Redis is not configured or not reachable. A
+gateway replica; per process when Redis is not configured or not reachable. On a
+Redis Cluster a tenant's keys carry its id as their hash tag, so one script's keys
+share a slot; on one Redis they keep the names they had. A
 limited request gets 429 with `Retry-After` (seconds until it would pass); one
 that needs more tokens than a minute allows gets 400 (it never would).
 """
@@ -22,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cache.l2 import RedisConfig
+from cache.l2 import RedisConfig, is_cluster
 from gateway.api.protocol import APIError
 from gateway.tenants import Tenant
 
@@ -87,6 +89,7 @@ class RateLimiter:
                  clock: Callable[[], float] = time.time) -> None:
         self.client, self.key_prefix, self._clock = client, key_prefix, clock
         self._script = client.register_script(_GCRA) if client is not None else None
+        self._is_cluster = client is not None and is_cluster(client)
         self._local: dict[str, float] = {}
         self._lock = threading.Lock()
         self._redis_down_until = 0.0
@@ -119,6 +122,8 @@ class RateLimiter:
                            f"retry in {retry_after} s", "rate_limit_exceeded", {"Retry-After": retry_after})
 
     def _key(self, tenant_id: str, name: str) -> str:
+        if self._is_cluster:  # the tenant's id is the hash tag: its limits share a slot, as one script needs
+            return f"{self.key_prefix}:rl:{{{tenant_id}}}:{name}"
         return f"{self.key_prefix}:rl:{tenant_id}:{name}"
 
     async def _wait(self, tenant_id: str, limits: list[_Limit], now: float) -> tuple[float, int]:

@@ -11,6 +11,12 @@ prefix) when the deployment has one, shared by every gateway replica, with a cop
 every committed state in a JSON file beside the adapter files: a Redis that restarts
 empty (the cache's Redis need not persist anything) gets the registry back from it.
 Without Redis, that JSON file is the registry, changed under a file lock (one machine).
+
+A change is optimistic: read the version and the records, compute the change, then one
+script applies it only if the version is still the one read (else: again, on what is
+there now). The commit is followed, on the same connection, by WAIT for one replica's
+acknowledgement, so a change that was answered survives a failover of the master. On a
+Redis Cluster the keys carry one hash tag: records, version and leases share a slot.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from cache.l2 import client_errors, is_cluster
+
 log = logging.getLogger(__name__)
 SHARED = ""  # the owner of adapters every tenant allowed "*" may use (the operator's, and the config's)
 
@@ -36,6 +44,12 @@ Change = Callable[[Records], tuple[dict[str, "AdapterRecord | None"], Any]]
 
 class RegistryUnavailable(RuntimeError):
     """The registry's store (Redis) cannot be reached: changes are refused, serving goes on."""
+
+
+class ReplicaDidNotAcknowledge(RegistryUnavailable):
+    """A change is on Redis' master, but none of its replicas acknowledged it in time: a failover now
+    could lose it. It stands unless that happens; the caller is told to try again (a register is a
+    replace, so doing it again is harmless)."""
 
 
 @dataclass(frozen=True)
@@ -113,38 +127,82 @@ class RecordStore(Protocol):
         """True for one caller per `ttl_s` (the gateway replicas take turns at a periodic job)."""
 
 
+# The scripts' KEYS: the records hash, the version counter (one slot on a cluster).
+# -> {version or nil, {field, record JSON, ...}}: one consistent state.
+_READ = """
+return {redis.call('GET', KEYS[2]) or false, redis.call('HGETALL', KEYS[1])}
+"""
+# ARGV: the version the change was computed on ('' when there was none), then (field, record JSON, or ''
+# to delete) pairs. Applied, and the version bumped, only if it is still the one read.
+# -> the new version, or nil when another gateway committed first.
+_COMMIT = """
+if (redis.call('GET', KEYS[2]) or '') ~= ARGV[1] then return false end
+for i = 2, #ARGV, 2 do
+  if ARGV[i + 1] == '' then redis.call('HDEL', KEYS[1], ARGV[i]) else redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
+return redis.call('INCR', KEYS[2])
+"""
+# ARGV: the version to restore, then (field, record JSON) pairs; only into a registry still missing.
+# -> {the version there now, 1 if this call restored it}.
+_RESTORE = """
+local current = redis.call('GET', KEYS[2])
+if current then return {current, 0} end
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('SET', KEYS[2], ARGV[1])
+return {ARGV[1], 1}
+"""
+MAX_REDIRECTS = 3  # a commit sent to a node that no longer owns the slot (failover, resharding): tries on the new owner
+
+
+def redis_record_keys(key_prefix: str, *, is_cluster: bool) -> tuple[str, str]:
+    """(records hash, version counter). On one Redis the names they always had (a registry written
+    before is read as it is); on a Redis Cluster their common part is a hash tag, so they (and the
+    leases, named after the version) share one slot, which the scripts need."""
+    common = f"{{{key_prefix}registry}}" if is_cluster else f"{key_prefix}registry"
+    return f"{common}:records", f"{common}:version"
+
+
 class RedisRecords:
-    def __init__(self, client, key_prefix: str, mirror: Path | None = None) -> None:
+    """`client` is redis.asyncio's client of one Redis or of a Redis Cluster. A commit waits up to
+    `ack_timeout_s` for a replica's acknowledgement; without replicas (one plain Redis) it does not wait.
+    (Redis may answer a WAIT that timed out up to 1/hz = 100 ms late: past the client's socket timeout,
+    that is a timeout, which answers as a missing acknowledgement does: unavailable.)"""
+
+    def __init__(self, client, key_prefix: str, mirror: Path | None = None, ack_timeout_s: float = 0.1) -> None:
+        if ack_timeout_s <= 0:
+            raise ValueError(f"ack_timeout_s must be > 0 (WAIT 0 would wait for ever), got {ack_timeout_s}")
         self.client = client
-        self.records_key, self.version_key = f"{key_prefix}registry:records", f"{key_prefix}registry:version"
+        self.is_cluster = is_cluster(client)
+        self.records_key, self.version_key = redis_record_keys(key_prefix, is_cluster=self.is_cluster)
         self.mirror = mirror
+        self.ack_timeout_ms = max(1, round(ack_timeout_s * 1000))
+        self._read_script = client.register_script(_READ)
+        self._restore_script = client.register_script(_RESTORE)
 
     async def version(self) -> int:
-        from redis.exceptions import RedisError
-
         try:
             raw = await self.client.get(self.version_key)
-        except (RedisError, OSError) as e:
+        except client_errors() as e:
             raise _unavailable(e) from e
         return int(raw) if raw is not None else await self._restore()
 
     async def load(self) -> tuple[int, Records]:
-        from redis.exceptions import RedisError
-
         try:
-            async with self.client.pipeline(transaction=True) as pipe:
-                version, raw = await pipe.get(self.version_key).hgetall(self.records_key).execute()
-        except (RedisError, OSError) as e:
+            version, records = await self._read()
+        except client_errors() as e:
             raise _unavailable(e) from e
         if version is None and await self._restore():
             return await self.load()
-        return int(version or 0), _decode(raw)
+        return int(version or 0), records
+
+    async def _read(self) -> tuple[bytes | None, Records]:
+        """The version as stored (None: no registry) and the records, read together."""
+        version, flat = await self._read_script(keys=[self.records_key, self.version_key])
+        return version, _decode(dict(zip(flat[::2], flat[1::2])))
 
     async def _restore(self) -> int:
         """Redis has no registry (it restarted empty): put the mirror's back, once, under a
         version above any a worker has seen. 0 when there is nothing to restore."""
-        from redis.exceptions import RedisError, WatchError
-
         if self.mirror is None:
             return 0
         try:
@@ -154,62 +212,79 @@ class RedisRecords:
             return 0
         if version == 0:
             return 0
+        args = [version + 1] + [x for key, record in records.items() for x in (key, record.to_json())]
         try:
-            async with self.client.pipeline(transaction=True) as pipe:
-                try:
-                    await pipe.watch(self.version_key)
-                    if await pipe.get(self.version_key) is not None:  # another gateway restored it meanwhile
-                        return int(await self.client.get(self.version_key) or 0)
-                    pipe.multi()
-                    for key, record in records.items():
-                        pipe.hset(self.records_key, key, record.to_json())
-                    pipe.set(self.version_key, version + 1)
-                    await pipe.execute()
-                except WatchError:
-                    return int(await self.client.get(self.version_key) or 0)
-        except (RedisError, OSError) as e:
+            now, restored = await self._restore_script(keys=[self.records_key, self.version_key], args=args)
+        except client_errors() as e:
             raise _unavailable(e) from e
-        log.warning("the registry was missing from Redis: restored %d record(s) from %s", len(records), self.mirror)
-        return version + 1
+        if restored:
+            log.warning("the registry was missing from Redis: restored %d record(s) from %s", len(records), self.mirror)
+        return int(now)
 
     async def lease(self, name: str, ttl_s: float) -> bool:
-        from redis.exceptions import RedisError
-
         try:
             lease_ms = max(1, int(ttl_s * 1000))
             return bool(await self.client.set(f"{self.version_key}:lease:{name}", b"1", nx=True, px=lease_ms))
-        except (RedisError, OSError) as e:
+        except client_errors() as e:
             raise _unavailable(e) from e
 
     async def transact(self, change: Change) -> tuple[int, Any]:
-        from redis.exceptions import RedisError, WatchError
-
         try:
-            async with self.client.pipeline(transaction=True) as pipe:
-                while True:
-                    try:
-                        await pipe.watch(self.version_key)  # every writer bumps it
-                        records = _decode(await pipe.hgetall(self.records_key))
-                        changes, result = change(records)
-                        pipe.multi()
-                        for key, record in changes.items():
-                            if record is None:
-                                pipe.hdel(self.records_key, key)
-                            else:
-                                pipe.hset(self.records_key, key, record.to_json())
-                        pipe.incr(self.version_key)
-                        version = (await pipe.execute())[-1]
-                        break
-                    except WatchError:  # another gateway changed it meanwhile: again, on what is there now
-                        continue
-        except (RedisError, OSError) as e:  # a refusal from `change` itself goes to the caller as it is
+            while True:
+                read_version, records = await self._read()
+                changes, result = change(records)  # a refusal from `change` itself goes to the caller as it is
+                version, num_replicas, num_acks = await self._commit(read_version, changes)
+                if version is not None:
+                    break  # else another gateway changed it meanwhile: again, on what is there now
+        except client_errors() as e:
             raise _unavailable(e) from e
         if self.mirror is not None:
             try:
                 await asyncio.to_thread(FileRecords.write_if_newer, self.mirror, version, _applied(records, changes))
             except OSError as e:
                 log.warning("the registry's mirror %s cannot be written: %s", self.mirror, e)
+        if num_replicas and not num_acks:
+            raise ReplicaDidNotAcknowledge(
+                f"the adapter registry's change (version {version}) is on Redis' master, but none of its {num_replicas} "
+                f"replica(s) acknowledged it within {self.ack_timeout_ms} ms: a failover now could lose it")
         return version, result
+
+    async def _commit(self, read_version: bytes | None, changes: dict[str, AdapterRecord | None]) -> tuple[int | None, int, int]:
+        """(the new version, or None if another change came first; replicas the master has; how many of them
+        acknowledged the change). WAIT goes right after the script on the same connection (it waits for that
+        connection's last write), and only to a master with replicas: without any, it would wait its whole timeout."""
+        from redis.exceptions import AskError, TryAgainError
+
+        args = [read_version or b""] + [x for key, r in changes.items() for x in (key, "" if r is None else r.to_json())]
+        for _ in range(MAX_REDIRECTS):
+            (role,) = await self._on_master([("ROLE",)])
+            if isinstance(role, Exception):
+                raise role
+            num_replicas = len(role[2]) if role[0] == b"master" else 0  # a replica (a stale slot map): the script says MOVED
+            commit = ("EVAL", _COMMIT, 2, self.records_key, self.version_key, *args)
+            replies = await self._on_master([commit, ("WAIT", 1, self.ack_timeout_ms)] if num_replicas else [commit])
+            if not isinstance(replies[0], (AskError, TryAgainError)):  # MovedError is an AskError
+                break
+            await self.client.exists(self.version_key)  # through the client, which follows the redirect and learns the new owner
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        version = int(replies[0]) if replies[0] is not None else None
+        return version, num_replicas, int(replies[1]) if num_replicas else 0
+
+    async def _on_master(self, commands: list[tuple]) -> list[Any]:
+        """`commands` in order on one connection to the master of the registry's slot; each reply or its error."""
+        if not self.is_cluster:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for command in commands:
+                    pipe.execute_command(*command)
+                return await pipe.execute(raise_on_error=False)
+        await self.client.initialize()  # the slot map (a no-op once known)
+        node = self.client.get_node_from_key(self.version_key)
+        pipe = self.client.pipeline()
+        for command in commands:
+            pipe.execute_command(*command, target_nodes=node)
+        return await pipe.execute(raise_on_error=False, allow_redirections=False)
 
 
 class FileRecords:
