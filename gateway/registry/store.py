@@ -1,16 +1,14 @@
-"""Adapter files by content (torch-free): what a tenant sends is checked against the base
-with llama.cpp's rules (SPEC §2, the same messages), converted when it is PEFT, and kept
-under its fingerprint in a directory every worker can read (a mounted volume on
-Kubernetes). A server-side path (vLLM's `lora_path`) is read only under the directories
-the operator allows; any other, through `..` or a symlink included, is refused without
-saying what is there.
+"""Adapter files as they come in (torch-free): what a tenant sends is checked against the
+base with llama.cpp's rules (SPEC §2, the same messages) and converted when it is PEFT; the
+registry then keeps it under its fingerprint in the adapter store (cache/blobs.py), where
+every worker can fetch it. A server-side path (vLLM's `lora_path`) is read only under the
+directories the operator allows; any other, through `..` or a symlink included, is refused
+without saying what is there.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from worker.formats.adapter import AdapterError, LoRAAdapter, load_adapter
@@ -31,31 +29,6 @@ class InvalidAdapter(ValueError):
 
 class PathNotAllowed(PermissionError):
     """A server-side path outside the allowed directories (the message names no file)."""
-
-
-class AdapterStore:
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
-
-    def path(self, fingerprint: str) -> Path:
-        return self.directory / f"{fingerprint}.gguf"
-
-    def put(self, staged: Path, fingerprint: str) -> Path:
-        """Keep `staged` (a checked GGUF) under its fingerprint; the same content is stored once."""
-        target = self.path(fingerprint)
-        if not target.exists():
-            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".part")
-            os.close(fd)
-            shutil.copyfile(staged, tmp)
-            os.replace(tmp, target)  # readers see the whole file or none
-        return target
-
-    def remove(self, fingerprint: str) -> None:
-        self.path(fingerprint).unlink(missing_ok=True)
-
-    def fingerprints(self) -> set[str]:
-        return {p.name.removesuffix(".gguf") for p in self.directory.glob("*.gguf")}
 
 
 def _scrub(message: str, *paths: Path) -> str:

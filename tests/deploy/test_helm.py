@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.config import load_config, parse_config
+from gateway.config import RegistrySettings, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "loraplex"
@@ -57,6 +57,8 @@ def multi_shard_values() -> dict:
         "serviceMonitor": {"enabled": True},
         "operator": {"key": "sk-ops"},
         "ray": {"worker": {"replicas": 6, "minReplicas": 6, "maxReplicas": 12}},
+        "adapterStore": {"url": "s3://llm-adapters/prod", "credentialsSecret": "adapter-store-aws",
+                         "endpointUrl": "http://minio.storage:9000", "region": "eu-central-1"},
     }
 
 
@@ -176,6 +178,8 @@ def test_the_chart_takes_either_spelling_of_the_engine_device_and_routing(settin
     ({"loraplex": {"shards": [{"name": "s"}], "tenants": [{"id": "t"}]}}, "tenants"),
     ({"loraplex": {"shards": [{"name": "s"}], "routing": "fastest"}}, "routing"),
     ({"loraplex": {"shards": [{"name": "s"}], "routing": {"policy": "fastest"}}}, "routing"),
+    ({"adapterStore": {"url": "https://bucket.example.com/x"}}, "url"),
+    ({"adapterStore": {"endpointUrl": "minio:9000"}}, "endpointUrl"),
 ])
 def test_the_schema_rejects_bad_values_with_the_key(change, fragment) -> None:
     chart = helm.Chart.load(str(CHART))
@@ -204,3 +208,29 @@ def test_every_ray_container_gets_the_serve_settings_loraplex_serve_uses() -> No
 
     for pod in ray_pods(next(d for d in render() if d["kind"] == "RayService")):
         assert {e["name"]: e["value"] for e in pod["containers"][0]["env"]} == SERVE_ENV
+
+
+def test_the_adapter_store_url_and_credentials_reach_the_config_and_every_ray_container() -> None:
+    service = next(d for d in render(multi_shard_values()) if d["kind"] == "RayService")
+    config = serve_config(service)
+    assert config["registry"] == {"store_url": "s3://llm-adapters/prod", "store_dir": "/adapters"}  # the volume: each pod's cache
+    assert RegistrySettings.model_validate(config["registry"]).store_url == "s3://llm-adapters/prod"
+    for pod in ray_pods(service):  # the gateway and the workers may run on any Ray pod
+        container = pod["containers"][0]
+        assert container["envFrom"] == [{"secretRef": {"name": "adapter-store-aws"}}]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["AWS_ENDPOINT_URL"] == "http://minio.storage:9000" and env["AWS_DEFAULT_REGION"] == "eu-central-1"
+    kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": ray_pods(service)[1]},
+                                 KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("workers", [{"replicas": 2, "minReplicas": 2, "maxReplicas": 2}, {"maxReplicas": 3}],
+                         ids=["replicas", "autoscaling"])
+def test_the_emptydir_adapter_store_is_refused_when_more_than_one_worker_pod_may_run(workers) -> None:
+    values = {"ray": {"worker": workers}}
+    with pytest.raises(helm.HelmError, match="workers on other pods cannot read the gateway's disk") as e:
+        render(values)
+    assert "adapterStore.url" in str(e.value) and "ReadWriteMany" in str(e.value)
+    for fix in ({"url": "s3://adapters"}, {"existingClaim": "adapters-rwx"}):  # either is fine
+        lint({**values, "adapterStore": fix})
+        render({**values, "adapterStore": fix})

@@ -51,11 +51,12 @@ def tiny_config(model: TinyModel, directory: Path, prefix: str, **overrides):
     return parse_config(data, directory)
 
 
-def local_app(config):
-    """The app over in-process torch workers (end to end, without Ray)."""
+def local_app(config, worker_config=None):
+    """The app over in-process torch workers (end to end, without Ray); the workers are built from
+    `worker_config` when given (another node's settings: e.g. its own adapter-store cache)."""
     from tests.gateway.local_pool import LocalShardPool
 
-    pool = LocalShardPool(config)
+    pool = LocalShardPool(worker_config or config)
     limiter = RateLimiter(redis.asyncio.Redis(socket_timeout=1), config.cache.redis.key_prefix)
     app = create_app()
     app.state.gateway = Gateway(config, Catalog(config), pool, limiter)

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from cache.blobs import BlobStoreConfig
 from cache.prefix import PrefixCacheConfig
 from tests.helpers import TEST_DEVICE, deltas_of
 from tests.tinymodels import random_lora, write_adapter
@@ -18,9 +19,11 @@ from worker.shard import ShardWorker
 
 @pytest.fixture(scope="module")
 def worker(tiny_llama, tmp_path_factory):
-    path = write_adapter(tmp_path_factory.mktemp("shard") / "a.gguf", random_lora(tiny_llama, ["blk.0.attn_q.weight"], 4, seed=3))
+    directory = tmp_path_factory.mktemp("shard")
+    path = write_adapter(directory / "a.gguf", random_lora(tiny_llama, ["blk.0.attn_q.weight"], 4, seed=3))
     spec = WorkerSpec("s", str(tiny_llama.path), (str(path),), EngineConfig(num_seq_slots=2, slot_len=64, max_waiting=4),
-                      DeviceSettings(device=TEST_DEVICE.device), PrefixCacheConfig(chunk_tokens=8))
+                      DeviceSettings(device=TEST_DEVICE.device), PrefixCacheConfig(chunk_tokens=8),
+                      blob_store=BlobStoreConfig(cache_dir=str(directory / "store")))
     shard = ShardWorker(spec)
     yield shard
     shard.close()
@@ -136,17 +139,19 @@ def test_pins_change_between_steps_by_fingerprint_and_a_dropped_one_waits_for_it
     new_fp = load_adapter(new, GGUFFile(tiny_llama.path)).fingerprint
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"nope")
+    worker.pins.store.put(new, new_fp)  # what the registry does before it pins an adapter
+    worker.pins.store.put(broken, "f" * 64)
 
     async def scenario():
-        state = await worker.sync(10, {seed_fp: "unused", new_fp: str(new), "f" * 64: str(broken)})
+        state = await worker.sync(10, [seed_fp, new_fp, "f" * 64])
         assert state["held"] == sorted([seed_fp, new_fp]) and list(state["failed"]) == ["f" * 64]  # the bad pin alone fails
-        assert (await worker.sync(3, {}))["held"] == state["held"]  # an older version (a lagging gateway) changes nothing
+        assert (await worker.sync(3, []))["held"] == state["held"]  # an older version (a lagging gateway) changes nothing
         by_fp = await collect(worker, call(30, scales_by_fingerprint={new_fp: 1.0}))
         assert by_fp[-1].finish_reason == "length"
         long_call = call(31, max_tokens=40, scales_by_fingerprint={new_fp: 1.0})
         running = asyncio.ensure_future(collect(worker, long_call))
         await asyncio.sleep(0.05)
-        state = await worker.sync(11, {seed_fp: "unused"})  # unpinned while a request runs on it
+        state = await worker.sync(11, [seed_fp])  # unpinned while a request runs on it
         assert state["held"] == [seed_fp] and state["draining"] == [new_fp]
         await worker.pins.reap()
         assert new_fp in worker.pins.slots or running.done()  # kept while its request runs

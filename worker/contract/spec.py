@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from cache.blobs import BlobStoreConfig
 from cache.prefix import PrefixCacheConfig
 
 DTYPES = ("float32", "float16", "bfloat16")  # compute (and KV) dtypes
@@ -86,7 +87,8 @@ class DeviceSettings:
 class WorkerSpec:
     """One shard replica: the base model with these adapters from the start (adapter slot i
     holds adapter_paths[i]; the worker learns their fingerprints from the files) on one device,
-    its engine and its prefix cache."""
+    its engine and its prefix cache; any other adapter it is pinned comes from the adapter
+    store (`blob_store`, fetched into the node's cache; None: it can hold only these)."""
 
     shard: str
     model_path: str
@@ -95,3 +97,4 @@ class WorkerSpec:
     device: DeviceSettings = field(default_factory=DeviceSettings)
     cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
     fingerprint_dir: str | None = None  # the base's fingerprint, kept on disk: no re-hashing of the model per process
+    blob_store: BlobStoreConfig | None = None

@@ -15,9 +15,10 @@ import asyncio
 import logging
 import os
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
+from cache.blobs import open_blob_store
 from worker.contract.calls import Delta, WorkerCall
 from worker.contract.identity import AdapterSlot, Fingerprint
 from worker.contract.spec import WorkerSpec
@@ -48,7 +49,7 @@ class ShardWorker:
             return Engine(self.runner, self.tokenizer, spec.engine, prefix_cache=self.prefix_cache)
 
         self.loop = EngineLoop(build, spec.engine.max_waiting)
-        self.pins = Pins(self.loop, self.runner.base)
+        self.pins = Pins(self.loop, self.runner.base, None if spec.blob_store is None else open_blob_store(spec.blob_store))
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
         self._channels: dict[str, CallerChannel] = {}
 
@@ -131,8 +132,8 @@ class ShardWorker:
             mailbox = self._mailboxes[loop] = Mailbox(loop, self.loop.delivering)
         return mailbox
 
-    async def sync(self, version: int, pins: dict[Fingerprint, str]) -> dict[str, Any]:
-        """Hold exactly `pins` (fingerprint -> adapter file) from now on (worker/engine/pins.py)."""
+    async def sync(self, version: int, pins: Iterable[Fingerprint]) -> dict[str, Any]:
+        """Hold exactly `pins` from now on, fetching new ones from the adapter store (worker/engine/pins.py)."""
         return await self.pins.sync(version, pins)
 
     def health(self) -> dict[str, Any]:

@@ -67,6 +67,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if include "loraplex.operatorSecret" . }}{{- $_ := set $config "operator_key_file" "/etc/loraplex/operator/operator-key" -}}{{- end -}}
 {{- $registry := deepCopy (default (dict) $config.registry) -}}
 {{- $_ := set $registry "store_dir" .Values.adapterStore.mountPath -}}
+{{- if .Values.adapterStore.url }}{{- $_ := set $registry "store_url" .Values.adapterStore.url -}}{{- end -}}
+{{- $workerPods := max (int .Values.ray.worker.replicas) (int .Values.ray.worker.maxReplicas) -}}
+{{- if and (not $registry.store_url) (not .Values.adapterStore.existingClaim) (gt $workerPods 1) -}}
+{{- fail (printf "adapterStore: up to %d worker pods with the default emptyDir adapter store: workers on other pods cannot read the gateway's disk, so an adapter uploaded at run time would not load there; set adapterStore.url (s3://bucket/prefix) or adapterStore.existingClaim (a ReadWriteMany volume)" $workerPods) -}}
+{{- end -}}
 {{- $_ := set $config "registry" $registry -}}
 {{- $_ := set $config "http" (merge (dict "host" "0.0.0.0" "port" 8000 "listener" "serve-proxy") (default (dict) $config.http)) -}}
 {{- toYaml $config -}}
@@ -154,6 +159,23 @@ initContainers:
     volumeMounts:
       - name: models
         mountPath: {{ .Values.models.mountPath }}
+{{- end }}
+{{- end -}}
+
+{{/* The adapter store's AWS variables (gateway and workers: either may run on any Ray pod). */}}
+{{- define "loraplex.storeEnv" -}}
+{{- with .Values.adapterStore.endpointUrl }}
+- {name: AWS_ENDPOINT_URL, value: {{ . | quote }}}
+{{- end }}
+{{- with .Values.adapterStore.region }}
+- {name: AWS_DEFAULT_REGION, value: {{ . | quote }}}
+{{- end }}
+{{- end -}}
+
+{{- define "loraplex.storeEnvFrom" -}}
+{{- with .Values.adapterStore.credentialsSecret }}
+envFrom:
+  - secretRef: {name: {{ . }}}
 {{- end }}
 {{- end -}}
 
