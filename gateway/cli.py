@@ -196,12 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     _device_flags(p, "the engine-alone run's torch device (the server's comes from its config)")
     p.set_defaults(handler="bench.serving:run")
 
-    p = sub.add_parser("serve", help="serve the OpenAI and llama-server APIs on a local Ray (Ray Serve)")
+    p = sub.add_parser("serve", help="serve the OpenAI and llama-server APIs on Ray Serve (a local Ray, or a cluster joined)")
     p.add_argument("--config", metavar="FILE.yaml",
                    help="deployment config (default: deploy/serve.yaml: "
                         "the default model, example adapters and tenants)")
     p.add_argument("--host", help="override http.host")
     p.add_argument("--port", type=_positive_int, help="override http.port")
+    p.add_argument("--ray-address", metavar="ADDR",
+                   help="join the Ray cluster at ADDR (host:port of its head; default $RAY_ADDRESS) instead of starting a local Ray")
     p.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")
     p.set_defaults(handler="gateway.serve:run")
 

@@ -13,7 +13,7 @@ stdlib dataclasses without their own config). The file's shape, old spellings in
     device:   DeviceSettings (same file): dtype, weights, threads, decode_threads, also taken
               under `engine:`, where they were; the device itself is chosen per shard (worker_spec)
     cache:    PrefixCacheConfig (cache/prefix.py) with its Redis flat: redis_url, key_prefix, ttl_s,
-              timeout_s, redis_password_file are RedisConfig's (cache/l2.py) url, ..., password_file
+              timeout_s, redis_password_file, redis_cluster are RedisConfig's (cache/l2.py) url, ..., cluster
     routing:  RoutingSettings (gateway/policy/routing.py); `routing: affinity` is `{policy: affinity}`
 """
 
@@ -29,8 +29,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
+from cache.blobs import BlobStoreConfig, parse_store_url
 from cache.l2 import RedisConfig
 from cache.prefix import PrefixCacheConfig
+from gateway.policy.nodes import selector_error
 from gateway.policy.routing import RoutingSettings
 from worker.contract.spec import DEFAULT_FINGERPRINT_DIR, DeviceSettings, EngineConfig, WorkerSpec
 
@@ -40,7 +42,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.yaml
 # the file's spellings (the module's docstring) of the settings types' fields
 _DEVICE_KEYS_IN_ENGINE = ("dtype", "weights", "threads", "decode_threads")  # DeviceSettings' keys, also under engine:
 _REDIS_KEYS = {"redis_url": "url", "key_prefix": "key_prefix", "ttl_s": "ttl_s", "timeout_s": "timeout_s",
-               "redis_password_file": "password_file"}  # cache: key -> RedisConfig field
+               "redis_password_file": "password_file", "redis_cluster": "cluster"}  # cache: key -> RedisConfig field
 _FILE_NAMES = {"cache.redis": "cache"} | {f"cache.redis.{field}": f"cache.{key}" for key, field in _REDIS_KEYS.items()}
 _SET_BY_WORKER_SPEC = {("engine", "is_multi_tenant"): "follows from the tenants (more than one)",
                        ("device", "device"): "chosen per shard (cuda where num_gpus > 0, else cpu)"}
@@ -65,6 +67,16 @@ class ShardConfig(_Strict):
     replicas: int = Field(1, ge=1, le=256)
     num_gpus: float = Field(0.0, ge=0.0)  # per replica: 1 on GPU nodes (one engine, one device)
     num_cpus: float = Field(1.0, ge=0.0)
+    # Ray node labels its replicas need (a label selector: value, !value, in(a, b)); they spread over those nodes
+    node_labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("node_labels")
+    @classmethod
+    def _label_selector(cls, selector: dict[str, str]) -> dict[str, str]:
+        error = selector_error(selector)
+        if error is not None:
+            raise ValueError(error)
+        return selector
 
 
 class TenantConfig(_Strict):
@@ -106,7 +118,10 @@ class HTTPSettings(_Strict):
 class RegistrySettings(_Strict):
     """Adapters registered at run time (gateway/registry/): where their files are kept and the limits."""
 
-    store_dir: str = "~/.cache/loraplex/adapters"  # adapter files by content, read by every worker (a volume on k8s)
+    # the adapter store (cache/blobs.py): s3://bucket/prefix (endpoint and credentials: the AWS variables), file:///path
+    # (one node, or a ReadWriteMany volume); None: store_dir itself (one machine)
+    store_url: str | None = None
+    store_dir: str = "~/.cache/loraplex/adapters"  # this node's copies of the store's adapter files (the store, without store_url)
     allowed_paths: list[str] = Field(default_factory=list)  # directories load_lora_adapter's lora_path may name
     max_upload_bytes: int = Field(512 << 20, ge=1024)  # one upload's body (adapters are MBs)
     max_adapters_per_worker: int = Field(1024, ge=1)
@@ -116,6 +131,14 @@ class RegistrySettings(_Strict):
     load_timeout_s: float = Field(60.0, gt=0)  # a new adapter must be loaded by a worker within this
     garbage_age_s: float = Field(300.0, ge=0)  # an unreferenced file is deleted once this old and no worker holds it
     replan_interval_s: float = Field(60.0, gt=0)  # registered adapters' pins follow the traffic this often
+
+    @field_validator("store_url")
+    @classmethod
+    def _store_url(cls, url: str | None) -> str | None:
+        if not url:
+            return None
+        parse_store_url(url)
+        return url
 
 
 class ServeConfig(_Strict):
@@ -222,10 +245,15 @@ class ServeConfig(_Strict):
             device=replace(self.device, device=device, threads=self.device.threads or threads),
             cache=self.cache,
             fingerprint_dir=None if self.fingerprint_path() is None else str(self.fingerprint_path()),
+            blob_store=self.blob_store(),
         )
 
     def store_path(self) -> Path:
         return self.resolve(self.registry.store_dir)
+
+    def blob_store(self) -> BlobStoreConfig:
+        """The adapter store, with this node's cache in store_dir (the gateway's and each worker's)."""
+        return BlobStoreConfig(self.registry.store_url, str(self.store_path()))
 
     def allowed_paths(self) -> list[Path]:
         return [self.resolve(p) for p in self.registry.allowed_paths]

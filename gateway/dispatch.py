@@ -210,7 +210,7 @@ class Gateway:
                 report.update(healthy=False, error=type(answer).__name__)
             else:
                 report.update(healthy=view.is_healthy, cache=answer.get("cache", {}),
-                              pid=answer.get("pid"),  # for operators only
+                              pid=answer.get("pid"), node=answer.get("node"),  # for operators only; node: Ray's id and IP
                               adapters=len(answer.get("adapters", ())), memory=answer.get("memory", {}))
                 redis_states.add(report["cache"].get("redis", "off"))
             entry["replicas"].append(report)

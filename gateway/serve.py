@@ -7,6 +7,12 @@ dies. The gateway is the ingress deployment: the FastAPI app of gateway/api/app.
 holding a handle to every shard replica; responses stream through the handles. Each
 gateway replica listens on the HTTP port itself (gateway/listener.py), or, with
 `http.listener: serve-proxy`, Serve's proxies take HTTP and call the gateway replicas.
+
+`loraplex serve` joins the Ray cluster at `--ray-address` or `RAY_ADDRESS`, or starts a local
+Ray of its own. Stopping (Ctrl-C, SIGTERM), it deletes its application: each gateway replica
+stops taking HTTP requests, lets those in flight finish (within its listener's grace), and ends
+its channels, so the shard replicas have nothing left to wait for; then it stops the Ray it
+started, or leaves the cluster it joined running.
 """
 
 from __future__ import annotations
@@ -18,14 +24,18 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import ray
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from gateway.channel import ReplicaChannel
-from gateway.config import ConfigError, ServeConfig, load_config, parse_config
-from gateway.pool import replica_infos
+from gateway.cluster import JoinError, alive_nodes, connect, ray_address, this_node
+from gateway.config import ConfigError, ServeConfig, ShardConfig, load_config, parse_config
+from gateway.policy.nodes import NODE_ID_LABEL, Node, ReplicaDemand, spread
+from gateway.pool import WorkerFailed, replica_infos
 from worker.contract.calls import Delta, WorkerCall
 from worker.contract.spec import WorkerSpec
 
@@ -34,8 +44,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+APP_NAME = "loraplex"
 SIGNAL_CHECK_S = 0.2  # how often the main thread looks for a Ctrl-C or SIGTERM
-SERVE_SHUTDOWN_TIMEOUT_S = 60.0
+DEPLOY_POLL_S = 1.0  # how often deploying shows the deployments' states
+# Stopping. A stopping replica looks this often whether its requests are done (Serve's default: 2 s,
+# which made each step of a stop wait whole seconds); Serve kills a replica not stopped in its timeout:
+# a gateway's covers its listener's grace for HTTP requests in flight (gateway/listener.py, 5 s); a shard
+# replica's requests end with the gateways' channels, so its own timeout only matters when a gateway died.
+STOP_POLL_S = 0.2
+GATEWAY_STOP_TIMEOUT_S = 15.0
+SHARD_STOP_TIMEOUT_S = 20.0
+APP_DELETE_TIMEOUT_S = 30.0  # `loraplex serve` waits this long for its application to go, then stops anyway
+SERVE_SHUTDOWN_TIMEOUT_S = 15.0  # ... and for Serve's controller, where it stops Serve on a joined cluster
 
 # Ray Serve's settings for throughput (what its RAY_SERVE_THROUGHPUT_OPTIMIZED turns on, less direct
 # ingress, which moves the HTTP port): user code and the handles' router on each replica's own event
@@ -61,12 +81,14 @@ def _build_app():
     return api.create_app(api.process_gateway)
 
 
-@serve.deployment(max_ongoing_requests=64, health_check_period_s=5, health_check_timeout_s=30)
+@serve.deployment(max_ongoing_requests=64, health_check_period_s=5, health_check_timeout_s=30,
+                  graceful_shutdown_wait_loop_s=STOP_POLL_S, graceful_shutdown_timeout_s=SHARD_STOP_TIMEOUT_S)
 class ShardReplica:
     def __init__(self, spec: WorkerSpec) -> None:
         from worker.shard import ShardWorker  # torch: only in the replica's process
 
         self.worker = ShardWorker(spec)
+        self.node = this_node()
 
     async def channel(self, channel_id: str) -> AsyncIterator[list[Delta]]:
         async for batch in self.worker.channel(channel_id):
@@ -79,7 +101,7 @@ class ShardReplica:
         self.worker.cancel(channel_id, request_id)
 
     async def health(self) -> dict[str, Any]:
-        return self.worker.health()
+        return {**self.worker.health(), "node": self.node}
 
     async def sync(self, version: int, pins: dict[str, str]) -> dict[str, Any]:
         return await self.worker.sync(version, pins)
@@ -100,17 +122,31 @@ class ServePool:
         self.handles = handles
         self.replicas = replica_infos(config)
         self._channels: dict[str, ReplicaChannel] = {}
+        self._streams: dict[str, Any] = {}  # each replica's latest channel stream (a DeploymentResponseGenerator)
 
     def _channel(self, replica_id: str) -> ReplicaChannel:
         channel = self._channels.get(replica_id)
         if channel is None or channel.failure is not None:
             handle = self.handles[replica_id]
+
+            def open_stream(channel_id: str) -> Any:
+                self._streams[replica_id] = handle.options(stream=True).channel.remote(channel_id)
+                return self._streams[replica_id]
+
             channel = self._channels[replica_id] = ReplicaChannel(
-                lambda channel_id: handle.options(stream=True).channel.remote(channel_id),
+                open_stream,
                 lambda channel_id, call: handle.start.remote(channel_id, call),
                 lambda channel_id, request_id: handle.cancel.remote(channel_id, request_id),
             )
         return channel
+
+    def close(self) -> None:
+        """End every channel (the gateway stops): their requests fail here, and each stream is
+        cancelled now, so its replica stops at once instead of waiting out Serve's timeout."""
+        for channel in self._channels.values():
+            channel.fail(WorkerFailed("the gateway is stopping"))
+        for stream in self._streams.values():
+            stream.cancel()
 
     def stream(self, replica_id: str, call: WorkerCall) -> AsyncIterator[Delta]:
         return self._channel(replica_id).stream(call)
@@ -135,7 +171,8 @@ class GatewayIngress:
         parsed = ServeConfig.model_validate(config)
         import gateway.api.app as api
 
-        api.set_process_gateway(Gateway(parsed, Catalog(parsed), ServePool(parsed, handles), _rate_limiter(parsed)))
+        self.pool = ServePool(parsed, handles)
+        api.set_process_gateway(Gateway(parsed, Catalog(parsed), self.pool, _rate_limiter(parsed)))
         self.listener = None
         if parsed.http.listener == "gateway":  # this replica serves HTTP itself (Serve's proxies are off)
             from gateway.listener import Listener
@@ -146,6 +183,16 @@ class GatewayIngress:
         failure = self.listener.failure() if self.listener is not None else None
         if failure is not None:
             raise RuntimeError(f"the gateway's HTTP listener stopped: {failure}")
+
+    async def __del__(self) -> None:
+        """Serve awaits it once, when the replica stops (after the requests Serve's proxies sent
+        it are done): the HTTP requests in flight finish (within the listener's grace), then the
+        channels to the shard replicas end."""
+        try:
+            if self.listener is not None:
+                await self.listener.stop()
+        finally:
+            self.pool.close()
 
 
 def _rate_limiter(config: ServeConfig) -> RateLimiter:
@@ -167,38 +214,39 @@ def replica_threads(config: ServeConfig) -> int:
     return max(1, (os.cpu_count() or 1) // max(cpu_replicas, 1))
 
 
-def build(config: ServeConfig) -> serve.Application:
+def node_options(node_id: str | None, node_labels: Mapping[str, str]) -> dict[str, Any]:
+    """Ray actor options for a replica that prefers `node_id` and needs `node_labels`. Serve takes
+    no scheduling strategy in ray_actor_options, but takes Ray's label selectors: one on the node's
+    id label, falling back to any node with `node_labels` (Ray falls back when that node is gone
+    or full), is a soft node affinity."""
+    if node_id is None:
+        return {"label_selector": dict(node_labels)} if node_labels else {}
+    return {"label_selector": {NODE_ID_LABEL: node_id, **node_labels}, "fallback_strategy": [{"label_selector": dict(node_labels)}]}
+
+
+def _demand(shard: ShardConfig) -> ReplicaDemand:
+    return ReplicaDemand(shard.name, shard.num_cpus, shard.num_gpus, shard.node_labels)
+
+
+def build(config: ServeConfig, nodes: Sequence[Node] = ()) -> serve.Application:
+    """The application: every shard replica a deployment, spread over `nodes` (gateway/policy/nodes.py;
+    none: where Ray puts them), and the gateway."""
     threads = replica_threads(config)
     shards = {s.name: s for s in config.shards}
     specs = {s.name: config.worker_spec(s.name, threads=threads) for s in config.shards}
+    replicas = replica_infos(config)
+    preferred = spread([_demand(shards[r.shard]) for r in replicas], nodes)
     handles = {
         r.replica_id: ShardReplica.options(
             name=f"shard-{r.replica_id}", num_replicas=1, max_ongoing_requests=max(64, 4 * config.engine.num_seq_slots),
-            ray_actor_options={"num_cpus": shards[r.shard].num_cpus, "num_gpus": shards[r.shard].num_gpus},
+            ray_actor_options={"num_cpus": shards[r.shard].num_cpus, "num_gpus": shards[r.shard].num_gpus,
+                               **node_options(node_id, shards[r.shard].node_labels)},
         ).bind(specs[r.shard])
-        for r in replica_infos(config)
+        for r, node_id in zip(replicas, preferred)
     }
-    return GatewayIngress.options(name="gateway", num_replicas=config.http.gateway_replicas,
-                                  ray_actor_options={"num_cpus": 0}).bind(config.model_dump(), handles)
-
-
-def _show_progress(deployer: threading.Thread, started: float, stop: threading.Event) -> None:
-    """Each deployment's state as it changes (replicas load the model), until serve.run returns
-    or `stop` is set."""
-    shown: dict[str, str] = {}
-    while deployer.is_alive() and not stop.is_set():
-        deployer.join(1.0)
-        try:
-            app_status = serve.status().applications.get("loraplex")
-        except Exception:  # noqa: BLE001, S112 - the controller may still be starting
-            continue
-        for name, dep in sorted((app_status.deployments if app_status else {}).items()):
-            status = str(dep.status.value)
-            state = {"UPDATING": "loading", "HEALTHY": "ready", "UNHEALTHY": "failed"}.get(status, status.lower())
-            if shown.get(name) != state:
-                shown[name] = state
-                detail = f": {dep.message}" if state == "failed" and dep.message else ""
-                print(f"  {name}: {state} ({time.perf_counter() - started:.0f} s){detail}", file=sys.stderr, flush=True)
+    return GatewayIngress.options(name="gateway", num_replicas=config.http.gateway_replicas, ray_actor_options={"num_cpus": 0},
+                                  graceful_shutdown_wait_loop_s=STOP_POLL_S, graceful_shutdown_timeout_s=GATEWAY_STOP_TIMEOUT_S,
+                                  ).bind(config.model_dump(), handles)
 
 
 def app_from_config(args: dict[str, Any]) -> serve.Application:
@@ -207,7 +255,74 @@ def app_from_config(args: dict[str, Any]) -> serve.Application:
     `build` as `loraplex serve`, from the same config."""
     if not isinstance(args, dict) or not isinstance(args.get("config"), dict):
         raise ConfigError("serveConfigV2 args need 'config': the loraplex config mapping")
-    return build(parse_config(args["config"], args.get("base_dir", "."), "serveConfigV2 args.config"))
+    return build(parse_config(args["config"], args.get("base_dir", "."), "serveConfigV2 args.config"), alive_nodes())
+
+
+def _deploy(config: ServeConfig, stop: threading.Event) -> str | None:
+    """Deploy the application and show each deployment's state as it changes (replicas load the
+    model) until it runs: None, or why it does not ("stopped" when `stop` was set)."""
+    started = time.perf_counter()
+    try:  # submitted here, in the main thread: a stop from now on finds it there to delete
+        serve.run_many([serve.RunTarget(build(config, alive_nodes()), name=APP_NAME, route_prefix="/")],
+                       wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+    except (RayServeException, ValueError, TypeError) as e:  # options Serve refuses
+        return f"{type(e).__name__}: {e}"
+    shown: dict[str, str] = {}
+    while not stop.wait(DEPLOY_POLL_S):
+        app = serve.status().applications.get(APP_NAME)
+        for name, dep in sorted((app.deployments if app else {}).items()):
+            status = str(dep.status.value)
+            state = {"UPDATING": "loading", "HEALTHY": "ready", "UNHEALTHY": "failed"}.get(status, status.lower())
+            if shown.get(name) != state:
+                shown[name] = state
+                detail = f": {dep.message}" if state == "failed" and dep.message else ""
+                print(f"  {name}: {state} ({time.perf_counter() - started:.0f} s){detail}", file=sys.stderr, flush=True)
+        if app is not None and app.status == "RUNNING":
+            return None
+        if app is not None and app.status == "DEPLOY_FAILED":
+            return app.message or "a deployment failed"
+    return "stopped"
+
+
+def _delete_app() -> None:
+    """Delete the application and wait until it is gone: its replicas drain (the module's docstring)."""
+    serve.delete(APP_NAME, _blocking=False)
+    while APP_NAME in serve.status().applications:
+        time.sleep(STOP_POLL_S)
+
+
+def _shutdown_serve() -> None:
+    """serve.shutdown(), less Ray's "graceful_shutdown failed ... infinite retries" line: that call
+    waits on the controller until the controller's own exit kills the call, which Ray then retries
+    (and says so). Here the controller is told to stop without a call waiting on it, and is waited
+    for until it is gone."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    ray.get(controller.graceful_shutdown.remote(wait=False))
+    while True:
+        try:
+            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:  # no actor of that name: it has exited
+            return
+        time.sleep(STOP_POLL_S)
+
+
+def _stop(*, is_deployed: bool, is_joined: bool, was_serve_idle: bool) -> None:
+    """Delete the application (when it was deployed), then: a local Ray, all of it stops; a joined
+    cluster runs on, and so does Serve on it unless it ran no application before ours and runs none
+    now (its controller then goes too: the next user's options apply). Bounded: each wait has its
+    timeout, and Ray stops (or the driver disconnects) whatever happened before."""
+    try:
+        if is_deployed and not _within(_delete_app, APP_DELETE_TIMEOUT_S):
+            print(f"loraplex: the application was not deleted within {APP_DELETE_TIMEOUT_S:g} s", file=sys.stderr, flush=True)
+        if is_joined and was_serve_idle and not serve.status().applications:
+            if not _within(_shutdown_serve, SERVE_SHUTDOWN_TIMEOUT_S):
+                print(f"loraplex: Serve did not shut down within {SERVE_SHUTDOWN_TIMEOUT_S:g} s", file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - reported; Ray is stopped (or left) below all the same
+        print(f"loraplex: stopping Serve failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    finally:
+        ray.shutdown()  # a local Ray: every process of it; a joined cluster: this driver's connection only
 
 
 def run(args: argparse.Namespace) -> int:
@@ -224,19 +339,30 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, OSError) as e:
         print(f"loraplex serve: {e}", file=sys.stderr)
         return 2
-    for name, value in SERVE_ENV.items():  # Ray's processes inherit them; a user's own setting wins
+    for name, value in SERVE_ENV.items():  # a local Ray's processes inherit them (a cluster's nodes set their own)
         os.environ.setdefault(name, value)
-    import ray
-
-    print("loraplex: starting a local Ray...", file=sys.stderr, flush=True)
-    ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=args.verbose, configure_logging=True)
+    address = ray_address(args.ray_address, os.environ)
+    print(f"loraplex: joining the Ray cluster at {address}..." if address else "loraplex: starting a local Ray...",
+          file=sys.stderr, flush=True)
+    try:
+        connect(address, is_verbose=args.verbose)
+    except JoinError as e:
+        print(f"loraplex serve: {e}", file=sys.stderr)
+        return 1
     # Ctrl-C or SIGTERM from here on, while deploying too, stops Serve and Ray; handled the same whatever
     # the process inherited (started in the background by a script, SIGINT came ignored and a stop
     # sent while the replicas loaded was lost; SIGTERM killed the driver and left Ray running).
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    running_apps: set[str] = set()
+    is_deployed = False
     try:
+        running_apps = set(serve.status().applications)  # on a cluster joined: another's apps are left alone
+        if APP_NAME in running_apps:
+            print(f"loraplex serve: the cluster already runs an application named {APP_NAME!r} (another loraplex serve?): "
+                  "deploying would replace it", file=sys.stderr)
+            return 1
         if config.http.listener == "gateway":  # the gateway replicas listen on the port themselves
             serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
         else:
@@ -247,22 +373,13 @@ def run(args: argparse.Namespace) -> int:
               + ", ".join(f"{s.name} [{', '.join(s.adapters) or 'base'}] x{s.replicas}" for s in config.shards)
               + " (each loads the model)...", file=sys.stderr, flush=True)
         started = time.perf_counter()
-        deploy_error: list[BaseException] = []
-
-        def deploy() -> None:
-            try:
-                serve.run(build(config), name="loraplex", route_prefix="/")
-            except BaseException as e:  # noqa: BLE001 - shown below; the main thread decides
-                deploy_error.append(e)
-
-        deployer = threading.Thread(target=deploy, daemon=True)
-        deployer.start()
-        _show_progress(deployer, started, stop)
-        if stop.is_set():
+        is_deployed = True
+        failure = _deploy(config, stop)
+        if failure == "stopped":
             print("loraplex: stopped while deploying; shutting down...", file=sys.stderr, flush=True)
             return 130
-        if deploy_error:
-            print(f"loraplex serve: deployment failed: {deploy_error[0]}", file=sys.stderr)
+        if failure is not None:
+            print(f"loraplex serve: deployment failed: {failure}", file=sys.stderr)
             return 1
         url = f"http://{config.http.host}:{config.http.port}"
         print(f"loraplex: ready in {time.perf_counter() - started:.0f} s at {url}  (Ctrl-C stops)",
@@ -279,17 +396,14 @@ def run(args: argparse.Namespace) -> int:
             pass
         print("loraplex: shutting down...", file=sys.stderr, flush=True)
     finally:
-        if not _within(serve.shutdown, SERVE_SHUTDOWN_TIMEOUT_S):
-            print(f"loraplex: Serve did not shut down within {SERVE_SHUTDOWN_TIMEOUT_S:g} s; stopping Ray",
-                  file=sys.stderr, flush=True)
-        ray.shutdown()
+        _stop(is_deployed=is_deployed, is_joined=address is not None, was_serve_idle=not running_apps)
     return 0
 
 
 def _within(fn: Callable[[], object], timeout_s: float) -> bool:
     """Run `fn` on a daemon thread; False when it has not returned within `timeout_s` (Serve's
-    shutdown waits forever on a controller that was killed before it answered; Ray's own
-    shutdown, next, stops the processes it started either way). Its exception is raised here."""
+    calls wait forever on a controller that was killed before it answered; Ray's own shutdown,
+    next, stops the processes it started either way). Its exception is raised here."""
     failed: list[BaseException] = []
 
     def call() -> None:
@@ -298,7 +412,7 @@ def _within(fn: Callable[[], object], timeout_s: float) -> bool:
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             failed.append(e)
 
-    worker = threading.Thread(target=call, name="loraplex-serve-shutdown", daemon=True)
+    worker = threading.Thread(target=call, name="loraplex-serve-stop", daemon=True)
     worker.start()
     worker.join(timeout_s)
     if failed:

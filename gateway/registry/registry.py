@@ -9,6 +9,10 @@ tenant may use by name, which fingerprints each worker pins, and the changes ten
   can, the change is dropped and nothing else moved. A replaced or removed version is
   unpinned: workers drop it once the requests on it have finished, and its file goes
   once no worker holds it.
+- Files are kept in the adapter store (cache/blobs.py: S3, a shared directory, or this
+  machine's) by fingerprint; an upload is stored before any record names it, and a worker
+  is sent fingerprints only: it fetches each new one from the store into its own node's
+  cache. A worker that cannot fetch or load one reports it failed, and the name does not move.
 - Every gateway polls the version and, on a change, first pushes the new pins to the
   workers (they are idempotent and versioned) and learns what they hold, and only then
   lets requests see the new names: no request is routed to a worker before it holds
@@ -25,6 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from cache.blobs import BlobStore, BlobStoreError, open_blob_store
 from gateway.api.protocol import APIError
 from gateway.catalog import AdapterInfo, Catalog
 from gateway.config import ServeConfig
@@ -40,7 +45,6 @@ from gateway.registry.records import (
     RegistryUnavailable,
     record_key,
 )
-from gateway.registry.store import AdapterStore
 from gateway.tenants import Tenant
 from worker.contract.identity import Fingerprint
 from worker.formats.adapter import LoRAAdapter
@@ -48,8 +52,8 @@ from worker.formats.adapter import LoRAAdapter
 log = logging.getLogger(__name__)
 PENDING = "pending:"  # key prefix of a staged change
 UNAVAILABLE_BACKOFF_S = 5.0
-Pins = dict[Fingerprint, str]  # what a worker should hold: fingerprint -> adapter file
-Sync = Callable[[str, int, Pins], Awaitable[dict[str, Any]]]
+Pins = frozenset[Fingerprint]  # what a worker should hold (it has the config's adapters; the others it fetches from the store)
+Sync = Callable[[str, int, list[Fingerprint]], Awaitable[dict[str, Any]]]
 
 
 def describe(adapter: LoRAAdapter, owner: str, name: str, size: int) -> AdapterRecord:
@@ -60,7 +64,7 @@ def describe(adapter: LoRAAdapter, owner: str, name: str, size: int) -> AdapterR
 
 
 class AdapterRegistry:
-    def __init__(self, config: ServeConfig, catalog: Catalog, records: RecordStore, store: AdapterStore,
+    def __init__(self, config: ServeConfig, catalog: Catalog, records: RecordStore, store: BlobStore,
                  replicas: list[ReplicaInfo], sync: Sync | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.catalog, self.records, self.store = config, catalog, records, store
@@ -70,8 +74,7 @@ class AdapterRegistry:
         self._clock = clock
         self.seed = dict(catalog.adapters)  # the config's adapters, shared (SPEC: the registry's seed)
         self.seed_pins: dict[str, Pins] = {  # shard -> its config adapters
-            s.name: {catalog.adapters[n].fingerprint: str(catalog.adapters[n].path) for n in s.adapters}
-            for s in config.shards
+            s.name: frozenset(Fingerprint(catalog.adapters[n].fingerprint) for n in s.adapters) for s in config.shards
         }
         self.version, self.current = -1, {}
         self.held: dict[str, frozenset[Fingerprint]] = {  # what each worker takes requests for
@@ -112,12 +115,11 @@ class AdapterRegistry:
         return sorted(committed, key=lambda r: (r.owner, r.created_s, r.name))
 
     def pins(self, shard: str, records: Records | None = None) -> Pins:
-        """What `shard`'s workers should hold (fingerprint -> file): its config adapters and the
-        records (default: the current ones) placed on it."""
-        pins = dict(self.seed_pins.get(shard, {}))
+        """What `shard`'s workers should hold: its config adapters and the records (default: the
+        current ones) placed on it."""
         records = self.current if records is None else records
-        pins.update((r.fingerprint, str(self.store.path(r.fingerprint))) for r in records.values() if shard in r.shards)
-        return pins
+        placed = (Fingerprint(r.fingerprint) for r in records.values() if shard in r.shards)
+        return self.seed_pins.get(shard, frozenset()) | frozenset(placed)
 
     def health(self) -> dict[str, Any]:
         pending = sum(k.startswith(PENDING) for k in self.current)
@@ -171,7 +173,7 @@ class AdapterRegistry:
                     last_push_s = self._clock()
                 elif self._clock() - last_push_s > self.settings.resync_interval_s:
                     await self.push()  # a restarted worker gets its pins back
-                    self.collect_garbage()
+                    await self.collect_garbage()
                     last_push_s = self._clock()
                 if self._clock() - self._replanned_s > self.settings.replan_interval_s:
                     self._replanned_s = self._clock()
@@ -226,7 +228,7 @@ class AdapterRegistry:
             self.held[replica_id] = self.resident[replica_id] = frozenset(pins)
             return
         try:
-            reply = await asyncio.wait_for(self.sync(replica_id, version, pins), self.settings.load_timeout_s)
+            reply = await asyncio.wait_for(self.sync(replica_id, version, sorted(pins)), self.settings.load_timeout_s)
         except Exception as e:  # noqa: BLE001 - whatever the transport raises
             # a dead or slow worker keeps its last known set; the health check marks it down
             log.warning("replica %s did not take its pins (%s)", replica_id, type(e).__name__)
@@ -237,19 +239,21 @@ class AdapterRegistry:
         self.resident[replica_id] = self.held[replica_id] | frozenset(reply.get("draining", ()))
         self.failed[replica_id] = dict(reply.get("failed", {}))
 
-    def collect_garbage(self) -> None:
-        """Adapter files no record pins and no worker still holds (old enough that no staging is under way;
-        file ages are wall-clock time)."""
+    async def collect_garbage(self) -> None:
+        """Delete from the store the adapter files no record pins and no worker still holds (old
+        enough that no staging is under way; ages are wall-clock time). A store that cannot be
+        reached is tried again next time."""
         wanted = {r.fingerprint for r in self.current.values()}
         wanted.update(fp for pins in self.seed_pins.values() for fp in pins)
         in_use = set().union(*self.resident.values()) if self.resident else set()
-        for fingerprint in self.store.fingerprints() - wanted - in_use:
-            path = self.store.path(fingerprint)
-            try:
-                if time.time() - path.stat().st_mtime > self.settings.garbage_age_s:
-                    self.store.remove(fingerprint)
-            except OSError:
-                pass
+        try:
+            stored = await asyncio.to_thread(self.store.list_blobs)
+            now_s = time.time()
+            for fingerprint, stored_at_s in stored.items():
+                if fingerprint not in wanted and fingerprint not in in_use and now_s - stored_at_s > self.settings.garbage_age_s:
+                    await asyncio.to_thread(self.store.delete, fingerprint)
+        except BlobStoreError as e:
+            log.warning("adapter files not collected: %s", e)
 
     # changes
 
@@ -269,7 +273,7 @@ class AdapterRegistry:
         if owner == SHARED and name in self.seed:
             raise APIError(409, f"adapter {name!r} is defined in the deployment config; change it there",
                            "config_adapter")
-        self.store.put(staged, adapter.fingerprint)  # the file before any record names it
+        await self._store(staged, adapter.fingerprint)  # the file before any record names it
         fresh = describe(adapter, owner, name, staged.stat().st_size)
         key, pending_key = record_key(owner, name), PENDING + record_key(owner, name)
 
@@ -325,6 +329,15 @@ class AdapterRegistry:
                            "adapter_not_loaded", {"Retry-After": "5"})
         return committed, replaced, self._clock() - started_s
 
+    async def _store(self, staged: Path, fingerprint: Fingerprint) -> None:
+        """`staged` in the adapter store, or a 503 that says so (what failed is in the log, not the answer)."""
+        try:
+            await asyncio.to_thread(self.store.put, staged, fingerprint)
+        except BlobStoreError as e:
+            log.warning("adapter %s could not be stored in %s: %s", fingerprint[:16], self.store.url, e)
+            raise APIError(503, "the adapter store could not keep the file; nothing was changed", "adapter_store_unavailable",
+                           {"Retry-After": "5"}) from e
+
     def _place(self, fingerprint: Fingerprint, old: AdapterRecord | None, records: Records) -> tuple[str, ...]:
         """Shards for a new pin: where the same content already is, else where the old version
         was, else the planner's choice among shards with room."""
@@ -363,15 +376,17 @@ class AdapterRegistry:
 def open_registry(config: ServeConfig, catalog: Catalog, pool: ShardPool,
                   clock: Callable[[], float] = time.monotonic) -> AdapterRegistry:
     """The deployment's registry over `pool`'s workers: its records in Redis when the deployment
-    has one, else in a file in the store; records are per base model (adapters fit only it)."""
-    store = AdapterStore(config.store_path())
+    has one, else in a file in the store's local directory; records are per base model (adapters
+    fit only it). Files go to the adapter store the config names (cache/blobs.py)."""
+    store = open_blob_store(config.blob_store())
     scope = catalog.base_fingerprint[:16]
     redis_config = config.cache.redis
     if redis_config is not None:
         from cache.l2 import connect
 
         records: RecordStore = RedisRecords(connect(redis_config, is_async=True), f"{redis_config.key_prefix}:{scope}:",
-                                            mirror=store.directory / f"registry-{scope}.redis-mirror.json")
+                                            mirror=store.directory / f"registry-{scope}.redis-mirror.json",
+                                            ack_timeout_s=redis_config.replica_ack_timeout_s)
     else:
         records = FileRecords(store.directory, scope)
     return AdapterRegistry(config, catalog, records, store, pool.replicas, getattr(pool, "sync", None), clock)

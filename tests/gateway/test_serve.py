@@ -295,6 +295,13 @@ def test_health_and_metrics(server) -> None:
     assert httpx.get(f"{server}/-/routes", timeout=30).status_code == 404
 
 
+def test_health_says_which_node_each_replica_is_on(server) -> None:
+    health = httpx.get(f"{server}/health", headers=OPERATOR, timeout=30).json()
+    nodes = [r["node"] for shard in health["shards"].values() for r in shard["replicas"]]
+    assert nodes and all(len(n["id"]) == 56 and n["ip"] for n in nodes), health  # Ray's node id (hex) and IP
+    assert len({n["id"] for n in nodes}) == 1  # a local Ray: one node, every replica on it
+
+
 POISON = [  # acme sees one adapter (json): id 0
     {"model": "json", "prompt": "hi", "max_tokens": 1, "lora": [{"id": 0, "scale": 3.5e38}]},
     {"model": "json", "prompt": "hi", "max_tokens": 4, "temperature": 1.0, "lora": [{"id": 0, "scale": 1e30}]},

@@ -1,0 +1,121 @@
+"""The Serve wiring (gateway/serve.py) without a cluster: the node each shard replica's Ray
+options prefer, how long Serve waits for replicas to stop, and a stopping gateway ending its
+channels to the shard replicas (so that they stop at once). On Ray: test_serve_stop.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.config import ConfigError, parse_config
+from gateway.policy.nodes import Node
+from gateway.pool import WorkerFailed
+from gateway.serve import GATEWAY_STOP_TIMEOUT_S, SHARD_STOP_TIMEOUT_S, STOP_POLL_S, ServePool, build, node_options
+from worker.contract.calls import WorkerCall
+from worker.contract.params import SamplingParams
+
+
+def config(**shard_fields):
+    return parse_config({"model": None, "adapters": [], "cache": {"redis_url": None},
+                         "shards": [{"name": "a", "replicas": 2, **shard_fields}, {"name": "b", "replicas": 1}]}, ".")
+
+
+def shard_deployments(app) -> dict[str, object]:
+    """The shard replicas' deployments, from the gateway's bound arguments (config, handles)."""
+    return {replica_id: bound._bound_deployment for replica_id, bound in app._bound_deployment.init_args[1].items()}
+
+
+def test_each_replica_of_a_shard_prefers_another_node_and_may_fall_back_to_any() -> None:
+    deployments = shard_deployments(build(config(), [Node("n1", {"CPU": 4}), Node("n2", {"CPU": 4})]))
+    options = {replica_id: d.ray_actor_options for replica_id, d in deployments.items()}
+    assert options["a-0"]["label_selector"] == {"ray.io/node-id": "n1"}
+    assert options["a-1"]["label_selector"] == {"ray.io/node-id": "n2"}
+    assert options["b-0"]["label_selector"] == {"ray.io/node-id": "n1"}
+    assert all(o["fallback_strategy"] == [{"label_selector": {}}] for o in options.values())  # soft
+    assert all(o["num_cpus"] == 1.0 for o in options.values())
+
+
+def test_without_nodes_ray_places_the_replicas_and_node_labels_stay_a_hard_constraint() -> None:
+    deployments = shard_deployments(build(config(node_labels={"pool": "a100"})))
+    assert deployments["a-0"].ray_actor_options["label_selector"] == {"pool": "a100"}
+    assert "fallback_strategy" not in deployments["a-0"].ray_actor_options
+    assert "label_selector" not in deployments["b-0"].ray_actor_options
+    assert node_options("n1", {"pool": "a100"}) == {"label_selector": {"ray.io/node-id": "n1", "pool": "a100"},
+                                                    "fallback_strategy": [{"label_selector": {"pool": "a100"}}]}
+
+
+def test_a_bad_node_label_selector_is_a_config_error_that_names_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"shards\[0\]\.node_labels: label selector pool"):
+        config(node_labels={"pool": "in()"})
+
+
+def test_serve_checks_often_whether_a_stopping_replica_is_done_and_waits_a_bounded_time() -> None:
+    app = build(config())
+    gateway = app._bound_deployment
+    assert gateway._deployment_config.graceful_shutdown_timeout_s == GATEWAY_STOP_TIMEOUT_S
+    for deployment in [gateway, *shard_deployments(app).values()]:
+        assert deployment._deployment_config.graceful_shutdown_wait_loop_s == STOP_POLL_S
+    assert all(d._deployment_config.graceful_shutdown_timeout_s == SHARD_STOP_TIMEOUT_S for d in shard_deployments(app).values())
+
+
+class FakeStream:
+    """A replica's channel stream that stays open until cancelled, as a real one does."""
+
+    def __init__(self) -> None:
+        self.is_cancelled = False
+        self._cancelled = asyncio.Event()
+
+    def __aiter__(self):
+        return self._batches()
+
+    async def _batches(self):
+        yield []  # the channel is open
+        await self._cancelled.wait()
+        raise asyncio.CancelledError
+
+    def cancel(self) -> None:
+        self.is_cancelled = True
+        self._cancelled.set()
+
+
+class FakeHandle:
+    def __init__(self) -> None:
+        self.streams: list[FakeStream] = []
+        handle = self
+
+        class Method:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            def remote(self, *args):
+                if self.name == "channel":
+                    handle.streams.append(FakeStream())
+                    return handle.streams[-1]
+
+                async def answer() -> None:
+                    return None  # started; its deltas would come on the channel
+
+                return answer()
+
+        self.channel, self.start, self.cancel = Method("channel"), Method("start"), Method("cancel")
+
+    def options(self, **_: object) -> FakeHandle:
+        return self
+
+
+def test_a_stopping_gateway_cancels_every_channel_and_fails_the_requests_still_on_them() -> None:
+    async def scenario() -> None:
+        handles = {"a-0": FakeHandle(), "a-1": FakeHandle(), "b-0": FakeHandle()}
+        pool = ServePool(config(), handles)
+        request = WorkerCall("r1", (1, 2, 3), SamplingParams(max_tokens=4))
+        waiting = asyncio.ensure_future(pool.stream("a-0", request).__anext__())
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # started, waiting for its deltas
+        pool.close()
+        assert [s.is_cancelled for s in handles["a-0"].streams] == [True]  # at once: the replica may be killed next
+        with pytest.raises(WorkerFailed, match="stopping"):
+            await asyncio.wait_for(waiting, 5)
+        assert handles["a-1"].streams == []  # never opened: nothing to end
+
+    asyncio.run(scenario())
