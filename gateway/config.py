@@ -113,6 +113,17 @@ class HTTPSettings(_Strict):
     # who listens on the port: each gateway replica itself (gateway/listener.py), or Ray Serve's proxies, which
     # pass every request to a gateway replica over Ray (one hop more; what a KubeRay RayService's Service expects)
     listener: Literal["gateway", "serve-proxy"] = "gateway"
+    # the Ray node labels of the nodes that take traffic: the gateway replicas run there, at most one a node
+    # (one listener per node, as Serve's proxies do); empty: wherever Ray puts them
+    node_labels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("node_labels")
+    @classmethod
+    def _label_selector(cls, selector: dict[str, str]) -> dict[str, str]:
+        error = selector_error(selector)
+        if error is not None:
+            raise ValueError(error)
+        return selector
 
 
 class RegistrySettings(_Strict):
@@ -252,8 +263,10 @@ class ServeConfig(_Strict):
         return self.resolve(self.registry.store_dir)
 
     def blob_store(self) -> BlobStoreConfig:
-        """The adapter store, with this node's cache in store_dir (the gateway's and each worker's)."""
-        return BlobStoreConfig(self.registry.store_url, str(self.store_path()))
+        """The adapter store, with this node's cache in store_dir (the gateway's and each worker's): a
+        `~` in it is the home of the process that opens it, each node's own, not this one's."""
+        store_dir = self.registry.store_dir
+        return BlobStoreConfig(self.registry.store_url, store_dir if store_dir.startswith("~") else str(self.resolve(store_dir)))
 
     def allowed_paths(self) -> list[Path]:
         return [self.resolve(p) for p in self.registry.allowed_paths]

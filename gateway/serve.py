@@ -244,7 +244,10 @@ def build(config: ServeConfig, nodes: Sequence[Node] = ()) -> serve.Application:
         ).bind(specs[r.shard])
         for r, node_id in zip(replicas, preferred)
     }
-    return GatewayIngress.options(name="gateway", num_replicas=config.http.gateway_replicas, ray_actor_options={"num_cpus": 0},
+    ingress = config.http.node_labels  # the nodes that take traffic: one listener on each
+    placement = {"max_replicas_per_node": 1} if ingress else {}
+    return GatewayIngress.options(name="gateway", num_replicas=config.http.gateway_replicas,
+                                  ray_actor_options={"num_cpus": 0, **node_options(None, ingress)}, **placement,
                                   graceful_shutdown_wait_loop_s=STOP_POLL_S, graceful_shutdown_timeout_s=GATEWAY_STOP_TIMEOUT_S,
                                   ).bind(config.model_dump(), handles)
 

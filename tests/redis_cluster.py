@@ -107,7 +107,8 @@ class LocalRedisCluster:
             args = ["redis-server", "--port", str(port), "--bind", self.host, "--dir", str(home),
                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--appendonly", "no", "--save", "",
-                    "--repl-diskless-sync-delay", "0"]  # replicas in sync at once: one that never synced cannot take over
+                    "--repl-diskless-sync-delay", "0",  # replicas in sync at once: one that never synced cannot take over
+                    "--protected-mode", "yes" if self.host == "127.0.0.1" else "no"]  # else: the test's own private network
             with open(home / "redis.log", "wb") as log:
                 node = Node(port, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT), self.host)
             self._wait(lambda: not node.is_alive or node.ask("PING"), deadline, f"redis-server on port {port} did not start")
