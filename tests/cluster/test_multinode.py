@@ -1,0 +1,332 @@
+"""loraplex on several machines (issue 38): three Ray nodes on this machine, each with its own
+address, HOME and temp dirs (network namespaces: tests/cluster/netns.py), a 6-process Redis
+Cluster, an S3-compatible server, and `loraplex serve` joining the Ray cluster as an operator's
+would. The gateway runs on the head; the shard's two replicas on the two worker hosts, which
+share no directory with the head or each other.
+
+- an adapter uploaded through the gateway is served by replicas on the two other nodes;
+- a node cut off for a while, then restored, and a node's processes SIGKILLed, each under steady
+  mixed load (streamed and whole, two tenants): no whole request lost, every stream ends (done,
+  or the clean error event), nothing past its deadline, the registry's adapters listed and served;
+- a Redis master SIGKILLed under the same load: no failed request, the adapter uploaded just
+  before still listed and served.
+The figures each fault cost are printed (pytest -s shows them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import boto3
+import httpx
+import pytest
+import yaml
+
+from tests.cluster import netns
+from tests.cluster.ray_nodes import RayNodes
+from tests.redis_cluster import LocalRedisCluster
+from tests.redis_server import free_port
+from tests.s3_server import S3Server
+from tests.tinymodels import random_lora, write_adapter
+
+pytestmark = pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
+
+KEYS = {"t1": "sk-multi-one", "t2": "sk-multi-two", "operator": "sk-multi-operator"}
+ATTN = ["blk.0.attn_q.weight", "blk.1.attn_v.weight"]
+PROMPT = list(range(40, 120))  # > 2 cache chunks of 32
+REQUEST_TIMEOUT_S = 30  # the server's deadline for every request: nothing may wait past it
+START_TIMEOUT_S = 240
+INGRESS_LABEL = "loraplex.io/ingress"
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass
+class Cluster:
+    network: netns.Network
+    ray: RayNodes
+    redis: LocalRedisCluster
+    s3: S3Server
+    url: str
+    bucket: str
+    serve: subprocess.Popen
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def hosts(self) -> list[netns.Host]:
+        return list(self.network.hosts.values())
+
+
+@contextmanager
+def _serving(config: dict, directory: Path, env: dict[str, str]) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+    path = directory / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output: list[str] = []
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        line = process.stdout.readline()
+        output.append(line)
+        if "ready in" in line:
+            break
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail("loraplex serve did not start on the cluster:\n" + "".join(output))
+    threading.Thread(target=lambda: output.extend(process.stdout), daemon=True).start()
+    try:
+        yield process, output
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama) -> Iterator[Cluster]:
+    root = Path(tempfile.mkdtemp(prefix="lpx", dir="/tmp"))  # short: Ray's socket paths live under it
+    network = netns.Network(root)
+    stack: list = []
+    try:
+        redis_cluster = LocalRedisCluster(root / "redis", host=network.address).start()
+        stack.append(redis_cluster.stop)
+        s3 = S3Server(host=network.address).start()
+        stack.append(s3.stop)
+        aws = s3.env()
+        bucket = f"lpx-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3", endpoint_url=aws["AWS_ENDPOINT_URL"], aws_access_key_id="testing", aws_secret_access_key="testing",
+                     region_name="us-east-1").create_bucket(Bucket=bucket)
+        saved = {k: os.environ.get(k) for k in aws}
+        os.environ.update(aws)  # the Ray nodes started below pass them on to the replicas
+        stack.append(lambda: [os.environ.pop(k) if v is None else os.environ.__setitem__(k, v) for k, v in saved.items()])
+        ray = RayNodes(network, free_port(), head_cpus=1, head_labels=f"{INGRESS_LABEL}=yes")
+        stack.append(ray.stop)
+        for label in ("n1", "n2"):
+            ray.add_worker(network.add_host(label), num_cpus=2)
+        assert len(ray.wait_for_nodes(3)) == 3
+        port = free_port()
+        config = {
+            "model": str(tiny_llama.path), "model_name": "tiny",
+            "shards": [{"name": "s", "adapters": [], "replicas": 2, "num_cpus": 1}],
+            "tenants": [{"id": t, "key_sha256": [digest(KEYS[t])], "max_adapters": 4} for t in ("t1", "t2")],
+            "operator_key_sha256": [digest(KEYS["operator"])],
+            "cache": {"redis_url": redis_cluster.url, "redis_cluster": True, "key_prefix": f"lpx-{uuid.uuid4().hex[:8]}",
+                      "chunk_tokens": 32},
+            "engine": {"num_seq_slots": 4, "max_step_tokens": 256},
+            "registry": {"store_url": f"s3://{bucket}/adapters", "store_dir": "~/.cache/loraplex/adapters", "copies": 2,
+                         "poll_interval_s": 0.5},
+            "http": {"host": "0.0.0.0", "port": port, "request_timeout_s": REQUEST_TIMEOUT_S,
+                     "node_labels": {INGRESS_LABEL: "yes"}},  # the head takes the traffic
+            "fingerprint_dir": None,
+        }
+        env = {**os.environ, "RAY_ADDRESS": ray.address, "HOME": str(ray.head_dir)}
+        with _serving(config, root, env) as (process, output):
+            yield Cluster(network, ray, redis_cluster, s3, f"http://{network.address}:{port}", bucket, process, output)
+    finally:
+        for stop in reversed(stack):
+            try:
+                stop()
+            except Exception as e:  # noqa: BLE001 - the rest must still be stopped
+                print(f"cleanup: {e!r}", file=sys.stderr)
+        network.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def auth(who: str = "t1") -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[who]}"}
+
+
+def replica_nodes(c: Cluster) -> dict[str, str]:
+    """replica id -> the address of the node it runs on (operator /health)."""
+    health = httpx.get(f"{c.url}/health", headers=auth("operator"), timeout=10).json()
+    return {r["id"]: (r.get("node") or {}).get("ip", "") for s in health["shards"].values() for r in s["replicas"] if r["healthy"]}
+
+
+def upload(c: Cluster, name: str, path: Path, tenant: str = "t1") -> httpx.Response:
+    with path.open("rb") as f:
+        return httpx.post(f"{c.url}/v1/adapters", headers=auth(tenant), data={"name": name},
+                          files={"file": (path.name, f, "application/octet-stream")}, timeout=120)
+
+
+def complete(c: Cluster, model: str, tenant: str = "t1", stream: bool = False, max_tokens: int = 8) -> tuple[int, dict, list]:
+    """(status, headers, events or the body) of one /v1/completions request."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if not stream:
+        r = httpx.post(f"{c.url}/v1/completions", headers=auth(tenant), json=body, timeout=REQUEST_TIMEOUT_S + 30)
+        return r.status_code, dict(r.headers), [r.json()]
+    events = []
+    with httpx.stream("POST", f"{c.url}/v1/completions", headers=auth(tenant), json=body, timeout=REQUEST_TIMEOUT_S + 30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+        return r.status_code, dict(r.headers), events
+
+
+class Load:
+    """Steady mixed load until stopped: whole and streamed, two tenants, t1 on the adapter and the
+    base (`models`, the base last), t2 on the base."""
+
+    def __init__(self, c: Cluster, models: list[str], num_threads: int = 4) -> None:
+        self.c, self.models = c, models
+        self.whole: list[tuple[float, int]] = []  # (when it ended, status)
+        self.streams: list[tuple[float, str]] = []  # (when it ended, "done" | "error" | "cut": ended without either)
+        self.first_ok_after: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(num_threads)]
+
+    def _run(self, i: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            stream, tenant = (i + n) % 2 == 1, ("t1", "t2")[(n // 2) % 2]
+            model = self.models[(n // 4) % len(self.models)] if tenant == "t1" else self.models[-1]  # t2 sees the base only
+            n += 1
+            try:
+                status, _, events = complete(self.c, model, tenant, stream=stream)
+            except httpx.HTTPError as e:
+                (self.streams if stream else self.whole).append((time.monotonic(), f"transport: {e!r}" if stream else -1))
+                continue
+            if not stream:
+                self.whole.append((time.monotonic(), status))
+            elif status != 200:
+                self.streams.append((time.monotonic(), f"status {status}"))
+            else:
+                last = events[-1] if events else ""
+                ok = last == "[DONE]" and not any('"error"' in e for e in events)
+                self.streams.append((time.monotonic(), "done" if ok else ("error" if any('"error"' in e for e in events) else "cut")))
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(REQUEST_TIMEOUT_S + 60)
+        assert not any(t.is_alive() for t in self._threads), "a request outlived its deadline"
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> float:
+    """Seconds until `predicate()` held (fails past `timeout_s`)."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            pytest.fail(f"{what}: not within {timeout_s:g} s")
+        time.sleep(0.5)
+    return time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def adapter(cluster, tiny_llama, tmp_path_factory) -> str:
+    path = write_adapter(tmp_path_factory.mktemp("multi") / "bot.gguf", random_lora(tiny_llama, ATTN, 4, seed=11))
+    r = upload(cluster, "bot", path)
+    assert r.status_code in (200, 201), r.text
+    return "bot"
+
+
+def test_an_adapter_uploaded_on_one_node_is_served_by_replicas_on_the_others(cluster, adapter) -> None:
+    nodes = replica_nodes(cluster)
+    workers = {h.address for h in cluster.hosts}
+    assert set(nodes.values()) == workers, nodes  # one replica on each worker node, none on the head
+    served_by = set()
+    for _ in range(20):
+        status, headers, body = complete(cluster, adapter)
+        assert status == 200, body
+        served_by.add(headers["x-loraplex-replica"])
+        if served_by == set(nodes):
+            break
+    assert served_by == set(nodes)
+    caches = [h.home / ".cache" / "loraplex" / "adapters" for h in cluster.hosts]
+    caches.append(cluster.ray.head_dir / ".cache" / "loraplex" / "adapters")
+    held = [sorted(p.name for p in d.rglob("*") if p.is_file()) if d.exists() else [] for d in caches]
+    assert all(held[:2]), f"each worker node fetched the adapter into its own cache: {held}"
+    assert len({str(d) for d in caches}) == 3  # three directories, none shared
+
+
+def test_a_node_cut_off_then_restored_under_load(cluster, adapter) -> None:
+    victim = cluster.hosts[1]
+    with Load(cluster, [adapter, "tiny"]) as load:
+        time.sleep(3)
+        cut_at = time.monotonic()
+        cluster.network.cut(victim)
+        time.sleep(20)
+        cluster.network.restore(victim)
+        time.sleep(5)
+    report("cut 20 s", load, cut_at)
+    assert_no_loss(load)
+    wait_until(lambda: len(replica_nodes(cluster)) == 2, 120, "the shard has two healthy replicas again")
+
+
+def test_a_node_lost_under_load(cluster, adapter) -> None:
+    victim = cluster.hosts[0]
+    with Load(cluster, [adapter, "tiny"]) as load:
+        time.sleep(3)
+        killed_at = time.monotonic()
+        assert cluster.network.kill(victim) > 0
+        served_again = wait_until(lambda: len(replica_nodes(cluster)) == 2, 120, "the shard has two healthy replicas again")
+        time.sleep(3)
+    report("node SIGKILLed", load, killed_at)
+    print(f"node SIGKILLed: the shard had two healthy replicas again {served_again:.1f} s later")
+    assert_no_loss(load)
+    assert adapter in [m["id"] for m in httpx.get(f"{cluster.url}/v1/models", headers=auth(), timeout=10).json()["data"]]
+    assert complete(cluster, adapter)[0] == 200
+
+
+def test_a_redis_master_lost_under_load(cluster, adapter, tiny_llama, tmp_path) -> None:
+    path = write_adapter(tmp_path / "late.gguf", random_lora(tiny_llama, ATTN, 4, seed=12))
+    with Load(cluster, [adapter, "tiny"]) as load:
+        assert upload(cluster, "late", path, tenant="t2").status_code in (200, 201)
+        key = registry_key(cluster.redis)
+        old = cluster.redis.master_of(key)
+        killed_at = time.monotonic()
+        cluster.redis.kill(old)
+        cluster.redis.wait_for_new_master(key, old, 30)
+        print(f"Redis master SIGKILLed: a replica took over {time.monotonic() - killed_at:.1f} s later")
+        time.sleep(5)
+    report("Redis master SIGKILLed", load, killed_at)
+    assert all(status == 200 for _, status in load.whole), load.whole
+    assert all(outcome == "done" for _, outcome in load.streams), load.streams
+    listed = [m["id"] for m in httpx.get(f"{cluster.url}/v1/models", headers=auth("t2"), timeout=10).json()["data"]]
+    assert "late" in listed
+    assert complete(cluster, "late", tenant="t2")[0] == 200
+
+
+def registry_key(redis_cluster: LocalRedisCluster) -> str:
+    """The registry's records key (its hash tag puts every registry key on one master)."""
+    for port in redis_cluster.masters():
+        found = redis_cluster.nodes[port].ask("KEYS", "*registry}:records")
+        if found:
+            return found[0].decode()
+    raise AssertionError("no registry records in the Redis Cluster")
+
+
+def assert_no_loss(load: Load) -> None:
+    assert load.whole and load.streams
+    failed = [(t, s) for t, s in load.whole if s != 200]
+    assert not failed, f"whole requests that failed: {failed}"
+    assert all(outcome in ("done", "error") for _, outcome in load.streams), load.streams  # none cut off without its error event
+
+
+def report(what: str, load: Load, at: float) -> None:
+    after = [s for t, s in load.streams if t >= at]
+    print(f"{what}: {len(load.whole)} whole requests, {sum(s != 200 for _, s in load.whole)} failed; "
+          f"{len(load.streams)} streams, {sum(o == 'error' for _, o in load.streams)} ended with the error event "
+          f"({len(after)} after the fault)")
+    sys.stdout.flush()
