@@ -24,10 +24,10 @@ import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from cache.blobs import BlobStoreConfig, parse_store_url
 from cache.l2 import RedisConfig
@@ -61,6 +61,16 @@ class AdapterConfig(_Strict):
     path: str
 
 
+def _label_selector(selector: dict[str, str]) -> dict[str, str]:
+    error = selector_error(selector)
+    if error is not None:
+        raise ValueError(error)
+    return selector
+
+
+NodeLabels = Annotated[dict[str, str], AfterValidator(_label_selector)]  # a Ray label selector: value, !value, in(a, b)
+
+
 class ShardConfig(_Strict):
     name: str = Field(pattern=NAME)
     adapters: list[str] = Field(default_factory=list)
@@ -68,15 +78,7 @@ class ShardConfig(_Strict):
     num_gpus: float = Field(0.0, ge=0.0)  # per replica: 1 on GPU nodes (one engine, one device)
     num_cpus: float = Field(1.0, ge=0.0)
     # Ray node labels its replicas need (a label selector: value, !value, in(a, b)); they spread over those nodes
-    node_labels: dict[str, str] = Field(default_factory=dict)
-
-    @field_validator("node_labels")
-    @classmethod
-    def _label_selector(cls, selector: dict[str, str]) -> dict[str, str]:
-        error = selector_error(selector)
-        if error is not None:
-            raise ValueError(error)
-        return selector
+    node_labels: NodeLabels = Field(default_factory=dict)
 
 
 class TenantConfig(_Strict):
@@ -115,15 +117,7 @@ class HTTPSettings(_Strict):
     listener: Literal["gateway", "serve-proxy"] = "gateway"
     # the Ray node labels of the nodes that take traffic: the gateway replicas run there, at most one a node
     # (one listener per node, as Serve's proxies do); empty: wherever Ray puts them
-    node_labels: dict[str, str] = Field(default_factory=dict)
-
-    @field_validator("node_labels")
-    @classmethod
-    def _label_selector(cls, selector: dict[str, str]) -> dict[str, str]:
-        error = selector_error(selector)
-        if error is not None:
-            raise ValueError(error)
-        return selector
+    node_labels: NodeLabels = Field(default_factory=dict)
 
 
 class RegistrySettings(_Strict):

@@ -111,7 +111,12 @@ class LocalRedisCluster:
                     "--protected-mode", "yes" if self.host == "127.0.0.1" else "no"]  # else: the test's own private network
             with open(home / "redis.log", "wb") as log:
                 node = Node(port, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT), self.host)
-            self._wait(lambda: not node.is_alive or node.ask("PING"), deadline, f"redis-server on port {port} did not start")
+            try:
+                self._wait(lambda: not node.is_alive or node.ask("PING"), deadline, f"redis-server on port {port} did not start")
+            except BaseException:
+                node.process.kill()  # not one of `nodes` yet: `stop` would not see it
+                node.process.wait(10)
+                raise
             if node.is_alive:
                 return node
         log_tail = (home / "redis.log").read_text(errors="replace")[-1000:]
