@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import ray
 
@@ -93,3 +94,23 @@ def alive_nodes() -> list[Node]:
         return []
     return [Node(n["NodeID"], n.get("Resources", {}), n.get("Labels", {}), is_head=HEAD_RESOURCE in n.get("Resources", {}))
             for n in ray.nodes() if n.get("Alive")]
+
+
+def call_within(fn: Callable[[], object], timeout_s: float) -> bool:
+    """Run `fn` on a daemon thread; False when it has not returned within `timeout_s` (Serve's
+    calls wait forever on a controller that was killed before it answered; Ray's own shutdown,
+    next, stops the processes it started either way). Its exception is raised here."""
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            failed.append(e)
+
+    worker = threading.Thread(target=call, name="loraplex-serve-stop", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if failed:
+        raise failed[0]
+    return not worker.is_alive()

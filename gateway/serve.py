@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -32,9 +32,9 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from gateway.channel import ReplicaChannel
-from gateway.cluster import JoinError, alive_nodes, connect, ray_address, this_node
+from gateway.cluster import JoinError, alive_nodes, call_within, connect, ray_address, this_node
 from gateway.config import ConfigError, ServeConfig, ShardConfig, load_config, parse_config
-from gateway.policy.nodes import NODE_ID_LABEL, Node, ReplicaDemand, spread
+from gateway.policy.nodes import Node, ReplicaDemand, node_options, spread
 from gateway.pool import WorkerFailed, replica_infos
 from worker.contract.calls import Delta, WorkerCall
 from worker.contract.spec import WorkerSpec
@@ -214,16 +214,6 @@ def replica_threads(config: ServeConfig) -> int:
     return max(1, (os.cpu_count() or 1) // max(cpu_replicas, 1))
 
 
-def node_options(node_id: str | None, node_labels: Mapping[str, str]) -> dict[str, Any]:
-    """Ray actor options for a replica that prefers `node_id` and needs `node_labels`. Serve takes
-    no scheduling strategy in ray_actor_options, but takes Ray's label selectors: one on the node's
-    id label, falling back to any node with `node_labels` (Ray falls back when that node is gone
-    or full), is a soft node affinity."""
-    if node_id is None:
-        return {"label_selector": dict(node_labels)} if node_labels else {}
-    return {"label_selector": {NODE_ID_LABEL: node_id, **node_labels}, "fallback_strategy": [{"label_selector": dict(node_labels)}]}
-
-
 def _demand(shard: ShardConfig) -> ReplicaDemand:
     return ReplicaDemand(shard.name, shard.num_cpus, shard.num_gpus, shard.node_labels)
 
@@ -317,10 +307,10 @@ def _stop(*, is_deployed: bool, is_joined: bool, was_serve_idle: bool) -> None:
     now (its controller then goes too: the next user's options apply). Bounded: each wait has its
     timeout, and Ray stops (or the driver disconnects) whatever happened before."""
     try:
-        if is_deployed and not _within(_delete_app, APP_DELETE_TIMEOUT_S):
+        if is_deployed and not call_within(_delete_app, APP_DELETE_TIMEOUT_S):
             print(f"loraplex: the application was not deleted within {APP_DELETE_TIMEOUT_S:g} s", file=sys.stderr, flush=True)
         if is_joined and was_serve_idle and not serve.status().applications:
-            if not _within(_shutdown_serve, SERVE_SHUTDOWN_TIMEOUT_S):
+            if not call_within(_shutdown_serve, SERVE_SHUTDOWN_TIMEOUT_S):
                 print(f"loraplex: Serve did not shut down within {SERVE_SHUTDOWN_TIMEOUT_S:g} s", file=sys.stderr, flush=True)
     except Exception as e:  # noqa: BLE001 - reported; Ray is stopped (or left) below all the same
         print(f"loraplex: stopping Serve failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -401,23 +391,3 @@ def run(args: argparse.Namespace) -> int:
     finally:
         _stop(is_deployed=is_deployed, is_joined=address is not None, was_serve_idle=not running_apps)
     return 0
-
-
-def _within(fn: Callable[[], object], timeout_s: float) -> bool:
-    """Run `fn` on a daemon thread; False when it has not returned within `timeout_s` (Serve's
-    calls wait forever on a controller that was killed before it answered; Ray's own shutdown,
-    next, stops the processes it started either way). Its exception is raised here."""
-    failed: list[BaseException] = []
-
-    def call() -> None:
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            failed.append(e)
-
-    worker = threading.Thread(target=call, name="loraplex-serve-stop", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if failed:
-        raise failed[0]
-    return not worker.is_alive()

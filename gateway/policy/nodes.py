@@ -101,3 +101,13 @@ def spread(replicas: Sequence[ReplicaDemand], nodes: Sequence[Node]) -> list[str
         shards_on[best.node_id].add(demand.shard)
         chosen.append(best.node_id)
     return chosen
+
+
+def node_options(node_id: str | None, node_labels: Mapping[str, str]) -> dict[str, object]:
+    """Ray actor options for a replica that prefers `node_id` and needs `node_labels`. Serve takes
+    no scheduling strategy in ray_actor_options, but takes Ray's label selectors: one on the node's
+    id label, falling back to any node with `node_labels` (Ray falls back when that node is gone
+    or full), is a soft node affinity."""
+    if node_id is None:
+        return {"label_selector": dict(node_labels)} if node_labels else {}
+    return {"label_selector": {NODE_ID_LABEL: node_id, **node_labels}, "fallback_strategy": [{"label_selector": dict(node_labels)}]}

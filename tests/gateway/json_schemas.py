@@ -4,6 +4,7 @@ so that any answer the schema allows fits in a few dozen tokens."""
 
 from __future__ import annotations
 
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 NAMES = st.text(alphabet="abcdefghijklmnop_", min_size=1, max_size=8)
@@ -50,3 +51,17 @@ def _extend(children: st.SearchStrategy) -> st.SearchStrategy:
 def schemas() -> st.SearchStrategy[dict]:
     """A top-level object schema (what response_format json_schema is used for)."""
     return _object(st.recursive(LEAVES, _extend, max_leaves=6))
+
+
+def drawn_schemas(count: int) -> list[dict]:
+    """`count` schemas from hypothesis, the same every run (derandomized)."""
+    drawn: list[dict] = []
+
+    @settings(max_examples=count, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(schemas())
+    def draw(schema: dict) -> None:
+        drawn.append(schema)
+
+    draw()
+    return drawn

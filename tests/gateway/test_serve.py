@@ -20,10 +20,9 @@ import jsonschema
 import openai
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
 
 from tests.gateway.gateway_setup import digest
-from tests.gateway.json_schemas import schemas
+from tests.gateway.json_schemas import drawn_schemas
 from tests.gateway.serve_process import running_serve
 from tests.redis_server import RedisServer
 
@@ -66,24 +65,10 @@ def auth(tenant: str = "demo") -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[tenant]}"}
 
 
-def _drawn_schemas(count: int) -> list[dict]:
-    """`count` schemas from hypothesis, the same every run (derandomized)."""
-    drawn: list[dict] = []
-
-    @settings(max_examples=count, derandomize=True, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(schemas())
-    def draw(schema: dict) -> None:
-        drawn.append(schema)
-
-    draw()
-    return drawn
-
-
 def test_200_random_json_schemas_are_obeyed_on_the_base_and_on_adapters_in_mixed_batches(server) -> None:
     """Each answer parses and validates against its schema; eight requests at a time, cycling over
     the base and two adapters, so every batch mixes them (and their grammars)."""
-    drawn = _drawn_schemas(200)
+    drawn = drawn_schemas(200)
     assert len({json.dumps(s, sort_keys=True) for s in drawn}) > 150
     models = ["smollm2-135m-instruct", "caps", "json"]
 
@@ -288,18 +273,14 @@ def test_health_and_metrics(server) -> None:
     oa(server).chat.completions.create(model="caps", messages=CHAT, temperature=0, max_tokens=2)
     health = httpx.get(f"{server}/health", headers=OPERATOR, timeout=30).json()
     assert health["status"] == "ok" and health["redis"] == "ok" and set(health["shards"]) == {"styles", "checks"}
+    nodes = [r["node"] for shard in health["shards"].values() for r in shard["replicas"]]  # where each replica runs
+    assert nodes and all(len(n["id"]) == 56 and n["ip"] for n in nodes), health  # Ray's node id (hex) and IP
+    assert len({n["id"] for n in nodes}) == 1  # a local Ray: one node, every replica on it
     text = httpx.get(f"{server}/metrics", headers=OPERATOR, timeout=30).text
     assert 'loraplex_gateway_requests_total{adapter="caps",endpoint="chat",status="200",tenant="demo"}' in text
     assert 'loraplex_cache_lookups_total{replica="styles-0"}' in text
     # the gateway listens itself: no Serve proxy's routes
     assert httpx.get(f"{server}/-/routes", timeout=30).status_code == 404
-
-
-def test_health_says_which_node_each_replica_is_on(server) -> None:
-    health = httpx.get(f"{server}/health", headers=OPERATOR, timeout=30).json()
-    nodes = [r["node"] for shard in health["shards"].values() for r in shard["replicas"]]
-    assert nodes and all(len(n["id"]) == 56 and n["ip"] for n in nodes), health  # Ray's node id (hex) and IP
-    assert len({n["id"] for n in nodes}) == 1  # a local Ray: one node, every replica on it
 
 
 POISON = [  # acme sees one adapter (json): id 0
