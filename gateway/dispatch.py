@@ -52,10 +52,11 @@ class Gateway:
     def views(self) -> list[ReplicaView]:
         now_s = self._clock()
         num_seq_slots = self.config.engine.num_seq_slots
+        is_reachable = getattr(self.pool, "is_reachable", lambda _: True)
         return [
             ReplicaView(r.replica_id, r.shard, self.registry.held[r.replica_id],
                         in_flight=self._in_flight.get(r.replica_id, 0),
-                        is_healthy=self._failed_until_s.get(r.replica_id, 0.0) <= now_s,
+                        is_healthy=self._failed_until_s.get(r.replica_id, 0.0) <= now_s, is_reachable=is_reachable(r.replica_id),
                         recent=self._recent.get(r.replica_id, now_s), num_seq_slots=num_seq_slots,
                         capacity=num_seq_slots + self.config.engine.max_waiting)
             for r in self.pool.replicas
@@ -209,7 +210,7 @@ class Gateway:
             if isinstance(answer, BaseException):  # unreachable, dead, or too slow to answer: down
                 report.update(healthy=False, error=type(answer).__name__)
             else:
-                report.update(healthy=view.is_healthy, cache=answer.get("cache", {}),
+                report.update(healthy=view.is_healthy and view.is_reachable, cache=answer.get("cache", {}),
                               pid=answer.get("pid"), node=answer.get("node"),  # for operators only; node: Ray's id and IP
                               adapters=len(answer.get("adapters", ())), memory=answer.get("memory", {}))
                 redis_states.add(report["cache"].get("redis", "off"))

@@ -47,3 +47,7 @@ class ShardPool(Protocol):
         (worker/engine/pins.py). A pool without it: its workers keep the config's adapters."""
 
     async def metrics(self, replica_id: str) -> str: ...
+
+    def is_reachable(self, replica_id: str) -> bool:
+        """False while the replica is known gone (gateway/channel.py: Channels). A pool without
+        it: every replica is, until a request to it fails."""

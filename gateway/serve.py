@@ -31,7 +31,7 @@ import ray
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from gateway.channel import ReplicaChannel
+from gateway.channel import Channels, ReplicaChannel
 from gateway.cluster import JoinError, alive_nodes, call_within, connect, ray_address, this_node
 from gateway.config import ConfigError, ServeConfig, ShardConfig, load_config, parse_config
 from gateway.policy.nodes import Node, ReplicaDemand, node_options, spread
@@ -121,35 +121,36 @@ class ServePool:
     def __init__(self, config: ServeConfig, handles: dict[str, Any]) -> None:
         self.handles = handles
         self.replicas = replica_infos(config)
-        self._channels: dict[str, ReplicaChannel] = {}
+        self._unresponsive_after_s = config.routing.unresponsive_after_s
+        self.channels = Channels(self._open_channel)
         self._streams: dict[str, Any] = {}  # each replica's latest channel stream (a DeploymentResponseGenerator)
 
-    def _channel(self, replica_id: str) -> ReplicaChannel:
-        channel = self._channels.get(replica_id)
-        if channel is None or channel.failure is not None:
-            handle = self.handles[replica_id]
+    def _open_channel(self, replica_id: str) -> ReplicaChannel:
+        handle = self.handles[replica_id]
 
-            def open_stream(channel_id: str) -> Any:
-                self._streams[replica_id] = handle.options(stream=True).channel.remote(channel_id)
-                return self._streams[replica_id]
+        def open_stream(channel_id: str) -> Any:
+            self._streams[replica_id] = handle.options(stream=True).channel.remote(channel_id)
+            return self._streams[replica_id]
 
-            channel = self._channels[replica_id] = ReplicaChannel(
-                open_stream,
-                lambda channel_id, call: handle.start.remote(channel_id, call),
-                lambda channel_id, request_id: handle.cancel.remote(channel_id, request_id),
-            )
-        return channel
+        return ReplicaChannel(
+            open_stream,
+            lambda channel_id, call: handle.start.remote(channel_id, call),
+            lambda channel_id, request_id: handle.cancel.remote(channel_id, request_id),
+            self._unresponsive_after_s,
+        )
 
     def close(self) -> None:
         """End every channel (the gateway stops): their requests fail here, and each stream is
         cancelled now, so its replica stops at once instead of waiting out Serve's timeout."""
-        for channel in self._channels.values():
-            channel.fail(WorkerFailed("the gateway is stopping"))
+        self.channels.fail_all(WorkerFailed("the gateway is stopping"))
         for stream in self._streams.values():
             stream.cancel()
 
+    def is_reachable(self, replica_id: str) -> bool:
+        return self.channels.is_reachable(replica_id)
+
     def stream(self, replica_id: str, call: WorkerCall) -> AsyncIterator[Delta]:
-        return self._channel(replica_id).stream(call)
+        return self.channels.get(replica_id).stream(call)
 
     async def health(self, replica_id: str) -> dict[str, Any]:
         return await self.handles[replica_id].health.remote()

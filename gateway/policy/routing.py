@@ -1,7 +1,8 @@
 """Which replica serves a request (SPEC §7): pure functions over a snapshot.
 
 Adapters are known here by fingerprint only. Candidates are the healthy replicas whose
-shard holds every adapter the request enables. Among them, `affinity` ranks replicas by
+shard holds every adapter the request enables (when every reachable one failed a request
+lately, those: a cool-down is a preference, not a ban). Among them, `affinity` ranks replicas by
 rendezvous hashing of the request's affinity key (adapter-set fingerprint + first prefix
 chunk), so the same prefix under the same adapters goes to the same replica and finds its
 KV in that worker's memory, and takes the first whose load stays within `(1 + eps)` times
@@ -25,6 +26,7 @@ import random as random_module
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from worker.contract.calls import CHANNEL_HEARTBEAT_S
 from worker.contract.identity import AdapterName, Fingerprint
 
 POLICIES = ("affinity", "random", "least_loaded")
@@ -42,6 +44,9 @@ class RoutingSettings:
     worker_grace_s: float = 5.0  # past the worker's own deadline, the gateway stops waiting for it
     health_timeout_s: float = 2.0  # a replica's answer to health and metrics
     busy_retry_after_s: int = 1  # Retry-After of a 503 when every replica is busy
+    # a replica's channel silent this long (it sends a heartbeat each CHANNEL_HEARTBEAT_S) fails: its
+    # requests go elsewhere, and it gets none until it is heard from again (gateway/channel.py)
+    unresponsive_after_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -52,6 +57,9 @@ class RoutingSettings:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if min(self.failed_cooldown_s, self.worker_grace_s, self.busy_retry_after_s) < 0 or not self.health_timeout_s > 0:
             raise ValueError("failed_cooldown_s, worker_grace_s and busy_retry_after_s must be >= 0, health_timeout_s > 0")
+        if not self.unresponsive_after_s >= 2 * CHANNEL_HEARTBEAT_S:
+            raise ValueError(f"unresponsive_after_s must be at least twice the replicas' heartbeat ({CHANNEL_HEARTBEAT_S:g} s), "
+                             f"got {self.unresponsive_after_s}")
 
 
 @dataclass(frozen=True)
@@ -62,10 +70,11 @@ class ReplicaView:
     shard: str
     fingerprints: frozenset[Fingerprint]  # the adapters it takes requests for
     in_flight: int = 0
-    is_healthy: bool = True
+    is_healthy: bool = True  # False: it failed a request lately (the gateway's cool-down)
     recent: float = 0.0  # requests routed here lately (exponentially decayed count)
     num_seq_slots: int = 1 << 30  # requests it runs at once; more wait in its queue
     capacity: int = 1 << 30  # requests it may hold: its sequence slots plus its queue
+    is_reachable: bool = True  # False: known gone (its channel failed, and it has not been heard from since)
 
     @property
     def has_free_seq_slot(self) -> bool:
@@ -108,7 +117,8 @@ def candidates(replicas: Sequence[ReplicaView], fingerprints: Collection[Fingerp
     holding = [r for r in replicas if needed <= r.fingerprints]
     if not holding:
         raise NoCandidateError(f"no shard holds all of the adapters {shown} together")
-    healthy = [r for r in holding if r.is_healthy and r.replica_id not in exclude]
+    reachable = [r for r in holding if r.is_reachable and r.replica_id not in exclude]
+    healthy = [r for r in reachable if r.is_healthy] or reachable  # each failed lately, yet answers: try again rather than refuse
     if not healthy:
         raise NoCandidateError(f"no healthy replica for adapters {shown}: all {len(holding)} are down or failed")
     room = [r for r in healthy if r.in_flight < r.capacity]

@@ -270,7 +270,7 @@ def test_a_node_cut_off_then_restored_under_load(cluster, adapter) -> None:
         time.sleep(20)
         cluster.network.restore(victim)
         time.sleep(5)
-    report("cut 20 s", load, cut_at)
+    report("cut 20 s", load, cut_at, cluster)
     assert_no_loss(load)
     wait_until(lambda: len(replica_nodes(cluster)) == 2, 120, "the shard has two healthy replicas again")
 
@@ -283,7 +283,7 @@ def test_a_node_lost_under_load(cluster, adapter) -> None:
         assert cluster.network.kill(victim) > 0
         served_again = wait_until(lambda: len(replica_nodes(cluster)) == 2, 120, "the shard has two healthy replicas again")
         time.sleep(3)
-    report("node SIGKILLed", load, killed_at)
+    report("node SIGKILLed", load, killed_at, cluster)
     print(f"node SIGKILLed: the shard had two healthy replicas again {served_again:.1f} s later")
     assert_no_loss(load)
     assert adapter in [m["id"] for m in httpx.get(f"{cluster.url}/v1/models", headers=auth(), timeout=10).json()["data"]]
@@ -301,7 +301,7 @@ def test_a_redis_master_lost_under_load(cluster, adapter, tiny_llama, tmp_path) 
         cluster.redis.wait_for_new_master(key, old, 30)
         print(f"Redis master SIGKILLed: a replica took over {time.monotonic() - killed_at:.1f} s later")
         time.sleep(5)
-    report("Redis master SIGKILLed", load, killed_at)
+    report("Redis master SIGKILLed", load, killed_at, cluster)
     assert all(status == 200 for _, status in load.whole), load.whole
     assert all(outcome == "done" for _, outcome in load.streams), load.streams
     listed = [m["id"] for m in httpx.get(f"{cluster.url}/v1/models", headers=auth("t2"), timeout=10).json()["data"]]
@@ -325,9 +325,15 @@ def assert_no_loss(load: Load) -> None:
     assert all(outcome in ("done", "error") for _, outcome in load.streams), load.streams  # none cut off without its error event
 
 
-def report(what: str, load: Load, at: float) -> None:
+def report(what: str, load: Load, at: float, c: Cluster) -> None:
     after = [s for t, s in load.streams if t >= at]
+    silent = gateway_log(c).count("sent nothing for")  # the gateway gave up on a silent replica's channel
     print(f"{what}: {len(load.whole)} whole requests, {sum(s != 200 for _, s in load.whole)} failed; "
           f"{len(load.streams)} streams, {sum(o == 'error' for _, o in load.streams)} ended with the error event "
-          f"({len(after)} after the fault)")
+          f"({len(after)} after the fault); silent channels given up on so far: {silent}")
     sys.stdout.flush()
+
+
+def gateway_log(c: Cluster) -> str:
+    """What the Ray workers on the head, the gateway replica's among them, wrote to stderr so far."""
+    return "".join(p.read_text(errors="replace") for p in (c.ray.head_dir / "ray").rglob("worker-*.err"))

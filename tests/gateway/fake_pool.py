@@ -20,6 +20,7 @@ class FakePool:
         self.killed: set[str] = set()  # fail at once, and in health checks
         self.fail_after: dict[str, int] = {}  # die after this many deltas (once)
         self.refusal: str | None = None  # every replica refuses every call with this message
+        self.unreachable: set[str] = set()  # known gone, as a silent channel shows one (gateway/channel.py)
 
     async def stream(self, replica_id: str, call: WorkerCall) -> AsyncIterator[Delta]:
         self.calls.append((replica_id, call))
@@ -37,6 +38,9 @@ class FakePool:
             last = i == n - 1
             yield Delta((token,), f"<{token}>", finish_reason="length" if last else None,
                         usage=Usage(len(call.prompt_ids), n, 0) if last else None)
+
+    def is_reachable(self, replica_id: str) -> bool:
+        return replica_id not in self.unreachable
 
     async def health(self, replica_id: str) -> dict[str, Any]:
         if replica_id in self.killed:

@@ -1,7 +1,7 @@
 """Every replica of every shard as an in-process ShardWorker (torch), reached through the
 gateway's channel as production reaches a replica over Ray (gateway/channel.py): the gateway
-end to end without Ray. A replica in `killed` fails like a dead one; one in `fail_after` dies
-after that many deltas of its next request."""
+end to end without Ray. A replica in `killed` fails like a dead one (and is unreachable, as its
+silent channel would show); one in `fail_after` dies after that many deltas of its next request."""
 
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ class LocalShardPool:
                     raise WorkerFailed(f"replica {replica_id} died")
                 sent += 1
                 yield delta
+
+    def is_reachable(self, replica_id: str) -> bool:  # a dead replica's channel goes silent (gateway/channel.py)
+        return replica_id not in self.killed
 
     async def health(self, replica_id: str) -> dict[str, Any]:
         if replica_id in self.killed:

@@ -73,3 +73,88 @@ def test_a_broken_channel_fails_its_requests_and_the_next_channel_works(worker) 
         assert len(await tokens(channel_to(worker).stream(call(4)))) == 8
 
     asyncio.run(scenario())
+
+
+def silent_channel(hang_start: bool = False, unresponsive_after_s: float = 0.5):
+    """A channel to a replica that opens, then goes silent (its node cut off): no batch, no heartbeat;
+    with `hang_start`, starting a request never answers either."""
+    from gateway.channel import ReplicaChannel
+
+    async def batches(channel_id: str):
+        yield []
+        await asyncio.sleep(3600)
+
+    async def start(channel_id: str, call: WorkerCall):
+        if hang_start:
+            await asyncio.sleep(3600)
+        return None
+
+    return ReplicaChannel(batches, start, lambda channel_id, request_id: None, unresponsive_after_s)
+
+
+@pytest.mark.parametrize("hang_start", [False, True])
+def test_a_silent_replica_fails_its_requests_once_unresponsive(hang_start) -> None:
+    async def scenario() -> None:
+        channel = silent_channel(hang_start)
+        started = time.monotonic()
+        with pytest.raises(WorkerFailed, match="sent nothing for 0.5 s"):
+            await tokens(channel.stream(call(1)))
+        assert 0.4 < time.monotonic() - started < 2.0 and not channel.is_live
+
+    asyncio.run(scenario())
+
+
+def test_an_idle_replica_is_heard_from_and_its_channel_stays_live(worker) -> None:
+    from gateway.channel import ReplicaChannel
+    from worker.contract.calls import CHANNEL_HEARTBEAT_S
+
+    async def scenario() -> None:
+        heard: list[float] = []
+
+        async def batches(channel_id: str):
+            async for batch in worker.channel(channel_id):
+                heard.append(time.monotonic())
+                yield batch
+
+        channel = ReplicaChannel(batches, worker.start, worker.cancel, unresponsive_after_s=2 * CHANNEL_HEARTBEAT_S + 0.5)
+        await asyncio.sleep(3 * CHANNEL_HEARTBEAT_S + 1)  # idle, past the unresponsive bound
+        assert channel.is_live and len(heard) >= 3, heard  # the opening batch and a heartbeat each second
+        assert len(await tokens(channel.stream(call(5)))) == 8
+        channel.fail(WorkerFailed("done"))
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_gone_silent_is_unreachable_until_a_new_channel_hears_from_it() -> None:
+    from gateway.channel import Channels, ReplicaChannel
+
+    async def scenario() -> None:
+        answering = {"r": False}
+
+        async def batches(channel_id: str):
+            yield []
+            while True:
+                await asyncio.sleep(0.1)
+                if answering["r"]:
+                    yield []
+
+        opened: list[str] = []
+
+        def open_channel(replica_id: str) -> ReplicaChannel:
+            opened.append(replica_id)
+            return ReplicaChannel(batches, lambda channel_id, c: asyncio.sleep(0), lambda *_: None, 0.5)
+
+        channels = Channels(open_channel)
+        assert channels.is_reachable("r") and opened == []  # never tried: not known gone
+        first = channels.get("r")
+        assert channels.is_reachable("r") and not first.is_live  # opening for the first time: not known gone either
+        await asyncio.sleep(0.05)
+        assert channels.is_reachable("r") and first.is_live
+        await asyncio.sleep(0.7)  # silent past its bound
+        assert first.failure is not None
+        assert not channels.is_reachable("r") and len(opened) == 2  # a new channel is the probe
+        answering["r"] = True
+        await asyncio.sleep(0.05)
+        assert channels.is_reachable("r") and channels.get("r") is not first and len(opened) == 2
+
+    asyncio.run(scenario())

@@ -173,9 +173,31 @@ def test_after_max_attempts_failed_replicas_the_request_gives_up(config, stream,
     assert (e.value.status, e.value.code, e.value.message) == (503, "worker_failed", message)
     assert len(gateway.pool.calls) == gateway.routing.max_attempts == 2
     assert not any(v.is_healthy for v in gateway.views() if v.shard == "s1")
-    with pytest.raises(APIError) as e:  # both down for their cool-down: nothing to try
+    with pytest.raises(APIError) as e:  # both in their cool-down, yet reachable: tried again rather than refused
         run(gateway, {"alo": 1.0}, stream=stream)
-    assert (e.value.status, e.value.code) == (503, "no_healthy_worker") and len(gateway.pool.calls) == 2
+    assert (e.value.status, e.value.code) == (503, "worker_failed") and len(gateway.pool.calls) == 4
+    gateway.pool.unreachable.update({"s1-0", "s1-1"})
+    with pytest.raises(APIError) as e:  # known gone: nothing to try
+        run(gateway, {"alo": 1.0}, stream=stream)
+    assert (e.value.status, e.value.code) == (503, "no_healthy_worker") and len(gateway.pool.calls) == 4
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_replica_that_failed_lately_is_passed_over_while_another_answers(config, stream) -> None:
+    gateway = Gateway(config, Catalog(config), FakePool(config), RateLimiter())
+    gateway.pool.fail_after["s1-0"] = 0
+    gateway.pool.killed.add("s1-1")
+    with pytest.raises(APIError):
+        run(gateway, {"alo": 1.0}, stream=stream)  # both fail: both in their cool-down
+    gateway.pool.killed.clear()
+    gateway._failed_until_s.pop("s1-1")  # s1-1's cool-down is over; s1-0's is not
+    for _ in range(3):
+        _, deltas = run(gateway, {"alo": 1.0}, stream=stream)
+        assert deltas[-1].finish_reason == "length"
+    assert [r for r, _ in gateway.pool.calls[2:]] == ["s1-1"] * 3
+    gateway.pool.unreachable.add("s1-1")  # s1-1 gone: s1-0, though in its cool-down, is all there is
+    _, deltas = run(gateway, {"alo": 1.0}, stream=stream)
+    assert deltas[-1].finish_reason == "length" and gateway.pool.calls[-1][0] == "s1-0"
 
 
 class Stalls(FakePool):

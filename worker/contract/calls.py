@@ -19,6 +19,11 @@ from dataclasses import dataclass, field, replace
 from worker.contract.identity import ScalesByFingerprint
 from worker.contract.params import SamplingParams
 
+# A replica's channel to a caller (worker/shard/channel.py) with nothing to deliver sends an empty
+# batch this often, so the caller knows the replica is there (gateway/channel.py gives up on one
+# silent for the routing's `unresponsive_after_s`) without waiting for Ray to find its node gone.
+CHANNEL_HEARTBEAT_S = 1.0
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerCall:

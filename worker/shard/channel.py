@@ -85,8 +85,13 @@ class CallerChannel:
         if delta.is_finished:
             self.running.pop(delta.request_id, None)
 
-    async def batch(self) -> list[Delta]:
-        await self._ready.wait()
+    async def batch(self, timeout_s: float | None = None) -> list[Delta]:
+        """Everything since the last batch, once there is something; empty after `timeout_s` without."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._ready.wait()
+        except TimeoutError:
+            return []
         self._ready.clear()
         deltas, self._deltas = self._deltas, []
         return coalesced(deltas)

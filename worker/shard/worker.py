@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from cache.blobs import open_blob_store
-from worker.contract.calls import Delta, WorkerCall
+from worker.contract.calls import CHANNEL_HEARTBEAT_S, Delta, WorkerCall
 from worker.contract.identity import AdapterSlot, Fingerprint
 from worker.contract.spec import WorkerSpec
 from worker.engine.engine import Engine, EngineRequest
@@ -84,13 +84,14 @@ class ShardWorker:
 
     async def channel(self, channel_id: str) -> AsyncIterator[list[Delta]]:
         """Open a channel: first an empty batch (requests may be started on it from then on),
-        then one batch of deltas per read. When the caller stops reading (it went away), the
-        requests started on it are cancelled."""
+        then one batch of deltas per read, or an empty one each CHANNEL_HEARTBEAT_S with none
+        (the caller's sign the replica is there). When the caller stops reading (it went away),
+        the requests started on it are cancelled."""
         channel = self._channels[channel_id] = CallerChannel()
         try:
             yield []
             while True:
-                yield await channel.batch()
+                yield await channel.batch(CHANNEL_HEARTBEAT_S)
         finally:
             self._channels.pop(channel_id, None)
             channel.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from dataclasses import replace
+
 import pytest
 
 from gateway.policy.routing import (
@@ -35,8 +37,11 @@ def test_candidates_hold_every_adapter_and_are_healthy() -> None:
         candidates(replicas(), {"x", "z"}, names={"x": "my-x"})
     down = [r if r.replica_id != "b-0" else ReplicaView("b-0", "b", r.fingerprints, 0, is_healthy=False)
             for r in replicas()]
+    assert [r.replica_id for r in candidates(down, {"z"})] == ["b-0"]  # failed lately, yet reachable: all there is
+    assert [r.replica_id for r in candidates(down, set())] == ["a-0", "a-1", "c-0"]  # the healthy ones only
+    gone = [replace(r, is_reachable=False) if r.replica_id == "b-0" else r for r in down]
     with pytest.raises(NoCandidateError, match="no healthy replica for adapters z: all 1 are down"):
-        candidates(down, {"z"})
+        candidates(gone, {"z"})
     assert [r.replica_id for r in candidates(replicas(), {"x"}, exclude={"a-0"})] == ["a-1"]
     full = [ReplicaView(r.replica_id, r.shard, r.fingerprints, 2, num_seq_slots=1, capacity=2) for r in replicas()]
     with pytest.raises(ReplicasBusy, match="every replica for adapters z is full"):
