@@ -212,7 +212,8 @@ class Gateway:
             else:
                 report.update(healthy=view.is_healthy and view.is_reachable, cache=answer.get("cache", {}),
                               pid=answer.get("pid"), node=answer.get("node"),  # for operators only; node: Ray's id and IP
-                              adapters=len(answer.get("adapters", ())), memory=answer.get("memory", {}))
+                              adapters=len(answer.get("adapters", ())), memory=answer.get("memory", {}),
+                              requests=answer.get("requests", {}))  # the engine's: running and waiting
                 redis_states.add(report["cache"].get("redis", "off"))
             entry["replicas"].append(report)
             entry["healthy"] += report["healthy"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -47,6 +48,7 @@ KEYS = {"t1": "sk-multi-one", "t2": "sk-multi-two", "operator": "sk-multi-operat
 ATTN = ["blk.0.attn_q.weight", "blk.1.attn_v.weight"]
 PROMPT = list(range(40, 120))  # > 2 cache chunks of 32
 REQUEST_TIMEOUT_S = 30  # the server's deadline for every request: nothing may wait past it
+CACHE_RESUME_BOUND_S = 30  # after a Redis master's failover, prefix-cache hits come back within this
 START_TIMEOUT_S = 240
 INGRESS_LABEL = "loraplex.io/ingress"
 
@@ -129,7 +131,7 @@ def cluster(tiny_llama) -> Iterator[Cluster]:
             "tenants": [{"id": t, "key_sha256": [digest(KEYS[t])], "max_adapters": 4} for t in ("t1", "t2")],
             "operator_key_sha256": [digest(KEYS["operator"])],
             "cache": {"redis_url": redis_cluster.url, "redis_cluster": True, "key_prefix": f"lpx-{uuid.uuid4().hex[:8]}",
-                      "chunk_tokens": 32},
+                      "chunk_tokens": 32, "l1_bytes": 0},  # no prefix kept in a worker's memory: every hit comes from Redis
             "engine": {"num_seq_slots": 4, "max_step_tokens": 256},
             "registry": {"store_url": f"s3://{bucket}/adapters", "store_dir": "~/.cache/loraplex/adapters", "copies": 2,
                          "poll_interval_s": 0.5},
@@ -160,15 +162,23 @@ def replica_nodes(c: Cluster) -> dict[str, str]:
     return {r["id"]: (r.get("node") or {}).get("ip", "") for s in health["shards"].values() for r in s["replicas"] if r["healthy"]}
 
 
+def nothing_left(c: Cluster) -> bool:
+    """Every replica idle, by the gateway's count and by its engine's."""
+    health = httpx.get(f"{c.url}/health", headers=auth("operator"), timeout=10).json()
+    replicas = [r for s in health["shards"].values() for r in s["replicas"]]
+    return all(r["healthy"] and r["in_flight"] == 0 and r["requests"] == {"running": 0, "waiting": 0} for r in replicas)
+
+
 def upload(c: Cluster, name: str, path: Path, tenant: str = "t1") -> httpx.Response:
     with path.open("rb") as f:
         return httpx.post(f"{c.url}/v1/adapters", headers=auth(tenant), data={"name": name},
                           files={"file": (path.name, f, "application/octet-stream")}, timeout=120)
 
 
-def complete(c: Cluster, model: str, tenant: str = "t1", stream: bool = False, max_tokens: int = 8) -> tuple[int, dict, list]:
+def complete(c: Cluster, model: str, tenant: str = "t1", stream: bool = False, max_tokens: int = 8,
+             prompt: list[int] = PROMPT) -> tuple[int, dict, list]:
     """(status, headers, events or the body) of one /v1/completions request."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     if not stream:
         r = httpx.post(f"{c.url}/v1/completions", headers=auth(tenant), json=body, timeout=REQUEST_TIMEOUT_S + 30)
         return r.status_code, dict(r.headers), [r.json()]
@@ -273,6 +283,7 @@ def test_a_node_cut_off_then_restored_under_load(cluster, adapter) -> None:
     report("cut 20 s", load, cut_at, cluster)
     assert_no_loss(load)
     wait_until(lambda: len(replica_nodes(cluster)) == 2, 120, "the shard has two healthy replicas again")
+    wait_until(lambda: nothing_left(cluster), REQUEST_TIMEOUT_S, "no request left on a replica or in the gateway")  # none stuck
 
 
 def test_a_node_lost_under_load(cluster, adapter) -> None:
@@ -300,13 +311,38 @@ def test_a_redis_master_lost_under_load(cluster, adapter, tiny_llama, tmp_path) 
         cluster.redis.kill(old)
         cluster.redis.wait_for_new_master(key, old, 30)
         print(f"Redis master SIGKILLed: a replica took over {time.monotonic() - killed_at:.1f} s later")
-        time.sleep(5)
+        hits, resumed_s = cache_hits_resume(cluster, adapter)
+        print(f"Redis master SIGKILLed: prefix-cache hits again {resumed_s - killed_at:.1f} s after the kill "
+              f"({hits} prompts, each hit the same tokens as its miss)")
+        time.sleep(3)
     report("Redis master SIGKILLed", load, killed_at, cluster)
     assert all(status == 200 for _, status in load.whole), load.whole
     assert all(outcome == "done" for _, outcome in load.streams), load.streams
     listed = [m["id"] for m in httpx.get(f"{cluster.url}/v1/models", headers=auth("t2"), timeout=10).json()["data"]]
     assert "late" in listed
     assert complete(cluster, "late", tenant="t2")[0] == 200
+
+
+def cache_hits_resume(c: Cluster, adapter: str) -> tuple[int, float]:
+    """New prompts, each asked twice (the first computes and stores it, the second should find it in
+    Redis: the module's workers keep no prefix in memory), until one is found: (prompts asked, when
+    the first was found). Every answer from the cache is the tokens the computed one gave."""
+    rng = random.Random(7)
+    deadline = time.monotonic() + CACHE_RESUME_BOUND_S
+    for asked in range(1, 1000):
+        prompt = rng.sample(PROMPT, len(PROMPT))
+        first = complete(c, adapter, tenant="t1", prompt=prompt)
+        assert first[0] == 200 and first[2][0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, first  # a miss
+        for _ in range(5):  # its chunks are written behind the answer
+            again = complete(c, adapter, tenant="t1", prompt=prompt)
+            assert again[0] == 200, again
+            assert again[2][0]["choices"][0]["text"] == first[2][0]["choices"][0]["text"]  # a hit gives what a miss gave
+            if again[2][0]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0:
+                return asked, time.monotonic()
+            time.sleep(0.2)
+        if time.monotonic() > deadline:
+            pytest.fail(f"no prefix-cache hit within {CACHE_RESUME_BOUND_S} s of the failover")
+    raise AssertionError("unreachable")
 
 
 def registry_key(redis_cluster: LocalRedisCluster) -> str:

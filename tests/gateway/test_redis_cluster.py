@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -92,6 +93,23 @@ def test_the_registry_on_a_cluster_keeps_its_keys_in_one_slot(cluster, tmp_path:
         assert await records.version() == 8 and (await records.load())[1] == FileRecords.read(mirror)[1]
         await client.aclose()
         await other.client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_the_rebalancers_lease_passes_to_another_gateway_once_its_holder_is_gone(cluster) -> None:
+    async def scenario() -> None:
+        holder, other, third = (RedisRecords(connect(cluster_config(cluster), is_async=True), SCOPE) for _ in range(3))
+        lease = f"replan-{uuid.uuid4().hex[:6]}"
+        assert await holder.lease(lease, 0.5) and not await other.lease(lease, 0.5)  # one gateway re-plans at a time
+        await holder.client.aclose()  # its node is gone: it takes the lease no more
+        started = time.monotonic()
+        while not await other.lease(lease, 0.5):
+            assert time.monotonic() - started < 2.0, "the lease did not pass on"
+            await asyncio.sleep(0.05)
+        assert 0.3 < time.monotonic() - started and not await third.lease(lease, 0.5)  # when it lapsed, and to one only
+        await other.client.aclose()
+        await third.client.aclose()
 
     asyncio.run(scenario())
 

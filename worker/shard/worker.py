@@ -139,7 +139,17 @@ class ShardWorker:
 
     def health(self) -> dict[str, Any]:
         return {"shard": self.spec.shard, "adapters": self.pins.held, "pid": os.getpid(), "cache": self.prefix_cache.health(),
-                "pins": self.pins.state(), "memory": memory_report(self.runner, self.base_bytes)}
+                "pins": self.pins.state(), "memory": memory_report(self.runner, self.base_bytes), "requests": self._requests()}
+
+    def _requests(self) -> dict[str, int]:
+        """Sequences the engine runs and waiting (read outside its thread: a retry if it changed meanwhile)."""
+        scheduler = self.loop.engine.scheduler
+        for _ in range(10):
+            try:
+                return {"running": len(scheduler.running), "waiting": scheduler.num_waiting}
+            except RuntimeError:  # a queue was added or removed while counted
+                continue
+        return {"running": len(scheduler.running), "waiting": -1}
 
     def metrics(self) -> str:
         engine = self.loop.engine

@@ -171,6 +171,7 @@ def test_details_need_the_operator_key(url) -> None:
     assert httpx.get(f"{url}/health", headers=auth("t1")).status_code == 401  # a tenant is no operator
     details = httpx.get(f"{url}/health", headers=auth("operator")).json()
     assert details["shards"]["s1"]["replicas"][0]["id"] == "s1-0"
+    assert details["shards"]["s1"]["replicas"][0]["requests"] == {"running": 0, "waiting": 0}  # the engine's, idle
     assert httpx.get(f"{url}/metrics").status_code == 401
     assert httpx.get(f"{url}/metrics", headers=auth("t2")).status_code == 401
     text = httpx.get(f"{url}/metrics", headers=auth("operator")).text
