@@ -1,5 +1,5 @@
 """loraplex on several machines (issue 38): three Ray nodes on this machine, each with its own
-address, HOME and temp dirs (network namespaces: tests/cluster/netns.py), a 6-process Redis
+address, HOME and temp dirs (network namespaces: bench/cluster/netns.py), a 6-process Redis
 Cluster, an S3-compatible server, and `loraplex serve` joining the Ray cluster as an operator's
 would. The gateway runs on the head; the shard's two replicas on the two worker hosts, which
 share no directory with the head or each other.
@@ -16,31 +16,21 @@ The figures each fault cost are printed (pytest -s shows them).
 from __future__ import annotations
 
 import hashlib
-import os
 import random
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import boto3
 import httpx
 import pytest
-import yaml
 
-from tests.cluster import netns
-from tests.cluster.ray_nodes import RayNodes
-from tests.redis_cluster import LocalRedisCluster
-from tests.redis_server import free_port
-from tests.s3_server import S3Server
+from bench.cluster import free_port, netns
+from bench.cluster.ray_nodes import RayNodes
+from bench.cluster.redis_cluster import LocalRedisCluster
+from bench.cluster.topology import ServeFailed, Serving, Topology
 from tests.tinymodels import random_lora, write_adapter
 
 
@@ -49,7 +39,6 @@ ATTN = ["blk.0.attn_q.weight", "blk.1.attn_v.weight"]
 PROMPT = list(range(40, 120))  # > 2 cache chunks of 32
 REQUEST_TIMEOUT_S = 30  # the server's deadline for every request: nothing may wait past it
 CACHE_RESUME_BOUND_S = 30  # after a Redis master's failover, prefix-cache hits come back within this
-START_TIMEOUT_S = 240
 INGRESS_LABEL = "loraplex.io/ingress"
 
 
@@ -59,97 +48,55 @@ def digest(key: str) -> str:
 
 @dataclass
 class Cluster:
-    network: netns.Network
-    ray: RayNodes
-    redis: LocalRedisCluster
-    s3: S3Server
-    url: str
-    bucket: str
-    serve: subprocess.Popen
-    output: list[str] = field(default_factory=list)
+    topology: Topology
+    serving: Serving
+
+    @property
+    def network(self) -> netns.Network:
+        return self.topology.network
+
+    @property
+    def ray(self) -> RayNodes:
+        return self.topology.ray
+
+    @property
+    def redis(self) -> LocalRedisCluster:
+        return self.topology.redis
 
     @property
     def hosts(self) -> list[netns.Host]:
-        return list(self.network.hosts.values())
+        return self.topology.hosts
 
-
-@contextmanager
-def _serving(config: dict, directory: Path, env: dict[str, str]) -> Iterator[tuple[subprocess.Popen, list[str]]]:
-    path = directory / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    output: list[str] = []
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        line = process.stdout.readline()
-        output.append(line)
-        if "ready in" in line:
-            break
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail("loraplex serve did not start on the cluster:\n" + "".join(output))
-    threading.Thread(target=lambda: output.extend(process.stdout), daemon=True).start()
-    try:
-        yield process, output
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+    @property
+    def url(self) -> str:
+        return self.serving.url
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama) -> Iterator[Cluster]:
     missing = netns.available()
     assert missing is None, missing  # CI runs as root: this feature's only test must run, never skip
-    root = Path(tempfile.mkdtemp(prefix="lpx", dir="/tmp"))  # short: Ray's socket paths live under it
-    network = netns.Network(root)
-    stack: list = []
+    topology = Topology(head_cpus=1, head_labels=f"{INGRESS_LABEL}=yes")
     try:
-        redis_cluster = LocalRedisCluster(root / "redis", host=network.address).start()
-        stack.append(redis_cluster.stop)
-        s3 = S3Server(host=network.address).start()
-        stack.append(s3.stop)
-        aws = s3.env()
-        bucket = f"lpx-{uuid.uuid4().hex[:8]}"
-        boto3.client("s3", endpoint_url=aws["AWS_ENDPOINT_URL"], aws_access_key_id="testing", aws_secret_access_key="testing",
-                     region_name="us-east-1").create_bucket(Bucket=bucket)
-        saved = {k: os.environ.get(k) for k in aws}
-        os.environ.update(aws)  # the Ray nodes started below pass them on to the replicas
-        stack.append(lambda: [os.environ.pop(k) if v is None else os.environ.__setitem__(k, v) for k, v in saved.items()])
-        ray = RayNodes(network, free_port(), head_cpus=1, head_labels=f"{INGRESS_LABEL}=yes")
-        stack.append(ray.stop)
         for label in ("n1", "n2"):
-            ray.add_worker(network.add_host(label), num_cpus=2)
-        assert len(ray.wait_for_nodes(3)) == 3
-        port = free_port()
-        config = {
-            "model": str(tiny_llama.path), "model_name": "tiny",
-            "shards": [{"name": "s", "adapters": [], "replicas": 2, "num_cpus": 1}],
-            "tenants": [{"id": t, "key_sha256": [digest(KEYS[t])], "max_adapters": 4} for t in ("t1", "t2")],
-            "operator_key_sha256": [digest(KEYS["operator"])],
-            "cache": {"redis_url": redis_cluster.url, "redis_cluster": True, "key_prefix": f"lpx-{uuid.uuid4().hex[:8]}",
-                      "chunk_tokens": 32, "l1_bytes": 0},  # no prefix kept in a worker's memory: every hit comes from Redis
-            "engine": {"num_seq_slots": 4, "max_step_tokens": 256},
-            "registry": {"store_url": f"s3://{bucket}/adapters", "store_dir": "~/.cache/loraplex/adapters", "copies": 2,
-                         "poll_interval_s": 0.5},
-            "http": {"host": "0.0.0.0", "port": port, "request_timeout_s": REQUEST_TIMEOUT_S,
-                     "node_labels": {INGRESS_LABEL: "yes"}},  # the head takes the traffic
-            "fingerprint_dir": None,
-        }
-        env = {**os.environ, "RAY_ADDRESS": ray.address, "HOME": str(ray.head_dir)}
-        with _serving(config, root, env) as (process, output):
-            yield Cluster(network, ray, redis_cluster, s3, f"http://{network.address}:{port}", bucket, process, output)
+            topology.add_worker(label, num_cpus=2)
+        config = topology.config(
+            str(tiny_llama.path), "tiny",
+            shards=[{"name": "s", "adapters": [], "replicas": 2, "num_cpus": 1}],
+            tenants=[{"id": t, "key_sha256": [digest(KEYS[t])], "max_adapters": 4} for t in ("t1", "t2")],
+            operator_key_sha256=[digest(KEYS["operator"])],
+            engine={"num_seq_slots": 4, "max_step_tokens": 256},
+            http={"host": "0.0.0.0", "port": free_port(), "request_timeout_s": REQUEST_TIMEOUT_S,
+                  "node_labels": {INGRESS_LABEL: "yes"}},  # the head takes the traffic
+        )
+        config["cache"]["l1_bytes"] = 0  # no prefix kept in a worker's memory: every hit comes from Redis
+        try:
+            with topology.serving(config) as serving:
+                yield Cluster(topology, serving)
+        except ServeFailed as e:
+            pytest.fail(str(e))
     finally:
-        for stop in reversed(stack):
-            try:
-                stop()
-            except Exception as e:  # noqa: BLE001 - the rest must still be stopped
-                print(f"cleanup: {e!r}", file=sys.stderr)
-        network.close()
-        shutil.rmtree(root, ignore_errors=True)
+        topology.close()
 
 
 def auth(who: str = "t1") -> dict[str, str]:
@@ -363,13 +310,8 @@ def assert_no_loss(load: Load) -> None:
 
 def report(what: str, load: Load, at: float, c: Cluster) -> None:
     after = [s for t, s in load.streams if t >= at]
-    silent = gateway_log(c).count("sent nothing for")  # the gateway gave up on a silent replica's channel
+    silent = c.topology.gateway_log().count("sent nothing for")  # the gateway gave up on a silent replica's channel
     print(f"{what}: {len(load.whole)} whole requests, {sum(s != 200 for _, s in load.whole)} failed; "
           f"{len(load.streams)} streams, {sum(o == 'error' for _, o in load.streams)} ended with the error event "
           f"({len(after)} after the fault); silent channels given up on so far: {silent}")
     sys.stdout.flush()
-
-
-def gateway_log(c: Cluster) -> str:
-    """What the Ray workers on the head, the gateway replica's among them, wrote to stderr so far."""
-    return "".join(p.read_text(errors="replace") for p in (c.ray.head_dir / "ray").rglob("worker-*.err"))

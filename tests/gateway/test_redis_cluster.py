@@ -31,7 +31,7 @@ from gateway.registry.records import (
     ReplicaDidNotAcknowledge,
 )
 from gateway.tenants import Tenant
-from tests.redis_cluster import LocalRedisCluster
+from bench.cluster.redis_cluster import LocalRedisCluster
 from tests.redis_server import RedisServer
 
 SCOPE = "lp:0123456789abcdef:"  # open_registry's key prefix: the deployment's, then the base model's

@@ -1,4 +1,4 @@
-"""A Ray cluster over the hosts of a `Network` (tests/cluster/netns.py): the head on the root
+"""A Ray cluster over the hosts of a `Network` (bench/cluster/netns.py): the head on the root
 namespace's address on the network (where the test, Redis and the S3 server also run), a worker
 node on each host, each with its own HOME and Ray temp dir. Stopped by pid: a test never runs
 `ray stop`, which would end every Ray on the machine."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.cluster.netns import Host, Network
+from bench.cluster.netns import Host, Network
 
 RAY = str(Path(sys.executable).with_name("ray"))
 START_TIMEOUT_S = 120
