@@ -196,6 +196,18 @@ def build_parser() -> argparse.ArgumentParser:
     _device_flags(p, "the engine-alone run's torch device (the server's comes from its config)")
     p.set_defaults(handler="bench.serving:run")
 
+    p = sub.add_parser("bench-cluster",
+                       help="loraplex on 1, then 2 Ray worker nodes (network namespaces, a Redis Cluster, S3; root): req/s, "
+                            "TTFT, prefix-cache hits across nodes, what a node's loss costs")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of measured load a phase (default: 20)")
+    p.add_argument("--warmup", type=float, default=8.0, help="seconds of load before each measurement (default: 8)")
+    p.add_argument("--loss-window", type=float, default=30.0, help="seconds of load after the node is killed (default: 30)")
+    p.add_argument("--concurrency", type=int, default=4, help="clients, each one request at a time (default: 4)")
+    p.add_argument("--prefixes", type=int, default=8, help="shared prompt prefixes (default: 8)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens a request (default: 16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler="bench.cluster.bench:run")
+
     p = sub.add_parser("serve", help="serve the OpenAI and llama-server APIs on Ray Serve (a local Ray, or a cluster joined)")
     p.add_argument("--config", metavar="FILE.yaml",
                    help="deployment config (default: deploy/serve.yaml: "
