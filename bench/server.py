@@ -4,6 +4,7 @@ does; and the memory of every process it started (the driver, Ray's, the replica
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -18,24 +19,34 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 
 
+class ServeFailed(RuntimeError):
+    """`loraplex serve` exited or did not say it was ready in time (its output says why)."""
+
+
 class Server:
-    def __init__(self, config: dict, base: Path, port: int, timeout_s: float = 600.0) -> None:
+    """`loraplex serve` of `config` on `port`, reached at `url_host` (the machine's loopback unless
+    told), with `env` for its environment (this process's unless told); in a session of its own,
+    so that stopping it can end everything it started."""
+
+    def __init__(self, config: dict, base: Path, port: int, timeout_s: float = 600.0, env: dict[str, str] | None = None,
+                 url_host: str = "127.0.0.1") -> None:
         path = base / f"serve-{uuid.uuid4().hex[:6]}.yaml"
         path.write_text(yaml.safe_dump(config))
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{url_host}:{port}"
         self.output: list[str] = []
         self.process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port", str(port)],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         for line in self.process.stdout:
             self.output.append(line)
             if "ready in" in line:
                 break
             if time.monotonic() > deadline:
-                self.process.kill()
-                raise RuntimeError("the server did not start:\n" + "".join(self.output))
+                self._kill()
+                raise ServeFailed("the server did not start in time:\n" + "".join(self.output))
         else:
-            raise RuntimeError("the server exited:\n" + "".join(self.output))
+            self._kill()
+            raise ServeFailed("the server exited:\n" + "".join(self.output))
         self._drain = threading.Thread(target=lambda: self.output.extend(self.process.stdout), daemon=True)
         self._drain.start()
 
@@ -53,12 +64,25 @@ class Server:
             pass
         return out
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 120.0) -> bool:
+        """Stop it as Ctrl-C does; whether it did so within `timeout_s` (else it and everything it
+        started are killed). Its output is all in `output` then."""
         self.process.send_signal(signal.SIGINT)
         try:
-            self.process.wait(120)
+            self.process.wait(timeout_s)
+            stopped = True
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            self._kill()
+            stopped = False
+        self._drain.join(10)
+        return stopped
+
+    def _kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(30)
 
 
 def base_config(prefix: str) -> dict:

@@ -20,7 +20,7 @@ from gateway.api.protocol import APIError
 from gateway.catalog import Catalog
 from gateway.config import ServeConfig
 from gateway.metrics import GatewayMetrics, merge_worker_metrics
-from gateway.policy.routing import NoCandidateError, RecentLoad, ReplicasBusy, ReplicaView, candidates, choose
+from gateway.policy.routing import NoCandidateError, NoneReachable, RecentLoad, ReplicasBusy, ReplicaView, candidates, choose
 from gateway.pool import ShardPool, WorkerFailed
 from gateway.ratelimit import RateLimiter
 from gateway.registry.registry import AdapterRegistry, open_registry
@@ -29,6 +29,7 @@ from worker.contract.calls import Delta, WorkerCall
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+REACHABLE_POLL_S = 0.1  # how often a request that found no replica reachable looks again
 
 
 class Gateway:
@@ -118,6 +119,23 @@ class Gateway:
                            self._retry_after())
         return replace(prepared.call, timeout_s=left_s)
 
+    async def _until_reachable(self, prepared: Prepared, tried: set[str], left_s: float | None) -> None:
+        """Wait, up to `unresponsive_after_s` and within what is left of the request's deadline, for
+        a replica that may take it to be reachable again (one that went silent under a burst of load
+        is heard from again as soon as it answers a new channel): better late than refused."""
+        loop = asyncio.get_running_loop()
+        wait_s = self.routing.unresponsive_after_s if left_s is None else min(self.routing.unresponsive_after_s, left_s)
+        until = loop.time() + wait_s
+        while loop.time() < until:
+            await asyncio.sleep(REACHABLE_POLL_S)
+            try:
+                candidates(self.views(), prepared.scales_by_fingerprint, exclude=tried)
+                return
+            except NoneReachable:
+                continue
+            except NoCandidateError:
+                return
+
     def _deadline(self, call: WorkerCall) -> float | None:
         """When (event-loop time) the gateway stops waiting for the worker: a little past the worker's own deadline."""
         if call.timeout_s is None:
@@ -135,9 +153,17 @@ class Gateway:
         max_attempts = self.routing.max_attempts
         tried: set[str] = set()
         busy: Delta | None = None  # the last refusal of a full replica
+        has_waited = False
         while True:
             call = self._call(prepared)
-            replica = self._route(prepared, tried, busy)
+            try:
+                replica = self._route(prepared, tried, busy)
+            except APIError as e:
+                if not isinstance(e.__cause__, NoneReachable) or has_waited:
+                    raise
+                has_waited = True
+                await self._until_reachable(prepared, tried, call.timeout_s)
+                continue
             is_first, is_delivered = True, False
             whole: list[Delta] = []
             try:

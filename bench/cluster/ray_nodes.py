@@ -39,13 +39,18 @@ class RayNodes:
                          check=True, capture_output=True, timeout_s=START_TIMEOUT_S)
 
     def head_pids(self) -> list[int]:
-        """The head's processes: every one whose command line names its temp dir."""
-        marker = str(self.head_dir / "ray")
-        found = []
+        """The head's processes: every one whose command line names its temp dir or this cluster's
+        address, and everything they started (the dashboard's agents name neither)."""
+        markers = (str(self.head_dir / "ray"), self.address)
+        found: set[int] = set()
         for process in psutil.process_iter(["pid", "cmdline"]):
-            if any(marker in part for part in process.info["cmdline"] or ()):
-                found.append(process.info["pid"])
-        return found
+            if any(marker in part for part in process.info["cmdline"] or () for marker in markers):
+                found.add(process.info["pid"])
+                try:
+                    found.update(child.pid for child in process.children(recursive=True))
+                except psutil.Error:
+                    pass
+        return sorted(found)
 
     def wait_for_nodes(self, count: int, timeout_s: float = 60) -> list[str]:
         """The alive nodes' addresses, once there are `count` of them (asked by a short driver)."""

@@ -9,38 +9,22 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 
 from bench.cluster import free_port, netns
 from bench.cluster.ray_nodes import RayNodes
 from bench.cluster.redis_cluster import LocalRedisCluster
 from bench.cluster.s3_server import S3Server
+from bench.server import Server
 
 START_TIMEOUT_S = 240  # loraplex serve, to "ready"
 STOP_TIMEOUT_S = 60
-
-
-class ServeFailed(RuntimeError):
-    """`loraplex serve` did not start (its output says why)."""
-
-
-@dataclass
-class Serving:
-    process: subprocess.Popen
-    url: str
-    output: list[str]  # what it printed (read on while it runs)
 
 
 class Topology:
@@ -98,33 +82,14 @@ class Topology:
         }
 
     @contextmanager
-    def serving(self, config: dict) -> Iterator[Serving]:
-        """`loraplex serve` on the head, joined to this Ray cluster, until the block ends (then SIGINT)."""
-        path = self.root / f"serve-{uuid.uuid4().hex[:6]}.yaml"
-        path.write_text(yaml.safe_dump(config))
+    def serving(self, config: dict) -> Iterator[Server]:
+        """`loraplex serve` on the head, joined to this Ray cluster, until the block ends (then Ctrl-C)."""
         env = {**os.environ, "RAY_ADDRESS": self.ray.address, "HOME": str(self.ray.head_dir)}
-        process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)], env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        output: list[str] = []
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            line = process.stdout.readline()
-            output.append(line)
-            if "ready in" in line:
-                break
-            if process.poll() is not None or time.monotonic() > deadline:
-                os.killpg(process.pid, signal.SIGKILL)
-                raise ServeFailed("loraplex serve did not start on the cluster:\n" + "".join(output))
-        threading.Thread(target=lambda: output.extend(process.stdout), daemon=True).start()
-        port = config["http"]["port"]
+        server = Server(config, self.root, config["http"]["port"], START_TIMEOUT_S, env=env, url_host=self.network.address)
         try:
-            yield Serving(process, f"http://{self.network.address}:{port}", output)
+            yield server
         finally:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+            server.stop(STOP_TIMEOUT_S)
 
     def gateway_log(self) -> str:
         """What the Ray workers on the head, the gateway replica's among them, wrote to stderr so far."""

@@ -104,6 +104,10 @@ class NoCandidateError(LookupError):
     """No healthy replica holds every adapter the request needs."""
 
 
+class NoneReachable(NoCandidateError):
+    """Replicas hold the adapters and were not tried yet, but none is reachable now."""
+
+
 class ReplicasBusy(NoCandidateError):
     """Replicas hold the adapters, but every one of them is full (its slots and queue)."""
 
@@ -117,10 +121,12 @@ def candidates(replicas: Sequence[ReplicaView], fingerprints: Collection[Fingerp
     holding = [r for r in replicas if needed <= r.fingerprints]
     if not holding:
         raise NoCandidateError(f"no shard holds all of the adapters {shown} together")
-    reachable = [r for r in holding if r.is_reachable and r.replica_id not in exclude]
+    untried = [r for r in holding if r.replica_id not in exclude]
+    reachable = [r for r in untried if r.is_reachable]
     healthy = [r for r in reachable if r.is_healthy] or reachable  # each failed lately, yet answers: try again rather than refuse
     if not healthy:
-        raise NoCandidateError(f"no healthy replica for adapters {shown}: all {len(holding)} are down or failed")
+        error = NoneReachable if untried else NoCandidateError
+        raise error(f"no healthy replica for adapters {shown}: all {len(holding)} are down or failed")
     room = [r for r in healthy if r.in_flight < r.capacity]
     if not room:
         raise ReplicasBusy(f"every replica for adapters {shown} is full: try again shortly")

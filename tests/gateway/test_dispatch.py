@@ -4,6 +4,7 @@ worker is called with, routing by adapters, failover, refusals and mid-stream fa
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -177,9 +178,29 @@ def test_after_max_attempts_failed_replicas_the_request_gives_up(config, stream,
         run(gateway, {"alo": 1.0}, stream=stream)
     assert (e.value.status, e.value.code) == (503, "worker_failed") and len(gateway.pool.calls) == 4
     gateway.pool.unreachable.update({"s1-0", "s1-1"})
-    with pytest.raises(APIError) as e:  # known gone: nothing to try
+    started = time.monotonic()
+    with pytest.raises(APIError) as e:  # known gone: nothing to try, once they stayed so for unresponsive_after_s
         run(gateway, {"alo": 1.0}, stream=stream)
     assert (e.value.status, e.value.code) == (503, "no_healthy_worker") and len(gateway.pool.calls) == 4
+    assert gateway.routing.unresponsive_after_s <= time.monotonic() - started < gateway.routing.unresponsive_after_s + 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_finding_no_replica_reachable_waits_for_one_to_be_heard_from_again(config, stream) -> None:
+    gateway = Gateway(config, Catalog(config), FakePool(config), RateLimiter())
+    gateway.pool.unreachable.update({"s1-0", "s1-1"})
+    prepared = prepare(gateway, {"alo": 1.0})
+
+    async def scenario():
+        asyncio.get_running_loop().call_later(0.5, gateway.pool.unreachable.discard, "s1-1")
+        if not stream:
+            return await gateway.collect(prepared)
+        return [delta async for delta in gateway.stream(prepared)]
+
+    started = time.monotonic()
+    deltas = asyncio.run(scenario())
+    assert deltas[-1].finish_reason == "length" and [r for r, _ in gateway.pool.calls] == ["s1-1"]
+    assert 0.5 <= time.monotonic() - started < gateway.routing.unresponsive_after_s
 
 
 @pytest.mark.parametrize("stream", [False, True])
