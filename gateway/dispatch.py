@@ -66,13 +66,16 @@ class Gateway:
     def _retry_after(self) -> dict[str, str]:
         return {"Retry-After": str(self.routing.busy_retry_after_s)}
 
-    def _route(self, prepared: Prepared, tried: set[str], busy: Delta | None) -> ReplicaView:
+    def _route(self, prepared: Prepared, tried: set[str], busy: Delta | None, may_wait: bool = False) -> ReplicaView:
         """A replica not tried yet for this request, counted in flight. When none is left: the
-        last refusal of a full replica (`busy`) if there was one, else a 503."""
+        last refusal of a full replica (`busy`) if there was one, else a 503; with `may_wait`,
+        NoneReachable as it is when replicas are there but none is reachable now."""
         try:
             pool = candidates(self.views(), prepared.scales_by_fingerprint, exclude=tried,
                               names=prepared.names_by_fingerprint)
         except NoCandidateError as e:
+            if may_wait and isinstance(e, NoneReachable):
+                raise
             if busy is not None:
                 raise self.error_of(busy, prepared) from None
             code = "replicas_busy" if isinstance(e, ReplicasBusy) else "no_healthy_worker"
@@ -157,10 +160,8 @@ class Gateway:
         while True:
             call = self._call(prepared)
             try:
-                replica = self._route(prepared, tried, busy)
-            except APIError as e:
-                if not isinstance(e.__cause__, NoneReachable) or has_waited:
-                    raise
+                replica = self._route(prepared, tried, busy, may_wait=not has_waited)
+            except NoneReachable:
                 has_waited = True
                 await self._until_reachable(prepared, tried, call.timeout_s)
                 continue

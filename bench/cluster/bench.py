@@ -211,10 +211,12 @@ def run(args) -> int:
             loss = node_loss(load.outcomes, killed_at, args.duration / 2, args.loss_window)
     finally:
         topology.close()
-    ratio = lambda key: two_nodes[key] / one_node[key] if one_node[key] else float("nan")  # noqa: E731
+    def ratio(key: str) -> float:
+        return two_nodes[key] / one_node[key] if one_node[key] else float("nan")
+
     print()
     print(f"2 nodes / 1 node: requests/s x{ratio('req_per_s'):.2f}, TTFT p50 x{ratio('ttft_p50_ms'):.2f}, "
-          f"p99 x{ratio('ttft_p99_ms'):.2f} (every node on this machine's {cpu_count()} cores: no more compute with 2)")
+          f"p99 x{ratio('ttft_p99_ms'):.2f} (every node on this machine's {os.cpu_count()} cores: no more compute with 2)")
     print(f"prefix cache across nodes: {across['requests']} requests on another node than their prefix's first, "
           f"{across['hits']} found the whole prefix in Redis (hit rate {across['hit_rate']:.2f}, "
           f"mean {across['mean_cached_tokens']:.0f} of {PREFIX_TOKENS} tokens)")
@@ -228,7 +230,3 @@ def run(args) -> int:
 def fmt(s: dict[str, float]) -> str:
     return (f"{s['req_per_s']:.2f} req/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms p99 {s['ttft_p99_ms']:.0f} ms "
             f"({s['requests']} requests, {s['failed']} failed)")
-
-
-def cpu_count() -> int:
-    return os.cpu_count() or 1

@@ -142,14 +142,10 @@ class ShardWorker:
                 "pins": self.pins.state(), "memory": memory_report(self.runner, self.base_bytes), "requests": self._requests()}
 
     def _requests(self) -> dict[str, int]:
-        """Sequences the engine runs and waiting (read outside its thread: a retry if it changed meanwhile)."""
+        """Sequences the engine runs and has waiting (read outside its thread, as the loop's
+        `num_queued` is: an estimate)."""
         scheduler = self.loop.engine.scheduler
-        for _ in range(10):
-            try:
-                return {"running": len(scheduler.running), "waiting": scheduler.num_waiting}
-            except RuntimeError:  # a queue was added or removed while counted
-                continue
-        return {"running": len(scheduler.running), "waiting": -1}
+        return {"running": len(scheduler.running), "waiting": scheduler.num_waiting}
 
     def metrics(self) -> str:
         engine = self.loop.engine
