@@ -118,6 +118,8 @@ class HTTPSettings(_Strict):
     # the Ray node labels of the nodes that take traffic: the gateway replicas run there, at most one a node
     # (one listener per node, as Serve's proxies do); empty: wherever Ray puts them
     node_labels: NodeLabels = Field(default_factory=dict)
+    # origins browsers may call the API from (CORS): ["*"] any, llama-server's default; []: none
+    cors_origins: list[str] = Field(default_factory=lambda: ["*"])
 
 
 class RegistrySettings(_Strict):

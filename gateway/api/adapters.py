@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.api.incoming import begin, gateway_of, read_parsed
+from gateway.api.incoming import begin, credentials, gateway_of, read_parsed
 from gateway.api.protocol import APIError
 from gateway.api.uploads import ReadAdapter, adapter_reader, read_form
 from gateway.catalog import AdapterInfo
@@ -89,7 +89,7 @@ async def _caller(request: Request) -> tuple[Gateway, str, Tenant | None]:
     """(gateway, owner, tenant or None for the operator)."""
     gateway = gateway_of(request)
     gateway.registry.ensure_running()
-    if gateway.tenants.is_operator(request.headers.get("authorization")):
+    if gateway.tenants.is_operator(credentials(request)):
         return gateway, SHARED, None
     gateway, tenant, _ = await begin(request)
     return gateway, tenant.id, tenant

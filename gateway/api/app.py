@@ -14,11 +14,13 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException
 
-from gateway.api import adapters, llama_routes, openai_routes, operator_routes
+from gateway.api import adapters, anthropic_routes, llama_routes, openai_routes, operator_routes, responses_routes
 from gateway.api.adapters import LoadLoRARequest, UnloadLoRARequest, registry_unavailable
 from gateway.api.llama_protocol import (
     ApplyTemplateRequest,
@@ -60,13 +62,53 @@ BODIES: dict[str, Any] = {  # what each POST takes, for the OpenAPI document (pa
 }
 
 
+ANTHROPIC_PATHS = ("/v1/messages",)  # answered in the Anthropic API's error shape
+
+
+def error_response(request: Request, e: APIError) -> JSONResponse:
+    """`e` in the shape of the API the request was for (OpenAI's, the default; Anthropic's)."""
+    is_anthropic = request.url.path.startswith(ANTHROPIC_PATHS)
+    return JSONResponse(e.anthropic_body() if is_anthropic else e.body(), status_code=e.status, headers=e.headers)
+
+
 async def _api_error(request: Request, e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    return error_response(request, e)
+
+
+async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    """Starlette's own answers (no such route, a method the route does not take) in the API's shape."""
+    if e.status_code == 404:
+        error = APIError(404, f"no route {request.method} {request.url.path}", "not_found")
+    elif e.status_code == 405:
+        error = APIError(405, f"{request.url.path} does not take {request.method}", "method_not_allowed")
+    else:
+        error = APIError(e.status_code, str(e.detail), None)
+    return error_response(request, APIError(error.status, error.message, error.code, dict(e.headers or {})))
 
 
 async def _internal(request: Request, e: Exception) -> JSONResponse:  # never a stack trace to a client
     log.error("internal error on %s %s", request.method, request.url.path, exc_info=e)
-    return JSONResponse(APIError(500, "internal error", "internal_error").body(), status_code=500)
+    return error_response(request, APIError(500, "internal error", "internal_error"))
+
+
+class ConfiguredCORS:
+    """Starlette's CORS middleware with the gateway's `http.cors_origins` (`*`: any origin, llama-server's
+    default; empty: no CORS headers, preflights refused), built at the first request: the app is made
+    before its gateway (the Serve ingress sets it)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app, self._inner = app, None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self._inner is None and scope["type"] == "http":
+            try:
+                origins = scope["app"].state.find_gateway().config.http.cors_origins
+            except (APIError, AttributeError):  # still starting: no CORS yet
+                return await self.app(scope, receive, send)
+            self._inner = self.app if not origins else CORSMiddleware(
+                self.app, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
+                allow_credentials="*" not in origins, max_age=600)
+        await (self._inner or self.app)(scope, receive, send)
 
 
 def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
@@ -75,10 +117,12 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     app = FastAPI(title="loraplex", docs_url=None, redoc_url=None)
     app.state.find_gateway = current if current is not None else lambda: app.state.gateway  # read per request
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal)
     app.add_exception_handler(RegistryUnavailable, registry_unavailable)
-    for routes in (openai_routes, llama_routes, operator_routes, adapters):
+    for routes in (openai_routes, llama_routes, operator_routes, adapters, anthropic_routes, responses_routes):
         app.include_router(routes.router)
+    app.add_middleware(ConfiguredCORS)
     _document_bodies(app)
     return app
 

@@ -70,6 +70,12 @@ def sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
+def named_sse(data: dict[str, Any] | str) -> bytes:
+    """An event named by its data's "type" (the Anthropic and Responses APIs' framing)."""
+    name = data.get("type") if isinstance(data, dict) else None
+    return (f"event: {name}\n" if name else "").encode() + sse(data)
+
+
 def finish_reason(reason: str | None) -> str | None:
     return {"stop": "stop", "length": "length"}.get(reason or "", None if reason is None else "stop")
 

@@ -23,6 +23,15 @@ OFF_LOOP_CHARS = 4096  # texts longer than this are tokenized in a worker thread
 T = TypeVar("T")
 
 
+def credentials(request: Request) -> str | None:
+    """The caller's key as an Authorization value: `Authorization: Bearer KEY`, or `X-Api-Key: KEY`
+    (the Anthropic API's header, which llama-server accepts too)."""
+    authorization = request.headers.get("authorization")
+    if authorization is None and request.headers.get("x-api-key"):
+        return f"Bearer {request.headers['x-api-key']}"
+    return authorization
+
+
 def gateway_of(request: Request) -> Gateway:
     """The gateway of the app serving `request` (create_app's `current`, or `app.state.gateway`)."""
     return request.app.state.find_gateway()
@@ -38,7 +47,7 @@ async def begin(request: Request, body_type: Any = None) -> tuple[Gateway, Tenan
     (None without `body_type`)."""
     gateway = gateway_of(request)
     gateway.registry.ensure_running()
-    tenant = gateway.tenants.authenticate(request.headers.get("authorization"))
+    tenant = gateway.tenants.authenticate(credentials(request))
     await gateway.limiter.admit(tenant)
     await gateway.registry.refresh_if_stale()
     body = None if body_type is None else await read_parsed(request, gateway, body_type)

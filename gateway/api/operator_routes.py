@@ -6,19 +6,20 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from gateway.api.incoming import gateway_of
+from gateway.api.incoming import credentials, gateway_of
 
 router = APIRouter()
 
 
 @router.get("/health")
+@router.get("/v1/health")  # llama-server's alias
 async def health(request: Request) -> JSONResponse:
-    """Without a key: liveness only (the gateway answers). With the operator key: every
-    shard and replica, and the cache's Redis state (503 when a shard has no healthy replica)."""
+    """Public, as llama-server's: liveness only (the gateway answers), whatever key comes with it.
+    With the operator key: every shard and replica, and the cache's Redis state (503 when a shard
+    has no healthy replica)."""
     gateway = gateway_of(request)
-    if request.headers.get("authorization") is None and not gateway.tenants.is_operator_open:
+    if not gateway.tenants.is_operator_open and not gateway.tenants.is_operator(credentials(request)):
         return JSONResponse({"status": "ok"})
-    gateway.tenants.authenticate_operator(request.headers.get("authorization"))
     report = await gateway.full_health()
     return JSONResponse(report, status_code=200 if report["status"] != "down" else 503)
 
@@ -26,5 +27,5 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
     gateway = gateway_of(request)
-    gateway.tenants.authenticate_operator(request.headers.get("authorization"))
+    gateway.tenants.authenticate_operator(credentials(request))
     return PlainTextResponse(await gateway.full_metrics(), media_type="text/plain; version=0.0.4")

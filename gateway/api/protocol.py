@@ -30,8 +30,18 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.code, self.headers = status, message, code, headers or {}
 
+    ANTHROPIC_TYPES: ClassVar[dict[int, str]] = {
+        400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+        413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error",
+    }
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"), "code": self.code}}
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """The Anthropic API's error shape (its `error` event's data too)."""
+        kind = self.ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
 
 
 # Every number a client sends has a finite bound, checked here before any work (README, "Limits");

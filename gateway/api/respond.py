@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Gauge
 
 from gateway.admission import Prepared
-from gateway.api.formats import sse, summary
+from gateway.api.formats import named_sse, sse, summary
 from gateway.api.protocol import APIError
 from gateway.dispatch import Gateway
 from gateway.metrics import adapter_label
@@ -23,12 +23,21 @@ UsageChunk = Callable[[Sequence[Delta]], JSONObject]
 
 
 class Formatter(Protocol):
-    """An API's answer shape (gateway/api/formats.py, llama_formats.py): the whole answer, or the
-    event data of one delta (`first`: the first of its choice)."""
+    """An API's answer shape (gateway/api/formats.py, llama_formats.py, anthropic_formats.py,
+    responses_formats.py): the whole answer, or the event data of one delta (`first`: the first of
+    its choice). A formatter may also say how its stream frames events (`named_events`: each event
+    is sent as `event: <its "type">`, as the Anthropic and Responses APIs do) and what its error
+    event holds (`error_event`; default: the error's body)."""
 
     def whole(self, deltas: list[Delta]) -> JSONObject: ...
 
     def chunk(self, delta: Delta, first: bool) -> JSONObject | list[JSONObject]: ...  # several: tool calls
+
+
+def _framing(formatter: Formatter) -> tuple[Callable[[JSONObject | str], bytes], Callable[[APIError], JSONObject]]:
+    """How `formatter`'s stream frames an event, and its error event."""
+    frame = named_sse if getattr(formatter, "named_events", False) else sse
+    return frame, getattr(formatter, "error_event", lambda error: error.body())
 
 
 def route_headers(prepared: Prepared) -> dict[str, str]:
@@ -89,6 +98,7 @@ async def _events(gateway: Gateway, prepared: Prepared, first: Delta, deltas: As
     with an error event (its status goes to the metrics: the HTTP status was sent with the first)."""
     finals: list[Delta] = []  # each choice's last delta
     status, started_choices = 200, set()
+    frame, error_event = _framing(formatter)
     try:
         delta = first
         while True:
@@ -96,21 +106,21 @@ async def _events(gateway: Gateway, prepared: Prepared, first: Delta, deltas: As
             if delta.finish_reason == "error":
                 error = gateway.error_of(delta, prepared)
                 status = error.status
-                yield sse(error.body())
+                yield frame(error_event(error))
                 break
             out = formatter.chunk(delta, delta.index not in started_choices)
             for event in out if isinstance(out, list) else [out]:
-                yield sse(event)
+                yield frame(event)
             started_choices.add(delta.index)
             if delta.finish_reason is not None:
                 finals.append(delta)
             if delta.is_finished:
                 if usage_chunk is not None:
-                    yield sse(usage_chunk(finals))
+                    yield frame(usage_chunk(finals))
                 break
             delta = await anext(deltas)
         if done_marker:
-            yield sse("[DONE]")
+            yield frame("[DONE]")
     finally:
         await deltas.aclose()  # a client that went away cancels the worker's request
         in_flight.dec()

@@ -168,7 +168,8 @@ def test_overload_gets_503_with_retry_after_and_nothing_waits_unbounded(served) 
 
 def test_details_need_the_operator_key(url) -> None:
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}  # liveness, for anyone
-    assert httpx.get(f"{url}/health", headers=auth("t1")).status_code == 401  # a tenant is no operator
+    assert httpx.get(f"{url}/health", headers=auth("t1")).json() == {"status": "ok"}  # public, as llama-server's
+    assert httpx.get(f"{url}/v1/health", headers={"X-Api-Key": "key-one"}).json() == {"status": "ok"}
     details = httpx.get(f"{url}/health", headers=auth("operator")).json()
     assert details["shards"]["s1"]["replicas"][0]["id"] == "s1-0"
     assert details["shards"]["s1"]["replicas"][0]["requests"] == {"running": 0, "waiting": 0}  # the engine's, idle
