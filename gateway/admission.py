@@ -22,6 +22,9 @@ from worker.contract.params import SamplingParams
 from worker.formats.tokenizer import TokenizerError, check_ids
 
 
+EXCEEDS_CONTEXT = "exceed_context_size_error"  # llama-server's error type, with n_prompt_tokens and n_ctx
+
+
 @dataclass
 class Prepared:
     """A checked request, ready to route: its call (which carries its adapters by fingerprint)
@@ -112,7 +115,7 @@ class Admission:
         if len(prompt_ids) + wanted > limit or len(prompt_ids) >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                            f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the prompt, {wanted} for the completion).",
-                           "context_length_exceeded")
+                           "context_length_exceeded", kind=EXCEEDS_CONTEXT, n_prompt_tokens=len(prompt_ids), n_ctx=limit)
         generated = params.max_tokens if params.max_tokens != -1 else limit - len(prompt_ids)
         await self.limiter.spend(tenant, len(prompt_ids) + params.n * generated)  # every choice's
         infos = self.adapters(tenant)

@@ -45,8 +45,8 @@ class Catalog:
         self.tool_style = template_style(self.tokenizer.chat_template)  # how chat tools reach this model (gateway/api/tools.py)
         self.max_positions = slot_length(config.engine.slot_len, self.hparams.context_length)
         # a text longer than this cannot fit the context whatever it says: refused before tokenizing
-        longest = max((len(self.tokenizer.token_text(i)) for i in range(self.tokenizer.vocab_size)), default=1)
-        self.max_prompt_chars = self.max_positions * max(longest, 1)
+        self.longest_token_chars = max(1, max((len(self.tokenizer.token_text(i)) for i in range(self.tokenizer.vocab_size)), default=1))
+        self.max_prompt_chars = self.max_positions * self.longest_token_chars
         self.base_fingerprint = base_fingerprint(self.base, config.fingerprint_path())
         self._ll_tokenizer = None  # llguidance's view of the tokenizer, for checking grammars
         self._ll_lock = threading.Lock()

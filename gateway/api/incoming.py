@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from gateway.api.json_body import load_json, parse, read_body
+from gateway.admission import EXCEEDS_CONTEXT
 from gateway.api.protocol import APIError
 from gateway.api.tools import ToolPlan, chat_input
 from gateway.dispatch import Gateway
@@ -59,7 +60,9 @@ async def off_loop(gateway: Gateway, num_chars: int, work: Callable[[], T]) -> T
     event loop when large."""
     if num_chars > gateway.catalog.max_prompt_chars:
         raise APIError(400, f"the prompt ({num_chars} characters) cannot fit the model's context of "
-                       f"{gateway.catalog.max_positions} tokens", "context_length_exceeded")
+                       f"{gateway.catalog.max_positions} tokens", "context_length_exceeded", kind=EXCEEDS_CONTEXT,
+                       n_prompt_tokens=num_chars // gateway.catalog.longest_token_chars,  # at least that many
+                       n_ctx=gateway.catalog.max_positions)
     try:
         return await asyncio.to_thread(work) if num_chars > OFF_LOOP_CHARS else work()
     except (TokenizerError, ChatTemplateError) as e:

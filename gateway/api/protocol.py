@@ -26,9 +26,10 @@ class APIError(Exception):
     }
 
     def __init__(self, status: int, message: str, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, kind: str | None = None, **details: Any) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.headers = status, message, code, headers or {}
+        self.kind, self.details = kind, details  # `type` when not the status's; more fields of `error`
 
     ANTHROPIC_TYPES: ClassVar[dict[int, str]] = {
         400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -36,7 +37,8 @@ class APIError(Exception):
     }
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"), "code": self.code}}
+        kind = self.kind or self.TYPES.get(self.status, "error")
+        return {"error": {"message": self.message, "type": kind, "code": self.code, **self.details}}
 
     def anthropic_body(self) -> dict[str, Any]:
         """The Anthropic API's error shape (its `error` event's data too)."""
