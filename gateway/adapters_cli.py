@@ -20,13 +20,14 @@ def _client(args: argparse.Namespace) -> httpx.Client:
     return httpx.Client(base_url=args.url.rstrip("/"), headers=headers, timeout=args.timeout)
 
 
-def _show(response: httpx.Response, as_json: bool, line) -> int:
+def _show(response: httpx.Response, as_json: bool, line, command: str = "adapters") -> int:
+    """The answer's `line` (its JSON with `as_json`); an error's message on stderr and EXIT_REFUSED."""
     try:
         body = response.json()
     except ValueError:
         body = {"error": {"message": response.text[:500]}}
     if response.status_code >= 400:
-        print(f"loraplex adapters: {response.status_code}: {body.get('error', {}).get('message', body)}", file=sys.stderr)
+        print(f"loraplex {command}: {response.status_code}: {body.get('error', {}).get('message', body)}", file=sys.stderr)
         return EXIT_REFUSED
     print(json.dumps(body, indent=2) if as_json else line(body))
     return 0
@@ -79,14 +80,19 @@ def _files(args: argparse.Namespace) -> dict:
     return {"file": open(path, "rb")}
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("adapters", help="add, list or remove adapters of a running server (its registry)")
+def server_flags(p: argparse.ArgumentParser, key_help: str, timeout_s: float = 300.0) -> None:
+    """--url, --key, --timeout and --json: how a command reaches a running server."""
     p.add_argument(
         "--url", default=os.environ.get("LORAPLEX_URL", "http://127.0.0.1:8000"), help="the server (default $LORAPLEX_URL or :8000)"
     )
-    p.add_argument("--key", help="API key: a tenant's, or the operator's for shared adapters (default $LORAPLEX_API_KEY)")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--key", help=f"{key_help} (default $LORAPLEX_API_KEY)")
+    p.add_argument("--timeout", type=float, default=timeout_s)
     p.add_argument("--json", action="store_true", help="print the server's JSON answer")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("adapters", help="add, list or remove adapters of a running server (its registry)")
+    server_flags(p, "API key: a tenant's, or the operator's for shared adapters")
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     add = actions.add_parser("add", help="upload a GGUF adapter, or a PEFT directory (converted by the server); the same name replaces")
     add.add_argument("name")

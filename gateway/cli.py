@@ -219,9 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")
     p.set_defaults(handler="gateway.serve:run")
 
+    from gateway.accounts_cli import add_parsers as add_accounts_parsers
     from gateway.adapters_cli import add_parser as add_adapters_parser
 
     add_adapters_parser(sub)
+    add_accounts_parsers(sub)
 
     p = sub.add_parser("plan", help="place adapters on workers from traffic shares: shards and replicas")
     p.add_argument("--adapters", required=True, metavar="FILE",

@@ -1,24 +1,43 @@
 """Who is calling, and what they may use (torch-free).
 
-API keys map to tenants through their SHA-256 digests (compared in constant
-time); a tenant sees only the adapters its policy allows, and an adapter it
-may not use answers exactly as an unknown one. Each tenant's prefix cache is
-its own (salt = tenant id) unless it opts into the shared salt; a request's
-`cache_salt` narrows that further, never widens it.
+Tenants come from the config file (the bootstrap: fixed while the deployment runs) and from the
+run-time records the operator manages (gateway/accounts.py: in Redis, shared by every gateway
+replica). A key maps to its tenant through its SHA-256 digest; a revoked or expired key, or one of
+a disabled tenant, is refused. Each gateway reads the records again when its last look is older
+than `ACCOUNTS_POLL_S` (the request that finds it so waits for the read): a change made through
+any gateway replica, a revoked key included, holds on every replica within that bound (plus one
+Redis round trip). Redis being down keeps the last state read (each request does not wait on it).
+
+A tenant sees only the adapters its policy allows, and an adapter it may not use answers exactly
+as an unknown one. Each tenant's prefix cache is its own (salt = tenant id) unless it opts into
+the shared salt; a request's `cache_salt` narrows that further, never widens it.
+
+Keys are looked up by their digest in a dict: a timing difference could tell an attacker
+something of a SHA-256 digest, not of a key.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
-from dataclasses import dataclass, field
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
+from gateway.accounts import AccountRecords, Accounts, KeyRecord, Snapshot, TenantRecord
 from gateway.api.protocol import APIError
 from gateway.config import ServeConfig, TenantConfig
+from gateway.registry.records import FileRecords, RecordStore, RedisRecords, RegistryUnavailable
 from worker.contract.identity import AdapterName
 
+log = logging.getLogger(__name__)
 ANONYMOUS = "anonymous"
 SHARED_SALT = "shared"
+ACCOUNTS_POLL_S = 0.5  # the bound on how stale a gateway's view of tenants and keys may be
+UNAVAILABLE_BACKOFF_S = 5.0
 
 
 @dataclass
@@ -31,6 +50,10 @@ class Tenant:
     max_adapters: int = 32  # adapters it may register at run time, and their total bytes
     max_adapter_bytes: int = 1 << 30
     default_scales: dict[AdapterName, float] = field(default_factory=dict)  # set by POST /lora-adapters
+    tokens_per_day: int | None = None  # quotas (gateway/usage.py), per UTC day and month
+    tokens_per_month: int | None = None
+    key_id: str = ""  # the key this request came with (usage is counted per key)
+    is_runtime: bool = False  # made through the API (gateway/accounts.py), not the config file
 
     def may_use(self, name: AdapterName) -> bool:
         return self.allowed is None or name in self.allowed
@@ -43,37 +66,124 @@ class Tenant:
     def from_config(cls, t: TenantConfig) -> Tenant:
         allowed = None if t.adapters == "*" else frozenset(AdapterName(n) for n in t.adapters)
         return cls(t.id, allowed, t.requests_per_min, t.tokens_per_min, t.shared_cache, t.max_adapters,
-                   t.max_adapter_bytes)
+                   t.max_adapter_bytes, tokens_per_day=t.tokens_per_day, tokens_per_month=t.tokens_per_month)
+
+    @classmethod
+    def from_record(cls, r: TenantRecord, default_scales: dict[AdapterName, float]) -> Tenant:
+        allowed = None if r.adapters is None else frozenset(AdapterName(n) for n in r.adapters)
+        return cls(r.id, allowed, r.requests_per_min, r.tokens_per_min, r.shared_cache, r.max_adapters, r.max_adapter_bytes,
+                   default_scales, r.tokens_per_day, r.tokens_per_month, is_runtime=True)
+
+
+def config_key_id(sha256_hex: str) -> str:
+    """The id of a key the config file names by its digest."""
+    return f"cfg-{sha256_hex[:12]}"
 
 
 class Tenants:
-    def __init__(self, config: ServeConfig) -> None:
-        self.by_id = {t.id: Tenant.from_config(t) for t in config.tenants}
-        self._digests = [(bytes.fromhex(d), t.id) for t in config.tenants for d in t.key_sha256]
-        self._operator_digests = [(bytes.fromhex(d), "operator") for d in config.operator_key_sha256]
-        self.is_open = not config.tenants  # no tenants configured: no auth, one anonymous tenant
+    def __init__(self, config: ServeConfig, records: RecordStore | None = None,
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+        self.configured = {t.id: Tenant.from_config(t) for t in config.tenants}
+        self._config_keys = {d: t.id for t in config.tenants for d in t.key_sha256}  # digest -> tenant id
+        self._operator_digests = [bytes.fromhex(d) for d in config.operator_key_sha256]
+        self.accounts = None if records is None else Accounts(records, frozenset(self.configured), frozenset(self._config_keys),
+                                                              wall_clock)
+        self._clock, self._wall_clock = clock, wall_clock
+        self.snapshot = Snapshot()
+        self._scales: dict[str, dict[AdapterName, float]] = {}  # each run-time tenant's default scales, kept across reads
+        self._runtime: dict[str, Tenant] = {}
+        self._checked_s = -UNAVAILABLE_BACKOFF_S - ACCOUNTS_POLL_S
+        self._check: asyncio.Future | None = None
+        # run-time tenants are made with an operator key: without one configured there are none to wait for
+        self._has_read = records is None or not self._operator_digests
+        self.anonymous = Tenant(ANONYMOUS, None)
+
+    @property
+    def by_id(self) -> dict[str, Tenant]:
+        """Every tenant: the config's and the run-time ones (a disabled one too), or the anonymous one."""
         if self.is_open:
-            self.by_id[ANONYMOUS] = Tenant(ANONYMOUS, None)
+            return {ANONYMOUS: self.anonymous}
+        return {**self._runtime, **self.configured}
+
+    @property
+    def is_open(self) -> bool:
+        """No tenant anywhere: no auth, one anonymous tenant (a local deployment)."""
+        return not self.configured and not self.snapshot.tenants and self._has_read
+
+    # keeping up with the records
+
+    async def refresh_if_stale(self) -> None:
+        """A request's path: the records read again when the last look began over ACCOUNTS_POLL_S ago
+        (requests that come together share one read)."""
+        if self.accounts is None:
+            return
+        while self._clock() - self._checked_s > ACCOUNTS_POLL_S:
+            if self._check is None or self._check.done():
+                self._check = asyncio.ensure_future(self._version_check())
+            await asyncio.shield(self._check)
+
+    async def _version_check(self) -> None:
+        began_s = self._clock()
+        try:
+            await self.refresh()
+        except RegistryUnavailable as e:
+            log.warning("%s; tenants and keys as last read", e)
+            began_s += UNAVAILABLE_BACKOFF_S
+        finally:
+            self._checked_s = max(self._checked_s, began_s)
+
+    async def refresh(self) -> None:
+        assert self.accounts is not None
+        version = await self.accounts.records.version()
+        if version != self.snapshot.version:
+            version, records = await self.accounts.load()
+            self.apply(Snapshot.of(version, records))
+        self._has_read = True
+
+    def apply(self, snapshot: Snapshot) -> None:
+        """Take a newer read of the records (a change this gateway made is applied at once)."""
+        if snapshot.version < self.snapshot.version:
+            return
+        self.snapshot = snapshot
+        self._runtime = {r.id: Tenant.from_record(r, self._scales.setdefault(r.id, {}))
+                         for r in snapshot.tenants.values() if r.id not in self.configured}
+
+    # who is calling
 
     def authenticate(self, authorization: str | None) -> Tenant:
+        """The calling tenant, as seen by this key (its `key_id` set); 401 for no key or a bad,
+        revoked or expired one, 403 for a disabled tenant's, 503 before the records could be read."""
         if self.is_open:
-            return self.by_id[ANONYMOUS]
-        found = _match(_key_digest(authorization), self._digests)
-        if found is None:
+            return self.anonymous
+        if not self._has_read and not self.configured:
+            raise APIError(503, "tenants cannot be read yet (the deployment's Redis is unreachable)", "tenants_unavailable",
+                           {"Retry-After": "5"})
+        sha256 = _key_digest(authorization).hex()
+        tenant_id = self._config_keys.get(sha256)
+        if tenant_id is not None:
+            return replace(self.configured[tenant_id], key_id=config_key_id(sha256))
+        key: KeyRecord | None = self.snapshot.keys_by_digest.get(sha256)
+        if key is None or key.tenant not in self._runtime:
             raise APIError(401, "invalid API key", "invalid_api_key")
-        return self.by_id[found]
+        if key.revoked_s is not None:
+            raise APIError(401, "this API key has been revoked", "invalid_api_key")
+        if not key.is_valid(self._wall_clock()):
+            raise APIError(401, "this API key has expired", "expired_api_key")
+        if self.snapshot.tenants[key.tenant].is_disabled:
+            raise APIError(403, "this tenant is disabled", "tenant_disabled")
+        return replace(self._runtime[key.tenant], key_id=key.id)
 
     @property
     def is_operator_open(self) -> bool:
         """Neither tenants nor operator keys configured: a local, unauthenticated deployment."""
-        return self.is_open and not self._operator_digests
+        return not self.configured and not self.snapshot.tenants and not self._operator_digests
 
     def is_operator(self, authorization: str | None) -> bool:
         """The caller holds an operator key (never true without one configured)."""
         if not self._operator_digests or not authorization:
             return False
         try:
-            return _match(_key_digest(authorization), self._operator_digests) is not None
+            return _match(_key_digest(authorization), self._operator_digests)
         except APIError:
             return False
 
@@ -84,7 +194,7 @@ class Tenants:
         if not self._operator_digests:
             raise APIError(403, "this endpoint needs an operator key, and none is configured (operator_key_sha256)",
                            "operator_only")
-        if _match(_key_digest(authorization), self._operator_digests) is None:
+        if not _match(_key_digest(authorization), self._operator_digests):
             raise APIError(401, "invalid operator key", "invalid_api_key")
 
 
@@ -97,10 +207,26 @@ def _key_digest(authorization: str | None) -> bytes:
     return hashlib.sha256(key.strip().encode()).digest()
 
 
-def _match(digest: bytes, known: list[tuple[bytes, str]]) -> str | None:
-    """The owner of `digest`; every known digest is compared, in constant time."""
-    found = None
-    for candidate, owner in known:
-        if hmac.compare_digest(candidate, digest):
-            found = owner
+def _match(digest: bytes, known: list[bytes]) -> bool:
+    """Whether `digest` is one of `known`; every one is compared, in constant time."""
+    found = False
+    for candidate in known:
+        found = hmac.compare_digest(candidate, digest) or found
     return found
+
+
+def open_tenants(config: ServeConfig, clock: Callable[[], float] = time.monotonic) -> Tenants:
+    """The deployment's tenants: the config's, and the run-time ones kept in its Redis (a mirror of
+    them beside the adapter files), or in a file there without Redis."""
+    directory = Path(config.blob_store().cache_dir).expanduser()
+    redis_config = config.cache.redis
+    if redis_config is not None:
+        from cache.l2 import connect
+
+        records: RecordStore = RedisRecords(connect(redis_config, is_async=True), f"{redis_config.key_prefix}:",
+                                            mirror=directory / "tenants.redis-mirror.json",
+                                            ack_timeout_s=redis_config.replica_ack_timeout_s, name="tenants",
+                                            record_type=AccountRecords)
+    else:
+        records = FileRecords(directory, name="tenants", record_type=AccountRecords)
+    return Tenants(config, records, clock)

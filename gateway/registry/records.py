@@ -1,4 +1,5 @@
-"""The registry's records and where they are kept (torch-free).
+"""The registry's records and where they are kept (torch-free). The same stores keep the run-time
+tenants and keys (gateway/accounts.py), under their own `name` and record type.
 
 A record is one tenant's name for one adapter content (its fingerprint) and where it is
 placed. Every change is one transaction over the whole set, so a quota is checked
@@ -154,11 +155,11 @@ return {ARGV[1], 1}
 MAX_REDIRECTS = 3  # a commit sent to a node that no longer owns the slot (failover, resharding): tries on the new owner
 
 
-def redis_record_keys(key_prefix: str, *, is_cluster: bool) -> tuple[str, str]:
+def redis_record_keys(key_prefix: str, *, is_cluster: bool, name: str = "registry") -> tuple[str, str]:
     """(records hash, version counter). On one Redis the names they always had (a registry written
     before is read as it is); on a Redis Cluster their common part is a hash tag, so they (and the
     leases, named after the version) share one slot, which the scripts need."""
-    common = f"{{{key_prefix}registry}}" if is_cluster else f"{key_prefix}registry"
+    common = f"{{{key_prefix}{name}}}" if is_cluster else f"{key_prefix}{name}"
     return f"{common}:records", f"{common}:version"
 
 
@@ -168,12 +169,14 @@ class RedisRecords:
     (Redis may answer a WAIT that timed out up to 1/hz = 100 ms late: past the client's socket timeout,
     that is a timeout, which answers as a missing acknowledgement does: unavailable.)"""
 
-    def __init__(self, client, key_prefix: str, mirror: Path | None = None, ack_timeout_s: float = 0.1) -> None:
+    def __init__(self, client, key_prefix: str, mirror: Path | None = None, ack_timeout_s: float = 0.1,
+                 name: str = "registry", record_type: Any = None) -> None:
         if ack_timeout_s <= 0:
             raise ValueError(f"ack_timeout_s must be > 0 (WAIT 0 would wait for ever), got {ack_timeout_s}")
         self.client = client
         self.is_cluster = is_cluster(client)
-        self.records_key, self.version_key = redis_record_keys(key_prefix, is_cluster=self.is_cluster)
+        self.records_key, self.version_key = redis_record_keys(key_prefix, is_cluster=self.is_cluster, name=name)
+        self.record_type = record_type or AdapterRecord  # its from_json and from_dict read what is stored
         self.mirror = mirror
         self.ack_timeout_ms = max(1, round(ack_timeout_s * 1000))
         self._read_script = client.register_script(_READ)
@@ -198,7 +201,7 @@ class RedisRecords:
     async def _read(self) -> tuple[bytes | None, Records]:
         """The version as stored (None: no registry) and the records, read together."""
         version, flat = await self._read_script(keys=[self.records_key, self.version_key])
-        return version, _decode(dict(zip(flat[::2], flat[1::2])))
+        return version, _decode(dict(zip(flat[::2], flat[1::2])), self.record_type)
 
     async def _restore(self) -> int:
         """Redis has no registry (it restarted empty): put the mirror's back, once, under a
@@ -206,7 +209,7 @@ class RedisRecords:
         if self.mirror is None:
             return 0
         try:
-            version, records = FileRecords.read(self.mirror)
+            version, records = FileRecords.read(self.mirror, self.record_type)
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("the registry's mirror %s cannot be read: %s", self.mirror, e)
             return 0
@@ -240,7 +243,8 @@ class RedisRecords:
             raise _unavailable(e) from e
         if self.mirror is not None:
             try:
-                await asyncio.to_thread(FileRecords.write_if_newer, self.mirror, version, _applied(records, changes))
+                await asyncio.to_thread(FileRecords.write_if_newer, self.mirror, version, _applied(records, changes),
+                                        self.record_type)
             except OSError as e:
                 log.warning("the registry's mirror %s cannot be written: %s", self.mirror, e)
         if num_replicas and not num_acks:
@@ -290,17 +294,19 @@ class RedisRecords:
 class FileRecords:
     """One JSON file, changed under an exclusive lock (every process on this machine)."""
 
-    def __init__(self, directory: Path, scope: str = "") -> None:
-        name = f"registry-{scope}" if scope else "registry"
+    def __init__(self, directory: Path, scope: str = "", name: str = "registry", record_type: Any = None) -> None:
+        name = f"{name}-{scope}" if scope else name
         self.path, self.lock_path = directory / f"{name}.json", directory / f"{name}.lock"
+        self.record_type = record_type or AdapterRecord
 
     @staticmethod
-    def read(path: Path) -> tuple[int, Records]:
+    def read(path: Path, record_type: Any = None) -> tuple[int, Records]:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return 0, {}
-        return int(data["version"]), {k: AdapterRecord.from_dict(v) for k, v in data["records"].items()}
+        from_dict = (record_type or AdapterRecord).from_dict
+        return int(data["version"]), {k: from_dict(v) for k, v in data["records"].items()}
 
     @staticmethod
     def write(path: Path, version: int, records: Records) -> None:
@@ -311,18 +317,18 @@ class FileRecords:
         os.replace(tmp, path)
 
     @classmethod
-    def write_if_newer(cls, path: Path, version: int, records: Records) -> None:
+    def write_if_newer(cls, path: Path, version: int, records: Records, record_type: Any = None) -> None:
         """`write`, unless the file already holds a later version (gateways racing to mirror)."""
         with _file_lock(path.with_name(path.name + ".lock")):
             try:
-                current = cls.read(path)[0]
+                current = cls.read(path, record_type)[0]
             except (ValueError, KeyError, TypeError):  # a damaged copy: this one replaces it
                 current = -1
             if current < version:
                 cls.write(path, version, records)
 
     def _read(self) -> tuple[int, Records]:
-        return self.read(self.path)
+        return self.read(self.path, self.record_type)
 
     def _locked(self, fn: Callable[[], Any]) -> Any:
         with _file_lock(self.lock_path):
@@ -347,9 +353,9 @@ class FileRecords:
         return await asyncio.to_thread(self._locked, apply)
 
 
-def _decode(raw: dict) -> Records:
+def _decode(raw: dict, record_type: Any) -> Records:
     out = {}
     for key, value in raw.items():
         key = key.decode() if isinstance(key, bytes) else key
-        out[key] = AdapterRecord.from_json(value)
+        out[key] = record_type.from_json(value)
     return out

@@ -82,7 +82,7 @@ class AdapterRegistry:
         }
         self.resident: dict[str, frozenset[Fingerprint]] = dict(self.held)  # held or draining: files still in use
         self.failed: dict[str, dict[Fingerprint, str]] = {}  # replica -> the adapters it could not load, and why
-        self._visible: dict[str, dict[str, AdapterInfo]] = {}
+        self._visible: dict[tuple[str, frozenset[str] | None], dict[str, AdapterInfo]] = {}  # by tenant and its ACL
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self._checked_s = 0.0  # when the last finished version check began (or when Redis may be tried again)
@@ -95,14 +95,14 @@ class AdapterRegistry:
     def visible(self, tenant: Tenant) -> dict[str, AdapterInfo]:
         """The adapters `tenant` may use, by its names: the shared ones first (config order, then
         by age), then its own by age."""
-        cached = self._visible.get(tenant.id)
+        cached = self._visible.get((tenant.id, tenant.allowed))  # an operator may change a tenant's ACL
         if cached is None:
             cached = {n: info for n, info in self.seed.items() if tenant.may_use(n)}
             committed = sorted((r for k, r in self.current.items() if not k.startswith(PENDING)),
                                key=lambda r: (r.created_s, r.name))
             cached.update((r.name, self.info(r)) for r in committed if r.owner == SHARED and tenant.may_use(r.name))
             cached.update((r.name, self.info(r)) for r in committed if r.owner == tenant.id)
-            self._visible[tenant.id] = cached
+            self._visible[(tenant.id, tenant.allowed)] = cached
         return cached
 
     def info(self, r: AdapterRecord) -> AdapterInfo:

@@ -142,6 +142,8 @@ def test_the_worker_spec_decides_the_device_threads_and_tenancy(tmp_path) -> Non
     assert parse_config({**BASE, "device": {"threads": 2}}, ".").worker_spec("s", threads=8).device.threads == 2
     assert not cpu.engine.is_multi_tenant
     assert parse_config({**BASE, "tenants": tenants}, ".").worker_spec("s").engine.is_multi_tenant
+    operated = parse_config({**BASE, "operator_key_sha256": ["0" * 64]}, ".")  # tenants may come at run time
+    assert operated.worker_spec("s").engine.is_multi_tenant
 
 
 def test_unreadable_and_malformed_files(tmp_path) -> None:

@@ -1,0 +1,288 @@
+"""Tenants and API keys made at run time (torch-free): their records, and the changes the
+operator makes to them (create, update, disable, delete a tenant; issue, rotate, revoke a key).
+
+They are kept as the adapter registry's are (gateway/registry/records.py): one versioned set of
+records in the deployment's Redis, every change one optimistic transaction that is acknowledged
+only once a Redis replica holds it (WAIT), a mirror file that brings them back into a Redis that
+restarted empty, and a file under a lock when there is no Redis (one machine). Tenants and keys
+share one set, so deleting a tenant takes its keys in the same transaction.
+
+A key is shown once, when it is issued; only its SHA-256 digest is stored, with the key's id
+(what usage, listings and revocation name it by), its first characters (to recognise it), an
+optional name and expiry. Tenants from the config file are the bootstrap: they cannot be
+changed here (ConfigTenant), and no run-time tenant may take their ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from gateway.registry.records import Records, RecordStore
+
+KEY_PREFIX = "sk-lp-"  # an issued key: this, then 43 URL-safe characters (32 random bytes)
+SHOWN_CHARS = len(KEY_PREFIX) + 4  # how much of a key listings show
+TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MAX_KEYS_PER_TENANT = 64
+MAX_KEY_NAME_CHARS = 128
+
+
+class AccountError(ValueError):
+    """A change the operator asked for that cannot be made; `status` is its HTTP status."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+@dataclass(frozen=True)
+class TenantRecord:
+    id: str
+    adapters: tuple[str, ...] | None = None  # the adapters it may use; None: every one
+    requests_per_min: int | None = None
+    tokens_per_min: int | None = None
+    tokens_per_day: int | None = None  # quotas on prompt + generated tokens, per UTC day and month
+    tokens_per_month: int | None = None
+    shared_cache: bool = False
+    max_adapters: int = 32
+    max_adapter_bytes: int = 1 << 30
+    is_disabled: bool = False  # its keys are refused (403) until it is enabled again
+    created_s: float = 0.0
+    updated_s: float = 0.0
+    kind: str = "tenant"
+
+    @property
+    def key(self) -> str:
+        return f"tenant/{self.id}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TenantRecord:
+        data = dict(data)
+        if data.get("adapters") is not None:
+            data["adapters"] = tuple(data["adapters"])
+        return cls(**data)
+
+    def public(self) -> dict[str, Any]:
+        out = asdict(self)
+        del out["kind"]
+        out["adapters"] = "*" if self.adapters is None else list(self.adapters)
+        return out
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    id: str
+    tenant: str
+    sha256: str  # hex digest of the key
+    shown: str  # its first characters
+    name: str = ""
+    created_s: float = 0.0
+    expires_s: float | None = None  # wall-clock time; None: never
+    revoked_s: float | None = None
+    kind: str = "key"
+
+    @property
+    def key(self) -> str:
+        return f"key/{self.id}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KeyRecord:
+        return cls(**data)
+
+    def is_valid(self, now_s: float) -> bool:
+        return self.revoked_s is None and (self.expires_s is None or now_s < self.expires_s)
+
+    def public(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k not in ("kind", "sha256")}
+        out["shown"] = self.shown + "..."
+        return out
+
+
+class AccountRecords:
+    """The record type of the store: a tenant or a key, by its `kind`."""
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> TenantRecord | KeyRecord:
+        return KeyRecord.from_dict(data) if data.get("kind") == "key" else TenantRecord.from_dict(data)
+
+    @staticmethod
+    def from_json(text: str | bytes) -> TenantRecord | KeyRecord:
+        return AccountRecords.from_dict(json.loads(text))
+
+
+def tenants_of(records: Records) -> dict[str, TenantRecord]:
+    return {r.id: r for r in records.values() if isinstance(r, TenantRecord)}
+
+
+def keys_of(records: Records, tenant: str | None = None) -> list[KeyRecord]:
+    keys = (r for r in records.values() if isinstance(r, KeyRecord) and tenant in (None, r.tenant))
+    return sorted(keys, key=lambda k: (k.created_s, k.id))
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+TENANT_FIELDS = {  # what the operator may set, and its check
+    "adapters": lambda v: v == "*" or (isinstance(v, list) and len(v) <= 10_000
+                                       and all(isinstance(n, str) and 0 < len(n) <= 256 for n in v)),
+    "requests_per_min": lambda v: v is None or (_is_int(v) and 1 <= v <= 10**9),
+    "tokens_per_min": lambda v: v is None or (_is_int(v) and 1 <= v <= 10**12),
+    "tokens_per_day": lambda v: v is None or (_is_int(v) and 1 <= v <= 10**15),
+    "tokens_per_month": lambda v: v is None or (_is_int(v) and 1 <= v <= 10**15),
+    "shared_cache": lambda v: isinstance(v, bool),
+    "max_adapters": lambda v: _is_int(v) and 0 <= v <= 100_000,
+    "max_adapter_bytes": lambda v: _is_int(v) and 0 <= v <= 1 << 50,
+    "disabled": lambda v: isinstance(v, bool),
+}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def checked_fields(body: Any) -> dict[str, Any]:
+    """A tenant body's settings, each checked (AccountError 400 naming the first bad one)."""
+    if not isinstance(body, dict):
+        raise AccountError(400, "expected a JSON object", "invalid_value")
+    unknown = sorted(set(body) - set(TENANT_FIELDS) - {"id"})
+    if unknown:
+        raise AccountError(400, f"unknown field {unknown[0]!r} (known: {', '.join(sorted(TENANT_FIELDS))})", "invalid_value")
+    for name, value in body.items():
+        if name != "id" and not TENANT_FIELDS[name](value):
+            raise AccountError(400, f"{name}: {value!r} is not a valid value", "invalid_value")
+    out = {k: v for k, v in body.items() if k != "id"}
+    if "adapters" in out:
+        out["adapters"] = None if out["adapters"] == "*" else tuple(out["adapters"])
+    if "disabled" in out:
+        out["is_disabled"] = out.pop("disabled")
+    return out
+
+
+class Accounts:
+    """The operator's changes to run-time tenants and keys, over a RecordStore. `reserved`: the
+    config file's tenant ids (and their key digests), which run-time records may not take."""
+
+    def __init__(self, records: RecordStore, reserved_ids: frozenset[str], reserved_digests: frozenset[str],
+                 clock: Callable[[], float] = time.time) -> None:
+        self.records, self.reserved_ids, self.reserved_digests, self.clock = records, reserved_ids, reserved_digests, clock
+
+    def _config_tenant(self, tenant_id: str) -> None:
+        if tenant_id in self.reserved_ids:
+            raise AccountError(409, f"tenant {tenant_id!r} is defined in the deployment config; change it there",
+                               "config_tenant")
+
+    @staticmethod
+    def _tenant(records: Records, tenant_id: str) -> TenantRecord:
+        found = records.get(f"tenant/{tenant_id}")
+        if not isinstance(found, TenantRecord):
+            raise AccountError(404, f"tenant {tenant_id!r} not found", "tenant_not_found")
+        return found
+
+    async def create_tenant(self, tenant_id: str, settings: dict[str, Any]) -> TenantRecord:
+        if not isinstance(tenant_id, str) or not TENANT_ID.fullmatch(tenant_id):
+            raise AccountError(400, "id: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit", "invalid_value")
+        self._config_tenant(tenant_id)
+        now_s = self.clock()
+        record = replace(TenantRecord(tenant_id, created_s=now_s, updated_s=now_s), **settings)
+
+        def create(records: Records):
+            if record.key in records:
+                raise AccountError(409, f"tenant {tenant_id!r} exists", "tenant_exists")
+            return {record.key: record}, record
+
+        return (await self.records.transact(create))[1]
+
+    async def update_tenant(self, tenant_id: str, settings: dict[str, Any]) -> TenantRecord:
+        self._config_tenant(tenant_id)
+
+        def update(records: Records):
+            record = replace(self._tenant(records, tenant_id), **settings, updated_s=self.clock())
+            return {record.key: record}, record
+
+        return (await self.records.transact(update))[1]
+
+    async def delete_tenant(self, tenant_id: str) -> TenantRecord:
+        """The tenant and every key it has, in one change."""
+        self._config_tenant(tenant_id)
+
+        def delete(records: Records):
+            record = self._tenant(records, tenant_id)
+            return {record.key: None, **{k.key: None for k in keys_of(records, tenant_id)}}, record
+
+        return (await self.records.transact(delete))[1]
+
+    async def issue_key(self, tenant_id: str, name: str = "", expires_s: float | None = None,
+                        replacing: str | None = None, old_expires_s: float | None = None) -> tuple[str, KeyRecord]:
+        """A new key of `tenant_id` (the key itself, and its record). With `replacing` (rotation):
+        that key expires at `old_expires_s` (now when None) in the same change."""
+        self._config_tenant(tenant_id)
+        if not isinstance(name, str) or len(name) > MAX_KEY_NAME_CHARS:
+            raise AccountError(400, f"name: at most {MAX_KEY_NAME_CHARS} characters", "invalid_value")
+        now_s = self.clock()
+        if expires_s is not None and expires_s <= now_s:
+            raise AccountError(400, "the key's expiry is in the past", "invalid_value")
+        key = new_key()
+        record = KeyRecord("key_" + secrets.token_hex(8), tenant_id, digest(key), key[:SHOWN_CHARS], name, now_s, expires_s)
+
+        def issue(records: Records):
+            self._tenant(records, tenant_id)
+            live = [k for k in keys_of(records, tenant_id) if k.is_valid(now_s)]
+            changes: dict[str, Any] = {record.key: record}
+            if replacing is not None:
+                old = records.get(f"key/{replacing}")
+                if not isinstance(old, KeyRecord) or old.tenant != tenant_id:
+                    raise AccountError(404, f"key {replacing!r} not found", "key_not_found")
+                until_s = now_s if old_expires_s is None else min(old_expires_s, old.expires_s or old_expires_s)
+                changes[old.key] = replace(old, expires_s=until_s)
+            elif len(live) >= MAX_KEYS_PER_TENANT:
+                raise AccountError(403, f"tenant {tenant_id!r} has {len(live)} keys, the most it may: revoke one first",
+                                   "key_limit")
+            return changes, record
+
+        await self.records.transact(issue)
+        return key, record
+
+    async def revoke_key(self, tenant_id: str, key_id: str) -> KeyRecord:
+        self._config_tenant(tenant_id)
+
+        def revoke(records: Records):
+            old = records.get(f"key/{key_id}")
+            if not isinstance(old, KeyRecord) or old.tenant != tenant_id:
+                raise AccountError(404, f"key {key_id!r} not found", "key_not_found")
+            record = old if old.revoked_s is not None else replace(old, revoked_s=self.clock())
+            return {record.key: record}, record
+
+        return (await self.records.transact(revoke))[1]
+
+    async def load(self) -> tuple[int, Records]:
+        return await self.records.load()
+
+
+@dataclass
+class Snapshot:
+    """The run-time tenants and keys as one gateway last read them."""
+
+    version: int = -1
+    tenants: dict[str, TenantRecord] = field(default_factory=dict)
+    keys_by_digest: dict[str, KeyRecord] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, version: int, records: Records) -> Snapshot:
+        return cls(version, tenants_of(records), {k.sha256: k for k in keys_of(records)})

@@ -1,0 +1,187 @@
+"""The operator's tenants and keys (torch-free): `/v1/tenants[/{id}[/keys[/{key_id}[/rotate]]]]`.
+
+Every route takes an operator key, and one must be configured: run-time tenants are never made
+by an unauthenticated caller. A change is answered once it is committed (gateway/accounts.py),
+and this gateway applies it at once; the others within ACCOUNTS_POLL_S (gateway/tenants.py).
+Tenants from the config file are listed (`source: config`) and cannot be changed here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from gateway.accounts import AccountError, Accounts, KeyRecord, Snapshot, checked_fields, keys_of
+from gateway.api.incoming import credentials, gateway_of, read_parsed
+from gateway.api.protocol import APIError
+from gateway.dispatch import Gateway
+from gateway.tenants import Tenant, config_key_id
+
+router = APIRouter()
+MAX_EXPIRY_S = 10 * 365 * 24 * 3600
+
+
+async def _operator(request: Request) -> tuple[Gateway, Accounts]:
+    gateway = gateway_of(request)
+    if not gateway.tenants.is_operator(credentials(request)):
+        gateway.tenants.authenticate_operator(credentials(request))
+        raise APIError(403, "managing tenants needs an operator key, and none is configured (operator_key_sha256)",
+                       "operator_only")
+    if gateway.tenants.accounts is None:
+        raise APIError(503, "this gateway keeps no run-time tenants", "tenants_unavailable")
+    return gateway, gateway.tenants.accounts
+
+
+async def _body(request: Request, gateway: Gateway) -> dict[str, Any]:
+    body = await read_parsed(request, gateway, dict[str, Any])
+    return body
+
+
+async def _changed(gateway: Gateway, accounts: Accounts) -> Snapshot:
+    """The records after a change, applied to this gateway's view at once."""
+    version, records = await accounts.load()
+    snapshot = Snapshot.of(version, records)
+    gateway.tenants.apply(snapshot)
+    return snapshot
+
+
+def _config_tenant(tenant: Tenant, digests: list[str]) -> dict[str, Any]:
+    return {"id": tenant.id, "source": "config", "adapters": "*" if tenant.allowed is None else sorted(tenant.allowed),
+            "requests_per_min": tenant.requests_per_min, "tokens_per_min": tenant.tokens_per_min,
+            "tokens_per_day": tenant.tokens_per_day, "tokens_per_month": tenant.tokens_per_month,
+            "shared_cache": tenant.shared_cache, "max_adapters": tenant.max_adapters,
+            "max_adapter_bytes": tenant.max_adapter_bytes, "is_disabled": False,
+            "keys": [{"id": config_key_id(d), "source": "config"} for d in digests]}
+
+
+def _tenant(gateway: Gateway, snapshot: Snapshot, tenant_id: str) -> dict[str, Any]:
+    if tenant_id in gateway.tenants.configured:
+        digests = [d for t in gateway.config.tenants if t.id == tenant_id for d in t.key_sha256]
+        return _config_tenant(gateway.tenants.configured[tenant_id], digests)
+    record = snapshot.tenants.get(tenant_id)
+    if record is None:
+        raise APIError(404, f"tenant {tenant_id!r} not found", "tenant_not_found")
+    keys = [k for k in snapshot.keys_by_digest.values() if k.tenant == tenant_id]
+    return {**record.public(), "source": "api", "keys": [_key(k) for k in sorted(keys, key=lambda k: k.created_s)]}
+
+
+def _key(record: KeyRecord) -> dict[str, Any]:
+    return {**record.public(), "object": "api_key"}
+
+
+def _expiry(body: dict[str, Any], now_s: float, field: str = "expires_in_s") -> float | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_EXPIRY_S:
+        raise APIError(400, f"{field}: seconds, more than 0 and at most {MAX_EXPIRY_S}", "invalid_value")
+    return now_s + float(value)
+
+
+def _answer(e: AccountError) -> APIError:
+    return APIError(e.status, str(e), e.code)
+
+
+@router.get("/v1/tenants")
+async def list_tenants(request: Request) -> dict[str, Any]:
+    gateway, accounts = await _operator(request)
+    snapshot = await _changed(gateway, accounts)
+    ids = [*gateway.tenants.configured, *sorted(i for i in snapshot.tenants if i not in gateway.tenants.configured)]
+    return {"object": "list", "data": [_tenant(gateway, snapshot, i) for i in ids]}
+
+
+@router.post("/v1/tenants")
+async def create_tenant(request: Request) -> JSONResponse:
+    gateway, accounts = await _operator(request)
+    body = await _body(request, gateway)
+    try:
+        await accounts.create_tenant(body.get("id"), checked_fields(body))
+    except AccountError as e:
+        raise _answer(e) from e
+    snapshot = await _changed(gateway, accounts)
+    return JSONResponse(_tenant(gateway, snapshot, body["id"]), status_code=201)
+
+
+@router.get("/v1/tenants/{tenant_id}")
+async def get_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
+    gateway, accounts = await _operator(request)
+    return _tenant(gateway, await _changed(gateway, accounts), tenant_id)
+
+
+@router.patch("/v1/tenants/{tenant_id}")
+async def update_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
+    gateway, accounts = await _operator(request)
+    body = await _body(request, gateway)
+    try:
+        await accounts.update_tenant(tenant_id, checked_fields(body))
+    except AccountError as e:
+        raise _answer(e) from e
+    return _tenant(gateway, await _changed(gateway, accounts), tenant_id)
+
+
+@router.delete("/v1/tenants/{tenant_id}")
+async def delete_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
+    """The tenant, its keys, and the adapters it registered."""
+    gateway, accounts = await _operator(request)
+    try:
+        record = await accounts.delete_tenant(tenant_id)
+    except AccountError as e:
+        raise _answer(e) from e
+    await _changed(gateway, accounts)
+    for adapter in gateway.registry.owned(tenant_id):
+        await gateway.registry.unregister(tenant_id, adapter.name)
+    return {"id": record.id, "object": "tenant.deleted", "deleted": True}
+
+
+@router.post("/v1/tenants/{tenant_id}/keys")
+async def issue_key(request: Request, tenant_id: str) -> JSONResponse:
+    """A new key, shown this once."""
+    gateway, accounts = await _operator(request)
+    body = await _body(request, gateway)
+    try:
+        key, record = await accounts.issue_key(tenant_id, body.get("name", ""), _expiry(body, accounts.clock()))
+    except AccountError as e:
+        raise _answer(e) from e
+    await _changed(gateway, accounts)
+    return JSONResponse({**_key(record), "key": key}, status_code=201)
+
+
+@router.get("/v1/tenants/{tenant_id}/keys")
+async def list_keys(request: Request, tenant_id: str) -> dict[str, Any]:
+    gateway, accounts = await _operator(request)
+    return {"object": "list", "data": _tenant(gateway, await _changed(gateway, accounts), tenant_id)["keys"]}
+
+
+@router.delete("/v1/tenants/{tenant_id}/keys/{key_id}")
+async def revoke_key(request: Request, tenant_id: str, key_id: str) -> dict[str, Any]:
+    """The key is refused from now on (on every gateway within ACCOUNTS_POLL_S)."""
+    gateway, accounts = await _operator(request)
+    try:
+        record = await accounts.revoke_key(tenant_id, key_id)
+    except AccountError as e:
+        raise _answer(e) from e
+    await _changed(gateway, accounts)
+    return _key(record)
+
+
+@router.post("/v1/tenants/{tenant_id}/keys/{key_id}/rotate")
+async def rotate_key(request: Request, tenant_id: str, key_id: str) -> JSONResponse:
+    """A new key in the old one's place; the old one keeps working for `grace_s` (default 0: refused now)."""
+    gateway, accounts = await _operator(request)
+    body = await _body(request, gateway)
+    now_s = accounts.clock()
+    grace = body.get("grace_s", 0)
+    if isinstance(grace, bool) or not isinstance(grace, int | float) or not 0 <= grace <= MAX_EXPIRY_S:
+        raise APIError(400, f"grace_s: seconds, from 0 to {MAX_EXPIRY_S}", "invalid_value")
+    _, records = await accounts.load()
+    old = next((k for k in keys_of(records, tenant_id) if k.id == key_id), None)
+    name = body.get("name", old.name if old is not None else "")
+    try:
+        key, record = await accounts.issue_key(tenant_id, name, _expiry(body, now_s), replacing=key_id,
+                                               old_expires_s=now_s + float(grace))
+    except AccountError as e:
+        raise _answer(e) from e
+    await _changed(gateway, accounts)
+    return JSONResponse({**_key(record), "key": key, "replaces": key_id}, status_code=201)
