@@ -16,6 +16,7 @@ from gateway.policy.routing import affinity_key
 from gateway.ratelimit import RateLimiter
 from gateway.registry.registry import AdapterRegistry
 from gateway.tenants import Tenant
+from gateway.usage import QuotaExceeded, UsageLedger
 from worker.contract.calls import WorkerCall
 from worker.contract.identity import AdapterName, Fingerprint, ScalesByFingerprint, ScalesByName
 from worker.contract.params import SamplingParams
@@ -46,8 +47,9 @@ class Prepared:
 
 class Admission:
     def __init__(self, config: ServeConfig, catalog: Catalog, limiter: RateLimiter, registry: AdapterRegistry,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, usage: UsageLedger | None = None) -> None:
         self.config, self.catalog, self.limiter, self.registry, self.clock = config, catalog, limiter, registry, clock
+        self.usage = usage
 
     def adapters(self, tenant: Tenant) -> dict[str, AdapterInfo]:
         """The adapters this tenant may use, by name: the config's first, in order (the ids of /lora-adapters)."""
@@ -117,6 +119,12 @@ class Admission:
                            f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the prompt, {wanted} for the completion).",
                            "context_length_exceeded", kind=EXCEEDS_CONTEXT, n_prompt_tokens=len(prompt_ids), n_ctx=limit)
         generated = params.max_tokens if params.max_tokens != -1 else limit - len(prompt_ids)
+        if self.usage is not None and (tenant.tokens_per_day or tenant.tokens_per_month):
+            try:
+                await self.usage.check_quota(tenant.id, {"day": tenant.tokens_per_day, "month": tenant.tokens_per_month},
+                                             len(prompt_ids))
+            except QuotaExceeded as e:
+                raise APIError(429, str(e), "quota_exceeded", {"Retry-After": str(e.retry_after_s)}) from e
         await self.limiter.spend(tenant, len(prompt_ids) + params.n * generated)  # every choice's
         infos = self.adapters(tenant)
         scales_by_fingerprint: dict[Fingerprint, float] = {}  # by content: two names of one adapter are one adapter

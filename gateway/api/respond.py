@@ -16,6 +16,7 @@ from gateway.api.formats import named_sse, sse, summary
 from gateway.api.protocol import APIError
 from gateway.dispatch import Gateway
 from gateway.metrics import adapter_label
+from gateway.usage import UsageEvent
 from worker.contract.calls import Delta
 
 JSONObject = dict[str, Any]
@@ -46,12 +47,35 @@ def route_headers(prepared: Prepared) -> dict[str, str]:
 
 
 class Timing:
-    """A request's latency and time to first token, recorded once it is done."""
+    """A request's latency and time to first token, recorded once it is done, and its usage
+    (gateway/usage.py), counted once: what it used when it finished, or what was sent of it when
+    its stream ended early."""
 
     def __init__(self, gateway: Gateway, prepared: Prepared, endpoint: str) -> None:
         self.gateway, self.tenant, self.endpoint = gateway, prepared.tenant, endpoint
+        self.prepared = prepared
         self.adapter = adapter_label(prepared.names_by_fingerprint.values())
         self.started_s, self.first_token_s = time.perf_counter(), None
+        self.num_sent_tokens = 0  # generated tokens streamed so far
+        self.is_counted = False
+
+    def _event(self, final: Delta | None, finish_reason: str) -> UsageEvent:
+        usage = final.usage if final is not None and final.usage is not None else None
+        prompt = usage.prompt_tokens if usage else self.prepared.num_prompt_tokens
+        return UsageEvent(self.prepared.call.request_id, self.tenant.id, self.tenant.key_id, self.adapter,
+                          self.gateway.catalog.model_name, prompt, usage.cached_tokens if usage else 0,
+                          usage.completion_tokens if usage else self.num_sent_tokens, finish_reason, time.time())
+
+    async def count(self, final: Delta) -> None:
+        """A finished request's usage, written before its answer ends."""
+        self.is_counted = True
+        await self.gateway.usage.record(self._event(final, final.finish_reason or "stop"))
+
+    def count_partial(self, finish_reason: str) -> None:
+        """A stream that ended early (`cancelled`, `error`): its prompt and the tokens sent, written soon."""
+        if not self.is_counted:
+            self.is_counted = True
+            self.gateway.usage.submit(self._event(None, finish_reason))
 
     def token(self) -> None:
         if self.first_token_s is None:
@@ -78,7 +102,9 @@ async def respond(gateway: Gateway, prepared: Prepared, endpoint: str, formatter
             raise
         finally:
             in_flight.dec()
-        timing.done(200, summary([d for d in deltas if d.finish_reason is not None]))
+        final = summary([d for d in deltas if d.finish_reason is not None])
+        await timing.count(final)
+        timing.done(200, final)
         return JSONResponse(formatter.whole(deltas), headers=route_headers(prepared))
     deltas = gateway.stream(prepared)
     try:
@@ -108,12 +134,15 @@ async def _events(gateway: Gateway, prepared: Prepared, first: Delta, deltas: As
                 status = error.status
                 yield frame(error_event(error))
                 break
+            if delta.finish_reason is not None:
+                finals.append(delta)
+            if delta.is_finished:
+                await timing.count(summary(finals))  # before the answer's last events
             out = formatter.chunk(delta, delta.index not in started_choices)
             for event in out if isinstance(out, list) else [out]:
                 yield frame(event)
+            timing.num_sent_tokens += len(delta.token_ids)
             started_choices.add(delta.index)
-            if delta.finish_reason is not None:
-                finals.append(delta)
             if delta.is_finished:
                 if usage_chunk is not None:
                     yield frame(usage_chunk(finals))
@@ -122,6 +151,7 @@ async def _events(gateway: Gateway, prepared: Prepared, first: Delta, deltas: As
         if done_marker:
             yield frame("[DONE]")
     finally:
+        timing.count_partial("error" if status != 200 else "cancelled")
         await deltas.aclose()  # a client that went away cancels the worker's request
         in_flight.dec()
         timing.done(status, summary(finals) if finals and status == 200 else None)

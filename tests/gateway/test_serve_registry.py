@@ -25,7 +25,7 @@ from worker.formats.default_model import resolve_model_path
 from worker.formats.gguf_file import GGUFFile
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-KEYS = {"demo": "sk-reg-demo", "acme": "sk-reg-acme", "tiny": "sk-reg-tiny"}
+KEYS = {"demo": "sk-reg-demo", "acme": "sk-reg-acme", "tiny": "sk-reg-tiny", "operator": "sk-reg-operator"}
 PROMPT = ("The history of copper mining begins in the Bronze Age, when people first learned to smelt ore into metal "
           "tools. Mines in Cyprus, Spain and Wales were worked for centuries, and the metal travelled along trade "
           "routes across the Mediterranean and beyond, where it was alloyed with tin to make bronze for weapons, "
@@ -81,6 +81,7 @@ def deployment(tmp_path_factory):
         {"id": "acme", "key_sha256": [digest(KEYS["acme"])], "adapters": ["json"]},
         {"id": "tiny", "key_sha256": [digest(KEYS["tiny"])], "max_adapters": 1},
     ]
+    config["operator_key_sha256"] = [digest(KEYS["operator"])]
     config["cache"]["redis_url"] = redis_server.url
     config["registry"] = {"store_dir": str(directory / "store"), "allowed_paths": [str(DEPLOY / "adapters")],
                           "poll_interval_s": 0.5}
@@ -236,13 +237,86 @@ def test_the_adapters_cli_adds_lists_and_removes(server, deployment) -> None:
     assert "cli-bot" not in cli("list").stdout and cli("rm", "cli-bot").returncode == 1
 
 
+def cli(server: str, *args: str) -> str:
+    """`loraplex ARGS...` as the operator; its output (it must succeed)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "gateway.cli", args[0], "--url", server, "--key", KEYS["operator"], *args[1:]]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def until_every_gateway(server: str, key: str, status: int, bound_s: float) -> float:
+    """Seconds until `key` got `status` on 16 requests in a row (from the first of them), each on a new
+    connection (the two gateway replicas share the port: the kernel spreads new connections over them)."""
+    started = time.monotonic()
+    in_a_row, streak_s = 0, 0.0
+    while in_a_row < 16:
+        assert time.monotonic() - started < bound_s + 5, f"not {status} on every gateway after {bound_s + 5} s"
+        sent_s = time.monotonic()
+        got = httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code
+        streak_s = streak_s if got == status and in_a_row else sent_s
+        in_a_row = in_a_row + 1 if got == status else 0
+    return streak_s - started
+
+
+def test_run_time_tenants_keys_quotas_and_usage_on_two_gateways(server) -> None:
+    tenant = f"acme-{uuid.uuid4().hex[:6]}"
+    assert tenant in cli(server, "tenants", "create", tenant, "--adapters", "caps")
+    key = cli(server, "keys", "create", tenant, "--name", "ci").splitlines()[0]
+    assert until_every_gateway(server, key, 200, 1.0) < 1.5  # usable on both replicas within a second
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=key, max_retries=0, timeout=120)
+    answers = [client.completions.create(model="caps", prompt=PROMPT, max_tokens=5).usage,
+               client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=4,
+                                              messages=[{"role": "user", "content": "Hi"}]).usage]
+    chunks = list(client.completions.create(model="caps", prompt="Copper is", max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True}))
+    answers.append(chunks[-1].usage)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="json", prompt="x", max_tokens=2)  # not in its ACL; not counted
+
+    key_id = cli(server, "keys", "list", tenant).split()[0]
+    rotated = cli(server, "keys", "rotate", tenant, key_id).splitlines()[0]
+    assert until_every_gateway(server, key, 401, 0.5) < 1.5  # the old key refused everywhere within the bound
+    assert until_every_gateway(server, rotated, 200, 0.5) < 1.5
+
+    usage = httpx.get(f"{server}/v1/usage", headers={"Authorization": f"Bearer {rotated}"}).json()["totals"]
+    assert usage["requests"] == 3
+    assert usage["prompt_tokens"] == sum(u.prompt_tokens for u in answers)
+    assert usage["completion_tokens"] == sum(u.completion_tokens for u in answers)
+    assert usage["cached_tokens"] == sum(u.prompt_tokens_details.cached_tokens for u in answers)
+    as_csv = cli(server, "usage", "--tenant", tenant, "--format", "csv")
+    assert as_csv.startswith("hour,tenant,key_id,") and len(as_csv.splitlines()) == 3  # the header, caps and the base
+
+    used = usage["prompt_tokens"] + usage["completion_tokens"]
+    cli(server, "tenants", "update", tenant, "--tokens-per-day", str(used + 1))
+    until_every_gateway(server, rotated, 200, 0.5)
+    time.sleep(1.1)  # every gateway's reading of the day's count is fresh
+    with pytest.raises(openai.RateLimitError) as refused:
+        openai.OpenAI(base_url=f"{server}/v1", api_key=rotated, max_retries=0).completions.create(
+            model="caps", prompt=PROMPT, max_tokens=2)
+    assert "token quota per day" in str(refused.value)
+    cli(server, "tenants", "update", tenant, "--tokens-per-day", str(10**9))
+
+
 def test_a_restart_of_everything_keeps_the_registry(deployment) -> None:
     assert upload(deployment.url, "survivor", write_adapter(deployment.directory / "s.gguf", 7)).status_code == 201
     listed = httpx.get(f"{deployment.url}/v1/adapters", headers=auth()).json()
     expected = complete(deployment.url, "survivor").choices[0].logprobs
+    tenant = f"keeper-{uuid.uuid4().hex[:6]}"
+    cli(deployment.url, "tenants", "create", tenant)
+    key = cli(deployment.url, "keys", "create", tenant).splitlines()[0]
+    until_every_gateway(deployment.url, key, 200, 0.5)
+    openai.OpenAI(base_url=f"{deployment.url}/v1", api_key=key, max_retries=0, timeout=120).completions.create(
+        model="caps", prompt="Copper is", max_tokens=3)
+    usage = httpx.get(f"{deployment.url}/v1/usage", headers={"Authorization": f"Bearer {key}"}).json()["data"]
     deployment.stop()  # every process: gateways, workers, Ray
     deployment.start()
     assert httpx.get(f"{deployment.url}/v1/adapters", headers=auth()).json() == listed
+    # the run-time tenant, its key and its usage are the deployment's, not a process's
+    assert httpx.get(f"{deployment.url}/v1/usage", headers={"Authorization": f"Bearer {key}"}).json()["data"] == usage
     # its prefix from the cache now: the same to rounding
     after = complete(deployment.url, "survivor").choices[0].logprobs
     assert after.tokens == expected.tokens and after.token_logprobs == pytest.approx(expected.token_logprobs, abs=1e-4)

@@ -1,0 +1,84 @@
+"""`GET /v1/usage` (torch-free): hourly usage rows (gateway/usage.py) for a period, as JSON, JSON
+lines or CSV. A tenant's key sees its own; the operator's every tenant's, or one with `?tenant=`.
+
+`start` and `end` are Unix seconds or ISO 8601 dates/times (UTC when no zone is given); by default
+the current UTC month up to now. A period is at most MAX_QUERY_HOURS long.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway.api.incoming import begin, credentials, gateway_of
+from gateway.api.protocol import APIError
+from gateway.usage import COUNTS, FINISH_REASONS, MAX_QUERY_HOURS
+
+router = APIRouter()
+FORMATS = {"json": "application/json", "jsonl": "application/x-ndjson", "csv": "text/csv"}
+COLUMNS = ("hour", "tenant", "key_id", "adapter", "model", *COUNTS, *(f"finish_{r}" for r in FINISH_REASONS))
+
+
+def _time(value: str | None, name: str, default_s: float) -> float:
+    if value is None or value == "":
+        return default_s
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError as e:
+        raise APIError(400, f"{name}: Unix seconds or an ISO 8601 date or time, got {value[:64]!r}", "invalid_value") from e
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+def _month_start(now_s: float) -> float:
+    t = time.gmtime(now_s)
+    return datetime(t.tm_year, t.tm_mon, 1, tzinfo=UTC).timestamp()
+
+
+def _totals(rows: list[dict[str, Any]]) -> dict[str, int]:
+    return {c: sum(int(r[c]) for r in rows) for c in COLUMNS[5:]}
+
+
+@router.get("/v1/usage")
+async def usage(request: Request) -> Response:
+    gateway = gateway_of(request)
+    asked = request.query_params.get("tenant")
+    if gateway.tenants.is_operator(credentials(request)) or gateway.tenants.is_operator_open:
+        known = set(gateway.tenants.by_id) | await gateway.usage.tenants_with_usage()
+        tenants = [asked] if asked else sorted(known)
+    else:
+        _, tenant, _ = await begin(request)
+        if asked not in (None, "", tenant.id):
+            raise APIError(403, "a tenant's key reads its own usage only", "permission_denied")
+        tenants = [tenant.id]
+    now_s = time.time()
+    start_s = _time(request.query_params.get("start"), "start", _month_start(now_s))
+    end_s = _time(request.query_params.get("end"), "end", now_s + 1)
+    if not start_s < end_s:
+        raise APIError(400, "start must be before end", "invalid_value")
+    if end_s - start_s > MAX_QUERY_HOURS * 3600 + 3600:
+        raise APIError(400, f"a period is at most {MAX_QUERY_HOURS // 24} days: ask for several", "invalid_value")
+    fmt = request.query_params.get("format", "json")
+    if fmt not in FORMATS:
+        raise APIError(400, f"format: one of {', '.join(FORMATS)}", "invalid_value")
+    rows = await gateway.usage.rows(tenants, start_s, end_s)
+    if fmt == "jsonl":
+        return Response("".join(json.dumps(r) + "\n" for r in rows), media_type=FORMATS[fmt])
+    if fmt == "csv":
+        out = io.StringIO()
+        writer = csv.DictWriter(out, COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        return Response(out.getvalue(), media_type=FORMATS[fmt])
+    period = {"start": datetime.fromtimestamp(start_s, UTC).isoformat(), "end": datetime.fromtimestamp(end_s, UTC).isoformat()}
+    return JSONResponse({"object": "list", **period, "data": rows, "totals": _totals(rows)})
