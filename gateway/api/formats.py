@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -74,6 +74,28 @@ def named_sse(data: dict[str, Any] | str) -> bytes:
     """An event named by its data's "type" (the Anthropic and Responses APIs' framing)."""
     name = data.get("type") if isinstance(data, dict) else None
     return (f"event: {name}\n" if name else "").encode() + sse(data)
+
+
+class PromptProgress:
+    """llama-server's `prompt_progress` events (`return_progress`) as the gateway can tell them. A
+    worker reports nothing while it processes a prompt, and its cached tokens only with a choice's
+    last delta, so a stream gets two events with its first delta: the start (what was cached counted
+    as processed, as llama-server does) and the end (every prompt token processed, timed from the
+    request's admission). When that first delta is also the last, its usage gives the cached tokens
+    and the worker's own prompt time; otherwise no cached token is claimed (the last event's
+    `timings.cache_n` says how many there were)."""
+
+    def __init__(self, num_prompt_tokens: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.total, self.clock = num_prompt_tokens, clock
+        self.started_s = clock()
+
+    def events(self, first: Delta) -> list[dict[str, Any]]:
+        if first.usage is not None:
+            cache, time_ms = first.usage.cached_tokens, first.prompt_time_s * 1e3
+        else:
+            cache, time_ms = 0, (self.clock() - self.started_s) * 1e3
+        return [{"total": self.total, "cache": cache, "processed": cache, "time_ms": 0.0},
+                {"total": self.total, "cache": cache, "processed": self.total, "time_ms": time_ms}]
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -165,11 +187,14 @@ class CompletionFormatter:
 
 class ChatFormatter:
     """`chat.completion` objects; with `tools`, each choice's text is read for tool calls
-    (gateway/api/tools.py): whole, or streamed as calls complete."""
+    (gateway/api/tools.py): whole, or streamed as calls complete. A streamed choice opens with
+    `{"role": "assistant", "content": null}` and no text, and ends with a chunk holding only its
+    finish_reason and an empty delta, as OpenAI and llama-server stream them; with `progress`,
+    choice 0 opens with llama-server's `prompt_progress` chunks instead."""
 
     def __init__(self, tokenizer: GGUFTokenizer, model: str, logprobs: int | None,
-                 tools: ToolPlan | None = None) -> None:
-        self.tokenizer, self.model, self.k, self.tools = tokenizer, model, logprobs, tools
+                 tools: ToolPlan | None = None, progress: PromptProgress | None = None) -> None:
+        self.tokenizer, self.model, self.k, self.tools, self.progress = tokenizer, model, logprobs, tools, progress
         self.id, self.created = f"chatcmpl-{time.time_ns():x}", int(time.time())
         self._readers: dict[int, ToolReader] = {}  # per choice, when streaming with tools
 
@@ -224,22 +249,29 @@ class ChatFormatter:
         }
 
     def chunk(self, delta: Delta, first: bool) -> list[dict[str, Any]]:
-        role = {"role": "assistant"} if first else {}
+        chunks = self._opening(delta) if first else []
         if self.tools is None:
-            return [self._chunk(delta.index, {**role, "content": delta.text}, self._logprobs([delta]),
-                                finish_reason(delta.finish_reason))]
-        reader = self._readers.setdefault(delta.index, self.tools.reader())
-        bodies = [{"content": e} if isinstance(e, str) else {"tool_calls": [e]} for e in reader.feed(delta.text)]
+            events: list[str | dict[str, Any]] = [delta.text] if delta.text else []
+            called = False
+        else:
+            reader = self._readers.setdefault(delta.index, self.tools.reader())
+            events = reader.feed(delta.text) + (reader.finish() if delta.finish_reason is not None else [])
+            called = reader.num_calls > 0
+        bodies = [{"content": e} if isinstance(e, str) else {"tool_calls": [e]} for e in events]
+        logprobs = self._logprobs([delta]) if delta.logprobs else None
+        if logprobs is not None and not bodies:
+            bodies = [{"content": ""}]  # the tokens' log-probabilities come with a chunk of their own
+        chunks += [self._chunk(delta.index, body, logprobs if i == 0 else None) for i, body in enumerate(bodies)]
         if delta.finish_reason is not None:
-            bodies += [{"content": e} if isinstance(e, str) else {"tool_calls": [e]} for e in reader.finish()]
-        if not bodies and (first or self.k is not None):
-            bodies = [{"content": ""}]
-        chunks = [self._chunk(delta.index, {**(role if i == 0 else {}), **body}) for i, body in enumerate(bodies)]
-        if chunks:
-            chunks[0]["choices"][0]["logprobs"] = self._logprobs([delta])
-        if delta.finish_reason is not None:
-            chunks.append(self._chunk(delta.index, {}, None, self._finish_reason(delta, reader.num_calls > 0)))
+            chunks.append(self._chunk(delta.index, {}, None, self._finish_reason(delta, called)))
         return chunks
+
+    def _opening(self, delta: Delta) -> list[dict[str, Any]]:
+        """A choice's first chunks: its role, with no text (and with `progress`, choice 0's prompt_progress)."""
+        role = {"role": "assistant", "content": None}
+        if self.progress is None or delta.index != 0:
+            return [self._chunk(delta.index, role)]
+        return [{**self._chunk(delta.index, role), "prompt_progress": p} for p in self.progress.events(delta)]
 
     def usage_chunk(self, finals: Sequence[Delta]) -> dict[str, Any]:
         return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(finals),

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from gateway.api.formats import NO_USAGE, llama_timings
+from gateway.api.formats import NO_USAGE, PromptProgress, llama_timings
 from worker.contract.calls import Delta, TokenLogprob
 from worker.formats.tokenizer import GGUFTokenizer
 
@@ -45,14 +45,33 @@ def llama_probabilities(tokenizer: GGUFTokenizer, entries: Sequence[TokenLogprob
              "top_logprobs": [_llama_token(tokenizer, t, lp) for t, lp in e.top]} for e in entries]
 
 
+def selected_fields(answer: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
+    """llama-server's `response_fields`: only the answer's fields at these paths ("a/b" reads field b
+    of field a), each under its path as it was given; paths that lead nowhere are left out."""
+    out = {}
+    for path in paths:
+        value: Any = answer
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out
+
+
 class LlamaFormatter:
     """llama-server's /completion answers (one choice): the whole one, or streamed events, each
     partial one a token's text, then a last one with the summary and no text, as llama-server
-    sends them. `tokens` are listed when streaming or with `return_tokens`, as there."""
+    sends them. `tokens` are listed when streaming or with `return_tokens`, as there. `index` is
+    the prompt's place in a batch; `response_fields` keeps only those fields of the summary
+    (llama-server's paths); `progress` opens the stream with `prompt_progress` events."""
 
     def __init__(self, tokenizer: GGUFTokenizer, model: str, prompt_ids: Sequence[int], settings: dict[str, Any],
-                 return_tokens: bool) -> None:
+                 return_tokens: bool, index: int = 0, response_fields: Sequence[str] = (),
+                 progress: PromptProgress | None = None) -> None:
         self.tokenizer, self.model, self.settings, self.return_tokens = tokenizer, model, settings, return_tokens
+        self.index, self.response_fields, self.progress = index, list(response_fields), progress
         self.num_prompt_tokens = len(prompt_ids)
         self.prompt_text = tokenizer.decode(list(prompt_ids), skip_special=False)
         self.post = bool(settings.get("post_sampling_probs"))
@@ -67,8 +86,8 @@ class LlamaFormatter:
         final = deltas[-1]
         u = final.usage or NO_USAGE
         content = "".join(d.text for d in deltas)
-        return {
-            "index": 0, "content": content,
+        answer = {
+            "index": self.index, "content": content,
             "tokens": [t for d in deltas for t in d.token_ids] if self.return_tokens else [],
             "id_slot": 0, "stop": True, "model": self.model,
             "tokens_predicted": u.completion_tokens, "tokens_evaluated": u.prompt_tokens,
@@ -82,15 +101,20 @@ class LlamaFormatter:
             "timings": llama_timings(final),
             **({} if streamed else self._probabilities(deltas)),
         }
+        return selected_fields(answer, self.response_fields) if self.response_fields else answer
+
+    def _partial(self, text: str, token_ids: Sequence[int]) -> dict[str, Any]:
+        return {"index": self.index, "content": text, "tokens": list(token_ids), "stop": False, "id_slot": -1,
+                "tokens_predicted": self._predicted, "tokens_evaluated": self.num_prompt_tokens}
 
     def chunk(self, delta: Delta, first: bool) -> list[dict[str, Any]]:
         out = []
+        if first and self.progress is not None:
+            out += [{**self._partial("", ()), "prompt_progress": p} for p in self.progress.events(delta)]
         if delta.token_ids or delta.text:
             self._predicted += len(delta.token_ids)
             self._new_line = self._new_line or "\n" in delta.text
-            out.append({"index": 0, "content": delta.text, "tokens": list(delta.token_ids), "stop": False,
-                        "id_slot": -1, "tokens_predicted": self._predicted, "tokens_evaluated": self.num_prompt_tokens,
-                        **self._probabilities([delta])})
+            out.append({**self._partial(delta.text, delta.token_ids), **self._probabilities([delta])})
         if delta.is_finished:
             last = replace(delta, token_ids=(), text="", logprobs=None)
             out.append(self.whole([last], streamed=True))

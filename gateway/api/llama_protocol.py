@@ -7,6 +7,7 @@ values they are accepted, as are llama-server's own sampler orders where the one
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -19,6 +20,7 @@ from gateway.api.protocol import (
     MAX_TOOLS,
     MAX_TOP_K,
     ChatMessage,
+    Continuation,
     NamedToolChoice,
     ToolSpec,
     _Body,
@@ -50,10 +52,50 @@ def _samplers_we_run_in_order(value: Any) -> bool:
     return [v for v in value if v in _OUR_ORDER] == _OUR_ORDER
 
 
-class LlamaCompletionRequest(_Generation):
-    """llama-server's `POST /completion`."""
+MAX_PROMPTS = 16  # in one /completion batch
+Piece = str | int  # of a prompt: text (tokenized) or a token id (kept)
+_PROMPT_SHAPES = ("expected a string, a list of token ids, a list mixing strings and token ids, an object with a "
+                  "'prompt_string', or a list of such prompts (a batch)")
 
-    prompt: str | list[int]
+
+def _pieces(value: Any) -> list[Piece]:
+    """One prompt as its pieces, as llama-server reads one."""
+    if isinstance(value, dict):
+        if "multimodal_data" in value:
+            raise ValueError("multimodal_data is not supported (this server's model takes text)")
+        value = value.get("prompt_string")
+    if isinstance(value, str):
+        pieces: list[Any] = [value]
+    elif isinstance(value, list) and len(value) <= MAX_TOKENS:
+        pieces = value
+    else:
+        raise ValueError(_PROMPT_SHAPES)
+    for piece in pieces:
+        if isinstance(piece, bool) or not isinstance(piece, str | int):
+            raise ValueError(f"{_PROMPT_SHAPES}; got an element {json.dumps(piece)[:40]}")
+        if isinstance(piece, int) and piece < 0:
+            raise ValueError(f"prompt token ids are not negative, got {piece}")
+    if all(piece == "" for piece in pieces):
+        raise ValueError("the prompt is empty")
+    return pieces
+
+
+def prompts_of(value: Any) -> list[list[Piece]]:
+    """A /completion `prompt` as its prompts: a list holding no token id is a batch, one prompt an
+    element (llama-server's rule); anything else is one prompt."""
+    if isinstance(value, list) and not value:
+        raise ValueError("the prompt is empty")
+    is_batch = isinstance(value, list) and not any(isinstance(p, int) and not isinstance(p, bool) for p in value)
+    items = value if is_batch else [value]
+    if len(items) > MAX_PROMPTS:
+        raise ValueError(f"a batch takes at most {MAX_PROMPTS} prompts, got {len(items)}")
+    return [_pieces(item) for item in items]
+
+
+class LlamaCompletionRequest(_Generation):
+    """llama-server's `POST /completion` (and `/completions`)."""
+
+    prompt: str | list[Any] | dict[str, Any]  # see prompts_of
     # absent: the server's default; -1: until the end of generation
     n_predict: int | None = Field(None, ge=-1, le=MAX_TOKENS)
     temperature: float = Field(0.8, ge=0.0, le=100.0, allow_inf_nan=False)
@@ -99,6 +141,9 @@ class LlamaCompletionRequest(_Generation):
     # n_probs of the distribution each token was drawn from (after the sampler's filters)
     post_sampling_probs: bool = False
     return_tokens: bool = False  # list the generated token ids in `tokens` (streamed events always do)
+    # keep only these fields of the answer ("generation_settings/n_predict": a field of a field)
+    response_fields: list[str] = Field(default_factory=list, max_length=64)
+    return_progress: bool = False  # a stream opens with prompt_progress events
 
     @model_validator(mode="before")
     @classmethod
@@ -122,12 +167,14 @@ class LlamaCompletionRequest(_Generation):
             return "gbnf", self.grammar
         return ("json_schema", self.json_schema) if self.json_schema is not None else None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _not_empty(cls, value: str | list[int]) -> str | list[int]:
-        if not value:
-            raise ValueError("the prompt is empty")
+    def _prompt_shape(cls, value: Any) -> Any:
+        prompts_of(value)  # a clear message for a wrong shape, before pydantic's union names its members
         return value
+
+    def prompts(self) -> list[list[Piece]]:
+        return prompts_of(self.prompt)
 
     @field_validator("stop")
     @classmethod
@@ -148,8 +195,9 @@ class DetokenizeRequest(_Body):
     tokens: list[int] = Field(max_length=MAX_TOKENS)
 
 
-class ApplyTemplateRequest(_Body):
-    """llama-server's `POST /apply-template`: a chat body's messages and tools, rendered."""
+class ApplyTemplateRequest(Continuation):
+    """llama-server's `POST /apply-template`: a chat body's messages and tools, rendered (a last
+    assistant message as the prefill a chat would continue)."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)

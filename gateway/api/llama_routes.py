@@ -1,28 +1,32 @@
-"""llama-server's API (SPEC §6; torch-free): `/completion`, `/tokenize`, `/detokenize`,
-`/apply-template`, `/props` and `/lora-adapters`, as the calling tenant sees the server: its
-adapters only (ids are positions in its list), no paths."""
+"""llama-server's API (SPEC §6; torch-free): `/completion` (and `/completions`), `/tokenize`,
+`/detokenize`, `/apply-template`, `/props`, `/slots` and `/lora-adapters`, as the calling tenant
+sees the server: its adapters only (ids are positions in its list), no paths, no other tenant's
+requests."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
-from gateway.api.formats import token_str
-from gateway.api.incoming import begin, checked_chat_input, off_loop, tokenized
+from gateway.admission import Prepared
+from gateway.api.formats import PromptProgress, token_str
+from gateway.api.incoming import begin, checked_chat_input, off_loop
 from gateway.api.llama_formats import LlamaFormatter, tokenize_piece
 from gateway.api.llama_protocol import (
     ApplyTemplateRequest,
     DetokenizeRequest,
     LlamaCompletionRequest,
     LoraScale,
+    Piece,
     TokenizeRequest,
 )
 from gateway.api.protocol import APIError
-from gateway.api.respond import respond
+from gateway.api.respond import respond, route_headers
 from gateway.api.sampling import compiled_grammar, llama_params, settings_of
 from gateway.api.tools import rendered_size
 from gateway.dispatch import Gateway
@@ -35,20 +39,64 @@ router = APIRouter()
 
 
 @router.post("/completion")
+@router.post("/completions")  # llama-server's other name for it: the same body and answer
 async def llama_complete(request: Request) -> Response:
+    """One prompt's answer, or a batch's: a JSON array, one answer a prompt, in order (each prompt a
+    request of its own, run at once)."""
     gateway, tenant, body = await begin(request, LlamaCompletionRequest)
+    prompts = body.prompts()
+    if body.stream and len(prompts) > 1:
+        raise APIError(400, f"a batch of {len(prompts)} prompts cannot be streamed: stream one prompt a request, "
+                       "or send the batch without stream", "invalid_value")
     scales_by_name = gateway.admission.resolve_scales(tenant, None, body.lora)
-    prompt_ids = await tokenized(gateway, body.prompt)
     grammar = await compiled_grammar(gateway, body, "json_schema" if body.json_schema is not None else "grammar")
-    params = llama_params(gateway, len(prompt_ids), body, grammar)
-    prepared = await gateway.admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
-                                               body.cache_prompt, body.timeout_s)
     lora = [{"id": i, "scale": scales_by_name[name]}
             for i, name in enumerate(gateway.admission.adapter_names(tenant)) if name in scales_by_name]
-    settings = {**settings_of(params, is_streamed=body.stream), "lora": lora}
-    formatter = LlamaFormatter(gateway.catalog.tokenizer, gateway.catalog.model_name, prompt_ids, settings,
-                               body.return_tokens)
-    return await respond(gateway, prepared, "completion", formatter, body.stream, done_marker=False)
+    runs = []
+    for index, pieces in enumerate(prompts):
+        prompt_ids = await _prompt_ids(gateway, pieces)
+        params = llama_params(gateway, len(prompt_ids), body, grammar)
+        prepared = await gateway.admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
+                                                   body.cache_prompt, body.timeout_s)
+        settings = {**settings_of(params, is_streamed=body.stream), "lora": lora}
+        progress = PromptProgress(len(prompt_ids)) if body.return_progress and body.stream else None
+        formatter = LlamaFormatter(gateway.catalog.tokenizer, gateway.catalog.model_name, prompt_ids, settings,
+                                   body.return_tokens, index, body.response_fields, progress)
+        runs.append((prepared, formatter))
+    if len(runs) == 1:
+        prepared, formatter = runs[0]
+        return await respond(gateway, prepared, "completion", formatter, body.stream, done_marker=False)
+    return await _whole_batch(gateway, runs)
+
+
+async def _prompt_ids(gateway: Gateway, pieces: list[Piece]) -> list[int]:
+    """A prompt's token ids: its text pieces tokenized (special tokens parsed, as llama.cpp does, and
+    the BOS added only when the prompt starts with text), its token ids kept."""
+    tokenizer = gateway.catalog.tokenizer
+
+    def work() -> list[int]:
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            is_text = isinstance(piece, str)
+            ids += tokenizer.encode(piece, add_special=i == 0, parse_special=True) if is_text else [piece]
+        return ids
+
+    return await off_loop(gateway, sum(len(p) for p in pieces if isinstance(p, str)), work)
+
+
+async def _whole_batch(gateway: Gateway, runs: list[tuple[Prepared, LlamaFormatter]]) -> Response:
+    """A batch's answers as one JSON array; the first failure fails the batch (the others are cancelled)."""
+    tasks = [asyncio.ensure_future(respond(gateway, prepared, "completion", formatter, False))
+             for prepared, formatter in runs]
+    try:
+        answers = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+    headers = {name: ",".join(dict.fromkeys(a.headers.get(name, "") for a in answers))
+               for name in route_headers(runs[0][0])}
+    return JSONResponse([json.loads(a.body) for a in answers], headers=headers)
 
 
 @router.post("/tokenize")
@@ -105,6 +153,28 @@ async def props(request: Request) -> dict[str, Any]:
     }
 
 
+@router.get("/slots")
+async def slots(request: Request) -> list[dict[str, Any]]:
+    """llama-server's slot list as a gateway in front of several replicas can tell it: the sequence
+    slots of every replica that takes requests now (ids run on from one replica to the next), as
+    many of each busy as the gateway has requests in flight there. Which request a slot runs, its
+    prompt and its parameters, are not said: it may be another tenant's. `?fail_on_no_slot=1`:
+    503 when no slot is idle, as llama-server answers."""
+    gateway, _, _ = await begin(request)
+    n_ctx = gateway.catalog.max_positions
+    listed: list[dict[str, Any]] = []
+    for view in gateway.views():
+        if not (view.is_healthy and view.is_reachable):
+            continue
+        num_busy = min(view.in_flight, view.num_seq_slots)
+        listed += [{"id": len(listed) + i, "n_ctx": n_ctx, "speculative": False, "is_processing": i < num_busy}
+                   for i in range(view.num_seq_slots)]
+    if request.query_params.get("fail_on_no_slot") and all(slot["is_processing"] for slot in listed):
+        raise APIError(503, "no slot available", "no_slot_available",
+                       {"Retry-After": str(gateway.config.routing.busy_retry_after_s)})
+    return listed
+
+
 def _lora_adapters(gateway: Gateway, tenant: Tenant) -> list[dict[str, Any]]:
     """The tenant's adapters with their default scales, as `/lora-adapters` lists them."""
     out = []
@@ -133,5 +203,7 @@ async def set_adapters(request: Request) -> list[dict[str, Any]]:
         if lora_scale.id >= len(names):
             raise APIError(404, f"adapter id {lora_scale.id} not found (this key has {len(names)} adapters)",
                            "adapter_not_found")
-    tenant.default_scales = gateway.admission.enabled(tenant, {names[s.id]: s.scale for s in lora_scales})
+    scales = gateway.admission.enabled(tenant, {names[s.id]: s.scale for s in lora_scales})
+    tenant.default_scales.clear()  # the tenant's own (this request's view of it shares the dict)
+    tenant.default_scales.update(scales)
     return _lora_adapters(gateway, tenant)

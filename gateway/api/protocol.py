@@ -127,6 +127,9 @@ class _Sampling(_Generation):
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)  # vLLM's extension
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     response_format: dict[str, Any] | None = None
+    # llama-server's extensions: the output follows this JSON Schema, or this GBNF grammar
+    json_schema: dict[str, Any] | bool | None = None
+    grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -146,19 +149,28 @@ class _Sampling(_Generation):
         return stops_of(self.stop, MAX_STOP)
 
     def grammar_source(self) -> tuple[str, Any] | None:
-        """What response_format asks to enforce: ("json_schema", schema), ("json_object", None), or None."""
-        fmt = self.response_format
-        if fmt is None or fmt.get("type") == "text":
-            return None
-        if fmt.get("type") == "json_object":
-            return "json_object", None
-        if fmt.get("type") == "json_schema":
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
-                raise ValueError("response_format json_schema needs a 'json_schema' object with a 'schema'")
-            return "json_schema", spec.get("schema", {})
-        raise ValueError("response_format type must be 'text', 'json_object' or 'json_schema', "
-                         f"got {fmt.get('type')!r}")
+        """What the body asks to enforce: ("json_schema", schema), ("json_object", None), ("gbnf", text) or
+        None. One of response_format, json_schema and grammar at most: two cannot both be honoured."""
+        given = [name for name in ("response_format", "json_schema", "grammar") if self._asks(name)]
+        if len(given) > 1:
+            raise ValueError(f"give one of response_format, json_schema and grammar, not {' and '.join(given)}")
+        if self.grammar is not None:
+            if not self.grammar.strip():
+                raise ValueError("grammar is empty")
+            return "gbnf", self.grammar
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        return _response_format_source(self.response_format)
+
+    def _asks(self, name: str) -> bool:
+        if name == "response_format":
+            return self.response_format is not None and self.response_format.get("type") != "text"
+        return getattr(self, name) is not None
+
+    @property
+    def grammar_field(self) -> str:
+        """The field the enforced grammar came from (errors name it)."""
+        return next((name for name in ("grammar", "json_schema") if getattr(self, name) is not None), "response_format")
 
     @property
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -171,6 +183,28 @@ class _Sampling(_Generation):
                 raise ValueError(f"logit_bias values must be between -100 and 100, got {bias}")
             pairs.append((int(key), float(bias)))
         return tuple(pairs)
+
+
+def _response_format_source(fmt: dict[str, Any] | None) -> tuple[str, Any] | None:
+    """OpenAI's response_format, and llama-server's variants: json_object with a "schema", and
+    json_schema with its "schema" beside "type" rather than in a "json_schema" object."""
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        schema = fmt.get("schema")
+        if schema is None:
+            return "json_object", None
+        if not isinstance(schema, dict | bool):
+            raise ValueError("response_format json_object's 'schema' must be a JSON Schema object")
+        return "json_schema", schema
+    if fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        if spec is None and "schema" in fmt:  # llama-server's shape
+            spec = {"schema": fmt["schema"]}
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
+            raise ValueError("response_format json_schema needs a 'json_schema' object with a 'schema'")
+        return "json_schema", spec.get("schema", {})
+    raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {fmt.get('type')!r}")
 
 
 class CompletionRequest(_Sampling):
@@ -267,7 +301,37 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
-class ChatRequest(_Sampling):
+class Continuation(_Body):
+    """How a chat's rendering ends. A last assistant message is a prefill the answer continues
+    (llama-server's rule; vLLM's `continue_final_message` asks for it by name), unless
+    `add_generation_prompt` is false, which renders the messages as they are."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _continuation(self) -> Continuation:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        if self.is_prefill and self.messages[-1].tool_calls:
+            raise ValueError("an assistant message with tool_calls cannot be continued")
+        if self.is_prefill and len(self.messages) > 1 and self.messages[-2].role == "assistant":
+            raise ValueError("two assistant messages end the conversation: only the last one can be continued")
+        return self
+
+    @property
+    def is_prefill(self) -> bool:
+        """The last message is the assistant's text, which the answer continues."""
+        last = self.messages[-1]
+        if self.continue_final_message:
+            return True
+        return last.role == "assistant" and not last.tool_calls and self.add_generation_prompt is not False
+
+
+class ChatRequest(_Sampling, Continuation):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
@@ -276,6 +340,7 @@ class ChatRequest(_Sampling):
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # true: an answer may hold several calls (default: one)
+    return_progress: bool = False  # llama-server's: a stream opens with prompt_progress chunks
 
     @model_validator(mode="after")
     def _tools(self) -> ChatRequest:
@@ -283,7 +348,8 @@ class ChatRequest(_Sampling):
         if forced and not self.tools:
             raise ValueError("tool_choice requires tools")
         if self.tools and self.tool_choice != "none" and self.grammar_source() is not None:
-            raise ValueError("response_format cannot be combined with tools (give tool_choice 'none', or no tools)")
+            given = next(name for name in ("response_format", "json_schema", "grammar") if self._asks(name))
+            raise ValueError(f"{given} cannot be combined with tools (give tool_choice 'none', or no tools)")
         return self
 
     @property

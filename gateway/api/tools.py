@@ -333,10 +333,16 @@ def _arguments(text: str) -> Any:
 
 def chat_input(body, style: str) -> tuple[ToolPlan | None, list[dict[str, Any]], dict[str, Any]]:
     """A chat body's tool plan, its messages as the template reads them in this style, and what
-    else the template gets (`tools`, in the hermes style); ValueError for a bad body."""
+    else rendering gets (`tools`, in the hermes style; `continue_final` for a prefill, or
+    `add_generation_prompt` false: worker/formats/chat_template.py); ValueError for a bad body."""
     plan = plan_of(body, style) if getattr(body, "tools", None) else None
     messages = chat_messages([m.as_dict() for m in body.messages], plan, style)
-    return plan, messages, {"tools": plan.template_tools()} if plan is not None and style == HERMES else {}
+    extra: dict[str, Any] = {"tools": plan.template_tools()} if plan is not None and style == HERMES else {}
+    if getattr(body, "is_prefill", False):
+        extra["continue_final"] = True
+    elif getattr(body, "add_generation_prompt", None) is False:
+        extra["add_generation_prompt"] = False
+    return plan, messages, extra
 
 
 def rendered_size(messages: list[dict[str, Any]], extra: dict[str, Any]) -> int:

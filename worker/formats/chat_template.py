@@ -54,8 +54,9 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
-        if not messages:
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
+               allow_empty: bool = False, **extra: Any) -> str:
+        if not messages and not allow_empty:
             raise ChatTemplateError("messages must not be empty")
         clean = []
         for i, message in enumerate(messages):
@@ -103,14 +104,21 @@ def literal_spans(text: str, contents: Sequence[str | tuple[str, ...]], has_cont
     return spans
 
 
-def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], **extra: Any) -> str:
+def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], continue_final: bool = False, **extra: Any) -> str:
     """`messages` rendered with the model's template (a `GGUFTokenizer`'s), the generation prompt
-    added; `extra` goes to the template too (`tools`)."""
+    added unless `add_generation_prompt=False`; `extra` goes to the template too (`tools`). With
+    `continue_final`, the last message (the assistant's) is a prefill, as llama-server renders one:
+    the messages before it with the generation prompt, then its text, left open."""
     if not tokenizer.chat_template:
         raise ChatTemplateError("this model has no chat template (tokenizer.chat_template)")
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-    return ChatTemplate(tokenizer.chat_template, bos, eos).render(messages, **extra)
+    template = ChatTemplate(tokenizer.chat_template, bos, eos)
+    if not continue_final:
+        return template.render(messages, **extra)
+    extra.pop("add_generation_prompt", None)
+    head = template.render(messages[:-1], add_generation_prompt=True, allow_empty=True, **extra)
+    return head + _message_text(messages[-1].get("content") or "")
 
 
 def strings_in(value: Any, skip: frozenset[str] = frozenset()) -> list[str]:
@@ -124,13 +132,13 @@ def strings_in(value: Any, skip: frozenset[str] = frozenset()) -> list[str]:
     return []
 
 
-def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]], **extra: Any) -> list[int]:
+def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]], continue_final: bool = False, **extra: Any) -> list[int]:
     """Render `messages` with the model's template and tokenize (a `GGUFTokenizer`), as
     llama-server does, except that control tokens come only from the template: text in a
     message's content that spells one (`<|im_start|>`) stays text, and so does every other
     string the template is given (tool definitions, earlier calls' names and arguments), raw
-    or JSON-escaped."""
-    text = render_chat(tokenizer, messages, **extra)
+    or JSON-escaped. `continue_final`: the last message is a prefill (render_chat)."""
+    text = render_chat(tokenizer, messages, continue_final, **extra)
     bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     contents: list[str | tuple[str, ...]] = [_message_text(m.get("content", "")) for m in messages]
     contents += [

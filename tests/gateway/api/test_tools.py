@@ -127,6 +127,11 @@ def test_a_forced_call_is_a_valid_call_of_that_function_whole_and_streamed(reque
         assert call["id"].startswith("call_")
     reasons = sorted(c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason)
     assert reasons == ["tool_calls", "tool_calls"]
+    for index in (0, 1):  # each choice opens with its role alone and closes with its finish_reason alone
+        mine = [c.choices[0] for c in streamed if c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant" and mine[0].delta.content is None and not mine[0].delta.tool_calls
+        assert mine[-1].finish_reason == "tool_calls" and mine[-1].delta.model_dump(exclude_none=True) == {}
+        assert [len(c.delta.tool_calls or ()) for c in mine[1:-1]] == [1]  # the call, whole, in one chunk
 
 
 def test_generic_auto_always_answers_a_call_or_a_reply(client) -> None:
@@ -172,6 +177,8 @@ def test_the_round_trip_renders_calls_and_tool_results_back(client, hermes_clien
      "tool_choice names function 'launch', which is not in tools"),
     ({"tool_choice": "required"}, "tool_choice requires tools"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format cannot be combined with tools"),
+    ({"tools": TOOLS, "grammar": 'root ::= "x"'}, "grammar cannot be combined with tools"),
+    ({"tools": TOOLS, "json_schema": {"type": "object"}}, "json_schema cannot be combined with tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "function names must be unique"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string", "format": "fancy"}}}],
