@@ -15,6 +15,7 @@ stdlib dataclasses without their own config). The file's shape, old spellings in
     cache:    PrefixCacheConfig (cache/prefix.py) with its Redis flat: redis_url, key_prefix, ttl_s,
               timeout_s, redis_password_file, redis_cluster are RedisConfig's (cache/l2.py) url, ..., cluster
     routing:  RoutingSettings (gateway/policy/routing.py); `routing: affinity` is `{policy: affinity}`
+    tracing:  TracingSettings (worker/contract/tracing.py): otlp_endpoint, service_name, sample_ratio
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from cache.prefix import PrefixCacheConfig
 from gateway.policy.nodes import selector_error
 from gateway.policy.routing import RoutingSettings
 from worker.contract.spec import DEFAULT_FINGERPRINT_DIR, DeviceSettings, EngineConfig, WorkerSpec
+from worker.contract.tracing import TracingSettings  # gateway/tracing.py's; defined with the workers', who get it too
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.yaml"
@@ -44,7 +46,7 @@ _DEVICE_KEYS_IN_ENGINE = ("dtype", "weights", "threads", "decode_threads")  # De
 _REDIS_KEYS = {"redis_url": "url", "key_prefix": "key_prefix", "ttl_s": "ttl_s", "timeout_s": "timeout_s",
                "redis_password_file": "password_file", "redis_cluster": "cluster"}  # cache: key -> RedisConfig field
 _FILE_NAMES = {"cache.redis": "cache"} | {f"cache.redis.{field}": f"cache.{key}" for key, field in _REDIS_KEYS.items()}
-_SET_BY_WORKER_SPEC = {("engine", "is_multi_tenant"): "follows from the tenants (more than one)",
+_SET_BY_WORKER_SPEC = {("engine", "is_multi_tenant"): "follows from the tenants (more than one, or an operator key)",
                        ("device", "device"): "chosen per shard (cuda where num_gpus > 0, else cpu)"}
 
 
@@ -87,6 +89,8 @@ class TenantConfig(_Strict):
     adapters: list[str] | Literal["*"] = "*"  # the adapters it may use
     requests_per_min: int | None = Field(None, ge=1)
     tokens_per_min: int | None = Field(None, ge=1)  # prompt + max completion tokens
+    tokens_per_day: int | None = Field(None, ge=1)  # quotas: prompt + generated tokens per UTC day, month (gateway/usage.py)
+    tokens_per_month: int | None = Field(None, ge=1)
     shared_cache: bool = False  # opt in to the shared cache salt (default: its own)
     max_adapters: int = Field(32, ge=0)  # adapters it may register at run time (POST /v1/adapters)
     max_adapter_bytes: int = Field(1 << 30, ge=0)  # their total size
@@ -161,6 +165,7 @@ class ServeConfig(_Strict):
     device: DeviceSettings = DeviceSettings()
     cache: PrefixCacheConfig = PrefixCacheConfig(redis=RedisConfig())  # Redis is used when reachable
     routing: RoutingSettings = RoutingSettings()
+    tracing: TracingSettings = TracingSettings()  # OpenTelemetry over OTLP/HTTP; off by default
     http: HTTPSettings = HTTPSettings()
     registry: RegistrySettings = RegistrySettings()
     fingerprint_dir: str | None = DEFAULT_FINGERPRINT_DIR  # base-model fingerprints kept between processes; null: none
@@ -248,11 +253,13 @@ class ServeConfig(_Strict):
             shard=shard,
             model_path=str(self.model_path()),
             adapter_paths=tuple(str(self.adapter_path(name)) for name in spec.adapters),
-            engine=replace(self.engine, is_multi_tenant=len(self.tenants) > 1),
+            # an operator key may make more tenants at run time (gateway/accounts.py)
+            engine=replace(self.engine, is_multi_tenant=len(self.tenants) > 1 or bool(self.operator_key_sha256)),
             device=replace(self.device, device=device, threads=self.device.threads or threads),
             cache=self.cache,
             fingerprint_dir=None if self.fingerprint_path() is None else str(self.fingerprint_path()),
             blob_store=self.blob_store(),
+            tracing=self.tracing,
         )
 
     def store_path(self) -> Path:

@@ -19,12 +19,15 @@ from gateway.admission import Admission, Prepared
 from gateway.api.protocol import APIError
 from gateway.catalog import Catalog
 from gateway.config import ServeConfig
-from gateway.metrics import GatewayMetrics, merge_worker_metrics
+from gateway.metrics import GatewayMetrics, adapter_label, merge_worker_metrics
 from gateway.policy.routing import NoCandidateError, NoneReachable, RecentLoad, ReplicasBusy, ReplicaView, candidates, choose
 from gateway.pool import ShardPool, WorkerFailed
 from gateway.ratelimit import RateLimiter
 from gateway.registry.registry import AdapterRegistry, open_registry
-from gateway.tenants import Tenants
+from gateway.responses_store import open_response_store
+from gateway.tenants import open_tenants
+from gateway.tracing import RequestSpans, open_tracing
+from gateway.usage import open_ledger
 from worker.contract.calls import Delta, WorkerCall
 
 log = logging.getLogger(__name__)
@@ -38,11 +41,14 @@ class Gateway:
                  registry: AdapterRegistry | None = None) -> None:
         self.config, self.catalog, self.pool = config, catalog, pool
         self.routing = config.routing
-        self.tenants = Tenants(config)
+        self.tenants = open_tenants(config, clock)
         self.limiter = limiter or RateLimiter()
         self.registry = registry or open_registry(config, catalog, pool, clock)
-        self.admission = Admission(config, catalog, self.limiter, self.registry, clock)
+        self.usage = open_ledger(config.cache.redis)
+        self.responses = open_response_store(config)  # the Responses API's stored responses
+        self.admission = Admission(config, catalog, self.limiter, self.registry, clock, self.usage)
         self.metrics = metrics or GatewayMetrics()
+        self.tracing = open_tracing(config.tracing, "gateway")
         self._clock = clock
         self._in_flight: dict[str, int] = {}
         self._failed_until_s: dict[str, float] = {}
@@ -157,6 +163,8 @@ class Gateway:
         tried: set[str] = set()
         busy: Delta | None = None  # the last refusal of a full replica
         has_waited = False
+        spans = RequestSpans(self.tracing.tracer, prepared, self.routing.policy)
+        adapter = adapter_label(prepared.names_by_fingerprint.values())
         while True:
             call = self._call(prepared)
             try:
@@ -165,13 +173,17 @@ class Gateway:
                 has_waited = True
                 await self._until_reachable(prepared, tried, call.timeout_s)
                 continue
+            attempt = spans.attempt(replica, call)  # its call carries the attempt's trace context
             is_first, is_delivered = True, False
             whole: list[Delta] = []
             try:
-                async with aclosing(_until(self.pool.stream(replica.replica_id, call), self._deadline(call))) as deltas:
+                async with aclosing(_until(self.pool.stream(replica.replica_id, attempt.call), self._deadline(call))) as deltas:
                     async for delta in deltas:
+                        if delta.finish_reason is not None:
+                            self.metrics.choice_finished(prepared.tenant.id, adapter, delta)
                         if is_first:
                             is_first = False
+                            attempt.answered(delta)
                             if delta.status == 503 and len(tried) < max_attempts:
                                 busy = delta
                                 break  # that replica is full: another may not be
@@ -189,6 +201,7 @@ class Gateway:
                             yield delta
                         return
             except WorkerFailed as e:
+                attempt.failed(e)
                 is_retried = not is_delivered and len(tried) < max_attempts
                 self._failed(replica, e, "; retrying elsewhere" if is_retried else "")
                 if is_delivered:
@@ -199,6 +212,7 @@ class Gateway:
                     raise APIError(503, f"the workers failed to {what} the request", "worker_failed",
                                    self._retry_after()) from e
             except TimeoutError as e:
+                attempt.failed(e)
                 self._failed(replica, e, "; it did not answer within the request's deadline")
                 if is_delivered:
                     yield Delta.failed("the request did not finish within its deadline", status=504)
@@ -206,6 +220,7 @@ class Gateway:
                 raise APIError(504, "the request did not finish within its deadline", "timeout") from e
             finally:
                 self._in_flight[replica.replica_id] -= 1
+                attempt.end()
 
     def stream(self, prepared: Prepared) -> AsyncIterator[Delta]:
         """The worker's deltas as they come (`_attempts`): it fails over only before the first."""

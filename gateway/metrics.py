@@ -2,17 +2,34 @@
 
 Each gateway keeps its own registry, so several in one process (tests) do not
 collide; `/metrics` renders it with the workers' cache metrics appended.
+
+`loraplex_gateway_requests_total` counts every HTTP answer once: respond()'s Timing counts the
+requests it answers (`finished`), the HTTP edge (gateway/api/observed.py) the rest (`answered`:
+refused before they reached a worker, and every other route), each within its request's
+`answering()`, whichever comes first (a llama-server batch of prompts is one answer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from worker.contract.calls import Delta
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS_S = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass
+class _Answer:
+    is_counted: bool = False
+
+
+_ANSWER: ContextVar[_Answer | None] = ContextVar("loraplex_answer", default=None)  # the HTTP request being answered
 
 
 def adapter_label(names: Iterable[str]) -> str:
@@ -27,6 +44,8 @@ class GatewayMetrics:
         self.requests = Counter("loraplex_gateway_requests", "requests answered, by status", (*labels, "status"), registry=r)
         self.latency = Histogram("loraplex_gateway_request_seconds", "arrival to last byte", labels, buckets=LATENCY_BUCKETS_S, registry=r)
         self.ttft = Histogram("loraplex_gateway_ttft_seconds", "arrival to first token", labels, buckets=LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram("loraplex_gateway_itl_seconds", "a choice's mean time between tokens: its decode time / (tokens - 1)",
+                             ("tenant", "adapter"), buckets=ITL_BUCKETS_S, registry=r)
         self.queued = Histogram("loraplex_gateway_queue_seconds", "time a request waited in its worker's queue before its first step",
                                 labels, buckets=LATENCY_BUCKETS_S, registry=r)
         self.tokens_in = Counter("loraplex_gateway_prompt_tokens", "prompt tokens", labels, registry=r)
@@ -42,9 +61,39 @@ class GatewayMetrics:
     def replica_failure(self, replica: str) -> None:
         self.failures.labels(replica).inc()
 
+    @contextmanager
+    def answering(self) -> Iterator[None]:
+        """One HTTP request's answer, counted once within it (by `finished` or `answered`)."""
+        token = _ANSWER.set(_Answer())
+        try:
+            yield
+        finally:
+            _ANSWER.reset(token)
+
+    def answered(self, endpoint: str, status: int, tenant: Callable[[], str]) -> None:
+        """An answer the HTTP edge saw, unless `finished` counted it: its tenant looked up only then,
+        its adapters not known there."""
+        if self._take():
+            self.requests.labels(tenant(), "", endpoint, str(status)).inc()
+
+    def _take(self) -> bool:
+        """Whether the request being answered is still to be counted; from now on it is not."""
+        answer = _ANSWER.get()  # None outside an HTTP request (a test's direct call): counted
+        if answer is None:
+            return True
+        is_new, answer.is_counted = not answer.is_counted, True
+        return is_new
+
+    def choice_finished(self, tenant: str, adapter: str, final: Delta) -> None:
+        """A choice's last delta (its own timings: the worker's clock)."""
+        usage = final.usage
+        if usage is not None and usage.completion_tokens > 1 and final.finish_reason in ("stop", "length"):
+            self.itl.labels(tenant, adapter).observe(final.decode_time_s / (usage.completion_tokens - 1))
+
     def finished(self, tenant: str, adapter: str, endpoint: str, status: int, latency_s: float, ttft_s: float | None,
                  final: Delta | None) -> None:
-        self.requests.labels(tenant, adapter, endpoint, str(status)).inc()
+        if self._take():
+            self.requests.labels(tenant, adapter, endpoint, str(status)).inc()
         self.latency.labels(tenant, adapter, endpoint).observe(latency_s)
         if ttft_s is not None:
             self.ttft.labels(tenant, adapter, endpoint).observe(ttft_s)

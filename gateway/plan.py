@@ -79,7 +79,7 @@ def read_traffic(path: str) -> dict[str, float]:
                 continue
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
             for name in labels.get("adapter", "base").split("+"):
-                if name != "base":
+                if name not in ("base", ""):  # "": refused before its adapters were known (gateway/metrics.py)
                     counts[name] = counts.get(name, 0.0) + float(m.group(2))
         return counts
     try:

@@ -20,8 +20,18 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from gateway.api import adapters, anthropic_routes, llama_routes, openai_routes, operator_routes, responses_routes
+from gateway.api import (
+    adapters,
+    anthropic_routes,
+    llama_routes,
+    openai_routes,
+    operator_routes,
+    responses_routes,
+    tenant_routes,
+    usage_routes,
+)
 from gateway.api.adapters import LoadLoRARequest, UnloadLoRARequest, registry_unavailable
+from gateway.api.anthropic_protocol import CountTokensRequest, MessagesRequest
 from gateway.api.llama_protocol import (
     ApplyTemplateRequest,
     DetokenizeRequest,
@@ -29,7 +39,9 @@ from gateway.api.llama_protocol import (
     LoraScale,
     TokenizeRequest,
 )
+from gateway.api.observed import ObservedRequests
 from gateway.api.protocol import APIError, ChatRequest, CompletionRequest
+from gateway.api.responses_protocol import ResponsesRequest
 from gateway.api.uploads import UPLOAD_BODY
 from gateway.dispatch import Gateway
 from gateway.registry.records import RegistryUnavailable
@@ -59,6 +71,9 @@ BODIES: dict[str, Any] = {  # what each POST takes, for the OpenAPI document (pa
     "/apply-template": ApplyTemplateRequest,
     "/v1/load_lora_adapter": LoadLoRARequest,
     "/v1/unload_lora_adapter": UnloadLoRARequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
+    "/v1/responses": ResponsesRequest,
 }
 
 
@@ -120,9 +135,11 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal)
     app.add_exception_handler(RegistryUnavailable, registry_unavailable)
-    for routes in (openai_routes, llama_routes, operator_routes, adapters, anthropic_routes, responses_routes):
+    for routes in (openai_routes, llama_routes, operator_routes, adapters, anthropic_routes, responses_routes, tenant_routes,
+                   usage_routes):
         app.include_router(routes.router)
     app.add_middleware(ConfiguredCORS)
+    app.add_middleware(ObservedRequests)  # outermost: every answer traced and counted, CORS' too
     _document_bodies(app)
     return app
 

@@ -14,10 +14,10 @@ from fastapi import Request
 from gateway.api.json_body import load_json, parse, read_body
 from gateway.admission import EXCEEDS_CONTEXT
 from gateway.api.protocol import APIError
-from gateway.api.tools import ToolPlan, chat_input
+from gateway.api.tools import ToolPlan, chat_input, rendered_size
 from gateway.dispatch import Gateway
 from gateway.tenants import Tenant
-from worker.formats.chat_template import ChatTemplateError
+from worker.formats.chat_template import ChatTemplateError, encode_chat
 from worker.formats.tokenizer import TokenizerError
 
 OFF_LOOP_CHARS = 4096  # texts longer than this are tokenized in a worker thread
@@ -48,6 +48,7 @@ async def begin(request: Request, body_type: Any = None) -> tuple[Gateway, Tenan
     (None without `body_type`)."""
     gateway = gateway_of(request)
     gateway.registry.ensure_running()
+    await gateway.tenants.refresh_if_stale()
     tenant = gateway.tenants.authenticate(credentials(request))
     await gateway.limiter.admit(tenant)
     await gateway.registry.refresh_if_stale()
@@ -84,3 +85,12 @@ def checked_chat_input(gateway: Gateway, body: Any) -> tuple[ToolPlan | None, li
         return chat_input(body, gateway.catalog.tool_style)
     except ValueError as e:
         raise APIError(400, str(e), "invalid_value") from e
+
+
+async def chat_prompt(gateway: Gateway, body: Any) -> tuple[ToolPlan | None, list[int]]:
+    """A chat body's tool plan and its prompt: its messages rendered with the model's template (a last
+    assistant message as a prefill) and tokenized (the chat, Anthropic and Responses routes')."""
+    tools, messages, extra = checked_chat_input(gateway, body)
+    prompt_ids = await off_loop(gateway, rendered_size(messages, extra),
+                                lambda: encode_chat(gateway.catalog.tokenizer, messages, **extra))
+    return tools, prompt_ids

@@ -13,11 +13,12 @@ import pytest
 import yaml
 
 from gateway.config import RegistrySettings, load_config, parse_config
+from gateway.tracing import TracingSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "loraplex"
 KUBE_VERSION = "1.30.0"
-CORE_KINDS = {"Service", "StatefulSet", "Secret", "NetworkPolicy", "Ingress"}
+CORE_KINDS = {"Service", "StatefulSet", "Secret", "NetworkPolicy", "Ingress", "ConfigMap"}
 
 
 def render(values: dict | None = None) -> list[dict]:
@@ -234,3 +235,12 @@ def test_the_emptydir_adapter_store_is_refused_when_more_than_one_worker_pod_may
     for fix in ({"url": "s3://adapters"}, {"existingClaim": "adapters-rwx"}):  # either is fine
         lint({**values, "adapterStore": fix})
         render({**values, "adapterStore": fix})
+
+
+def test_tracing_settings_reach_the_config_the_application_is_built_from() -> None:
+    tracing = {"otlp_endpoint": "http://otel-collector.monitoring:4318", "service_name": "llm", "sample_ratio": 0.1}
+    lint({"loraplex": {"tracing": tracing}})
+    config = serve_config(next(d for d in render({"loraplex": {"tracing": tracing}}) if d["kind"] == "RayService"))
+    assert parse_config(config, ".", "serveConfigV2").tracing == TracingSettings(**tracing)
+    with pytest.raises(helm.HelmError, match="otlp_endpoint"):
+        render({"loraplex": {"tracing": {"otlp_endpoint": "otel-collector:4318"}}})

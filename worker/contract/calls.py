@@ -35,6 +35,7 @@ class WorkerCall:
     cache_prompt: bool = True  # False: neither reuse nor store this request's KV
     tenant: str = ""  # the worker shares prompt tokens and free KV slots fairly between tenants
     timeout_s: float | None = None  # from when the worker gets it: past this, the request ends with status 503 or 504
+    traceparent: str | None = None  # W3C trace context of the gateway's span for it (worker/contract/tracing.py); None: untraced
 
 
 @dataclass(frozen=True, slots=True)

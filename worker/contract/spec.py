@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from cache.blobs import BlobStoreConfig
 from cache.prefix import PrefixCacheConfig
+from worker.contract.tracing import TracingSettings
 
 DTYPES = ("float32", "float16", "bfloat16")  # compute (and KV) dtypes
 # auto: f16 on the CPU in float32, dense elsewhere | dense: the compute dtype | f16, q4: CPU formats (worker/model/quant.py)
@@ -98,3 +99,4 @@ class WorkerSpec:
     cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
     fingerprint_dir: str | None = None  # the base's fingerprint, kept on disk: no re-hashing of the model per process
     blob_store: BlobStoreConfig | None = None
+    tracing: TracingSettings = field(default_factory=TracingSettings)  # where its spans go (off by default)

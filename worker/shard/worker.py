@@ -14,14 +14,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
+
+from opentelemetry import trace
 
 from cache.blobs import open_blob_store
 from worker.contract.calls import CHANNEL_HEARTBEAT_S, Delta, WorkerCall
 from worker.contract.identity import AdapterSlot, Fingerprint
 from worker.contract.spec import WorkerSpec
+from worker.contract.tracing import context_of, open_tracing
 from worker.engine.engine import Engine, EngineRequest
 from worker.engine.loop import EngineLoop, Overloaded, Subscription
 from worker.engine.pins import NotHeld, Pins
@@ -49,6 +53,7 @@ class ShardWorker:
             return Engine(self.runner, self.tokenizer, spec.engine, prefix_cache=self.prefix_cache)
 
         self.loop = EngineLoop(build, spec.engine.max_waiting)
+        self.tracing = open_tracing(spec.tracing, "worker")  # its own exporter: a replica is a process of its own
         self.pins = Pins(self.loop, self.runner.base, None if spec.blob_store is None else open_blob_store(spec.blob_store))
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
         self._channels: dict[str, CallerChannel] = {}
@@ -68,6 +73,8 @@ class ShardWorker:
         """Start `call`, its deltas going to `receive` on this event loop: (its subscription,
         None), or (None, the refusal) when the worker does not take it."""
         mailbox = self._mailbox()
+        if call.traceparent is not None and self.tracing.is_enabled:
+            receive = _traced(self.tracing.tracer, call, self.spec.shard, receive, time.time_ns())
         try:
             request = self.request(call)
         except NotHeld as e:  # routed here before a pin arrived or after it left: the gateway tries another replica
@@ -155,3 +162,32 @@ class ShardWorker:
     def close(self) -> None:
         self.loop.close()
         self.prefix_cache.close()
+        self.tracing.close()
+
+
+def _traced(tracer: trace.Tracer, call: WorkerCall, shard: str, receive: Callable[[Delta], None],
+            started_ns: int) -> Callable[[Delta], None]:
+    """`receive`, and once the request is over, its spans under the gateway's (the call's traceparent),
+    placed from the engine's own timings of it (no clock read in its step loop): worker.request, from
+    `started_ns` (submitted) to now, with its queue wait, prefill and decode."""
+
+    def traced(delta: Delta) -> None:
+        receive(delta)
+        if not delta.is_finished:
+            return
+        attributes = {"loraplex.tenant": call.tenant, "loraplex.shard": shard, "loraplex.finish_reason": delta.finish_reason or ""}
+        if delta.usage is not None:
+            attributes |= {"loraplex.prompt_tokens": delta.usage.prompt_tokens, "loraplex.cached_tokens": delta.usage.cached_tokens,
+                           "loraplex.completion_tokens": delta.usage.completion_tokens}
+        request = tracer.start_span("worker.request", context_of(call.traceparent), trace.SpanKind.SERVER, attributes,
+                                    start_time=started_ns)
+        context = trace.set_span_in_context(request)
+        prefilled_s = delta.prompt_time_s  # arrival to first token
+        for name, start_s, end_s in (("worker.queue", 0.0, delta.queue_time_s), ("worker.prefill", delta.queue_time_s, prefilled_s),
+                                     ("worker.decode", prefilled_s, prefilled_s + delta.decode_time_s)):
+            tracer.start_span(name, context, start_time=started_ns + int(start_s * 1e9)).end(started_ns + int(end_s * 1e9))
+        if delta.finish_reason == "error":
+            request.set_status(trace.Status(trace.StatusCode.ERROR, delta.error))
+        request.end()
+
+    return traced
