@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
+import redis
 import redis.asyncio
 
 from gateway.api.app import create_app
@@ -62,6 +65,19 @@ def local_app(config, worker_config=None):
     app = create_app()
     app.state.gateway = Gateway(config, Catalog(config), pool, limiter)
     return app, pool
+
+
+@contextlib.contextmanager
+def local_serving(config, worker_config=None) -> Iterator[tuple]:
+    """`local_app`'s app and pool; afterwards the workers closed and every Redis key under the config's prefix deleted."""
+    app, pool = local_app(config, worker_config)
+    try:
+        yield app, pool
+    finally:
+        pool.close()
+        r = redis.Redis()
+        for key in r.scan_iter(f"{config.cache.redis.key_prefix}:*"):
+            r.delete(key)
 
 
 PROMPT = [(5 * i + 7) % 240 for i in range(30)]

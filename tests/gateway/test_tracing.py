@@ -14,12 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from gateway.pool import WorkerFailed
-from tests.gateway.gateway_setup import PROMPT, auth, local_app, tiny_config
+from tests.gateway.gateway_setup import PROMPT, auth, local_serving, tiny_config
 from tests.gateway.live_server import live_server, wait_until
 from worker.contract.tracing import TracingSettings, open_tracing
 
@@ -96,13 +95,8 @@ def traced(tiny_llama, tmp_path_factory, receiver):
     prefix = f"loraplex-test-{uuid.uuid4().hex}"
     tracing = {"otlp_endpoint": receiver.url, "service_name": "lp-test"}
     config = tiny_config(tiny_llama, tmp_path_factory.mktemp("traced"), prefix, tracing=tracing)
-    app, pool = local_app(config)
-    with live_server(app) as url:
+    with local_serving(config) as (app, pool), live_server(app) as url:
         yield url, app.state.gateway, pool
-    pool.close()
-    r = redis.Redis()
-    for key in r.scan_iter(f"{prefix}:*"):
-        r.delete(key)
 
 
 def exported(receiver: Receiver, gateway, pool, trace_id: str, num_spans: int) -> dict[str, list[ReceivedSpan]]:

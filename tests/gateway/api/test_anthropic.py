@@ -11,12 +11,11 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-import redis
 
 from gateway.api.anthropic_formats import MessageFormatter
 from gateway.api.formats import named_sse
 from gateway.api.protocol import APIError
-from tests.gateway.gateway_setup import KEYS, SCHEMA, local_app, tiny_config
+from tests.gateway.gateway_setup import KEYS, SCHEMA, local_serving, tiny_config
 from tests.gateway.live_server import live_server
 from tests.tinymodels import TinySpec, make_tiny_model
 
@@ -38,13 +37,8 @@ def url(tmp_path_factory):
     directory = tmp_path_factory.mktemp("anthropic")
     model = make_tiny_model(directory, TinySpec(context_length=1024), name="tiny-anthropic.gguf")
     prefix = f"loraplex-test-{uuid.uuid4().hex}"
-    app, pool = local_app(tiny_config(model, directory, prefix, http={"max_body_bytes": 65536}))
-    with live_server(app) as served:
+    with local_serving(tiny_config(model, directory, prefix, http={"max_body_bytes": 65536})) as (app, _), live_server(app) as served:
         yield served
-    pool.close()
-    r = redis.Redis()
-    for key in r.scan_iter(f"{prefix}:*"):
-        r.delete(key)
 
 
 def client(url: str, key: str = "t1") -> anthropic.Anthropic:

@@ -11,9 +11,8 @@ import uuid
 import httpx
 import numpy as np
 import pytest
-import redis
 
-from tests.gateway.gateway_setup import ATTN, KEYS, digest, local_app, tiny_config
+from tests.gateway.gateway_setup import ATTN, KEYS, digest, local_serving, tiny_config
 from tests.gateway.live_server import live_server, wait_until
 from tests.tinymodels import random_lora, write_adapter
 
@@ -36,13 +35,8 @@ def served(tiny_llama, tmp_path_factory):
         engine={"num_seq_slots": 4, "max_step_tokens": 64, "max_waiting": 2},
         http={"max_body_bytes": 4096, "max_tokens_default": 8, "request_timeout_s": 60},
     )
-    app, pool = local_app(config)
-    with live_server(app) as url:
+    with local_serving(config) as (app, pool), live_server(app) as url:
         yield url, pool, app.state.gateway
-    pool.close()
-    r = redis.Redis()
-    for key in r.scan_iter(f"{prefix}:*"):
-        r.delete(key)
 
 
 @pytest.fixture

@@ -12,9 +12,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import redis
 
-from tests.gateway.gateway_setup import KEYS, PROMPT, SCHEMA, local_app, tiny_config
+from tests.gateway.gateway_setup import KEYS, PROMPT, SCHEMA, local_serving, tiny_config
 from tests.gateway.live_server import live_server
 
 ASK = [{"role": "user", "content": "hello there"}]
@@ -24,13 +23,8 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def served(tiny_llama, tmp_path_factory):
     prefix = f"loraplex-test-{uuid.uuid4().hex}"
-    app, pool = local_app(tiny_config(tiny_llama, tmp_path_factory.mktemp("clients"), prefix))
-    with live_server(app) as url:
+    with local_serving(tiny_config(tiny_llama, tmp_path_factory.mktemp("clients"), prefix)) as (app, _), live_server(app) as url:
         yield url, app.state.gateway
-    pool.close()
-    r = redis.Redis()
-    for key in r.scan_iter(f"{prefix}:*"):
-        r.delete(key)
 
 
 @pytest.fixture

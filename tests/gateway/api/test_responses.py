@@ -21,7 +21,7 @@ from gateway.api.responses_formats import ResponsesFormatter
 from gateway.api.responses_protocol import ResponsesRequest
 from gateway.api.tools import HERMES, Function, ToolPlan
 from gateway.responses_store import LocalResponses, RecordTooLarge, RedisResponses, StoredResponse
-from tests.gateway.gateway_setup import KEYS, SCHEMA, local_app, tiny_config
+from tests.gateway.gateway_setup import KEYS, SCHEMA, local_serving, tiny_config
 from tests.gateway.live_server import live_server
 from tests.tinymodels import CHATML, TinySpec, make_tiny_model
 from worker.contract.calls import Delta, Usage
@@ -39,13 +39,8 @@ def served(tmp_path_factory):
     directory = tmp_path_factory.mktemp("responses")
     model = make_tiny_model(directory, TinySpec(chat_template=CHATML, context_length=1024), name="tiny-responses.gguf")
     prefix = f"loraplex-test-{uuid.uuid4().hex}"
-    app, pool = local_app(tiny_config(model, directory, prefix, http={"max_body_bytes": 65536}))
-    with live_server(app) as url:
+    with local_serving(tiny_config(model, directory, prefix, http={"max_body_bytes": 65536})) as (app, _), live_server(app) as url:
         yield url, app.state.gateway, prefix
-    pool.close()
-    r = redis.Redis()
-    for key in r.scan_iter(f"{prefix}:*"):
-        r.delete(key)
 
 
 def sdk(served, key: str = "t1") -> openai.OpenAI:

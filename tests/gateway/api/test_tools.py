@@ -9,11 +9,10 @@ import uuid
 import jsonschema
 import openai
 import pytest
-import redis
 from fastapi.testclient import TestClient
 
 from gateway.api.tools import GENERIC, HERMES, Function, ToolPlan, chat_messages, template_style
-from tests.gateway.gateway_setup import api, auth, local_app, tiny_config
+from tests.gateway.gateway_setup import api, auth, local_serving, tiny_config
 from tests.tinymodels import CHATML, TinySpec, make_tiny_model
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -61,13 +60,8 @@ def _serve(directory, template: str):
     """A gateway over a tiny model with this chat template and room for the tools' descriptions."""
     model = make_tiny_model(directory, TinySpec(chat_template=template, context_length=1024), name="tiny-tools.gguf")
     prefix = f"loraplex-test-{uuid.uuid4().hex}"
-    app, pool = local_app(tiny_config(model, directory, prefix, http={"max_body_bytes": 65536}))
-    with TestClient(app) as client:
+    with local_serving(tiny_config(model, directory, prefix, http={"max_body_bytes": 65536})) as (app, _), TestClient(app) as client:
         yield client
-    pool.close()
-    r = redis.Redis()
-    for key in r.scan_iter(f"{prefix}:*"):
-        r.delete(key)
 
 
 @pytest.fixture(scope="module")
