@@ -21,16 +21,18 @@ import re
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from gateway.registry.records import Records, RecordStore
+from gateway.registry.records import Records, RecordStore, ReplicaDidNotAcknowledge
 
 KEY_PREFIX = "sk-lp-"  # an issued key: this, then 43 URL-safe characters (32 random bytes)
 SHOWN_CHARS = len(KEY_PREFIX) + 4  # how much of a key listings show
 TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_KEYS_PER_TENANT = 64
 MAX_KEY_NAME_CHARS = 128
+FORGET_ENDED_KEYS_S = 30 * 24 * 3600  # a revoked or expired key's record is dropped this long after
+RESERVED_IDS = frozenset({"anonymous"})  # the open deployment's tenant (gateway/tenants.py)
 
 
 class AccountError(ValueError):
@@ -53,6 +55,7 @@ class TenantRecord:
     max_adapters: int = 32
     max_adapter_bytes: int = 1 << 30
     is_disabled: bool = False  # its keys are refused (403) until it is enabled again
+    is_deleted: bool = False  # a tombstone: the id is never used again (its usage, responses and cache salt stay its own)
     created_s: float = 0.0
     updated_s: float = 0.0
     kind: str = "tenant"
@@ -66,14 +69,14 @@ class TenantRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TenantRecord:
-        data = dict(data)
+        data = _known(cls, data)  # a field a newer gateway wrote is ignored here (rolling upgrades)
         if data.get("adapters") is not None:
             data["adapters"] = tuple(data["adapters"])
         return cls(**data)
 
     def public(self) -> dict[str, Any]:
         out = asdict(self)
-        del out["kind"]
+        del out["kind"], out["is_deleted"]
         out["adapters"] = "*" if self.adapters is None else list(self.adapters)
         return out
 
@@ -99,7 +102,7 @@ class KeyRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KeyRecord:
-        return cls(**data)
+        return cls(**_known(cls, data))
 
     def is_valid(self, now_s: float) -> bool:
         return self.revoked_s is None and (self.expires_s is None or now_s < self.expires_s)
@@ -122,13 +125,24 @@ class AccountRecords:
         return AccountRecords.from_dict(json.loads(text))
 
 
+def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
 def tenants_of(records: Records) -> dict[str, TenantRecord]:
-    return {r.id: r for r in records.values() if isinstance(r, TenantRecord)}
+    """The live tenants (not the tombstones of deleted ones)."""
+    return {r.id: r for r in records.values() if isinstance(r, TenantRecord) and not r.is_deleted}
 
 
 def keys_of(records: Records, tenant: str | None = None) -> list[KeyRecord]:
     keys = (r for r in records.values() if isinstance(r, KeyRecord) and tenant in (None, r.tenant))
     return sorted(keys, key=lambda k: (k.created_s, k.id))
+
+
+def _ended_s(key: KeyRecord) -> float:
+    ended = [t for t in (key.revoked_s, key.expires_s) if t is not None]
+    return min(ended) if ended else float("inf")
 
 
 def new_key() -> str:
@@ -191,19 +205,25 @@ class Accounts:
     @staticmethod
     def _tenant(records: Records, tenant_id: str) -> TenantRecord:
         found = records.get(f"tenant/{tenant_id}")
-        if not isinstance(found, TenantRecord):
+        if not isinstance(found, TenantRecord) or found.is_deleted:
             raise AccountError(404, f"tenant {tenant_id!r} not found", "tenant_not_found")
         return found
 
     async def create_tenant(self, tenant_id: str, settings: dict[str, Any]) -> TenantRecord:
         if not isinstance(tenant_id, str) or not TENANT_ID.fullmatch(tenant_id):
             raise AccountError(400, "id: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit", "invalid_value")
+        if tenant_id in RESERVED_IDS:
+            raise AccountError(409, f"tenant id {tenant_id!r} is reserved", "tenant_exists")
         self._config_tenant(tenant_id)
         now_s = self.clock()
         record = replace(TenantRecord(tenant_id, created_s=now_s, updated_s=now_s), **settings)
 
         def create(records: Records):
-            if record.key in records:
+            old = records.get(record.key)
+            if isinstance(old, TenantRecord) and old.is_deleted:
+                raise AccountError(409, f"tenant id {tenant_id!r} belonged to a deleted tenant: ids are never used again "
+                                   "(its usage, stored responses and cache stay its own)", "tenant_exists")
+            if old is not None:
                 raise AccountError(409, f"tenant {tenant_id!r} exists", "tenant_exists")
             return {record.key: record}, record
 
@@ -219,19 +239,21 @@ class Accounts:
         return (await self.records.transact(update))[1]
 
     async def delete_tenant(self, tenant_id: str) -> TenantRecord:
-        """The tenant and every key it has, in one change."""
+        """The tenant and every key it has, in one change; a tombstone keeps its id from being used again."""
         self._config_tenant(tenant_id)
 
         def delete(records: Records):
             record = self._tenant(records, tenant_id)
-            return {record.key: None, **{k.key: None for k in keys_of(records, tenant_id)}}, record
+            tombstone = TenantRecord(tenant_id, is_deleted=True, created_s=record.created_s, updated_s=self.clock())
+            return {record.key: tombstone, **{k.key: None for k in keys_of(records, tenant_id)}}, record
 
         return (await self.records.transact(delete))[1]
 
     async def issue_key(self, tenant_id: str, name: str = "", expires_s: float | None = None,
-                        replacing: str | None = None, old_expires_s: float | None = None) -> tuple[str, KeyRecord]:
-        """A new key of `tenant_id` (the key itself, and its record). With `replacing` (rotation):
-        that key expires at `old_expires_s` (now when None) in the same change."""
+                        replacing: str | None = None, old_expires_s: float | None = None) -> tuple[str, KeyRecord, str | None]:
+        """A new key of `tenant_id`: the key itself, its record, and a warning when no Redis replica
+        acknowledged it in time (it is shown anyway: refusing would lose a key that works). With
+        `replacing` (rotation): that key expires at `old_expires_s` (now when None) in the same change."""
         self._config_tenant(tenant_id)
         if not isinstance(name, str) or len(name) > MAX_KEY_NAME_CHARS:
             raise AccountError(400, f"name: at most {MAX_KEY_NAME_CHARS} characters", "invalid_value")
@@ -245,6 +267,8 @@ class Accounts:
             self._tenant(records, tenant_id)
             live = [k for k in keys_of(records, tenant_id) if k.is_valid(now_s)]
             changes: dict[str, Any] = {record.key: record}
+            # keys revoked or expired long ago are forgotten (the set every gateway reads stays small)
+            changes.update((k.key, None) for k in keys_of(records, tenant_id) if _ended_s(k) < now_s - FORGET_ENDED_KEYS_S)
             if replacing is not None:
                 old = records.get(f"key/{replacing}")
                 if not isinstance(old, KeyRecord) or old.tenant != tenant_id:
@@ -256,8 +280,11 @@ class Accounts:
                                    "key_limit")
             return changes, record
 
-        await self.records.transact(issue)
-        return key, record
+        try:
+            await self.records.transact(issue)
+        except ReplicaDidNotAcknowledge as e:  # committed on the master: the key works unless a failover loses it
+            return key, record, str(e)
+        return key, record, None
 
     async def revoke_key(self, tenant_id: str, key_id: str) -> KeyRecord:
         self._config_tenant(tenant_id)
@@ -282,7 +309,9 @@ class Snapshot:
     version: int = -1
     tenants: dict[str, TenantRecord] = field(default_factory=dict)
     keys_by_digest: dict[str, KeyRecord] = field(default_factory=dict)
+    has_had_tenants: bool = False  # a tenant was ever made (deleted ones too): the deployment is no longer open
 
     @classmethod
     def of(cls, version: int, records: Records) -> Snapshot:
-        return cls(version, tenants_of(records), {k.sha256: k for k in keys_of(records)})
+        ever = any(isinstance(r, TenantRecord) for r in records.values())
+        return cls(version, tenants_of(records), {k.sha256: k for k in keys_of(records)}, ever)

@@ -189,8 +189,8 @@ class Gateway:
                                 break  # that replica is full: another may not be
                             if on_first is not None:
                                 on_first()
-                            if delta.status is not None:  # nothing ran
-                                raise self.error_of(delta, prepared)
+                            if delta.status is not None:  # refused, or ended at once (by its deadline: it ran)
+                                raise _with_usage(self.error_of(delta, prepared), [delta])
                         if is_streamed:
                             is_delivered = True
                             yield delta
@@ -217,7 +217,9 @@ class Gateway:
                 if is_delivered:
                     yield Delta.failed("the request did not finish within its deadline", status=504)
                     return
-                raise APIError(504, "the request did not finish within its deadline", "timeout") from e
+                error = APIError(504, "the request did not finish within its deadline", "timeout")
+                error.num_generated_tokens = sum(len(d.token_ids) for d in whole)  # it ran: its usage counts
+                raise error from e
             finally:
                 self._in_flight[replica.replica_id] -= 1
                 attempt.end()
@@ -232,7 +234,7 @@ class Gateway:
         the request's APIError."""
         deltas = [delta async for delta in self._attempts(prepared, is_streamed=False, on_first=on_first)]
         if deltas[-1].finish_reason == "error":
-            raise self.error_of(deltas[-1], prepared)
+            raise _with_usage(self.error_of(deltas[-1], prepared), deltas)
         return deltas
 
     async def full_health(self) -> dict[str, Any]:
@@ -285,6 +287,15 @@ class Gateway:
         longer than `health_timeout_s`."""
         timeout_s = self.routing.health_timeout_s
         return await asyncio.gather(*(asyncio.wait_for(q, timeout_s) for q in questions), return_exceptions=True)
+
+
+def _with_usage(error: APIError, deltas: list[Delta]) -> APIError:
+    """`error`, saying what its request generated when it ran before it failed (the worker ended it at its
+    deadline, or after tokens): its usage counts."""
+    generated = sum(len(d.token_ids) for d in deltas)
+    if generated or error.status == 504:
+        error.num_generated_tokens = generated
+    return error
 
 
 async def _until(deltas: AsyncIterator[Delta], deadline: float | None) -> AsyncIterator[Delta]:

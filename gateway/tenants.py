@@ -107,8 +107,9 @@ class Tenants:
 
     @property
     def is_open(self) -> bool:
-        """No tenant anywhere: no auth, one anonymous tenant (a local deployment)."""
-        return not self.configured and not self.snapshot.tenants and self._has_read
+        """No tenant anywhere, and none ever made at run time (deleting the last one does not open it):
+        no auth, one anonymous tenant (a local deployment)."""
+        return not self.configured and not self.snapshot.has_had_tenants and self._has_read
 
     # keeping up with the records
 
@@ -117,7 +118,8 @@ class Tenants:
         (requests that come together share one read)."""
         if self.accounts is None:
             return
-        while self._clock() - self._checked_s > ACCOUNTS_POLL_S:
+        arrived_s = self._clock()
+        while arrived_s - self._checked_s > ACCOUNTS_POLL_S:  # ends once a read began after it arrived: two at most
             if self._check is None or self._check.done():
                 self._check = asyncio.ensure_future(self._version_check())
             await asyncio.shield(self._check)
@@ -155,14 +157,14 @@ class Tenants:
         revoked or expired one, 403 for a disabled tenant's, 503 before the records could be read."""
         if self.is_open:
             return self.anonymous
-        if not self._has_read and not self.configured:
-            raise APIError(503, "tenants cannot be read yet (the deployment's Redis is unreachable)", "tenants_unavailable",
-                           {"Retry-After": "5"})
         sha256 = _key_digest(authorization).hex()
         tenant_id = self._config_keys.get(sha256)
         if tenant_id is not None:
             return replace(self.configured[tenant_id], key_id=config_key_id(sha256))
         key: KeyRecord | None = self.snapshot.keys_by_digest.get(sha256)
+        if key is None and not self._has_read:  # it may be a run-time key, not read yet
+            raise APIError(503, "API keys cannot be read yet (the deployment's Redis is unreachable)", "tenants_unavailable",
+                           {"Retry-After": "5"})
         if key is None or key.tenant not in self._runtime:
             raise APIError(401, "invalid API key", "invalid_api_key")
         if key.revoked_s is not None:
@@ -176,7 +178,7 @@ class Tenants:
     @property
     def is_operator_open(self) -> bool:
         """Neither tenants nor operator keys configured: a local, unauthenticated deployment."""
-        return not self.configured and not self.snapshot.tenants and not self._operator_digests
+        return not self.configured and not self._operator_digests
 
     def is_operator(self, authorization: str | None) -> bool:
         """The caller holds an operator key (never true without one configured)."""

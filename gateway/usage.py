@@ -220,8 +220,9 @@ class UsageLedger:
                 tokens += since
                 self._quota_reads[(tenant, pid)] = (now_s, tokens)
                 self._since_read[(tenant, pid)] = 0
-            except client_errors() as e:
+            except client_errors() as e:  # counted from what is known; not asked again before QUOTA_CACHE_S
                 log.warning("quota of %s not read (%s): counted from what is known", tenant, type(e).__name__)
+                self._quota_reads[(tenant, pid)] = (now_s, tokens)
         return tokens + self._since_read[(tenant, pid)]
 
     async def check_quota(self, tenant: str, quotas: dict[str, int | None], prompt_tokens: int) -> None:

@@ -30,6 +30,7 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.code, self.headers = status, message, code, headers or {}
         self.kind, self.details = kind, details  # `type` when not the status's; more fields of `error`
+        self.num_generated_tokens: int | None = None  # set when the request ran before it failed (its usage counts)
 
     ANTHROPIC_TYPES: ClassVar[dict[int, str]] = {
         400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",

@@ -71,6 +71,13 @@ class Timing:
         self.is_counted = True
         await self.gateway.usage.record(self._event(final, final.finish_reason or "stop"))
 
+    def failed(self, error: APIError) -> None:
+        """The request's answer is `error`; when it ran before it failed (its deadline), what it used counts."""
+        if error.num_generated_tokens is not None:
+            self.num_sent_tokens = error.num_generated_tokens
+            self.count_partial("error")
+        self.done(error.status, None)
+
     def count_partial(self, finish_reason: str) -> None:
         """A stream that ended early (`cancelled`, `error`): its prompt and the tokens sent, written soon."""
         if not self.is_counted:
@@ -98,7 +105,7 @@ async def respond(gateway: Gateway, prepared: Prepared, endpoint: str, formatter
         try:
             deltas = await gateway.collect(prepared, on_first=timing.token)
         except APIError as e:
-            timing.done(e.status, None)
+            timing.failed(e)
             raise
         finally:
             in_flight.dec()
@@ -111,7 +118,10 @@ async def respond(gateway: Gateway, prepared: Prepared, endpoint: str, formatter
         first = await anext(deltas)  # errors before the first token are still HTTP errors
     except BaseException as e:
         in_flight.dec()
-        timing.done(e.status if isinstance(e, APIError) else 500, None)
+        if isinstance(e, APIError):
+            timing.failed(e)
+        else:
+            timing.done(500, None)
         raise
     events = _events(gateway, prepared, first, deltas, formatter, usage_chunk, done_marker, timing, in_flight)
     return StreamingResponse(events, media_type="text/event-stream", headers=route_headers(prepared))

@@ -51,6 +51,7 @@ class ResponsesFormatter:
         self._num_events = 0
         self._items: list[JSONObject] = []  # output items, done or in progress
         self._message: JSONObject | None = None  # the message item receiving text, if one is open
+        self._pieces: list[str] = []  # its text so far (joined once, when it closes)
         self._reader: ToolReader | None = tools.reader() if tools is not None else None
 
     def response(self, status: str, final: Delta | None = None) -> JSONObject:
@@ -71,6 +72,7 @@ class ResponsesFormatter:
     def _open_message(self) -> list[JSONObject]:
         self._message = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
                          "content": []}
+        self._pieces = []
         self._items.append(self._message)
         where = {"item_id": self._message["id"], "output_index": len(self._items) - 1, "content_index": 0}
         return [self._event("response.output_item.added", output_index=where["output_index"],
@@ -79,12 +81,12 @@ class ResponsesFormatter:
 
     def _text(self, text: str) -> list[JSONObject]:
         events = self._open_message() if self._message is None else []
-        self._message["content"] = [_text_part(self._message_text() + text)]
+        self._pieces.append(text)
         where = {"item_id": self._message["id"], "output_index": len(self._items) - 1, "content_index": 0}
         return events + [self._event("response.output_text.delta", **where, delta=text, logprobs=[])]
 
     def _message_text(self) -> str:
-        return self._message["content"][0]["text"] if self._message and self._message["content"] else ""
+        return "".join(self._pieces) if self._message is not None else ""
 
     def _close_message(self, status: str) -> list[JSONObject]:
         if self._message is None:

@@ -133,7 +133,7 @@ async def input_items(request: Request, response_id: str) -> dict[str, Any]:
     gateway, tenant, _ = await begin(request)
     query = request.query_params
     order, after, limit = query.get("order", "desc"), query.get("after"), query.get("limit", "20")
-    if order not in ("asc", "desc") or not limit.isdigit() or not 1 <= int(limit) <= MAX_LISTED_ITEMS:
+    if order not in ("asc", "desc") or not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= MAX_LISTED_ITEMS:
         raise APIError(400, f"order must be asc or desc, and limit between 1 and {MAX_LISTED_ITEMS}", "invalid_value")
     items = (await _stored(gateway, tenant, response_id)).input_items
     items = items if order == "asc" else items[::-1]

@@ -80,6 +80,10 @@ def _expiry(body: dict[str, Any], now_s: float, field: str = "expires_in_s") -> 
     return now_s + float(value)
 
 
+def _warned(warning: str | None) -> dict[str, str]:
+    return {} if warning is None else {"warning": warning}
+
+
 def _answer(e: AccountError) -> APIError:
     return APIError(e.status, str(e), e.code)
 
@@ -125,13 +129,17 @@ async def update_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
 async def delete_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
     """The tenant, its keys, and the adapters it registered."""
     gateway, accounts = await _operator(request)
+    if tenant_id in gateway.tenants.configured:
+        raise APIError(409, f"tenant {tenant_id!r} is defined in the deployment config; change it there", "config_tenant")
+    if tenant_id not in (await _changed(gateway, accounts)).tenants:
+        raise APIError(404, f"tenant {tenant_id!r} not found", "tenant_not_found")
+    for adapter in gateway.registry.owned(tenant_id):  # first: a failure here leaves the tenant, to delete again
+        await gateway.registry.unregister(tenant_id, adapter.name)
     try:
         record = await accounts.delete_tenant(tenant_id)
     except AccountError as e:
         raise _answer(e) from e
     await _changed(gateway, accounts)
-    for adapter in gateway.registry.owned(tenant_id):
-        await gateway.registry.unregister(tenant_id, adapter.name)
     return {"id": record.id, "object": "tenant.deleted", "deleted": True}
 
 
@@ -141,11 +149,11 @@ async def issue_key(request: Request, tenant_id: str) -> JSONResponse:
     gateway, accounts = await _operator(request)
     body = await _body(request, gateway)
     try:
-        key, record = await accounts.issue_key(tenant_id, body.get("name", ""), _expiry(body, accounts.clock()))
+        key, record, warning = await accounts.issue_key(tenant_id, body.get("name", ""), _expiry(body, accounts.clock()))
     except AccountError as e:
         raise _answer(e) from e
     await _changed(gateway, accounts)
-    return JSONResponse({**_key(record), "key": key}, status_code=201)
+    return JSONResponse({**_key(record), "key": key, **_warned(warning)}, status_code=201)
 
 
 @router.get("/v1/tenants/{tenant_id}/keys")
@@ -179,9 +187,9 @@ async def rotate_key(request: Request, tenant_id: str, key_id: str) -> JSONRespo
     old = next((k for k in keys_of(records, tenant_id) if k.id == key_id), None)
     name = body.get("name", old.name if old is not None else "")
     try:
-        key, record = await accounts.issue_key(tenant_id, name, _expiry(body, now_s), replacing=key_id,
-                                               old_expires_s=now_s + float(grace))
+        key, record, warning = await accounts.issue_key(tenant_id, name, _expiry(body, now_s), replacing=key_id,
+                                                        old_expires_s=now_s + float(grace))
     except AccountError as e:
         raise _answer(e) from e
     await _changed(gateway, accounts)
-    return JSONResponse({**_key(record), "key": key, "replaces": key_id}, status_code=201)
+    return JSONResponse({**_key(record), "key": key, "replaces": key_id, **_warned(warning)}, status_code=201)

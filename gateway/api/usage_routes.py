@@ -23,21 +23,28 @@ from gateway.usage import COUNTS, FINISH_REASONS, MAX_QUERY_HOURS
 
 router = APIRouter()
 FORMATS = {"json": "application/json", "jsonl": "application/x-ndjson", "csv": "text/csv"}
+LAST_S = 253402300799.0  # 9999-12-31T23:59:59Z
+MAX_ROWS_READ = 200_000  # tenants x hours one query reads
 COLUMNS = ("hour", "tenant", "key_id", "adapter", "model", *COUNTS, *(f"finish_{r}" for r in FINISH_REASONS))
 
 
 def _time(value: str | None, name: str, default_s: float) -> float:
+    """Unix seconds or ISO 8601, from 1970 to 9999."""
     if value is None or value == "":
         return default_s
+    bad = APIError(400, f"{name}: Unix seconds or an ISO 8601 date or time from 1970 to 9999, got {value[:64]!r}",
+                   "invalid_value")
     try:
-        return float(value)
+        moment_s = float(value)
     except ValueError:
-        pass
-    try:
-        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError as e:
-        raise APIError(400, f"{name}: Unix seconds or an ISO 8601 date or time, got {value[:64]!r}", "invalid_value") from e
-    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+        try:
+            moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError as e:
+            raise bad from e
+        moment_s = (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+    if not 0 <= moment_s <= LAST_S:  # NaN too
+        raise bad
+    return moment_s
 
 
 def _month_start(now_s: float) -> float:
@@ -68,6 +75,10 @@ async def usage(request: Request) -> Response:
         raise APIError(400, "start must be before end", "invalid_value")
     if end_s - start_s > MAX_QUERY_HOURS * 3600 + 3600:
         raise APIError(400, f"a period is at most {MAX_QUERY_HOURS // 24} days: ask for several", "invalid_value")
+    num_hours = (end_s - start_s) / 3600 + 1
+    if len(tenants) * num_hours > MAX_ROWS_READ:
+        raise APIError(400, f"{len(tenants)} tenants over {int(num_hours)} hours is more than one query reads: ask for a "
+                       "shorter period or one tenant (?tenant=)", "invalid_value")
     fmt = request.query_params.get("format", "json")
     if fmt not in FORMATS:
         raise APIError(400, f"format: one of {', '.join(FORMATS)}", "invalid_value")

@@ -89,8 +89,8 @@ class AdapterRecord:
         return cls(**data)
 
 
-def _unavailable(e: Exception) -> RegistryUnavailable:
-    return RegistryUnavailable(f"the adapter registry (Redis) is unavailable: {type(e).__name__}")
+def _unavailable(e: Exception, what: str = "the adapter registry") -> RegistryUnavailable:
+    return RegistryUnavailable(f"{what} (Redis) is unavailable: {type(e).__name__}")
 
 
 def _applied(records: Records, changes: dict[str, AdapterRecord | None]) -> Records:
@@ -177,6 +177,7 @@ class RedisRecords:
         self.is_cluster = is_cluster(client)
         self.records_key, self.version_key = redis_record_keys(key_prefix, is_cluster=self.is_cluster, name=name)
         self.record_type = record_type or AdapterRecord  # its from_json and from_dict read what is stored
+        self.what = "the adapter registry" if name == "registry" else f"the {name} records"  # in errors
         self.mirror = mirror
         self.ack_timeout_ms = max(1, round(ack_timeout_s * 1000))
         self._read_script = client.register_script(_READ)
@@ -186,14 +187,14 @@ class RedisRecords:
         try:
             raw = await self.client.get(self.version_key)
         except client_errors() as e:
-            raise _unavailable(e) from e
+            raise _unavailable(e, self.what) from e
         return int(raw) if raw is not None else await self._restore()
 
     async def load(self) -> tuple[int, Records]:
         try:
             version, records = await self._read()
         except client_errors() as e:
-            raise _unavailable(e) from e
+            raise _unavailable(e, self.what) from e
         if version is None and await self._restore():
             return await self.load()
         return int(version or 0), records
@@ -219,7 +220,7 @@ class RedisRecords:
         try:
             now, restored = await self._restore_script(keys=[self.records_key, self.version_key], args=args)
         except client_errors() as e:
-            raise _unavailable(e) from e
+            raise _unavailable(e, self.what) from e
         if restored:
             log.warning("the registry was missing from Redis: restored %d record(s) from %s", len(records), self.mirror)
         return int(now)
@@ -229,7 +230,7 @@ class RedisRecords:
             lease_ms = max(1, int(ttl_s * 1000))
             return bool(await self.client.set(f"{self.version_key}:lease:{name}", b"1", nx=True, px=lease_ms))
         except client_errors() as e:
-            raise _unavailable(e) from e
+            raise _unavailable(e, self.what) from e
 
     async def transact(self, change: Change) -> tuple[int, Any]:
         try:
@@ -240,7 +241,7 @@ class RedisRecords:
                 if version is not None:
                     break  # else another gateway changed it meanwhile: again, on what is there now
         except client_errors() as e:
-            raise _unavailable(e) from e
+            raise _unavailable(e, self.what) from e
         if self.mirror is not None:
             try:
                 await asyncio.to_thread(FileRecords.write_if_newer, self.mirror, version, _applied(records, changes),
@@ -249,7 +250,7 @@ class RedisRecords:
                 log.warning("the registry's mirror %s cannot be written: %s", self.mirror, e)
         if num_replicas and not num_acks:
             raise ReplicaDidNotAcknowledge(
-                f"the adapter registry's change (version {version}) is on Redis' master, but none of its {num_replicas} "
+                f"{self.what}'s change (version {version}) is on Redis' master, but none of its {num_replicas} "
                 f"replica(s) acknowledged it within {self.ack_timeout_ms} ms: a failover now could lose it")
         return version, result
 

@@ -71,6 +71,8 @@ def test_a_tenant_and_its_keys_from_creation_to_deletion(client) -> None:
     assert client.delete(f"/v1/tenants/{tenant_id}", headers=OPERATOR).json()["deleted"] is True
     assert client.get("/v1/models", headers=bearer(third["key"])).status_code == 401
     assert client.get(f"/v1/tenants/{tenant_id}", headers=OPERATOR).status_code == 404
+    again = client.post("/v1/tenants", headers=OPERATOR, json={"id": tenant_id})  # its usage and cache stay its own
+    assert again.status_code == 409 and "never used again" in again.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("method", "path", "body", "status", "code"), [
@@ -80,6 +82,7 @@ def test_a_tenant_and_its_keys_from_creation_to_deletion(client) -> None:
     ("post", "/v1/tenants", {"id": "bad id!"}, 400, "invalid_value"),
     ("post", "/v1/tenants", {"id": "ok-id", "tokens_per_day": -1}, 400, "invalid_value"),
     ("post", "/v1/tenants", {"id": "ok-id", "colour": "red"}, 400, "invalid_value"),
+    ("post", "/v1/tenants", {"id": "anonymous"}, 409, "tenant_exists"),
     ("patch", "/v1/tenants/nobody", {"tokens_per_day": 5}, 404, "tenant_not_found"),
     ("post", "/v1/tenants/nobody/keys", {}, 404, "tenant_not_found"),
 ])
@@ -169,6 +172,9 @@ def test_usage_is_what_the_answers_said_in_every_format(client) -> None:
     last_month = client.get("/v1/usage?start=2026-01-01&end=2026-01-02", headers=bearer(key)).json()
     assert last_month["totals"]["requests"] == 0
     assert client.get("/v1/usage?start=2020-01-01&end=2026-01-01", headers=bearer(key)).status_code == 400
+    for bad in ("start=1e15&end=1000000000003600", "start=nan", "end=inf", "start=-5", "start=tomorrow", "start=9&end=3"):
+        r = client.get(f"/v1/usage?{bad}", headers=bearer(key))
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value", (bad, r.text)
 
     # a gateway started again reads the same counts (they are in Redis, not in the process)
     fresh = open_ledger(client.app.state.gateway.config.cache.redis)
@@ -249,3 +255,33 @@ def test_a_failover_retry_and_a_cancelled_stream_are_counted_once(served) -> Non
     assert totals["requests"] == 7 and totals["finish_cancelled"] == 1, totals
     assert totals["prompt_tokens"] > answered["prompt_tokens"]  # the cancelled one's prompt too
     assert answered["completion_tokens"] <= totals["completion_tokens"] < answered["completion_tokens"] + 60
+
+
+def test_the_last_tenant_deleted_does_not_open_the_deployment(tiny_llama, tmp_path) -> None:
+    """No config tenants: open until the operator makes one; deleting it leaves keys required."""
+    from fastapi.testclient import TestClient
+
+    from tests.gateway.gateway_setup import local_serving, tiny_config
+
+    config = tiny_config(tiny_llama, tmp_path, f"loraplex-test-{uuid.uuid4().hex}", tenants=[])
+    with local_serving(config) as (app, _), TestClient(app) as client:
+        assert client.get("/v1/models").status_code == 200  # open: an anonymous tenant
+        tenant_id, key, _ = new_tenant(client)
+        assert client.get("/v1/models").status_code == 401 and models(client, key)
+        client.delete(f"/v1/tenants/{tenant_id}", headers=OPERATOR)
+        assert client.get("/v1/models").status_code == 401
+
+
+def test_a_request_that_runs_out_its_deadline_is_counted(client) -> None:
+    """Not streamed, stopped by its deadline (504): it ran, so its prompt and what it generated count."""
+    _, key, _ = new_tenant(client)
+    body = {"model": "tiny", "prompt": "one two three", "max_tokens": 110, "ignore_eos": True, "timeout_s": 0.06}
+    r = client.post("/v1/completions", headers=bearer(key), json=body)
+    assert r.status_code == 504, r.text
+    for _ in range(100):
+        totals = client.get("/v1/usage", headers=bearer(key)).json()["totals"]
+        if totals["requests"]:
+            break
+        time.sleep(0.05)
+    assert totals["requests"] == 1 and totals["finish_error"] == 1 and totals["prompt_tokens"] > 0
+    assert totals["completion_tokens"] < 110  # what it made before its deadline (on a fast machine, some)
