@@ -249,6 +249,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler="gateway.loadtest.cli:run")
 
+    p = sub.add_parser("simulate", help="a fleet of replicas in virtual time: the production routing, placement and "
+                                        "admission against other routers, on a scenario (bench/sim)")
+    p.add_argument("--scenario", required=True, metavar="FILE.yaml", help="e.g. bench/sim/scenarios/fleet-zipf.yaml")
+    p.add_argument("--replicas", type=_positive_int, default=8, metavar="N", help="replicas in the fleet (default 8)")
+    p.add_argument("--policy", action="append", metavar="P",
+                   help="router (repeatable; default all): ours, holders-then-p2c, scorer-mix, holders-only-least-loaded, "
+                        "least-loaded, round-robin")
+    p.add_argument("--seed", type=int, help="override the scenario's seed")
+    p.add_argument("--duration-s", type=float, metavar="T", help="override the scenario's duration_s")
+    p.add_argument("--rate-rps", type=float, metavar="R", help="set the total rate (every rate and burst scaled alike)")
+    p.add_argument("--max-requests", type=_positive_int, metavar="N", help="override the scenario's max_requests")
+    p.add_argument("--profile", metavar="NAME|FILE.yaml", help="step costs and engine (bench/sim/profiles; default: the scenario's)")
+    p.add_argument("--ttft-slo-s", type=float, help="override the scenario's slo.ttft_s")
+    p.add_argument("--itl-slo-s", type=float, help="override the scenario's sim.itl_s")
+    p.add_argument("--no-shared-cache", action="store_true", help="no Redis tier: each replica's own prefix cache only")
+    p.add_argument("--capacity", action="store_true", help="instead: the fewest replicas (up to --replicas) meeting the SLO, per router")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler="bench.sim.cli:run")
+
     p = sub.add_parser("bench-gateway",
                        help="latency and requests/s the gateway alone adds, against an instant stub shard")
     p.add_argument("--requests", type=_positive_int, default=500,

@@ -131,26 +131,29 @@ def plan(adapters: Sequence[AdapterSpec], shares: Mapping[str, float], num_worke
     # 2. place copies, longest first, on the least-loaded worker that can take them
     load = [0.0] * num_workers
     held: list[list[str]] = [[] for _ in range(num_workers)]
+    held_sets: list[set[str]] = [set() for _ in range(num_workers)]  # the same, for membership (fleets hold thousands)
     held_bytes = [0] * num_workers
     pieces = sorted(((share[n] / copies[n], n) for n in names for _ in range(copies[n])), key=lambda p: (-p[0], p[1]))
 
     def room(w: int, name: str, freed: str | None = None) -> bool:
         used_bytes = held_bytes[w] - (size[freed] if freed else 0)
-        return (name not in held[w] and (max_adapters is None or len(held[w]) - (freed is not None) < max_adapters)
+        return (name not in held_sets[w] and (max_adapters is None or len(held[w]) - (freed is not None) < max_adapters)
                 and (max_bytes is None or used_bytes + size[name] <= max_bytes))
 
     def put(w: int, name: str, per_copy: float) -> None:
         held[w].append(name)
+        held_sets[w].add(name)
         held_bytes[w] += size[name]
         load[w] += per_copy
 
     def make_room(name: str) -> int | None:
         """A worker lacking `name` that can take it once one of its adapters moves to a worker with room."""
-        for w in sorted((w for w in range(num_workers) if name not in held[w]), key=lambda i: (load[i], i)):
+        for w in sorted((w for w in range(num_workers) if name not in held_sets[w]), key=lambda i: (load[i], i)):
             for other in sorted(held[w], key=lambda n: (share[n] / copies[n], n)):
                 for v in range(num_workers):
                     if v != w and room(v, other) and room(w, name, freed=other):
                         held[w].remove(other)
+                        held_sets[w].discard(other)
                         held_bytes[w] -= size[other]
                         load[w] -= share[other] / copies[other]
                         put(v, other, share[other] / copies[other])
@@ -161,7 +164,7 @@ def plan(adapters: Sequence[AdapterSpec], shares: Mapping[str, float], num_worke
         options = [w for w in range(num_workers) if room(w, name)]
         w = min(options, key=lambda i: (load[i], len(held[i]), i)) if options else make_room(name)
         if w is None:
-            if any(name in h for h in held):
+            if any(name in h for h in held_sets):
                 copies[name] -= 1  # a spare copy that fits nowhere: drop it
                 continue
             raise PlacementError(f"could not place {name!r}: every worker is full or already holds it "
@@ -179,8 +182,9 @@ def plan(adapters: Sequence[AdapterSpec], shares: Mapping[str, float], num_worke
 
     # 3. workers with the same set are one shard (after the swaps, only when nothing could differ)
     groups: dict[tuple[str, ...], list[int]] = {}
+    rank = {n: i for i, n in enumerate(order)}
     for w in range(num_workers):
-        groups.setdefault(tuple(sorted(held[w], key=lambda n: order.index(n))), []).append(w)
+        groups.setdefault(tuple(sorted(held[w], key=rank.__getitem__)), []).append(w)
     shards = tuple(
         Shard(f"shard-{i}", adapters_, len(workers), load[workers[0]])
         for i, (adapters_, workers) in enumerate(sorted(groups.items(), key=lambda g: g[1][0]))

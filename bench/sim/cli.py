@@ -1,0 +1,98 @@
+"""`loraplex simulate`: the fleet of a scenario in virtual time, once per router, and a table
+(or JSON) of what each achieved; `--capacity`: the fewest replicas meeting the SLO per router."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from bench.sim.fleet import Fleet, place
+from bench.sim.profile import DEFAULT_PROFILE, load_profile
+from bench.sim.report import SLO, figures, table
+from bench.sim.routers import ROUTERS
+from bench.sim.workload import FleetScenario, load_fleet_scenario, scaled
+from gateway.config import ConfigError
+
+GOOD_SHARE = 0.99  # --capacity: the share of requests that must meet the SLO
+
+
+def simulate(fleet: FleetScenario, num_replicas: int, routers: list[str], profile_name: str | None = None,
+             slo: SLO | None = None, shared_cache: bool | None = None) -> list[dict[str, float | int | str]]:
+    """One run per router over the same requests and placement; their figures."""
+    profile = load_profile(profile_name or fleet.sim.profile or DEFAULT_PROFILE)
+    scenario = fleet.scenario
+    slo = slo or SLO(scenario.slo.ttft_s, fleet.sim.itl_s)
+    placement = place(fleet, num_replicas)
+    measured_s = scenario.duration_s - scenario.warmup_s
+    return [figures(Fleet(fleet, scenario, profile, placement, router, shared_cache=shared_cache).run(), slo, measured_s)
+            for router in routers]
+
+
+def capacity(fleet: FleetScenario, max_replicas: int, router: str, **kwargs) -> int | None:
+    """The fewest replicas (binary search up to `max_replicas`) whose goodput share is GOOD_SHARE."""
+    def meets(n: int) -> bool:
+        return simulate(fleet, n, [router], **kwargs)[0]["goodput_share"] >= GOOD_SHARE
+
+    low = max(1, math.ceil(len(fleet.scenario.adapters.names) * fleet.sim.redundancy / fleet.sim.max_adapters_per_replica))
+    if not meets(max_replicas):
+        return None
+    high = max_replicas
+    while low < high:
+        middle = (low + high) // 2
+        if meets(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return high
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        fleet = load_fleet_scenario(args.scenario)
+    except ConfigError as e:
+        print(f"loraplex simulate: {e}", file=sys.stderr)
+        return 2
+    scenario = scaled(fleet.scenario, args.rate_rps, args.duration_s, args.seed)
+    if args.max_requests is not None:
+        scenario = scenario.model_copy(update={"max_requests": args.max_requests})
+    fleet = FleetScenario(scenario, fleet.sim)
+    routers = args.policy or list(ROUTERS)
+    unknown = [r for r in routers if r not in ROUTERS]
+    if unknown:
+        print(f"loraplex simulate: unknown policy {unknown[0]!r} (known: {', '.join(ROUTERS)})", file=sys.stderr)
+        return 2
+    slo = SLO(args.ttft_slo_s or scenario.slo.ttft_s, args.itl_slo_s or fleet.sim.itl_s)
+    shared = False if args.no_shared_cache else None
+    started = time.perf_counter()  # only to report how long the simulation took; no decision reads it
+    try:
+        if args.capacity:
+            result = {r: capacity(fleet, args.replicas, r, profile_name=args.profile, slo=slo, shared_cache=shared) for r in routers}
+        else:
+            rows = simulate(fleet, args.replicas, routers, args.profile, slo, shared)
+    except ValueError as e:
+        print(f"loraplex simulate: {e}", file=sys.stderr)
+        return 2
+    wall_s = time.perf_counter() - started
+    profile = load_profile(args.profile or fleet.sim.profile or DEFAULT_PROFILE)
+    what = (f"{scenario.name}: {len(scenario.adapters.names)} adapters, {scenario.load.rate_rps:g} req/s, "
+            f"{scenario.duration_s:g} s (warm-up {scenario.warmup_s:g} s), profile {profile.name} "
+            f"({'measured' if profile.is_measured else 'ASSUMED'}), SLO TTFT {slo.ttft_s:g} s ITL {slo.itl_s:g} s")
+    if args.capacity:
+        if args.json:
+            print(json.dumps({"capacity": result, "good_share": GOOD_SHARE, "wall_s": wall_s}))
+        else:
+            print(what)
+            for router, n in result.items():
+                print(f"{router:28} {n if n is not None else f'> {args.replicas}'} replicas")
+        return 0
+    if args.json:
+        print(json.dumps({"scenario": scenario.name, "replicas": args.replicas, "profile": profile.name,
+                          "is_measured": profile.is_measured, "rows": rows, "wall_s": wall_s}))
+    else:
+        print(f"{what}; {args.replicas} replicas")
+        print(table(rows))
+        print(f"({wall_s:.1f} s of wall time)")
+    return 0

@@ -1,0 +1,227 @@
+"""A fleet in virtual time: an event heap of arrivals and replicas' step ends (no sleeps, no
+wall clock). The gateway side is the production code: placement's plan and zipf_shares pin
+the adapters, the RateLimiter (per process, on the simulation's clock) admits, a router
+(bench/sim/routers.py; `ours` is gateway.policy.routing) picks a replica, and a replica that
+refuses (its queue full: 503) sends the request to the next, `max_attempts` in all, as
+gateway/dispatch.py does.
+
+Every request ends exactly once: completed, refused (429 rate limit, 503 busy) or failed (no
+replica holds its adapter, longer than a KV slot).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.sim.profile import CostProfile
+from bench.sim.replica import PrefixCache, ReplicaModel, Seq
+from bench.sim.routers import Router, make_router, request_key
+from bench.sim.workload import BASE, FleetScenario, SimRequest, requests
+from gateway.api.protocol import APIError
+from gateway.loadtest.scenario import Scenario
+from gateway.policy.placement import AdapterSpec, plan, zipf_shares
+from gateway.policy.routing import NoCandidateError, ReplicasBusy, RoutingSettings
+from gateway.ratelimit import RateLimiter
+from gateway.tenants import Tenant
+
+OUTCOMES = ("completed", "refused_rate", "refused_busy", "failed_no_replica", "failed_too_long")
+_STEP, _LOADED = 0, 1
+
+
+def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine that never suspends (the rate limiter's per-process path) to its end."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("the coroutine suspended: only the rate limiter's per-process mode runs in virtual time")
+
+
+@dataclass(frozen=True)
+class Placement:
+    pins: tuple[frozenset[str], ...]  # per replica
+    holders: dict[str, list[int]]  # adapter -> replicas pinning it
+
+
+def place(fleet: FleetScenario, num_replicas: int) -> Placement:
+    """Pins per replica from placement.plan over the scenario's initial popularity."""
+    mix = fleet.scenario.adapters
+    names = [n for n in mix.names if n != BASE]
+    if not names:
+        return Placement(tuple(frozenset() for _ in range(num_replicas)), {})
+    shares = zipf_shares(mix.names, mix.zipf_s) if mix.zipf_s is not None else dict(mix.weights)
+    shares = {n: s for n, s in shares.items() if n != BASE}
+    result = plan([AdapterSpec(n) for n in names], shares, num_replicas, max_adapters=fleet.sim.max_adapters_per_replica,
+                  redundancy=fleet.sim.redundancy)
+    pins: list[frozenset[str]] = []
+    for shard in result.shards:
+        pins += [frozenset(shard.adapters)] * shard.replicas
+    holders: dict[str, list[int]] = {}
+    for i, held in enumerate(pins):
+        for name in held:
+            holders.setdefault(name, []).append(i)
+    for held in holders.values():
+        held.sort()
+    return Placement(tuple(pins), holders)
+
+
+@dataclass
+class RunRecord:
+    """What a run measured; requests arriving before warmup_s count in `outcomes` only."""
+
+    router: str
+    num_replicas: int
+    outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    num_measured: int = 0
+    ttft_s: list[float] = field(default_factory=list)  # per completed measured request
+    itl_s: list[float] = field(default_factory=list)  # its mean gap between tokens (none for one token)
+    queue_s: list[float] = field(default_factory=list)  # arrival at its replica to a KV slot
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    busy_s: list[float] = field(default_factory=list)  # per replica: time stepping
+    slot_s: list[float] = field(default_factory=list)  # per replica: KV slots held x time
+    num_seq_slots: int = 1
+    gaps: dict[int, int] = field(default_factory=dict)  # every inter-token gap: 0.1 ms bucket -> count
+    num_adapter_loads: int = 0
+    end_s: float = 0.0
+    num_events: int = 0
+
+
+class Fleet:
+    def __init__(self, fleet: FleetScenario, scenario: Scenario, profile: CostProfile, placement: Placement, router: str,
+                 routing: RoutingSettings = RoutingSettings(), shared_cache: bool | None = None) -> None:
+        self.fleet, self.scenario, self.profile, self.placement = fleet, scenario, profile, placement
+        self.routing = routing
+        self.now_s = 0.0
+        is_shared = fleet.sim.shared_cache if shared_cache is None else shared_cache
+        shared = PrefixCache(scenario.chunk_tokens, True, 0) if is_shared else None
+        self.replicas = [ReplicaModel(i, profile, shared or PrefixCache(scenario.chunk_tokens, False, profile.l1_chunks), pins)
+                         for i, pins in enumerate(placement.pins)]
+        self.rng = random.Random(f"{scenario.seed}-router")
+        clock: Callable[[], float] = lambda: self.now_s  # noqa: E731 - the virtual clock every decision reads
+        self.router: Router = make_router(router, self.replicas, placement.holders, routing, self.rng, is_shared, clock)
+        self.limiter = RateLimiter(clock=clock)
+        limits = fleet.sim.tenant_limits
+        self.tenants = {t.name: Tenant(t.name, None, limits[t.name].requests_per_min if t.name in limits else None,
+                                       limits[t.name].tokens_per_min if t.name in limits else None)
+                        for t in scenario.tenants}
+        self.record = RunRecord(router, len(self.replicas))
+        self._heap: list[tuple[float, int, int, int, Any]] = []
+        self._counter = 0
+        self._tried: dict[int, list[int]] = {}
+
+    def _push(self, at_s: float, kind: int, replica: int, payload: Any) -> None:
+        self._counter += 1
+        heapq.heappush(self._heap, (at_s, self._counter, kind, replica, payload))
+
+    def run(self) -> RunRecord:
+        arrivals = requests(self.scenario)
+        pending = next(arrivals, None)
+        heap = self._heap
+        while heap or pending is not None:
+            self.record.num_events += 1
+            if heap and (pending is None or heap[0][0] <= pending.at_s):
+                at_s, _, kind, index, payload = heapq.heappop(heap)
+                self.now_s = at_s
+                if kind == _STEP:
+                    self._step_end(self.replicas[index], payload)
+                else:
+                    replica = self.replicas[index]
+                    replica.num_loading -= 1
+                    replica.load(payload.request.adapter)
+                    self._deliver(payload, replica)
+            else:
+                self.now_s = pending.at_s
+                self._arrive(pending)
+                pending = next(arrivals, None)
+        self.record.end_s = self.now_s
+        self.record.busy_s = [r.stats.busy_s for r in self.replicas]
+        self.record.slot_s = [r.stats.slot_s for r in self.replicas]
+        self.record.num_seq_slots = self.profile.engine.num_seq_slots
+        for r in self.replicas:
+            for bucket, count in r.stats.gaps.items():
+                self.record.gaps[bucket] = self.record.gaps.get(bucket, 0) + count
+        return self.record
+
+    def _end(self, request: SimRequest, outcome: str) -> None:
+        self.record.outcomes[outcome] += 1
+        self._tried.pop(request.index, None)
+
+    def _arrive(self, request: SimRequest) -> None:
+        if request.at_s >= self.scenario.warmup_s:
+            self.record.num_measured += 1
+        if request.num_prompt_tokens + request.max_tokens > self.profile.slot_len:
+            self._end(request, "failed_too_long")
+            return
+        tenant = self.tenants[request.tenant]
+        try:
+            run_sync(self.limiter.admit(tenant))
+            run_sync(self.limiter.spend(tenant, request.num_prompt_tokens + request.max_tokens))
+        except APIError as e:
+            self._end(request, "refused_rate" if e.status == 429 else "failed_too_long")
+            return
+        self._route(Seq(request, self.now_s), request_key(request, self.scenario.chunk_tokens))
+
+    def _route(self, seq: Seq, key: bytes | None = None) -> None:
+        request = seq.request
+        tried = self._tried.setdefault(request.index, [])
+        try:
+            index = self.router.route(request, key or request_key(request, self.scenario.chunk_tokens), tried)
+        except ReplicasBusy:
+            self._end(request, "refused_busy")
+            return
+        except NoCandidateError:
+            self._end(request, "refused_busy" if tried else "failed_no_replica")
+            return
+        tried.append(index)
+        replica = self.replicas[index]
+        if not replica.holds(request.adapter):
+            replica.num_loading += 1
+            self.record.num_adapter_loads += 1
+            self._push(self.now_s + self.profile.adapter_load_s, _LOADED, index, seq)
+            return
+        if request.adapter != BASE and request.adapter not in replica.pinned:
+            replica.load(request.adapter)  # used: most recently
+        self._deliver(seq, replica)
+
+    def _deliver(self, seq: Seq, replica: ReplicaModel) -> None:
+        seq.arrived_s = self.now_s
+        if not replica.offer(seq):  # 503: its queue is full
+            if len(self._tried[seq.request.index]) < self.routing.max_attempts:
+                self._route(seq)
+            else:
+                self._end(seq.request, "refused_busy")
+            return
+        if replica.is_idle:
+            end_s = replica.start(self.now_s)
+        else:
+            end_s = replica.cut(self.now_s)
+        if end_s is not None:
+            self._push(end_s, _STEP, replica.index, replica.version)
+
+    def _step_end(self, replica: ReplicaModel, version: int) -> None:
+        if version != replica.version:
+            return  # a run cut short: its new end is queued
+        for seq in replica.finish_steps(self.now_s):
+            self._complete(seq)
+        end_s = replica.start(self.now_s)
+        if end_s is not None:
+            self._push(end_s, _STEP, replica.index, replica.version)
+
+    def _complete(self, seq: Seq) -> None:
+        request = seq.request
+        self._end(request, "completed")
+        if request.at_s < self.scenario.warmup_s:
+            return
+        r = self.record
+        r.ttft_s.append(seq.first_token_s - request.at_s)
+        if request.max_tokens > 1:
+            r.itl_s.append((seq.finished_s - seq.first_token_s) / (request.max_tokens - 1))
+        r.queue_s.append(seq.admitted_s - seq.arrived_s)
+        r.prompt_tokens += seq.num_prompt
+        r.cached_tokens += seq.num_cached

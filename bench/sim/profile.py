@@ -1,0 +1,67 @@
+"""What a simulated replica's steps cost and how its engine is set: a linear cost model per
+forward pass (a fixed part, each prompt token, each decoding sequence) and the worker's
+EngineConfig, read from a YAML profile (bench/sim/profiles/). A profile says whether its
+coefficients were measured (and how, in its comments) or assumed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from worker.contract.spec import EngineConfig
+
+PROFILES_DIR = Path(__file__).parent / "profiles"
+DEFAULT_PROFILE = "gpu-8b-assumed"
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    name: str
+    is_measured: bool
+    step_overhead_s: float  # a forward pass's fixed part
+    prompt_token_s: float  # each prompt token it computes
+    decode_seq_s: float  # each sequence it decodes one token for
+    engine: EngineConfig
+    kv_bytes_per_token: int = 0
+    adapter_load_s: float = 0.0  # loading an adapter a replica does not pin (routers that ignore residency)
+    max_loaded_adapters: int = 8  # adapters held beyond the pins, least recently used evicted
+    l1_chunks: int = 4096  # prefix chunks a replica keeps without a shared tier
+
+    def __post_init__(self) -> None:
+        if min(self.step_overhead_s, self.prompt_token_s, self.decode_seq_s, self.adapter_load_s) < 0:
+            raise ValueError(f"profile {self.name!r}: costs must be >= 0")
+        if not self.step_overhead_s + self.prompt_token_s + self.decode_seq_s > 0:
+            raise ValueError(f"profile {self.name!r}: a step must cost some time")
+        if self.max_loaded_adapters < 0 or self.l1_chunks < 0:
+            raise ValueError(f"profile {self.name!r}: max_loaded_adapters and l1_chunks must be >= 0")
+
+    def step_s(self, prompt_tokens: int, num_decode: int) -> float:
+        return self.step_overhead_s + self.prompt_token_s * prompt_tokens + self.decode_seq_s * num_decode
+
+    @property
+    def slot_len(self) -> int:
+        return self.engine.slot_len or 2048
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV memory of a replica's sequence slots."""
+        return self.engine.num_seq_slots * self.slot_len * self.kv_bytes_per_token
+
+
+def load_profile(name_or_path: str) -> CostProfile:
+    """A profile by name (bench/sim/profiles/NAME.yaml) or path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PROFILES_DIR / f"{name_or_path}.yaml"
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
+        raise ValueError(f"cannot read profile {name_or_path!r} ({e}); known: {known}") from e
+    try:
+        engine = EngineConfig(**data.pop("engine", {}))
+        return CostProfile(engine=engine, **data)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"profile {path}: {e}") from e

@@ -1,0 +1,222 @@
+"""A simulated worker: the engine's continuous batching (worker/engine/scheduler.py's rules,
+one tenant's view of them) on a linear cost model, in virtual time.
+
+Each step decodes one token for every decoding sequence first; prompts then take what is left
+of `max_step_tokens`, at most `prefill_while_decoding` beside decoding (the engine's
+StepCosts, the production object, fed each step's simulated cost, raises that floor by
+`decode_stall` as on a worker), scaled by the sequences waiting for their first token per
+decoding one; waiting requests take free KV slots in arrival order; more than `max_waiting`
+waiting: the replica refuses (503). Not modelled: the fair share between tenants and its
+reserved slots (one FIFO), n > 1 choices, deadlines.
+
+A run of steps that only decode, with nothing able to start, is one event (`steps` of the
+same length): an arrival that could start cuts it at the step under way.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from bench.sim.profile import CostProfile
+from bench.sim.workload import SimRequest
+from worker.engine.step_costs import StepCosts
+
+FF_OBSERVATIONS = 16  # a run of identical steps moves the moving averages at most this many times (then they have converged)
+
+
+class Seq:
+    __slots__ = ("request", "num_prompt", "num_cached", "num_computed", "num_generated", "arrived_s", "admitted_s",
+                 "first_token_s", "finished_s")
+
+    def __init__(self, request: SimRequest, arrived_s: float) -> None:
+        self.request = request
+        self.num_prompt = request.num_prompt_tokens
+        self.num_cached = self.num_computed = self.num_generated = 0
+        self.arrived_s = arrived_s
+        self.admitted_s = self.first_token_s = self.finished_s = -1.0
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.num_prompt
+
+
+class PrefixCache:
+    """Which prefix chunks a replica finds: with a shared tier (`shared`) a chunk computed
+    anywhere is a hit everywhere; else each replica's own LRU of `l1_chunks`. A prefix is
+    known by (tenant, adapter, prefix): chunks hold KV, which depends on the adapters."""
+
+    def __init__(self, chunk_tokens: int, shared: bool, l1_chunks: int) -> None:
+        self.chunk_tokens, self.shared, self.l1_chunks = chunk_tokens, shared, l1_chunks
+        self._chunks: OrderedDict[tuple[str, str, int], int] = OrderedDict()
+        self._num_chunks = 0
+
+    def lookup(self, request: SimRequest) -> int:
+        """Cached leading prompt tokens (whole chunks of its prefix)."""
+        if request.prefix < 0:
+            return 0
+        key = (request.tenant, request.adapter, request.prefix)
+        chunks = self._chunks.get(key, 0)
+        if chunks and not self.shared:
+            self._chunks.move_to_end(key)
+        return chunks * self.chunk_tokens
+
+    def store(self, request: SimRequest) -> None:
+        if request.prefix < 0:
+            return
+        key = (request.tenant, request.adapter, request.prefix)
+        chunks = request.num_prefix_tokens // self.chunk_tokens
+        old = self._chunks.get(key, 0)
+        if chunks <= old:
+            return
+        self._chunks[key] = chunks
+        self._num_chunks += chunks - old
+        if not self.shared:
+            self._chunks.move_to_end(key)
+            while self._num_chunks > self.l1_chunks and self._chunks:
+                _, dropped = self._chunks.popitem(last=False)
+                self._num_chunks -= dropped
+
+
+@dataclass
+class StepStats:
+    busy_s: float = 0.0
+    slot_s: float = 0.0  # KV slots held, integrated over time (occupancy)
+    num_steps: int = 0
+    gaps: dict[int, int] = field(default_factory=dict)  # inter-token gaps: log bucket -> count
+
+
+class ReplicaModel:
+    def __init__(self, index: int, profile: CostProfile, cache: PrefixCache, pinned: frozenset[str]) -> None:
+        self.index, self.profile, self.cache, self.pinned = index, profile, cache, pinned
+        self.config = profile.engine
+        self.costs = StepCosts()  # the engine's own: measured costs raise the prompt budget beside decoding
+        self.running: list[Seq] = []
+        self.waiting: deque[Seq] = deque()
+        self.loaded: OrderedDict[str, None] = OrderedDict()  # adapters beyond the pins, least recently used first
+        self.num_loading = 0  # requests waiting for an adapter to load here
+        self.stats = StepStats()
+        self.version = 0  # of the step under way: a cut one's end event is stale
+        self.step_start_s = self.step_s = 0.0
+        self.num_steps = 0  # steps of the run under way (0: idle)
+        self._spans: list[tuple[Seq, int]] = []
+        self._num_decode = self._num_prompt_tokens = 0
+
+    # the gateway's view
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.running) + len(self.waiting) + self.num_loading
+
+    @property
+    def is_idle(self) -> bool:
+        return self.num_steps == 0
+
+    def holds(self, adapter: str) -> bool:
+        return adapter in self.pinned or adapter in self.loaded or adapter == "base"
+
+    def load(self, adapter: str) -> None:
+        """Hold `adapter` (loaded), evicting the least recently used beyond `max_loaded_adapters`."""
+        if adapter in self.pinned or adapter == "base":
+            return
+        self.loaded[adapter] = None
+        self.loaded.move_to_end(adapter)
+        while len(self.loaded) > self.profile.max_loaded_adapters:
+            self.loaded.popitem(last=False)
+
+    # requests
+
+    def offer(self, seq: Seq) -> bool:
+        """Queue it, or False (503: its queue is full)."""
+        if len(self.waiting) >= self.config.max_waiting:
+            return False
+        self.waiting.append(seq)
+        return True
+
+    def cut(self, now_s: float) -> float | None:
+        """A request arrived: a run of decode steps ends with the step under way, if a slot is
+        free for it to start in the next. The new end, or None when nothing changes."""
+        if self.num_steps <= 1 or len(self.running) >= self.config.num_seq_slots:
+            return None
+        done = int((now_s - self.step_start_s) / self.step_s)
+        if done + 1 >= self.num_steps:
+            return None
+        self.num_steps = done + 1
+        self.version += 1
+        return self.step_start_s + self.num_steps * self.step_s
+
+    # steps
+
+    def start(self, now_s: float) -> float | None:
+        """Plan the next step (or run of identical decode steps) from `now_s`: its end, None when idle."""
+        config = self.config
+        decoding = [seq for seq in self.running if not seq.is_prefilling]
+        prefilling = [seq for seq in self.running if seq.is_prefilling]
+        spans = [(seq, 1) for seq in decoding]
+        budget = config.max_step_tokens - len(decoding)
+        free = config.num_seq_slots - len(self.running)
+        prompt_floor = self.costs.prompt_budget(config.prefill_while_decoding, config.decode_stall)
+        if decoding and prompt_floor is not None:
+            starting = len(prefilling) + min(len(self.waiting), free)
+            budget = min(budget, int(prompt_floor * max(1.0, starting / len(decoding))) if starting else prompt_floor)
+        num_prompt_tokens = 0
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            length = min(seq.num_prompt - seq.num_computed, budget)
+            spans.append((seq, length))
+            budget -= length
+            num_prompt_tokens += length
+        while budget > 0 and self.waiting and free > 0:
+            seq = self.waiting.popleft()
+            free -= 1
+            seq.admitted_s = now_s
+            seq.num_cached = seq.num_computed = min(self.cache.lookup(seq.request), seq.num_prompt - 1)
+            self.running.append(seq)
+            length = min(seq.num_prompt - seq.num_computed, budget)
+            spans.append((seq, length))
+            budget -= length
+            num_prompt_tokens += length
+        if not spans:
+            self.num_steps = 0
+            return None
+        self._spans, self._num_decode, self._num_prompt_tokens = spans, len(decoding), num_prompt_tokens
+        self.step_s = self.profile.step_s(num_prompt_tokens, len(decoding))
+        self.step_start_s = now_s
+        self.num_steps = 1
+        if num_prompt_tokens == 0 and not (self.waiting and free > 0):  # nothing can start until one finishes
+            self.num_steps = min(seq.request.max_tokens - seq.num_generated for seq in decoding)
+        self.version += 1
+        return now_s + self.num_steps * self.step_s
+
+    def finish_steps(self, now_s: float) -> list[Seq]:
+        """The step (or run) under way has ended at `now_s`: the sequences it finished."""
+        steps, step_s = self.num_steps, self.step_s
+        self.stats.busy_s += steps * step_s
+        self.stats.slot_s += steps * step_s * len(self.running)
+        self.stats.num_steps += steps
+        for _ in range(min(steps, FF_OBSERVATIONS)):
+            self.costs.observe(self._num_decode, self._num_prompt_tokens, step_s)
+        if self._num_decode:
+            bucket = round(step_s * 1e4)  # 0.1 ms
+            self.stats.gaps[bucket] = self.stats.gaps.get(bucket, 0) + steps * self._num_decode
+        done: list[Seq] = []
+        for seq, length in self._spans:
+            if length == 1 and not seq.is_prefilling:
+                seq.num_computed += steps
+                seq.num_generated += steps
+            else:
+                seq.num_computed += length
+                if seq.num_computed == seq.num_prompt:  # its last prompt token: the first new token
+                    seq.num_generated = 1
+                    seq.first_token_s = now_s
+                    self.cache.store(seq.request)
+            if seq.num_generated >= seq.request.max_tokens:
+                seq.finished_s = now_s
+                done.append(seq)
+        if done:
+            finished = set(map(id, done))
+            self.running = [seq for seq in self.running if id(seq) not in finished]
+        self._spans = []
+        self.num_steps = 0
+        return done

@@ -1,0 +1,142 @@
+"""A fleet scenario: the load tester's scenario (gateway/loadtest/scenario.py, parsed by its
+own parser) with a `sim:` section for what only a fleet needs (thousands of adapters by
+count, placement capacity, tenants' rate limits, the latency SLO per token), and its
+requests, drawn from the seed with the load tester's own arrival process and samplers.
+
+Prompts are not token ids here: a request is its shared prefix (which one, how long) and
+its own tokens' count, so an hour of hundreds of requests a second fits in memory. Prefix
+kinds: random, shared_prefix and rag (chat and alora_pipeline are the load tester's only).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.config import ConfigError, describe_errors, read_yaml
+from gateway.loadtest.generators import WeightedSampler, arrival_times
+from gateway.loadtest.scenario import Scenario, parse_scenario
+
+SIM_KINDS = ("random", "shared_prefix", "rag")
+BASE = "base"
+
+
+class TenantLimit(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    requests_per_min: int | None = Field(None, ge=1)
+    tokens_per_min: int | None = Field(None, ge=1)
+
+
+class SimSection(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    num_adapters: int | None = Field(None, ge=1)  # adapters a0000...: replace adapters.names (zipf_s applies)
+    max_adapters_per_replica: int = Field(64, ge=1)  # placement capacity (gateway.policy.placement.plan)
+    redundancy: int = Field(2, ge=1)
+    shared_cache: bool = True  # a Redis tier: a prefix chunk computed anywhere is a hit everywhere
+    itl_s: float = Field(0.2, gt=0)  # SLO: mean time between a request's tokens
+    tenant_limits: dict[str, TenantLimit] = Field(default_factory=dict)
+    profile: str | None = None  # bench/sim/profiles/NAME.yaml or a path
+
+
+@dataclass(frozen=True)
+class FleetScenario:
+    scenario: Scenario
+    sim: SimSection
+
+
+def adapter_names(num: int) -> list[str]:
+    width = len(str(num - 1))
+    return [f"a{i:0{width}d}" for i in range(num)]
+
+
+def parse_fleet_scenario(data: object, source: str = "scenario") -> FleetScenario:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level")
+    data = dict(data)
+    try:
+        sim = SimSection.model_validate(data.pop("sim", {}) or {})
+    except ValidationError as e:
+        raise ConfigError(f"{source}: sim: {describe_errors(e)}") from e
+    if sim.num_adapters is not None:
+        data["adapters"] = {**data.get("adapters", {}), "names": adapter_names(sim.num_adapters)}
+    scenario = parse_scenario(data, source)
+    if scenario.prompts.kind not in SIM_KINDS:
+        raise ConfigError(f"{source}: the simulator takes prompts of kind {', '.join(SIM_KINDS)}, "
+                          f"not {scenario.prompts.kind!r}")
+    unknown = sorted(set(sim.tenant_limits) - {t.name for t in scenario.tenants})
+    if unknown:
+        raise ConfigError(f"{source}: sim.tenant_limits names unknown tenants: {', '.join(unknown)}")
+    return FleetScenario(scenario, sim)
+
+
+def load_fleet_scenario(path: str | Path) -> FleetScenario:
+    return parse_fleet_scenario(read_yaml(Path(path), "scenario"), str(path))
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    index: int
+    at_s: float
+    tenant: str
+    adapter: str  # BASE for the base model
+    prefix: int  # which shared prefix (-1: none)
+    num_prefix_tokens: int
+    num_own_tokens: int  # after the prefix, never shared
+    max_tokens: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.num_prefix_tokens + self.num_own_tokens
+
+
+def scaled(scenario: Scenario, rate_rps: float | None = None, duration_s: float | None = None,
+           seed: int | None = None) -> Scenario:
+    """The scenario with its total rate set to `rate_rps` (every rate and burst scaled alike),
+    another duration or seed."""
+    update: dict[str, object] = {}
+    if rate_rps is not None:
+        x = rate_rps / scenario.load.rate_rps
+        update["load"] = scenario.load.model_copy(update={"rate_rps": rate_rps})
+        update["phases"] = [p.model_copy(update={"rate_rps": p.rate_rps and p.rate_rps * x,
+                                                 "burst": p.burst and max(1, round(p.burst * x))}) for p in scenario.phases]
+        update["tenants"] = [t.model_copy(update={"rate_rps": t.rate_rps and t.rate_rps * x}) for t in scenario.tenants]
+    if duration_s is not None:
+        update["duration_s"] = duration_s
+    if seed is not None:
+        update["seed"] = seed
+    return scenario.model_copy(update=update)
+
+
+def requests(scenario: Scenario) -> Iterator[SimRequest]:
+    """Every request of the open-loop run in arrival order (the load tester's plan_workload,
+    with prompts as prefix + own token counts), at most `max_requests`."""
+    if scenario.load.mode != "open":
+        raise ConfigError("the simulator runs open-loop scenarios only")
+    rng = random.Random(scenario.seed)
+    mix = scenario.adapters
+    adapters = (WeightedSampler.zipf(mix.names, mix.zipf_s) if mix.zipf_s is not None
+                else WeightedSampler(mix.names, [mix.weights[n] for n in mix.names]))
+    shared = [t for t in scenario.tenants if t.rate_rps is None]
+    tenants = WeightedSampler([t.name for t in shared], [t.weight for t in shared]) if shared else None
+    events: list[tuple[float, str | None]] = [(t, None) for t in arrival_times(scenario, rng)] if tenants else []
+    for own in (t for t in scenario.tenants if t.rate_rps is not None):
+        events += [(t, own.name) for t in arrival_times(scenario, rng, own.rate_rps)]
+    events.sort(key=lambda e: e[0])
+    shifts = sorted((p.at_s, p.shift) for p in scenario.phases if p.shift)
+    p = scenario.prompts
+    prefix_pick = WeightedSampler.zipf([str(i) for i in range(p.num_prefixes)], 1.0)
+    for index, (at, fixed_tenant) in enumerate(events[: scenario.max_requests]):
+        while shifts and shifts[0][0] <= at:
+            adapters.rotate(shifts.pop(0)[1])
+        tenant = fixed_tenant or tenants.sample(rng)
+        adapter = adapters.sample(rng)
+        num_own = rng.randint(p.length.min, p.length.max)
+        max_tokens = rng.randint(scenario.output_tokens.min, scenario.output_tokens.max)
+        prefix = -1
+        if p.kind == "rag" or (p.kind == "shared_prefix" and rng.random() < p.sharing):
+            prefix = int(prefix_pick.sample(rng))
+        yield SimRequest(index, at, tenant, adapter, prefix, p.prefix_tokens if prefix >= 0 else 0, num_own, max_tokens)

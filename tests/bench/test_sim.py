@@ -1,0 +1,148 @@
+"""bench/sim: the fleet simulator drives the production routing, placement and admission code
+in virtual time; its figures are deterministic, every request ends once, and its replica
+batches as the engine's scheduler does."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import bench.sim.fleet as fleet_module
+import bench.sim.replica as replica_module
+import bench.sim.routers as routers_module
+import gateway.policy.placement as placement
+import gateway.policy.routing as routing
+import gateway.ratelimit as ratelimit
+import worker.engine.step_costs as step_costs
+from bench.sim.cli import simulate
+from bench.sim.fleet import OUTCOMES, Fleet, Placement
+from bench.sim.profile import CostProfile, load_profile
+from bench.sim.replica import PrefixCache, ReplicaModel, Seq
+from bench.sim.routers import ROUTERS
+from bench.sim.workload import FleetScenario, SimRequest, parse_fleet_scenario, requests
+from worker.contract.spec import EngineConfig
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import SequenceState
+
+PROFILE = CostProfile("test", False, step_overhead_s=0.01, prompt_token_s=0.0005, decode_seq_s=0.001,
+                      engine=EngineConfig(num_seq_slots=4, slot_len=1024, max_step_tokens=256, prefill_while_decoding=32,
+                                          decode_stall=None, max_waiting=4))
+
+
+def scenario(rate_rps: float = 20.0, num_adapters: int = 40, duration_s: float = 30.0, kind: str = "shared_prefix",
+             **sim: object) -> FleetScenario:
+    return parse_fleet_scenario({
+        "name": "t", "seed": 7, "duration_s": duration_s, "warmup_s": 2, "max_requests": 100_000,
+        "load": {"rate_rps": rate_rps}, "phases": [{"at_s": 10, "burst": 30}, {"at_s": 15, "shift": 3}],
+        "tenants": [{"name": "a", "weight": 3}, {"name": "b", "weight": 1}],
+        "adapters": {"names": ["base"], "zipf_s": 1.1},
+        "prompts": {"kind": kind, "num_prefixes": 4, "prefix_tokens": 128, "length": {"min": 8, "max": 64}},
+        "output_tokens": {"min": 4, "max": 24}, "chunk_tokens": 32,
+        "sim": {"num_adapters": num_adapters, "max_adapters_per_replica": 20, "itl_s": 0.1,
+                "tenant_limits": {"b": {"requests_per_min": 120}}, **sim},
+    })
+
+
+@pytest.fixture
+def profile(monkeypatch: pytest.MonkeyPatch) -> CostProfile:
+    monkeypatch.setattr("bench.sim.cli.load_profile", lambda _: PROFILE)
+    return PROFILE
+
+
+def test_the_production_objects_are_used_unchanged() -> None:
+    assert routers_module.candidates is routing.candidates
+    assert routers_module.choose is routing.choose
+    assert routers_module.RecentLoad is routing.RecentLoad
+    assert routers_module.ReplicaView is routing.ReplicaView
+    assert routers_module.affinity_key is routing.affinity_key
+    assert routers_module.RoutingSettings is routing.RoutingSettings
+    assert fleet_module.plan is placement.plan
+    assert fleet_module.zipf_shares is placement.zipf_shares
+    assert fleet_module.RateLimiter is ratelimit.RateLimiter
+    assert replica_module.StepCosts is step_costs.StepCosts
+
+
+def test_same_seed_same_figures(profile: CostProfile) -> None:
+    fleet = scenario()
+    assert simulate(fleet, 6, list(ROUTERS)) == simulate(fleet, 6, list(ROUTERS))
+
+
+def test_every_request_ends_exactly_once(profile: CostProfile) -> None:
+    fleet = scenario(rate_rps=60.0)  # overloaded: 429s and 503s
+    num_requests = sum(1 for _ in requests(fleet.scenario))
+    rows = simulate(fleet, 4, list(ROUTERS))
+    for row in rows:
+        assert sum(row[o] for o in OUTCOMES) == num_requests, row["router"]
+    ours = rows[0]
+    assert ours["completed"] > 0 and ours["refused_rate"] > 0 and ours["refused_busy"] > 0
+
+
+def test_ours_routes_an_adapter_only_to_the_replica_pinning_it(profile: CostProfile) -> None:
+    fleet = scenario(rate_rps=10.0, num_adapters=1)
+    only = fleet.scenario.adapters.names[0]
+    pinned = Placement((frozenset({only}), frozenset({"other"})), {only: [0], "other": [1]})
+    run = Fleet(fleet, fleet.scenario, PROFILE, pinned, "ours")
+    record = run.run()
+    assert record.outcomes["completed"] > 0
+    assert run.replicas[1].stats.num_steps == 0 and run.replicas[0].stats.num_steps > 0
+    least = Fleet(fleet, fleet.scenario, PROFILE, pinned, "least-loaded")  # ignores residency: loads the adapter on 1
+    least.run()
+    assert least.replicas[1].stats.num_steps > 0
+
+
+def test_more_load_more_time_to_first_token(profile: CostProfile) -> None:
+    light, heavy = (simulate(scenario(rate_rps=r, duration_s=20, kind="random"), 6, ["ours"])[0] for r in (5.0, 45.0))
+    assert heavy["ttft_p50_s"] > light["ttft_p50_s"] and heavy["util_mean"] > 3 * light["util_mean"]
+
+
+def test_a_shared_tier_finds_more_prefixes(profile: CostProfile) -> None:
+    shared = simulate(scenario(), 6, ["round-robin"])[0]
+    own = simulate(scenario(shared_cache=False), 6, ["round-robin"])[0]
+    assert shared["prefix_hit_rate"] > own["prefix_hit_rate"] > 0
+
+
+def _model_steps(prompts: list[int], max_tokens: list[int]) -> list[tuple[int, int]]:
+    profile = replace(PROFILE, engine=replace(PROFILE.engine, max_waiting=len(prompts)))
+    replica = ReplicaModel(0, profile, PrefixCache(32, True, 0), frozenset())
+    for i, (p, g) in enumerate(zip(prompts, max_tokens)):
+        assert replica.offer(Seq(SimRequest(i, 0.0, "t", "base", -1, 0, p, g), 0.0))
+    steps: list[tuple[int, int]] = []
+    end_s = replica.start(0.0)
+    while end_s is not None:
+        steps += [(replica._num_decode, replica._num_prompt_tokens)] * replica.num_steps
+        replica.finish_steps(end_s)
+        end_s = replica.start(end_s)
+    return steps
+
+
+def _scheduler_steps(prompts: list[int], max_tokens: list[int]) -> list[tuple[int, int]]:
+    config = PROFILE.engine
+    scheduler = Scheduler(config.num_seq_slots, config.slot_len, config.max_step_tokens,
+                          prefill_while_decoding=config.prefill_while_decoding)
+    for i, (p, g) in enumerate(zip(prompts, max_tokens)):
+        scheduler.add(SequenceState(f"r{i}", list(range(p)), p, p + g, tenant="t"))
+    steps: list[tuple[int, int]] = []
+    while scheduler.has_work():
+        spans = scheduler.schedule()
+        prompt_tokens = sum(span.prompt_tokens for span in spans)
+        steps.append((sum(span.length for span in spans) - prompt_tokens, prompt_tokens))
+        for span in spans:
+            seq = span.seq
+            seq.num_computed += span.length
+            if span.samples:
+                seq.token_ids.append(0)
+                if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_len - seq.num_prompt_tokens:
+                    scheduler.finish(seq)
+    return steps
+
+
+def test_the_replica_batches_as_the_engine_scheduler_does() -> None:
+    prompts = [300, 20, 90, 5, 200, 64, 33, 150, 7, 400]
+    max_tokens = [5, 30, 12, 1, 8, 40, 3, 17, 25, 6]
+    assert _model_steps(prompts, max_tokens) == _scheduler_steps(prompts, max_tokens)
+
+
+def test_profiles_load_and_say_whether_they_were_measured() -> None:
+    assert load_profile("cpu-2core").is_measured
+    assert not load_profile("gpu-8b-assumed").is_measured
