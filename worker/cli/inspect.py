@@ -52,6 +52,7 @@ def describe(path: str, base_path: str | None) -> dict[str, Any]:
             "task_name": adapter.task_name,
             "prompt_prefix": adapter.prompt_prefix,
             "alora_invocation_tokens": list(adapter.invocation_tokens) if adapter.invocation_tokens else None,
+            "dora": adapter.is_dora,
             "num_bytes": adapter.num_bytes,
         }
         info["validation"] = f"valid for base {base_path}" if base_path else "valid on its own (pass --base to check it against a model)"

@@ -126,7 +126,7 @@ class ModelRunner:
 
     def resolve_adapters(self, prompt_ids: Sequence[int], scales: ScalesBySlot) -> RequestAdapters:
         """The adapter mapping of a request enabling `scales` (adapter slot -> runtime scale)."""
-        return mapping.resolve(self.invocations, prompt_ids, scales)
+        return mapping.resolve(self.invocations, prompt_ids, scales, self.lora.dora_slots)
 
     def allocate_kv(self, num_seq_slots: int, slot_len: int) -> KVCache:
         hp = self.hparams

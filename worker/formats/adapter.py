@@ -2,6 +2,22 @@
 
 Torch-free: the gateway uses this to resolve and fingerprint adapters. Checks
 run in llama.cpp's order and fail with its messages, as `AdapterError`.
+
+DoRA (an extension of SPEC §2; the formulas are in `worker/formats/dora.py`):
+- `adapter.lora.dora`: optional BOOL; true makes the file a DoRA adapter. Any
+  other type: `invalid gguf type for adapter.lora.dora`.
+- `NAME.lora_m`: the magnitude of target `NAME` (PEFT's `lora_magnitude_vector`),
+  `ne = [d]`, d the base tensor's output features (`W.ne1`, `B.ne1`), of any type
+  `gguf` can dequantize (the converter writes F32). Without the key a `lora_m`
+  tensor is an unexpected suffix, as llama.cpp (which cannot compute DoRA) says.
+- With the key, every pair has its magnitude and every magnitude its pair:
+  `DoRA tensor pair for 'X' is missing its magnitude (lora_m)`,
+  `DoRA magnitude 'X.lora_m' has no lora_a/lora_b pair`.
+- A magnitude whose shape is not `[d]`: `tensor 'X.lora_m' has incorrect shape`.
+- Only linear (2-D) targets: a magnitude on `token_embd.weight` or on MoE experts:
+  `DoRA is not supported on tensor 'X'`.
+- The magnitudes are part of the fingerprint; the norm ||W + s B A|| needs the base,
+  so a DoRA adapter is only computed when it was loaded against one (`base`).
 """
 
 from __future__ import annotations
@@ -12,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from worker.formats.dora import DORA_KEY, MAGNITUDE_SUFFIX
 from worker.formats.fingerprint import adapter_fingerprint
 from worker.formats.gguf_file import GGUFFile, TensorInfo, ValueType, is_dequantizable
 
@@ -39,6 +56,7 @@ class LoRAPair:
     target: str  # the base tensor's name, e.g. blk.0.attn_q.weight
     a: TensorInfo
     b: TensorInfo
+    m: TensorInfo | None = None  # DoRA's magnitude, ne = [d]
 
     @property
     def rank(self) -> int:
@@ -57,6 +75,8 @@ class LoRAAdapter:
     pairs: dict[str, LoRAPair]  # by target name, sorted
     skipped_tensors: tuple[str, ...]  # *_norm.weight tensors llama.cpp ignores
     fingerprint: str
+    is_dora: bool = False  # every pair has its magnitude `m`
+    base: GGUFFile | None = None  # the base model it was validated against (DoRA's norms need its weights)
 
     @property
     def is_alora(self) -> bool:
@@ -75,9 +95,20 @@ class LoRAAdapter:
         pair = self.pairs[target]
         return self.gguf.load(pair.a.name), self.gguf.load(pair.b.name)
 
+    def load_magnitude(self, target: str) -> np.ndarray:
+        """DoRA's magnitude (d,) float32 of a linear target."""
+        return self.gguf.load(self.pairs[target].m.name).reshape(-1)
+
+    def load_base(self, target: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """The base's dequantized weight (d, k) float32 of a linear target, and its bias (d,) if it has one."""
+        if self.base is None:
+            raise ValueError(f"{self.path}: a DoRA adapter is computed from its base's weights; load it against the base model")
+        bias_name = target.removesuffix("weight") + "bias"
+        return self.base.load(target), (self.base.load(bias_name).reshape(-1) if bias_name in self.base.tensors else None)
+
     @property
     def num_bytes(self) -> int:
-        return sum(p.a.num_bytes + p.b.num_bytes for p in self.pairs.values())
+        return sum(p.a.num_bytes + p.b.num_bytes + (p.m.num_bytes if p.m is not None else 0) for p in self.pairs.values())
 
 
 def _string_key(gguf: GGUFFile, key: str) -> str:
@@ -113,11 +144,20 @@ def _read_invocation_tokens(gguf: GGUFFile) -> tuple[int, ...] | None:
     return tokens or None
 
 
-def _pair_tensors(gguf: GGUFFile) -> tuple[dict[str, dict[str, TensorInfo]], list[str]]:
+def _read_dora(gguf: GGUFFile) -> bool:
+    entry = gguf.metadata.get(DORA_KEY)
+    if entry is None:
+        return False
+    if entry.type != ValueType.BOOL:
+        raise AdapterError(f"invalid gguf type for {DORA_KEY}")
+    return bool(entry.value)
+
+
+def _pair_tensors(gguf: GGUFFile, is_dora: bool) -> tuple[dict[str, dict[str, TensorInfo]], list[str]]:
     halves: dict[str, dict[str, TensorInfo]] = {}
     skipped = []
     for name, info in gguf.tensors.items():  # file order, as llama.cpp walks them
-        if name.endswith(".lora_a") or name.endswith(".lora_b"):
+        if name.endswith(".lora_a") or name.endswith(".lora_b") or (is_dora and name.endswith(MAGNITUDE_SUFFIX)):
             halves.setdefault(name[: -len(".lora_a")], {})[name[-1]] = info
         elif name.endswith("_norm.weight"):
             skipped.append(name)
@@ -171,12 +211,17 @@ def _validate(path: Path, gguf: GGUFFile, base: GGUFFile | None) -> LoRAAdapter:
         raise AdapterError(f"expect adapter.type to be 'lora', but got: {adapter_type}")
     alpha = _read_alpha(gguf)
     invocation_tokens = _read_invocation_tokens(gguf)
+    is_dora = _read_dora(gguf)
 
-    halves, skipped = _pair_tensors(gguf)
+    halves, skipped = _pair_tensors(gguf, is_dora)
     pairs: dict[str, LoRAPair] = {}
     for target, half in halves.items():
+        if is_dora and "a" not in half and "b" not in half:
+            raise AdapterError(f"DoRA magnitude '{target}{MAGNITUDE_SUFFIX}' has no lora_a/lora_b pair")
         if "a" not in half or "b" not in half:
             raise AdapterError(f"LoRA tensor pair for '{target}' is missing one component")
+        if is_dora and "m" not in half:
+            raise AdapterError(f"DoRA tensor pair for '{target}' is missing its magnitude (lora_m)")
         a, b = half["a"], half["b"]
         base_tensor = None
         if base is not None:
@@ -184,9 +229,12 @@ def _validate(path: Path, gguf: GGUFFile, base: GGUFFile | None) -> LoRAAdapter:
             if base_tensor is None:
                 raise AdapterError(f"LoRA tensor '{target}' does not exist in base model")
         _check_shape(target, a, b, base_tensor)
-        pairs[target] = LoRAPair(target, a, b)
+        m = half.get("m")
+        if m is not None:
+            _check_magnitude(target, a, b, m)
+        pairs[target] = LoRAPair(target, a, b, m)
     for pair in pairs.values():
-        for info in (pair.a, pair.b):
+        for info in (pair.a, pair.b) if pair.m is None else (pair.a, pair.b, pair.m):
             if not gguf.is_in_bounds(info):
                 raise AdapterError(f"LoRA tensor '{info.name}' data is not within the file bounds")
             if not is_dequantizable(info.type):
@@ -201,5 +249,15 @@ def _validate(path: Path, gguf: GGUFFile, base: GGUFFile | None) -> LoRAAdapter:
         invocation_tokens=invocation_tokens,
         pairs=pairs,
         skipped_tensors=tuple(skipped),
-        fingerprint=adapter_fingerprint(gguf, alpha, invocation_tokens),
+        fingerprint=adapter_fingerprint(gguf, alpha, invocation_tokens, is_dora),
+        is_dora=is_dora,
+        base=base,
     )
+
+
+def _check_magnitude(target: str, a: TensorInfo, b: TensorInfo, m: TensorInfo) -> None:
+    """After the pair's own shape check: a linear target, and m.ne = [d]."""
+    if target.endswith("token_embd.weight") or a.ne(2) != 1:
+        raise AdapterError(f"DoRA is not supported on tensor '{target}'")
+    if len(m.shape) != 1 or m.ne(0) != b.ne(1):
+        raise AdapterError(f"tensor '{m.name}' has incorrect shape")

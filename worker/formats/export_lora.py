@@ -11,7 +11,9 @@ base equals base + adapters at runtime: a token-embedding delta changes the inpu
 lookup only, so a base whose output projection is tied to the embedding gets an
 explicit `output.weight` (the unmerged embedding); pairs on tensors that are not
 matrices (biases) are ignored, as llama.cpp ignores them at runtime; an aLoRA is
-refused, since merged it would apply before its invocation.
+refused, since merged it would apply before its invocation. A DoRA adapter is merged
+exactly, `W' = m / ||W + s B A||_row * (W + s B A)` (worker/formats/dora.py), and
+only alone: it may not be stacked with other adapters at runtime either.
 
 Merged tensors are written as F16 (llama.cpp's export-lora's only type), F32, or
 `same`: the base's type where the `gguf` package can quantize it (F32, F16, BF16,
@@ -31,6 +33,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 from gguf.quants import quantize
 
 from worker.formats.adapter import AdapterError, LoRAAdapter, load_adapter
+from worker.formats.dora import merged_weight
 from worker.formats.gguf_file import GGUFFile, TensorInfo, ValueType
 
 OUTTYPES = ("f16", "f32", "same")
@@ -70,6 +73,8 @@ def export_merged(
             raise AdapterError(
                 f"{adapter.path}: an aLoRA applies only after its invocation tokens and cannot be merged into the base", adapter.path
             )
+        if adapter.is_dora and len(loaded) > 1:
+            raise ExportError(f"{adapter.path}: a DoRA adapter is merged alone (it cannot be stacked with other adapters)")
     report = ExportReport()
     targets = _targets(base, loaded, report)
 
@@ -107,6 +112,8 @@ def _merged(base: GGUFFile, name: str, deltas: list[tuple[LoRAAdapter, float]]) 
     weight = np.array(base.load(name), dtype=np.float32)
     for adapter, scale in deltas:
         a, b = (np.asarray(x, dtype=np.float32) for x in adapter.load_pair(name))
+        if adapter.pairs[name].m is not None:  # alone (export_merged): the whole weight
+            return merged_weight(weight, a, b, adapter.load_magnitude(name), scale)
         if name.endswith("token_embd.weight"):  # A (V, r), B (d, r): row t gains B @ A[t]
             weight += scale * (a @ b.T)
         else:  # A (r, k), B (d, r); experts batched over the leading axis

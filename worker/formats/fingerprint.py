@@ -84,8 +84,9 @@ def _read_digest(path: Path) -> str | None:
     return text if re.fullmatch(r"[0-9a-f]{64}", text) else None
 
 
-def adapter_fingerprint(gguf: GGUFFile, alpha: float, invocation_tokens: tuple[int, ...] | None) -> str:
-    """Fingerprint of an adapter: content only, never its path or name."""
+def adapter_fingerprint(gguf: GGUFFile, alpha: float, invocation_tokens: tuple[int, ...] | None, is_dora: bool = False) -> str:
+    """Fingerprint of an adapter: content only, never its path or name. A DoRA adapter's
+    flag and magnitudes (`.lora_m`) are hashed too; a plain LoRA's digest has neither."""
     h = TaggedHasher("loraplex.adapter", FINGERPRINT_VERSION)
     h.text("arch", str(gguf.get("general.architecture", "")))
     h.real("alpha", alpha)
@@ -93,7 +94,9 @@ def adapter_fingerprint(gguf: GGUFFile, alpha: float, invocation_tokens: tuple[i
         h.text("invocation", "none")
     else:
         h.text("invocation", ",".join(map(str, invocation_tokens)))
-    names = sorted(n for n in gguf.tensors if n.endswith((".lora_a", ".lora_b")))
+    if is_dora:
+        h.text("dora", "true")
+    names = sorted(n for n in gguf.tensors if n.endswith((".lora_a", ".lora_b", ".lora_m") if is_dora else (".lora_a", ".lora_b")))
     _hash_tensors(h, gguf, names)
     return h.hexdigest()
 

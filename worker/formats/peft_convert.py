@@ -5,6 +5,11 @@ llama.cpp's HF->GGUF conversion permutes the rows of llama q/k weights for
 ggml's adjacent-pair rope; the B of q and k gets the same permutation here.
 PEFT scales (alpha_pattern, rsLoRA) that llama.cpp's alpha/rank cannot express
 are folded into B.
+
+A DoRA adapter (`use_dora`) keeps each linear's `lora_magnitude_vector` as
+`NAME.lora_m` (F32, `ne = [d]`, rows permuted as B's) and sets `adapter.lora.dora`
+(the layout: worker/formats/adapter.py, worker/formats/dora.py); llama.cpp cannot
+load it. DoRA on the token embedding or on MoE experts is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
 from worker.formats.adapter import INVOCATION_KEY
+from worker.formats.dora import DORA_KEY, MAGNITUDE_SUFFIX
 from worker.formats.gguf_file import GGUFFile
 from worker.formats.hparams import ModelHParams, RopeStyle
 from worker.formats.peft_experts import ExpertConversionError, expert_pairs, is_expert_module
@@ -41,7 +47,7 @@ _LAYER_MODULES = {
     "block_sparse_moe.gate": "ffn_gate_inp",  # Mixtral's router, as transformers 4 names it
 }
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?(?P<module>.+?)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"
+    r"^(?:base_model\.model\.)?(?P<module>.+?)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
     r"(?:\.(?!weight$|bias$)[^.]+)?(?:\.weight)?$"
 )
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -109,8 +115,6 @@ def _read_config(peft_dir: Path) -> dict:
         raise ConversionError(f"{path} is not valid JSON: {e}") from e
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise ConversionError(f"peft_type {config.get('peft_type')!r} is not LoRA")
-    if config.get("use_dora"):
-        raise ConversionError("DoRA adapters (use_dora) are not supported by llama.cpp's LoRA format")
     if config.get("bias", "none") != "none":
         raise ConversionError(f"bias={config['bias']!r}: trained biases are not supported by llama.cpp's LoRA format")
     if config.get("lora_bias"):
@@ -184,6 +188,8 @@ def convert_peft_to_gguf(
         raise ConversionError(f"invocation token {bad[0]} is out of range (vocabulary size {hp.vocab_size})")
 
     pairs = _collect_pairs(read_safetensors(weights_path))
+    is_dora = bool(config.get("use_dora"))
+    _check_dora(pairs, is_dora)
     expert_modules = {m: halves for m, halves in pairs.items() if is_expert_module(m)}
     pairs = {m: halves for m, halves in pairs.items() if m not in expert_modules}
     unsupported = sorted(m for m in pairs if gguf_target(m) is None)
@@ -200,6 +206,8 @@ def convert_peft_to_gguf(
     writer.add_string("general.type", "adapter")
     writer.add_string("adapter.type", "lora")
     writer.add_float32("adapter.lora.alpha", alpha)
+    if is_dora:
+        writer.add_bool(DORA_KEY, True)
     if options.task_name:
         writer.add_string("adapter.lora.task_name", options.task_name)
     if options.prompt_prefix:
@@ -229,6 +237,11 @@ def convert_peft_to_gguf(
             a = StoredTensor(a.dtype, np.ascontiguousarray(a.data.T))
         _write_tensor(writer, f"{target}.lora_a", a, None, options.outtype)
         _write_tensor(writer, f"{target}.lora_b", b, b_values, options.outtype, is_rescaled)
+        if is_dora:  # one value per output channel: permuted as B's rows; F32 whatever the outtype (it is small)
+            m = halves["lora_magnitude_vector"].to_float32().reshape(-1)
+            if hp.rope_style == RopeStyle.ADJACENT_PAIRS and target.endswith((".attn_q.weight", ".attn_k.weight")):
+                m = permute_rows_for_adjacent_rope(m, hp.num_heads if ".attn_q." in target else hp.num_kv_heads)
+            writer.add_tensor(f"{target}{MAGNITUDE_SUFFIX}", np.ascontiguousarray(m, dtype=np.float32))
         targets.append(target)
     for target, (a_values, b_values) in sorted(experts.items()):  # already scaled: written as F32 unless told otherwise
         _write_tensor(writer, f"{target}.lora_a", StoredTensor("F32", a_values), None, options.outtype)
@@ -239,6 +252,23 @@ def convert_peft_to_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return targets
+
+
+def _check_dora(pairs: dict[str, dict[str, StoredTensor]], is_dora: bool) -> None:
+    """A DoRA adapter has a magnitude on every linear module and none elsewhere; a LoRA has none."""
+    for module, halves in sorted(pairs.items()):
+        has_magnitude = "lora_magnitude_vector" in halves
+        if has_magnitude and not is_dora:
+            raise ConversionError(f"module {module} has a lora_magnitude_vector but adapter_config.json does not set use_dora")
+        if not is_dora:
+            continue
+        if "lora_embedding_A" in halves or is_expert_module(module) or gguf_target(module) == "token_embd.weight":
+            raise ConversionError(f"DoRA on {module} is not supported (only linear modules)")
+        if not has_magnitude:
+            raise ConversionError(f"module {module} lacks its lora_magnitude_vector (use_dora is set)")
+        if "lora_B" in halves and halves["lora_magnitude_vector"].data.size != halves["lora_B"].data.shape[0]:
+            raise ConversionError(f"module {module}: lora_magnitude_vector has {halves['lora_magnitude_vector'].data.size} values, "
+                                  f"lora_B has {halves['lora_B'].data.shape[0]} rows")
 
 
 def _invocation_tokens(options: ConvertOptions, config: dict, base: GGUFFile) -> tuple[int, ...] | None:

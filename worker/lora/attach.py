@@ -1,14 +1,18 @@
 """Attach adapters to a loaded model, and detach them, between passes: every module some
 adapter targets is replaced by a LoRA layer over it (module replacement, as gpt-fast
 applies quantization) the first time an adapter targets it; the layer then serves
-whichever adapter slots hold weights for it."""
+whichever adapter slots hold weights for it. A DoRA adapter also leaves, per target, its
+magnitude and the row-norm terms of base + delta, computed here from the dequantized base
+weight, once (worker/formats/dora.py)."""
 
 from __future__ import annotations
 
-
+import numpy as np
+import torch
 from torch import nn
 
 from worker.formats.adapter import LoRAAdapter
+from worker.formats.dora import row_norm_terms
 from worker.lora.backend import LoRABackend, TorchLoRABackend
 from worker.lora.batch import LoRABatch
 from worker.lora.layers import LoRAEmbedding, LoRAExpertLinear, LoRALinear
@@ -32,29 +36,51 @@ class LoRAState:
         """Put `adapter` (validated against this base) in `slot`: its halves go to the device."""
         if slot in self.applied:
             raise ValueError(f"adapter slot {slot} is taken")
-        applied, ignored, loaded = [], [], []
+        applied, ignored, loaded, dora = [], [], [], []
         for target in sorted(adapter.pairs):
             weights = self.targets.get(target) or self._wrap(target)
             if weights is None:
                 ignored.append(target)
                 continue
             a, b = adapter.load_pair(target)
-            loaded.append((weights, to_torch(a, self.config), to_torch(b * adapter.scale(adapter.pairs[target], 1.0), self.config)))
+            b = b * adapter.scale(adapter.pairs[target], 1.0)
+            loaded.append((weights, to_torch(a, self.config), to_torch(b, self.config)))
             applied.append(target)
+            if adapter.is_dora:
+                dora.append((weights, *self._dora(adapter, target, weights, a, b)))
         for weights, a, b in loaded:  # all halves made before any is in use
             weights.add(slot, a, b)
+        for weights, magnitude, terms, bias in dora:
+            weights.add_dora(slot, magnitude, terms, bias)
+        if adapter.is_dora:
+            self.batch.dora_slots.add(slot)
         self.applied[slot], self.ignored[slot] = applied, ignored
+
+    @property
+    def dora_slots(self) -> frozenset[int]:
+        """The slots holding a DoRA adapter (a request may not stack one with any other adapter)."""
+        return frozenset(self.batch.dora_slots)
+
+    def _dora(self, adapter: LoRAAdapter, target: str, weights: TargetWeights, a, b) -> tuple:
+        """(magnitude [d] float32 on the device, row-norm terms [3, d] float64, the base's bias [d] float32 or None)."""
+        if weights.kind != "linear":
+            raise ValueError(f"{adapter.path}: DoRA is not supported on tensor '{target}' (a {weights.kind} here)")
+        w, bias = adapter.load_base(target)
+        device = self.config.torch_device
+        magnitude = torch.from_numpy(adapter.load_magnitude(target).astype(np.float32)).to(device)
+        return magnitude, row_norm_terms(w, a, b), None if bias is None else torch.from_numpy(bias.astype(np.float32)).to(device)
 
     def remove(self, slot: int) -> None:
         for target in self.applied.pop(slot, []):
             self.targets[target].remove(slot)
+        self.batch.dora_slots.discard(slot)
         self.ignored.pop(slot, None)
 
     def nbytes(self, slot: int | None = None) -> int:
         """Device bytes of one slot's weights, or of every adapter held."""
         if slot is None:
             return sum(w.nbytes for w in self.targets.values())
-        return sum(sum(t.numel() * t.element_size() for t in self.targets[target].pairs[slot]) for target in self.applied.get(slot, []))
+        return sum(self.targets[target].slot_nbytes(slot) for target in self.applied.get(slot, []))
 
     def _wrap(self, target: str) -> TargetWeights | None:
         """The LoRA layer over `target`'s module (made now), or None when it is no matmul here."""

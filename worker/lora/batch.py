@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,6 +38,9 @@ class LoRABatch:
         self._column_scales: dict[tuple, torch.Tensor] = {}
         self._groups: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
         self._indices: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()  # kept between passes
+        self.dora_slots: set[int] = set()  # the held slots that are DoRA adapters (LoRAState keeps it)
+        self.has_dora = False  # a DoRA slot is active in this pass: its rows are rescaled after the deltas
+        self._dora_rows: DoRARows | None = None
 
     def set(self, token_scales: torch.Tensor, active: tuple[int, ...], host_scales: np.ndarray | None = None) -> None:
         """`host_scales`: the same scales on the host (they give the runs without a device sync)."""
@@ -47,6 +51,7 @@ class LoRABatch:
         self._groups.clear()
         self.runs = {}
         self._host = host_scales
+        self.has_dora, self._dora_rows = bool(self.dora_slots) and not self.dora_slots.isdisjoint(self.active), None
         rows = token_scales.shape[0]
         self.segmented = rows >= SEGMENTED_MIN_ROWS and bool(active) and _run_count(self._host_scales() != 0) * SEGMENTED_MIN_RUN <= rows
 
@@ -93,8 +98,24 @@ class LoRABatch:
         self._groups[key] = groups
         return groups
 
+    def dora_rows(self) -> DoRARows:
+        """Which rows each DoRA (slot, scale) of this pass rescales (found once per pass, on the host)."""
+        if self._dora_rows is None:
+            host = self._host_scales()
+            keys: list[tuple[int, float]] = []
+            index = np.zeros(host.shape[0], dtype=np.int64)  # 0: no DoRA; k + 1: keys[k]
+            for slot in sorted(self.dora_slots.intersection(self.active)):
+                column = host[:, self.column[slot]]
+                for scale in np.unique(column[column != 0]):
+                    keys.append((slot, float(scale)))
+                    index[column == scale] = len(keys)
+            runs = [(k, start, end) for k in range(1, len(keys) + 1) for start, end in _runs(index == k)]
+            self._dora_rows = DoRARows(tuple(keys), torch.from_numpy(index).to(self.token_scales.device), runs)
+        return self._dora_rows
+
     def clear(self) -> None:
         self.token_scales, self.active, self.column, self.runs, self._host = None, (), {}, {}, None
+        self.has_dora, self._dora_rows = False, None
         self._scales_by_dtype.clear()
         self._column_scales.clear()
         self._groups.clear()
@@ -126,6 +147,16 @@ class LoRABatch:
                 self._indices.move_to_end(columns)
             scales = self._column_scales[key] = self.scales(dtype).index_select(1, index)
         return scales
+
+
+@dataclass(frozen=True)
+class DoRARows:
+    """A pass's DoRA rows: `keys` ((slot, scale), ...), `index` [N] (0: no DoRA, k + 1: keys[k]) on the
+    device, and the same as runs (k + 1, start, end) on the host."""
+
+    keys: tuple[tuple[int, float], ...]
+    index: torch.Tensor
+    runs: list[tuple[int, int, int]]
 
 
 def _run_count(mask: np.ndarray) -> int:

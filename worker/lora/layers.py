@@ -12,6 +12,8 @@ from worker.lora.batch import LoRABatch
 from worker.lora.weights import TargetWeights
 from worker.model.moe import Routes
 
+DORA_MAX_RUNS = 8  # a pass's DoRA rows in at most this many runs (prefill) are rescaled a slice at a time, else by one gather
+
 
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Module, weights: TargetWeights, batch: LoRABatch, backend: LoRABackend) -> None:
@@ -39,7 +41,26 @@ class LoRALinear(nn.Module):
             column = scales[:, self.batch.column[slot], None]
             for start, end in self.batch.runs_of(slot):
                 self.backend.add_linear(out[start:end], flat[start:end], a, b, column[start:end])
+        if self.batch.has_dora:
+            self._rescale(out)
         return y
+
+    def _rescale(self, out: torch.Tensor) -> None:
+        """DoRA: each DoRA row's output channels times m / ||W + s BA||, its bias kept (TargetWeights.dora_table)."""
+        rows = self.batch.dora_rows()
+        table = self.weights.dora_table(rows.keys, out.dtype)
+        if table is None:
+            return
+        factor, offset = table
+        if len(rows.runs) <= DORA_MAX_RUNS:
+            for k, start, end in rows.runs:
+                out[start:end].mul_(factor[k])
+                if offset is not None:
+                    out[start:end].add_(offset[k])
+            return
+        out.mul_(factor.index_select(0, rows.index))  # rows without DoRA: times 1, plus 0
+        if offset is not None:
+            out.add_(offset.index_select(0, rows.index))
 
 
 class LoRAEmbedding(nn.Module):

@@ -19,6 +19,7 @@ import numpy as np
 
 from worker.contract.identity import AdapterSlot, ScalesBySlot
 from worker.formats.alora import MultipleALoRAError, activation_index
+from worker.formats.dora import DoRAStackError
 
 
 @dataclass(frozen=True)
@@ -36,15 +37,18 @@ class RequestAdapters:
 
 
 def resolve(invocations: Mapping[int, tuple[int, ...] | None] | Sequence[tuple[int, ...] | None], prompt_ids: Sequence[int],
-            scales: ScalesBySlot) -> RequestAdapters:
+            scales: ScalesBySlot, dora_slots: frozenset[int] = frozenset()) -> RequestAdapters:
     """The mapping of a request enabling `scales` (adapter slot -> scale), given each held slot's
-    aLoRA invocation tokens (None: a plain LoRA). ValueError for a slot that is not held,
-    MultipleALoRAError for two aLoRAs."""
+    aLoRA invocation tokens (None: a plain LoRA) and the held slots that are DoRA adapters.
+    ValueError for a slot that is not held, MultipleALoRAError for two aLoRAs, DoRAStackError
+    for a DoRA adapter with any other (no composition is defined)."""
     held = invocations if isinstance(invocations, Mapping) else dict(enumerate(invocations))
     bad = [slot for slot in scales if slot not in held]
     if bad:
         raise ValueError(f"adapter slot {bad[0]} does not exist (this worker holds {len(held)})")
     enabled = {slot: float(scale) for slot, scale in scales.items() if scale != 0}
+    if len(enabled) > 1 and not dora_slots.isdisjoint(enabled):
+        raise DoRAStackError()
     aloras = [slot for slot in enabled if held[slot] is not None]
     if len(aloras) > 1:
         raise MultipleALoRAError()

@@ -16,6 +16,10 @@ active in it, in one of two ways (chosen per pass by `LoRABatch.segmented`):
   adapters only when most of it has gone idle. Decode steps copy nothing while the
   batch's adapters stay the same or shrink.
 
+A DoRA adapter's rows are then rescaled per output channel (`dora_table`): its factor
+m / ||W + s B A||_row for each (adapter, scale) is made once from three per-row terms
+kept per adapter (worker/formats/dora.py) and cached, never per step.
+
 Either way the cost is that of the adapters in the batch (at most a few times it,
 for the idle part of the working set), never of the adapters held, and no unused
 adapter's weights are copied per step. Linear: A [r, k], B [d, r]; embedding:
@@ -27,9 +31,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from worker.formats.dora import row_norms
+
 _MAX_CACHED_STACKS = 4  # active sets per target whose stack is kept (experts)
+_MAX_CACHED_FACTORS = 64  # DoRA factors per target, one per (slot, scale)
 _MIN_ROOM_COLUMNS = 64  # a working set's spare room, at least
 
 
@@ -54,6 +62,12 @@ class TargetWeights:
     _ws_of: tuple[int, ...] | None = None
     _ws_views: tuple[torch.Tensor, torch.Tensor] | None = None
     _ws_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+    # DoRA: slot -> (magnitude [d] on the device, row-norm terms [3, d] float64 on the host); the base's bias [d]
+    dora: dict[int, tuple[torch.Tensor, np.ndarray]] = field(default_factory=dict)
+    bias: torch.Tensor | None = None
+    _factors: OrderedDict[tuple[int, float], torch.Tensor] = field(default_factory=OrderedDict)  # (slot, scale) -> [d]
+    _table_of: tuple | None = None
+    _table: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def add(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         self.pairs[slot] = (a, b)
@@ -62,13 +76,23 @@ class TargetWeights:
         self.finite[slot] = bool(torch.isfinite(a).all() and torch.isfinite(b).all())
         self._forget(slot)
 
+    def add_dora(self, slot: int, magnitude: torch.Tensor, terms: np.ndarray, bias: torch.Tensor | None) -> None:
+        """`slot` (its pair added) is a DoRA adapter here: magnitude [d] and `row_norm_terms` [3, d]."""
+        self.dora[slot] = (magnitude, terms)
+        self.bias = bias
+        self._forget(slot)
+
     def remove(self, slot: int) -> None:
         self.pairs.pop(slot, None)
         self.finite.pop(slot, None)
+        self.dora.pop(slot, None)
         self._forget(slot)
 
     def _forget(self, slot: int) -> None:
         self._split_of = None
+        self._table_of = self._table = None
+        for key in [key for key in self._factors if key[0] == slot]:
+            del self._factors[key]
         for key in [key for key in self._stacks if slot in key]:
             del self._stacks[key]
         if slot in self._ws_at:  # its columns would hold another adapter's weights: start again
@@ -135,6 +159,39 @@ class TargetWeights:
         self.layout = (*self.layout, (slot, rank))
         self._ws_columns += rank
 
+    def dora_table(self, keys: tuple[tuple[int, float], ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """For a pass's DoRA (slot, scale) `keys`: (factor [K + 1, d], offset [K + 1, d] or None) where
+        row 0 is the identity (ones, zeros) and row i + 1 rescales key i's rows,
+        y' = factor * y + offset = m / ||W + s BA|| * (y - bias) + bias; None when no key's slot is
+        DoRA on this target. Kept while the pass's keys stay the same."""
+        key = (keys, dtype)
+        if key == self._table_of:
+            return self._table
+        table = None
+        if any(slot in self.dora for slot, _ in keys):
+            factors = [self._factor(slot, scale) for slot, scale in keys]
+            ones = torch.ones_like(next(f for f in factors if f is not None))
+            factor = torch.stack([ones] + [ones if f is None else f for f in factors])  # float32
+            table = (factor.to(dtype), None if self.bias is None else ((1 - factor) * self.bias).to(dtype))
+        self._table_of, self._table = key, table
+        return table
+
+    def _factor(self, slot: int, scale: float) -> torch.Tensor | None:
+        """m / ||W + scale * BA||_row [d] float32 (made once per (slot, scale)), None for a slot not DoRA here."""
+        if slot not in self.dora:
+            return None
+        factor = self._factors.get((slot, scale))
+        if factor is None:
+            magnitude, terms = self.dora[slot]
+            norms = torch.from_numpy(row_norms(terms, scale).astype(np.float32)).to(magnitude.device)
+            factor = magnitude / norms
+            if len(self._factors) >= _MAX_CACHED_FACTORS:
+                self._factors.popitem(last=False)
+            self._factors[(slot, scale)] = factor
+        else:
+            self._factors.move_to_end((slot, scale))
+        return factor
+
     def used(self, active: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(slot for slot in active if slot in self.pairs)
 
@@ -158,4 +215,10 @@ class TargetWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.pairs.values())
+        return sum(self.slot_nbytes(slot) for slot in self.pairs)
+
+    def slot_nbytes(self, slot: int) -> int:
+        """Device bytes of one slot's weights here (its DoRA magnitude included)."""
+        a, b = self.pairs[slot]
+        magnitude = self.dora[slot][0] if slot in self.dora else None
+        return sum(t.numel() * t.element_size() for t in (a, b, magnitude) if t is not None)

@@ -166,7 +166,6 @@ def test_unsupported_targets_are_an_error(tiny_llama, tmp_path, capsys) -> None:
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"peft_type": "LORA", "use_dora": True}, "DoRA"),
         ({"peft_type": "LORA", "lora_bias": True}, "lora_bias"),
         ({"peft_type": "IA3"}, "not LoRA"),
         ({"peft_type": "LORA", "modules_to_save": ["lm_head"]}, "modules_to_save"),
