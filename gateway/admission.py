@@ -86,6 +86,8 @@ class Admission:
         infos = self.adapters(tenant)
         if len({infos[n].fingerprint for n in scales if infos[n].is_alora}) > 1:
             raise APIError(400, "Cannot run multiple aLoRAs in a single request", "multiple_aloras")
+        if len({infos[n].fingerprint for n in scales}) > 1 and any(infos[n].is_dora for n in scales):
+            raise APIError(400, "Cannot run a DoRA adapter together with other adapters in a single request", "dora_stacked")
         return scales
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:

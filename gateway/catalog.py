@@ -29,6 +29,7 @@ class AdapterInfo:
     prompt_prefix: str | None
     invocation_tokens: tuple[int, ...] | None
     owner: str = ""  # the tenant that registered it; "" for shared ones (the config's, the operator's)
+    is_dora: bool = False  # a DoRA adapter: never stacked with another in one request
 
     @property
     def is_alora(self) -> bool:
@@ -56,6 +57,7 @@ class Catalog:
             adapter = load_adapter(path, self.base)  # AdapterError: the deployment does not start
             self.adapters[entry.name] = AdapterInfo(
                 entry.name, path, adapter.fingerprint, adapter.task_name, adapter.prompt_prefix, adapter.invocation_tokens,
+                is_dora=adapter.is_dora,
             )
 
     def check_grammar(self, grammar: str) -> None:

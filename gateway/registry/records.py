@@ -29,7 +29,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -67,6 +67,7 @@ class AdapterRecord:
     prompt_prefix: str | None = None
     created_s: float = 0.0
     shards: tuple[str, ...] = field(default=())  # where it is pinned
+    is_dora: bool = False
 
     @property
     def key(self) -> str:
@@ -81,7 +82,8 @@ class AdapterRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AdapterRecord:
-        data = dict(data)
+        names = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in names}  # a field a newer gateway wrote is ignored (rolling upgrades)
         data["targets"] = tuple(data.get("targets") or ())
         data["shards"] = tuple(data.get("shards") or ())
         if data.get("invocation_tokens") is not None:

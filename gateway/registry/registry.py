@@ -60,7 +60,8 @@ def describe(adapter: LoRAAdapter, owner: str, name: str, size: int) -> AdapterR
     kinds = sorted({t.split(".")[-2] if t.count(".") >= 2 else t.split(".")[0] for t in adapter.pairs})
     rank = max((p.rank for p in adapter.pairs.values()), default=0)
     return AdapterRecord(owner, name, adapter.fingerprint, size, rank, tuple(kinds), adapter.alpha,
-                         adapter.invocation_tokens, adapter.task_name, adapter.prompt_prefix, time.time())
+                         adapter.invocation_tokens, adapter.task_name, adapter.prompt_prefix, time.time(),
+                         is_dora=adapter.is_dora)
 
 
 class AdapterRegistry:
@@ -107,7 +108,7 @@ class AdapterRegistry:
 
     def info(self, r: AdapterRecord) -> AdapterInfo:
         return AdapterInfo(r.name, self.store.path(r.fingerprint), r.fingerprint, r.task_name, r.prompt_prefix,
-                           r.invocation_tokens, r.owner)
+                           r.invocation_tokens, r.owner, r.is_dora)
 
     def owned(self, owner: str | None) -> list[AdapterRecord]:
         """Committed records of `owner` (None: everyone's)."""
