@@ -227,3 +227,35 @@ def test_a_channel_carries_every_request_of_a_step_in_one_batch(worker) -> None:
         assert not worker.loop.engine.has_work() and "c1" not in worker._channels
 
     asyncio.run(scenario())
+
+
+def test_a_pinned_adapter_is_read_and_its_dora_norms_made_off_the_step_loop(worker, tiny_llama, tmp_path, monkeypatch) -> None:
+    """The file's halves and a DoRA's row norms are made in a thread of their own: the engine's thread
+    (the step loop) only puts them on the device."""
+    import threading
+
+    import worker.lora.attach as attach
+    from tests.worker.formats.test_dora import dora_file
+    from worker.formats.adapter import load_adapter
+    from worker.formats.gguf_file import GGUFFile
+
+    path = dora_file(tiny_llama, tmp_path / "d.gguf")
+    fingerprint = load_adapter(path, GGUFFile(tiny_llama.path)).fingerprint
+    worker.pins.store.put(path, fingerprint)
+    made_in: list[str] = []
+    made = attach.row_norm_terms
+
+    def recorded(*args):
+        made_in.append(threading.current_thread().name)
+        return made(*args)
+
+    monkeypatch.setattr(attach, "row_norm_terms", recorded)
+
+    async def scenario():
+        state = await worker.sync(20, [seed_fingerprint(worker), fingerprint])
+        assert fingerprint in state["held"], state
+        deltas = await collect(worker, call(40, scales_by_fingerprint={fingerprint: 1.0}))
+        assert deltas[-1].finish_reason == "length"
+
+    asyncio.run(scenario())
+    assert made_in and not {threading.main_thread().name, "loraplex-engine"} & set(made_in), made_in

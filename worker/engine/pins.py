@@ -27,6 +27,7 @@ from worker.contract.identity import AdapterSlot, Fingerprint
 from worker.engine.engine import Engine
 from worker.engine.loop import EngineLoop
 from worker.formats.adapter import LoRAAdapter, load_adapter
+from worker.lora.attach import host_halves
 from worker.formats.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,8 @@ class Pins:
             adapter: LoRAAdapter = await asyncio.to_thread(load_adapter, path, self.base)
             if adapter.fingerprint != fingerprint:
                 raise ValueError(f"the file's fingerprint is {adapter.fingerprint[:16]}, not {fingerprint[:16]}")
-            slot = await asyncio.wrap_future(self.loop.call(lambda engine: engine.runner.add_adapter(adapter)))
+            host = await asyncio.to_thread(host_halves, adapter)  # reads and DoRA norms: off the step loop
+            slot = await asyncio.wrap_future(self.loop.call(lambda engine: engine.runner.add_adapter(adapter, host)))
         except Exception as e:  # not in the store, a changed file, no memory: this pin is not held, the others are
             log.warning("adapter %s from %s could not be loaded: %s", fingerprint[:16], source, e)
             self.failed[fingerprint] = str(e)[:300]

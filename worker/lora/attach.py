@@ -20,6 +20,26 @@ from worker.lora.weights import TargetWeights
 from worker.model.device import DeviceConfig, to_torch
 
 
+# target -> (A, B already scaled by alpha/rank, DoRA's (magnitude [d] f32, row-norm terms [3, d] f64, bias [d] f32 or None))
+HostHalves = dict[str, tuple[np.ndarray, np.ndarray, tuple | None]]
+
+
+def host_halves(adapter: LoRAAdapter) -> HostHalves:
+    """What `LoRAState.add` needs of `adapter` on the host: every pair read (and dequantized), and a DoRA's
+    terms made from the base. Pure numpy, thread-safe: a worker makes it off the step loop."""
+    out: HostHalves = {}
+    for target in sorted(adapter.pairs):
+        a, b = adapter.load_pair(target)
+        b = b * adapter.scale(adapter.pairs[target], 1.0)
+        dora = None
+        if adapter.is_dora:
+            w, bias = adapter.load_base(target)
+            magnitude = adapter.load_magnitude(target).astype(np.float32)
+            dora = (magnitude, row_norm_terms(w, a, b), None if bias is None else bias.astype(np.float32))
+        out[target] = (a, b, dora)
+    return out
+
+
 class LoRAState:
     """The model's LoRA layers, the pass's shared batch mapping, and per adapter slot which
     targets apply (`applied`) and which are not matmuls here (`ignored`: llama.cpp ignores them too)."""
@@ -32,22 +52,27 @@ class LoRAState:
         self.applied: dict[int, list[str]] = {}
         self.ignored: dict[int, list[str]] = {}
 
-    def add(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Put `adapter` (validated against this base) in `slot`: its halves go to the device."""
+    def add(self, slot: int, adapter: LoRAAdapter, host: HostHalves | None = None) -> None:
+        """Put `adapter` (validated against this base) in `slot`: its halves go to the device. `host`: its
+        halves already read and its DoRA terms already made (`host_halves`, off the step loop)."""
         if slot in self.applied:
             raise ValueError(f"adapter slot {slot} is taken")
+        host = host_halves(adapter) if host is None else host
         applied, ignored, loaded, dora = [], [], [], []
-        for target in sorted(adapter.pairs):
+        for target, (a, b, dora_host) in host.items():
             weights = self.targets.get(target) or self._wrap(target)
             if weights is None:
                 ignored.append(target)
                 continue
-            a, b = adapter.load_pair(target)
-            b = b * adapter.scale(adapter.pairs[target], 1.0)
             loaded.append((weights, to_torch(a, self.config), to_torch(b, self.config)))
             applied.append(target)
-            if adapter.is_dora:
-                dora.append((weights, *self._dora(adapter, target, weights, a, b)))
+            if dora_host is not None:
+                if weights.kind != "linear":
+                    raise ValueError(f"{adapter.path}: DoRA is not supported on tensor '{target}' (a {weights.kind} here)")
+                magnitude, terms, bias = dora_host
+                device = self.config.torch_device
+                dora.append((weights, torch.from_numpy(magnitude).to(device), terms,
+                             None if bias is None else torch.from_numpy(bias).to(device)))
         for weights, a, b in loaded:  # all halves made before any is in use
             weights.add(slot, a, b)
         for weights, magnitude, terms, bias in dora:
@@ -60,15 +85,6 @@ class LoRAState:
     def dora_slots(self) -> frozenset[int]:
         """The slots holding a DoRA adapter (a request may not stack one with any other adapter)."""
         return frozenset(self.batch.dora_slots)
-
-    def _dora(self, adapter: LoRAAdapter, target: str, weights: TargetWeights, a, b) -> tuple:
-        """(magnitude [d] float32 on the device, row-norm terms [3, d] float64, the base's bias [d] float32 or None)."""
-        if weights.kind != "linear":
-            raise ValueError(f"{adapter.path}: DoRA is not supported on tensor '{target}' (a {weights.kind} here)")
-        w, bias = adapter.load_base(target)
-        device = self.config.torch_device
-        magnitude = torch.from_numpy(adapter.load_magnitude(target).astype(np.float32)).to(device)
-        return magnitude, row_norm_terms(w, a, b), None if bias is None else torch.from_numpy(bias.astype(np.float32)).to(device)
 
     def remove(self, slot: int) -> None:
         for target in self.applied.pop(slot, []):
