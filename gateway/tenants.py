@@ -18,10 +18,8 @@ something of a SHA-256 digest, not of a key.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -30,14 +28,12 @@ from pathlib import Path
 from gateway.accounts import AccountRecords, Accounts, KeyRecord, Snapshot, TenantRecord
 from gateway.api.protocol import APIError
 from gateway.config import ServeConfig, TenantConfig
-from gateway.registry.records import FileRecords, RecordStore, RedisRecords, RegistryUnavailable
+from gateway.registry.records import FileRecords, RecordStore, RedisRecords, SharedReads
 from worker.contract.identity import AdapterName
 
-log = logging.getLogger(__name__)
 ANONYMOUS = "anonymous"
 SHARED_SALT = "shared"
 ACCOUNTS_POLL_S = 0.5  # the bound on how stale a gateway's view of tenants and keys may be
-UNAVAILABLE_BACKOFF_S = 5.0
 
 
 @dataclass
@@ -92,8 +88,7 @@ class Tenants:
         self.snapshot = Snapshot()
         self._scales: dict[str, dict[AdapterName, float]] = {}  # each run-time tenant's default scales, kept across reads
         self._runtime: dict[str, Tenant] = {}
-        self._checked_s = -UNAVAILABLE_BACKOFF_S - ACCOUNTS_POLL_S
-        self._check: asyncio.Future | None = None
+        self._reads = SharedReads(self.refresh, clock, read_s=float("-inf"))
         # run-time tenants are made with an operator key: without one configured there are none to wait for
         self._has_read = records is None or not self._operator_digests
         self.anonymous = Tenant(ANONYMOUS, None)
@@ -114,25 +109,10 @@ class Tenants:
     # keeping up with the records
 
     async def refresh_if_stale(self) -> None:
-        """A request's path: the records read again when the last look began over ACCOUNTS_POLL_S ago
-        (requests that come together share one read)."""
-        if self.accounts is None:
-            return
-        arrived_s = self._clock()
-        while arrived_s - self._checked_s > ACCOUNTS_POLL_S:  # ends once a read began after it arrived: two at most
-            if self._check is None or self._check.done():
-                self._check = asyncio.ensure_future(self._version_check())
-            await asyncio.shield(self._check)
-
-    async def _version_check(self) -> None:
-        began_s = self._clock()
-        try:
-            await self.refresh()
-        except RegistryUnavailable as e:
-            log.warning("%s; tenants and keys as last read", e)
-            began_s += UNAVAILABLE_BACKOFF_S
-        finally:
-            self._checked_s = max(self._checked_s, began_s)
+        """A request's path: the records read again when the last read began over ACCOUNTS_POLL_S
+        before it arrived (SharedReads: requests that come together share one read)."""
+        if self.accounts is not None:
+            await self._reads.since(self._clock() - ACCOUNTS_POLL_S)
 
     async def refresh(self) -> None:
         assert self.accounts is not None

@@ -30,7 +30,6 @@ from gateway.api.protocol import (
     ChatRequest,
     LoraEntry,
     _Body,
-    refuse_unless_unused,
     stops_of,
 )
 
@@ -170,6 +169,8 @@ class OutputConfig(_Body):
 class CountTokensRequest(_Body):
     """`POST /v1/messages/count_tokens`: the conversation without what only generation takes."""
 
+    UNSUPPORTED = _UNSUPPORTED_AT
+
     model: str = Field(max_length=MAX_NAME_CHARS)
     system: list[TextBlock] | str | None = Field(None, max_length=MAX_MESSAGES)
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -181,12 +182,6 @@ class CountTokensRequest(_Body):
     # our extensions, as on chat (gateway/api/protocol.py)
     lora: list[LoraEntry] | None = Field(None, max_length=MAX_LORA_ENTRIES)
     cache_salt: str | None = Field(None, max_length=MAX_NAME_CHARS)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
-        refuse_unless_unused(data, _UNSUPPORTED_AT, "")
-        return data
 
     @model_validator(mode="after")
     def _supported(self) -> CountTokensRequest:

@@ -25,7 +25,6 @@ from gateway.api.protocol import (
     ToolSpec,
     _Body,
     _Generation,
-    refuse_unless_unused,
     stops_of,
 )
 from worker.contract.params import MAX_LOGIT_BIAS
@@ -95,6 +94,8 @@ def prompts_of(value: Any) -> list[list[Piece]]:
 class LlamaCompletionRequest(_Generation):
     """llama-server's `POST /completion` (and `/completions`)."""
 
+    UNSUPPORTED, UNSUPPORTED_WHY = _LLAMA_OFF, " (its samplers: penalties, top_k, top_p, min_p, temperature)"
+
     prompt: str | list[Any] | dict[str, Any]  # see prompts_of
     # absent: the server's default; -1: until the end of generation
     n_predict: int | None = Field(None, ge=-1, le=MAX_TOKENS)
@@ -147,9 +148,8 @@ class LlamaCompletionRequest(_Generation):
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_samplers_we_do_not_run(cls, data: Any) -> Any:
+    def _samplers_in_our_order(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            refuse_unless_unused(data, _LLAMA_OFF, " (its samplers: penalties, top_k, top_p, min_p, temperature)")
             if data.get("samplers") is not None and not _samplers_we_run_in_order(data["samplers"]):
                 raise ValueError("'samplers' is supported only in this server's order: penalties, top_k, top_p, min_p, "
                                  "temperature")

@@ -76,6 +76,15 @@ def refuse_unless_unused(data: Any, unused: dict[str, tuple], why: str) -> None:
 class _Body(BaseModel):
     # strict: `false` is not 0, "1" is not 1 (a JSON number is still accepted for a float)
     model_config = ConfigDict(extra="ignore", strict=True)
+    # fields of this API we do not support, and the values that mean "not used": any other is a 400 naming it
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
+    UNSUPPORTED_WHY: ClassVar[str] = ""  # said after "not supported by this server"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        refuse_unless_unused(data, cls.UNSUPPORTED, cls.UNSUPPORTED_WHY)
+        return data
 
 
 class LoraEntry(_Body):
@@ -112,6 +121,7 @@ class _Generation(_Body):
 
 
 class _Sampling(_Generation):
+    UNSUPPORTED = _UNSUPPORTED_AT
     model: str | None = Field(None, max_length=MAX_NAME_CHARS)
     temperature: float = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
@@ -131,12 +141,6 @@ class _Sampling(_Generation):
     # llama-server's extensions: the output follows this JSON Schema, or this GBNF grammar
     json_schema: dict[str, Any] | bool | None = None
     grammar: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
-        refuse_unless_unused(data, _UNSUPPORTED_AT, "")
-        return data
 
     @model_validator(mode="after")
     def _supported(self) -> _Sampling:

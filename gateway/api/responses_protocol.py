@@ -24,7 +24,6 @@ from gateway.api.protocol import (
     FunctionSpec,
     _Body,
     _Generation,
-    refuse_unless_unused,
 )
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
@@ -166,6 +165,8 @@ class ResponsesRequest(_Generation):
     """`POST /v1/responses`, with our extensions every generation takes (`lora`, `cache_salt`,
     `ignore_eos`, `timeout_s`)."""
 
+    UNSUPPORTED = _UNSUPPORTED_AT
+
     model: str | None = Field(None, max_length=MAX_NAME_CHARS)
     input: Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)] | str
     instructions: str | None = None
@@ -180,12 +181,6 @@ class ResponsesRequest(_Generation):
     previous_response_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
     store: bool = True
     metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA_PAIRS)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
-        refuse_unless_unused(data, _UNSUPPORTED_AT, "")
-        return data
 
     @field_validator("input", mode="before")
     @classmethod

@@ -28,7 +28,7 @@ import fcntl
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
@@ -51,6 +51,38 @@ class ReplicaDidNotAcknowledge(RegistryUnavailable):
     """A change is on Redis' master, but none of its replicas acknowledged it in time: a failover now
     could lose it. It stands unless that happens; the caller is told to try again (a register is a
     replace, so doing it again is harmless)."""
+
+
+UNAVAILABLE_BACKOFF_S = 5.0  # a store found unreachable is not asked again for this long
+
+
+class SharedReads:
+    """A request's path waiting for a store to be read no earlier than it needs: requests that wait
+    together share one read, one that comes while a read runs waits for the next, and a store that
+    is unreachable (RegistryUnavailable) is not asked again before UNAVAILABLE_BACKOFF_S (requests
+    do not each wait on it). `read` reads the store; `clock` is the caller's."""
+
+    def __init__(self, read: Callable[[], Awaitable[object]], clock: Callable[[], float], read_s: float = 0.0) -> None:
+        self._read, self._clock = read, clock
+        self.read_s = read_s  # when the last finished read began (or when the store may be asked again)
+        self._reading: asyncio.Future | None = None
+
+    async def since(self, after_s: float) -> None:
+        """Once a read that began at `after_s` or later has finished (at most two reads' wait)."""
+        while self.read_s < after_s:
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.ensure_future(self._read_once())
+            await asyncio.shield(self._reading)
+
+    async def _read_once(self) -> None:
+        began_s = self._clock()
+        try:
+            await self._read()
+        except RegistryUnavailable as e:
+            log.warning("%s; serving what was read last", e)
+            began_s += UNAVAILABLE_BACKOFF_S
+        finally:
+            self.read_s = max(self.read_s, began_s)
 
 
 @dataclass(frozen=True)

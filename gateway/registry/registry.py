@@ -43,6 +43,7 @@ from gateway.registry.records import (
     RecordStore,
     RedisRecords,
     RegistryUnavailable,
+    SharedReads,
     record_key,
 )
 from gateway.tenants import Tenant
@@ -51,7 +52,6 @@ from worker.formats.adapter import LoRAAdapter
 
 log = logging.getLogger(__name__)
 PENDING = "pending:"  # key prefix of a staged change
-UNAVAILABLE_BACKOFF_S = 5.0
 Pins = frozenset[Fingerprint]  # what a worker should hold (it has the config's adapters; the others it fetches from the store)
 Sync = Callable[[str, int, list[Fingerprint]], Awaitable[dict[str, Any]]]
 
@@ -86,8 +86,7 @@ class AdapterRegistry:
         self._visible: dict[tuple[str, frozenset[str] | None], dict[str, AdapterInfo]] = {}  # by tenant and its ACL
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
-        self._checked_s = 0.0  # when the last finished version check began (or when Redis may be tried again)
-        self._check: asyncio.Future | None = None
+        self._reads = SharedReads(self.refresh, clock)  # the version checks requests wait on
         self.traffic: dict[Fingerprint, float] = {}  # requests lately (decayed at each re-plan)
         self._replanned_s = clock()
 
@@ -187,23 +186,9 @@ class AdapterRegistry:
 
     async def refresh_if_stale(self) -> None:
         """A request's path: what it sees is no older than its arrival (a change made through
-        another gateway replica just before is seen). Requests that come together share one
-        version check; one that comes while a check runs waits for the next; Redis being down
-        changes nothing (its requests do not each wait on it)."""
-        arrived_s = self._clock()
-        while self._checked_s < arrived_s:
-            if self._check is None or self._check.done():
-                self._check = asyncio.ensure_future(self._version_check())
-            await asyncio.shield(self._check)
-
-    async def _version_check(self) -> None:
-        began_s = self._clock()
-        try:
-            await self.refresh()
-        except RegistryUnavailable:
-            began_s += UNAVAILABLE_BACKOFF_S
-        finally:
-            self._checked_s = max(self._checked_s, began_s)
+        another gateway replica just before is seen; SharedReads: requests that come together share
+        one version check, Redis being down changes nothing)."""
+        await self._reads.since(self._clock())
 
     async def refresh(self, force: bool = False) -> bool:
         """Take the stored records when they changed: pins pushed first, names after."""
