@@ -136,9 +136,29 @@ class _Hashing:
 class BlobStore(ABC):
     """Adapter files by fingerprint, and this node's verified copies of them in `directory`."""
 
+    is_local = False  # True: `directory` is the store itself (its files are no copies, and are never dropped here)
+
     def __init__(self, directory: Path, url: str) -> None:
         self.directory, self.url = directory, url
         directory.mkdir(parents=True, exist_ok=True)
+
+    def copies(self) -> dict[str, tuple[int, float]]:
+        """This node's copies of a store elsewhere: fingerprint -> (bytes, when last modified); none for a local store."""
+        if self.is_local:
+            return {}
+        found = {}
+        for copy in self.directory.glob(f"*{BLOB_SUFFIX}"):
+            try:
+                stat = copy.stat()
+            except FileNotFoundError:
+                continue
+            found[copy.name.removesuffix(BLOB_SUFFIX)] = (stat.st_size, stat.st_mtime)
+        return found
+
+    def drop_copy(self, fingerprint: str) -> None:
+        """Delete this node's copy (a worker's disk budget); the store keeps the blob. A local store: nothing."""
+        if not self.is_local:
+            self._forget_copy(fingerprint)
 
     def path(self, fingerprint: str) -> Path:
         """Where this node's copy of the blob is (or would be)."""

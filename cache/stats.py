@@ -24,14 +24,18 @@ class Histogram:
         self.total += value
         self.num += 1
 
-    def prometheus(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+    def prometheus(self, name: str, help_text: str | None, labels: str = "") -> list[str]:
+        """Its lines; `labels` ('tier="disk"') for one series of a labelled histogram, `help_text`
+        None for every series after the first (its HELP and TYPE are written once)."""
+        lines = [] if help_text is None else [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
         running = 0
+        others = f"{labels}," if labels else ""
         for bound, count in zip((*self.buckets, float("inf")), self.counts):
             running += count
             le = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{name}_bucket{{le="{le}"}} {running}')
-        lines += [f"{name}_sum {self.total!r}", f"{name}_count {self.num}"]
+            lines.append(f'{name}_bucket{{{others}le="{le}"}} {running}')
+        tail = f"{{{labels}}}" if labels else ""
+        lines += [f"{name}_sum{tail} {self.total!r}", f"{name}_count{tail} {self.num}"]
         return lines
 
 

@@ -12,6 +12,7 @@ stdlib dataclasses without their own config). The file's shape, old spellings in
     engine:   EngineConfig (worker/contract/spec.py); `num_slots` is the old name of `num_seq_slots`
     device:   DeviceSettings (same file): dtype, weights, threads, decode_threads, also taken
               under `engine:`, where they were; the device itself is chosen per shard (worker_spec)
+    residency: ResidencySettings (same file): device_bytes, device_adapters, host_bytes, disk_bytes
     cache:    PrefixCacheConfig (cache/prefix.py) with its Redis flat: redis_url, key_prefix, ttl_s,
               timeout_s, redis_password_file, redis_cluster are RedisConfig's (cache/l2.py) url, ..., cluster
     routing:  RoutingSettings (gateway/policy/routing.py); `routing: affinity` is `{policy: affinity}`
@@ -35,7 +36,7 @@ from cache.l2 import RedisConfig
 from cache.prefix import PrefixCacheConfig
 from gateway.policy.nodes import selector_error
 from gateway.policy.routing import RoutingSettings
-from worker.contract.spec import DEFAULT_FINGERPRINT_DIR, DeviceSettings, EngineConfig, WorkerSpec
+from worker.contract.spec import DEFAULT_FINGERPRINT_DIR, DeviceSettings, EngineConfig, ResidencySettings, WorkerSpec
 from worker.contract.tracing import TracingSettings  # gateway/tracing.py's; defined with the workers', who get it too
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -163,6 +164,7 @@ class ServeConfig(_Strict):
     operator_key_file: str | None = None  # an operator key itself, from a mounted Secret (hashed when read)
     engine: EngineConfig = EngineConfig()
     device: DeviceSettings = DeviceSettings()
+    residency: ResidencySettings = ResidencySettings()  # adapters' tiers on each worker (device, host, disk): budgets
     cache: PrefixCacheConfig = PrefixCacheConfig(redis=RedisConfig())  # Redis is used when reachable
     routing: RoutingSettings = RoutingSettings()
     tracing: TracingSettings = TracingSettings()  # OpenTelemetry over OTLP/HTTP; off by default
@@ -259,6 +261,7 @@ class ServeConfig(_Strict):
             cache=self.cache,
             fingerprint_dir=None if self.fingerprint_path() is None else str(self.fingerprint_path()),
             blob_store=self.blob_store(),
+            residency=self.residency,
             tracing=self.tracing,
         )
 

@@ -65,7 +65,7 @@ class Gateway:
                         in_flight=self._in_flight.get(r.replica_id, 0),
                         is_healthy=self._failed_until_s.get(r.replica_id, 0.0) <= now_s, is_reachable=is_reachable(r.replica_id),
                         recent=self._recent.get(r.replica_id, now_s), num_seq_slots=num_seq_slots,
-                        capacity=num_seq_slots + self.config.engine.max_waiting)
+                        capacity=num_seq_slots + self.config.engine.max_waiting, tiers=self.registry.tiers.get(r.replica_id))
             for r in self.pool.replicas
         ]
 
@@ -86,8 +86,11 @@ class Gateway:
                 raise self.error_of(busy, prepared) from None
             code = "replicas_busy" if isinstance(e, ReplicasBusy) else "no_healthy_worker"
             raise APIError(503, str(e), code, self._retry_after()) from e
-        replica = choose(pool, prepared.affinity, self.routing, shared_cache=self.config.cache.redis is not None)
-        self.metrics.route(replica.shard, replica.replica_id, self.routing.policy)
+        fingerprints = prepared.scales_by_fingerprint
+        replica = choose(pool, prepared.affinity, self.routing, shared_cache=self.config.cache.redis is not None,
+                         fingerprints=fingerprints)
+        self.metrics.route(replica.shard, replica.replica_id, self.routing.policy, replica.tier(fingerprints))
+        self.registry.promoted(replica.replica_id, fingerprints)
         if not tried:
             self.registry.count(prepared.scales_by_fingerprint)
         tried.add(replica.replica_id)

@@ -32,6 +32,9 @@ class _Answer:
 _ANSWER: ContextVar[_Answer | None] = ContextVar("loraplex_answer", default=None)  # the HTTP request being answered
 
 
+RESIDENCY_TIERS = ("device", "host", "lower")  # gateway/policy/routing.py: ReplicaView.tier
+
+
 def adapter_label(names: Iterable[str]) -> str:
     """A request's adapters, as its tenant named them, in one metric label."""
     return "+".join(sorted(set(names))) or "base"
@@ -53,10 +56,13 @@ class GatewayMetrics:
         self.cached = Counter("loraplex_gateway_cached_tokens", "prompt tokens served from the prefix cache", labels, registry=r)
         self.in_flight = Gauge("loraplex_gateway_in_flight", "requests in progress (queue depth)", ("tenant",), registry=r)
         self.routes = Counter("loraplex_gateway_route_decisions", "requests sent to a replica", ("shard", "replica", "policy"), registry=r)
+        self.residency = Counter("loraplex_gateway_routed_residency", "requests sent to a replica, by where it had their "
+                                 "adapters (device, host, lower: disk or the store)", ("tier",), registry=r)
         self.failures = Counter("loraplex_gateway_replica_failures", "replicas that failed a request", ("replica",), registry=r)
 
-    def route(self, shard: str, replica: str, policy: str) -> None:
+    def route(self, shard: str, replica: str, policy: str, tier: int = 0) -> None:
         self.routes.labels(shard, replica, policy).inc()
+        self.residency.labels(RESIDENCY_TIERS[tier]).inc()
 
     def replica_failure(self, replica: str) -> None:
         self.failures.labels(replica).inc()

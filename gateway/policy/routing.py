@@ -13,6 +13,12 @@ would be computed again, so this bound is skipped then), and for load, which add
 requests a replica was sent recently (a decaying count), since bounding in-flight
 requests alone keeps no balance when traffic is light (everything in flight is 0 or 1,
 so the hot prefix's replica gets every request it is idle for).
+Where replicas have the request's adapters at different tiers (on the device, on the host, or
+lower: disk or the store; workers with tiers report where, and a replica a request was just
+sent to has them on its device), the nearest replicas whose requests in flight stay in that
+bound come first, the recent-load bound choosing only among them: a replica idle lately that
+must load the adapter first is no faster than a busy one that has it, and a hot adapter still
+spills to another replica once its replica's requests in flight pass the bound.
 A replica whose slots and queue are full is no candidate (`ReplicasBusy` when none is
 left: the gateway answers 503 with Retry-After); with a shared tier, a replica with a
 free slot comes before any whose slots are all taken.
@@ -30,6 +36,7 @@ from worker.contract.calls import CHANNEL_HEARTBEAT_S
 from worker.contract.identity import AdapterName, Fingerprint
 
 POLICIES = ("affinity", "random", "least_loaded")
+DEVICE, HOST, LOWER = 0, 1, 2  # where a replica has an adapter (worker/engine/residency.py; disk and the store: LOWER)
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,15 @@ class ReplicaView:
     num_seq_slots: int = 1 << 30  # requests it runs at once; more wait in its queue
     capacity: int = 1 << 30  # requests it may hold: its sequence slots plus its queue
     is_reachable: bool = True  # False: known gone (its channel failed, and it has not been heard from since)
+    # where it has each adapter (DEVICE, HOST; absent: LOWER); None: it keeps every adapter it serves on its device
+    tiers: Mapping[Fingerprint, int] | None = None
+
+    def tier(self, fingerprints: Collection[Fingerprint]) -> int:
+        """The lowest tier one of `fingerprints` is on here (DEVICE when there is none)."""
+        tiers = self.tiers
+        if tiers is None or not fingerprints:
+            return DEVICE
+        return max(tiers.get(fp, LOWER) for fp in fingerprints)
 
     @property
     def has_free_seq_slot(self) -> bool:
@@ -146,9 +162,10 @@ def _rank(key: bytes, replica_id: str) -> int:
 
 
 def choose(pool: Sequence[ReplicaView], key: bytes, settings: RoutingSettings = RoutingSettings(), *,
-           rng: random_module.Random | None = None, shared_cache: bool = True) -> ReplicaView:
-    """One replica of `pool` (non-empty candidates) for a request with affinity `key`, by
-    `settings.policy` (and, for affinity, its bound `settings.eps`).
+           rng: random_module.Random | None = None, shared_cache: bool = True,
+           fingerprints: Collection[Fingerprint] = ()) -> ReplicaView:
+    """One replica of `pool` (non-empty candidates) for a request with affinity `key` and adapters
+    `fingerprints`, by `settings.policy` (and, for affinity, its bound `settings.eps`).
     `shared_cache`: every replica can fetch every prefix (Redis); without it, affinity does
     not spill a request to an idle replica, where its prefix would be computed again."""
     if not pool:
@@ -160,11 +177,17 @@ def choose(pool: Sequence[ReplicaView], key: bytes, settings: RoutingSettings = 
     eps = settings.eps
     ranked = sorted(pool, key=lambda r: _rank(key, r.replica_id), reverse=True)
     load_bound = _bound(pool, lambda r: r.load, eps)
+    in_flight_bound = _bound(pool, lambda r: r.in_flight, eps)
     not_busy = ranked
     if shared_cache:  # never queue behind a full replica's slots while another has one free: start soonest
         ranked = [r for r in ranked if r.has_free_seq_slot] or ranked
-        in_flight_bound = _bound(pool, lambda r: r.in_flight, eps)
         not_busy = [r for r in ranked if r.in_flight + 1 <= in_flight_bound] or [min(ranked, key=lambda r: r.in_flight)]
+    tiers = {r.replica_id: r.tier(fingerprints) for r in not_busy}
+    nearest = min(tiers.values())
+    if nearest != max(tiers.values()):  # some have the adapters nearer: one of those, while its requests in flight are in bound
+        near = [r for r in not_busy if tiers[r.replica_id] == nearest and r.in_flight + 1 <= in_flight_bound]
+        if near:  # the recent-load bound only among them: an idle replica that must load the adapter first is no faster
+            return next((r for r in near if r.load + 1 <= load_bound), None) or min(near, key=lambda r: r.load)
     return next((r for r in not_busy if r.load + 1 <= load_bound), None) or min(not_busy, key=lambda r: r.load)
 
 

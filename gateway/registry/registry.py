@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from gateway.api.protocol import APIError
 from gateway.catalog import AdapterInfo, Catalog
 from gateway.config import ServeConfig
 from gateway.policy.placement import PlacementError, place_new, rebalance
+from gateway.policy.routing import DEVICE, HOST
 from gateway.pool import ReplicaInfo, ShardPool
 from gateway.registry.records import (
     SHARED,
@@ -64,6 +66,44 @@ def describe(adapter: LoRAAdapter, owner: str, name: str, size: int) -> AdapterR
                          is_dora=adapter.is_dora)
 
 
+class Residents(Mapping[Fingerprint, int]):
+    """Where a worker with tiers has its adapters (routing's DEVICE, HOST; absent: lower), as it last
+    reported (worker/engine/residency.py: `state`) and as this gateway's requests to it have changed
+    it since: an adapter a request was sent for comes onto its device, and the least recently used
+    ones past the device's capacity leave it, as the worker's own eviction does (with several
+    gateways, each follows its own requests until the next report)."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        self.device: OrderedDict[Fingerprint, None] = OrderedDict.fromkeys(report.get("device", ()))  # least recent first
+        self.host = frozenset(report.get("host", ()))
+        self.hot = frozenset(report.get("hot", ()))
+        self.capacity = int(report.get("capacity", len(self.device)))
+
+    def promoted(self, fingerprints: Iterable[Fingerprint]) -> None:
+        fingerprints = frozenset(fingerprints)
+        for fingerprint in fingerprints:
+            self.device[fingerprint] = None
+            self.device.move_to_end(fingerprint)
+        for fingerprint in list(self.device):
+            if len(self.device) <= self.capacity:
+                break
+            if fingerprint not in self.hot and fingerprint not in fingerprints:
+                del self.device[fingerprint]
+
+    def __getitem__(self, fingerprint: Fingerprint) -> int:
+        if fingerprint in self.device:
+            return DEVICE
+        if fingerprint in self.host:
+            return HOST
+        raise KeyError(fingerprint)
+
+    def __iter__(self) -> Iterator[Fingerprint]:
+        return iter(self.device.keys() | self.host)
+
+    def __len__(self) -> int:
+        return len(self.device.keys() | self.host)
+
+
 class AdapterRegistry:
     def __init__(self, config: ServeConfig, catalog: Catalog, records: RecordStore, store: BlobStore,
                  replicas: list[ReplicaInfo], sync: Sync | None = None,
@@ -83,6 +123,7 @@ class AdapterRegistry:
         }
         self.resident: dict[str, frozenset[Fingerprint]] = dict(self.held)  # held or draining: files still in use
         self.failed: dict[str, dict[Fingerprint, str]] = {}  # replica -> the adapters it could not load, and why
+        self.tiers: dict[str, Residents] = {}  # replica -> where it has its adapters (workers with tiers)
         self._visible: dict[tuple[str, frozenset[str] | None], dict[str, AdapterInfo]] = {}  # by tenant and its ACL
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
@@ -224,6 +265,17 @@ class AdapterRegistry:
         self.held[replica_id] = frozenset(reply.get("held", ()))
         self.resident[replica_id] = self.held[replica_id] | frozenset(reply.get("draining", ()))
         self.failed[replica_id] = dict(reply.get("failed", {}))
+        tiers = reply.get("tiers")
+        if tiers is None:
+            self.tiers.pop(replica_id, None)
+        else:
+            self.tiers[replica_id] = Residents(tiers)
+
+    def promoted(self, replica_id: str, fingerprints: Iterable[Fingerprint]) -> None:
+        """A request for `fingerprints` was sent to `replica_id` (a worker with tiers has them on its device now)."""
+        tiers = self.tiers.get(replica_id)
+        if tiers is not None:
+            tiers.promoted(fingerprints)
 
     async def collect_garbage(self) -> None:
         """Delete from the store the adapter files no record pins and no worker still holds (old

@@ -16,7 +16,7 @@ import redis
 from botocore.config import Config
 from fastapi.testclient import TestClient
 
-import worker.engine.pins
+import worker.engine.residency
 from tests.gateway.api.test_adapters import adapter_file, assert_same_output, greedy, upload
 from tests.gateway.gateway_setup import auth, local_app, tiny_config
 from tests.redis_server import free_port
@@ -31,8 +31,8 @@ def setup(tiny_llama, tmp_path_factory):
     allowed = directory / "allowed"
     allowed.mkdir()
     prefix = f"loraplex-test-{uuid.uuid4().hex}"
-    saved = worker.engine.pins.DRAIN_GRACE_S
-    worker.engine.pins.DRAIN_GRACE_S = 0.2
+    saved = worker.engine.residency.DRAIN_GRACE_S
+    worker.engine.residency.DRAIN_GRACE_S = 0.2
     with running_s3():
         bucket = bucket_name()
         s3 = boto3.client("s3")
@@ -47,7 +47,7 @@ def setup(tiny_llama, tmp_path_factory):
         with TestClient(app) as client:
             yield client, pool, directory, allowed, app.state.gateway, s3, bucket
         pool.close()
-    worker.engine.pins.DRAIN_GRACE_S = saved
+    worker.engine.residency.DRAIN_GRACE_S = saved
     r = redis.Redis()
     for key in r.scan_iter(f"{prefix}:*"):
         r.delete(key)
@@ -75,8 +75,8 @@ def test_an_upload_is_stored_in_s3_and_served_by_workers_that_fetched_it(setup, 
     # the workers' copy came from the store into their own cache; the gateway's disk holds none
     assert (directory / "worker-cache" / f"{fingerprint}.gguf").read_bytes() == source.read_bytes()
     assert not (directory / "gateway-cache" / f"{fingerprint}.gguf").exists()
-    assert all(w.pins.store.directory == directory / "worker-cache" for w in pool.workers.values())
-    assert any(fingerprint in w.pins.slots for w in pool.workers.values())
+    assert all(w.residency.store.directory == directory / "worker-cache" for w in pool.workers.values())
+    assert any(fingerprint in w.residency.known for w in pool.workers.values())
 
 
 def test_vllm_load_lora_adapter_goes_through_the_store_too(setup, tiny_llama) -> None:
@@ -104,8 +104,8 @@ def test_a_pin_whose_blob_cannot_be_fetched_leaves_the_name_where_it_was(setup, 
     assert error["code"] == "adapter_not_loaded" and "no worker could load" in error["message"] and fingerprint in error["message"]
     assert client.get("/v1/adapters/keep", headers=auth()).json()["fingerprint"] != fingerprint  # the name did not move
     assert_same_output(greedy(client, "keep"), before)
-    assert any(fingerprint in w.pins.failed for w in pool.workers.values())  # the workers it was pinned on said why
-    assert not any(fingerprint in w.pins.slots for w in pool.workers.values())
+    assert any(fingerprint in w.residency.failed for w in pool.workers.values())  # the workers it was pinned on said why
+    assert not any(fingerprint in w.residency.known for w in pool.workers.values())
     assert not (directory / "worker-cache" / f"{fingerprint}.gguf").exists()  # nothing unverified was kept
 
 
@@ -129,8 +129,8 @@ def test_a_removed_adapter_is_deleted_from_the_store(setup, tiny_llama) -> None:
     assert client.delete("/v1/adapters/gone", headers=auth()).status_code == 200
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and (key in stored_keys(s3, bucket)
-                                           or any(fingerprint in w.pins.slots for w in pool.workers.values())):
+                                           or any(fingerprint in w.residency.known for w in pool.workers.values())):
         client.get("/v1/models", headers=auth())  # keeps the registry's loop going
         time.sleep(0.2)
     assert key not in stored_keys(s3, bucket)
-    assert not any(fingerprint in w.pins.slots for w in pool.workers.values())
+    assert not any(fingerprint in w.residency.known for w in pool.workers.values())

@@ -129,18 +129,18 @@ def test_a_caller_that_falls_behind_gets_the_tokens_so_far_as_one_delta(worker) 
 def test_pins_change_between_steps_by_fingerprint_and_a_dropped_one_waits_for_its_requests(
     worker, tiny_llama, tmp_path, monkeypatch
 ) -> None:
-    import worker.engine.pins as pins_module
+    import worker.engine.residency as residency_module
     from worker.formats.adapter import load_adapter
     from worker.formats.gguf_file import GGUFFile
 
-    monkeypatch.setattr(pins_module, "DRAIN_GRACE_S", 0.0)
+    monkeypatch.setattr(residency_module, "DRAIN_GRACE_S", 0.0)
     seed_fp = seed_fingerprint(worker)
     new = write_adapter(tmp_path / "n.gguf", random_lora(tiny_llama, ["blk.1.attn_v.weight"], 4, seed=9))
     new_fp = load_adapter(new, GGUFFile(tiny_llama.path)).fingerprint
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"nope")
-    worker.pins.store.put(new, new_fp)  # what the registry does before it pins an adapter
-    worker.pins.store.put(broken, "f" * 64)
+    worker.residency.store.put(new, new_fp)  # what the registry does before it pins an adapter
+    worker.residency.store.put(broken, "f" * 64)
 
     async def scenario():
         state = await worker.sync(10, [seed_fp, new_fp, "f" * 64])
@@ -153,12 +153,12 @@ def test_pins_change_between_steps_by_fingerprint_and_a_dropped_one_waits_for_it
         await asyncio.sleep(0.05)
         state = await worker.sync(11, [seed_fp])  # unpinned while a request runs on it
         assert state["held"] == [seed_fp] and state["draining"] == [new_fp]
-        await worker.pins.reap()
-        assert new_fp in worker.pins.slots or running.done()  # kept while its request runs
+        await worker.residency.reap()
+        assert new_fp in worker.residency.known or running.done()  # kept while its request runs
         deltas = await running
         assert sum(len(d.token_ids) for d in deltas) == 40 and deltas[-1].finish_reason == "length"
-        await worker.pins.reap()
-        assert new_fp not in worker.pins.slots and worker.runner.lora.nbytes() == worker.runner.lora.nbytes(0)
+        await worker.residency.reap()
+        assert new_fp not in worker.residency.known and worker.runner.lora.nbytes() == worker.runner.lora.nbytes(0)
         refused = await collect(worker, call(32, scales_by_fingerprint={new_fp: 1.0}))
         assert refused[-1].status == 503
 
@@ -241,7 +241,7 @@ def test_a_pinned_adapter_is_read_and_its_dora_norms_made_off_the_step_loop(work
 
     path = dora_file(tiny_llama, tmp_path / "d.gguf")
     fingerprint = load_adapter(path, GGUFFile(tiny_llama.path)).fingerprint
-    worker.pins.store.put(path, fingerprint)
+    worker.residency.store.put(path, fingerprint)
     made_in: list[str] = []
     made = attach.row_norm_terms
 

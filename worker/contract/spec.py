@@ -85,6 +85,34 @@ class DeviceSettings:
 
 
 @dataclass(frozen=True)
+class ResidencySettings:
+    """Where a worker keeps the adapters it serves (worker/engine/residency.py): byte budgets of its three
+    tiers, the device (what a pass uses), the host (read and ready to copy; pinned memory on a GPU) and this
+    node's disk copies of the adapter store; the store is the tier below. None: no limit (every adapter
+    served stays on the device, as before tiers). Least recently used adapters no request uses leave first;
+    the deploy-time adapters (the operator's pins) never leave the device."""
+
+    device_bytes: int | None = None
+    device_adapters: int | None = None  # a count instead of (or beside) bytes, as vLLM's max_loras
+    host_bytes: int | None = None
+    disk_bytes: int | None = None
+    load_timeout_s: float = 30.0  # a request waits this long at most for room on the device (every adapter there in use)
+
+    def __post_init__(self) -> None:
+        for name in ("device_bytes", "device_adapters", "host_bytes", "disk_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"residency.{name} must be >= 0 (or null: no limit), got {value}")
+        if not self.load_timeout_s > 0:
+            raise ValueError(f"residency.load_timeout_s must be > 0, got {self.load_timeout_s}")
+
+    @property
+    def is_tiered(self) -> bool:
+        """Some limit is set: adapters may leave the device (otherwise every one served stays there)."""
+        return self.device_bytes is not None or self.device_adapters is not None
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     """One shard replica: the base model with these adapters from the start (adapter slot i
     holds adapter_paths[i]; the worker learns their fingerprints from the files) on one device,
@@ -99,4 +127,5 @@ class WorkerSpec:
     cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
     fingerprint_dir: str | None = None  # the base's fingerprint, kept on disk: no re-hashing of the model per process
     blob_store: BlobStoreConfig | None = None
+    residency: ResidencySettings = field(default_factory=ResidencySettings)
     tracing: TracingSettings = field(default_factory=TracingSettings)  # where its spans go (off by default)

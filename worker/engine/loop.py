@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -71,6 +72,7 @@ class EngineLoop:
         """`engine`, or a function building it on the loop's thread (its errors raise here)."""
         self.max_waiting = max_waiting  # requests waiting for a KV slot beyond which submit refuses (Overloaded)
         self._inbox: list[tuple[str, object]] = []
+        self._unapplied: deque[tuple[str, object]] = deque()  # taken from the inbox, being applied
         self._subscriptions: dict[str, Subscription] = {}
         self._wake = threading.Condition()
         self.delivering = threading.Lock()  # held while a step's outputs are handed out (a receiver may wait for all of them)
@@ -132,9 +134,11 @@ class EngineLoop:
         return future
 
     def pending_adapter_slots(self) -> set[int]:
-        """Adapter slots of requests submitted but not yet added to the engine."""
+        """Adapter slots of requests submitted but not yet added to the engine (in the inbox, or taken
+        from it and not applied yet: a `call` applied before them sees them too)."""
         with self._wake:
-            return {slot for kind, item in self._inbox if kind == "add" for slot in item[0].request.scales_by_slot}
+            return {slot for kind, item in (*self._inbox, *self._unapplied) if kind == "add"
+                    for slot in item[0].request.scales_by_slot}
 
     def cancel(self, request_id: str, subscription: Subscription | None = None) -> None:
         """Cancel a running or queued request (only `subscription`'s, when given: an id may be reused)."""
@@ -170,7 +174,13 @@ class EngineLoop:
         subscription.put(out)
 
     def _apply(self, commands: list[tuple[str, object]]) -> None:
-        for kind, item in commands:
+        with self._wake:
+            self._unapplied = deque(commands)
+        while True:
+            with self._wake:
+                if not self._unapplied:
+                    break
+                kind, item = self._unapplied.popleft()
             if kind == "add":
                 checked, hit, arrived_s = item
                 try:

@@ -23,7 +23,7 @@ from worker.contract.identity import AdapterSlot, ScalesBySlot, SeqSlot
 from worker.formats.adapter import LoRAAdapter, load_adapter
 from worker.formats.gguf_file import GGUFFile
 from worker.lora import mapping
-from worker.lora.attach import HostHalves, LoRAState
+from worker.lora.attach import DeviceHalves, HostHalves, LoRAState
 from worker.lora.backend import LoRABackend
 from worker.lora.mapping import RequestAdapters
 from worker.model.attention import AttentionPlan, KVCache, Segment
@@ -110,12 +110,12 @@ class ModelRunner:
         base = GGUFFile(model_path)
         return cls(base, [load_adapter(p, base) for p in adapter_paths], config)
 
-    def add_adapter(self, adapter: LoRAAdapter, host: HostHalves | None = None) -> AdapterSlot:
+    def add_adapter(self, adapter: LoRAAdapter, host: HostHalves | None = None, device: DeviceHalves | None = None) -> AdapterSlot:
         """Hold `adapter` (validated against this base) in the lowest free slot, which it returns.
-        Between steps only; `host` (worker/lora/attach.py:host_halves), made before, keeps the file
-        reads and DoRA's norms off the step loop."""
+        Between steps only; `host` or `device` (worker/lora/attach.py: host_halves, device_halves), made
+        before, keep the file reads, DoRA's norms and the copy to the device off the step loop."""
         slot = AdapterSlot(next(i for i in range(len(self.adapters) + 1) if i not in self.adapters))
-        self.lora.add(slot, adapter, host)
+        self.lora.add(slot, adapter, host, device)
         self.adapters[slot], self.invocations[slot] = adapter, adapter.invocation_tokens
         return slot
 

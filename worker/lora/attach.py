@@ -7,6 +7,8 @@ weight, once (worker/formats/dora.py)."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import torch
 from torch import nn
@@ -22,6 +24,8 @@ from worker.model.device import DeviceConfig, to_torch
 
 # target -> (A, B already scaled by alpha/rank, DoRA's (magnitude [d] f32, row-norm terms [3, d] f64, bias [d] f32 or None))
 HostHalves = dict[str, tuple[np.ndarray, np.ndarray, tuple | None]]
+# the same on the device: target -> (A, B, DoRA's (magnitude, row-norm terms on the host, bias) or None)
+DeviceHalves = dict[str, tuple[torch.Tensor, torch.Tensor, tuple | None]]
 
 
 def host_halves(adapter: LoRAAdapter) -> HostHalves:
@@ -30,6 +34,8 @@ def host_halves(adapter: LoRAAdapter) -> HostHalves:
     out: HostHalves = {}
     for target in sorted(adapter.pairs):
         a, b = adapter.load_pair(target)
+        if not a.flags.writeable or not a.flags.c_contiguous:  # a view of the file's memory map: kept, it would keep the file open
+            a = np.array(a, order="C")
         b = b * adapter.scale(adapter.pairs[target], 1.0)
         dora = None
         if adapter.is_dora:
@@ -38,6 +44,32 @@ def host_halves(adapter: LoRAAdapter) -> HostHalves:
             dora = (magnitude, row_norm_terms(w, a, b), None if bias is None else bias.astype(np.float32))
         out[target] = (a, b, dora)
     return out
+
+
+def host_nbytes(host: HostHalves) -> int:
+    return sum(a.nbytes + b.nbytes + (0 if d is None else sum(x.nbytes for x in d if x is not None)) for a, b, d in host.values())
+
+
+def device_halves(host: HostHalves, config: DeviceConfig) -> DeviceHalves:
+    """`host` copied to the device (thread-safe: a worker makes it off the step loop; on a GPU on a stream
+    of its own, waited for here, so the step loop's stream never waits on the copy)."""
+    device = config.torch_device
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        out: DeviceHalves = {}
+        for target, (a, b, dora) in host.items():
+            if dora is not None:
+                magnitude, terms, bias = dora
+                dora = (torch.from_numpy(magnitude).to(device), terms, None if bias is None else torch.from_numpy(bias).to(device))
+            out[target] = (to_torch(a, config), to_torch(b, config), dora)
+    if stream is not None:
+        stream.synchronize()
+    return out
+
+
+def device_nbytes(halves: DeviceHalves) -> int:
+    """Device bytes of `halves` (what `LoRAState.nbytes` counts for its slot)."""
+    return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b, _ in halves.values())
 
 
 class LoRAState:
@@ -52,27 +84,26 @@ class LoRAState:
         self.applied: dict[int, list[str]] = {}
         self.ignored: dict[int, list[str]] = {}
 
-    def add(self, slot: int, adapter: LoRAAdapter, host: HostHalves | None = None) -> None:
+    def add(self, slot: int, adapter: LoRAAdapter, host: HostHalves | None = None, device: DeviceHalves | None = None) -> None:
         """Put `adapter` (validated against this base) in `slot`: its halves go to the device. `host`: its
-        halves already read and its DoRA terms already made (`host_halves`, off the step loop)."""
+        halves already read and its DoRA terms already made (`host_halves`, off the step loop); `device`:
+        already on the device too (`device_halves`), so only the module wiring is left for the step loop."""
         if slot in self.applied:
             raise ValueError(f"adapter slot {slot} is taken")
-        host = host_halves(adapter) if host is None else host
+        if device is None:
+            device = device_halves(host_halves(adapter) if host is None else host, self.config)
         applied, ignored, loaded, dora = [], [], [], []
-        for target, (a, b, dora_host) in host.items():
+        for target, (a, b, dora_device) in device.items():
             weights = self.targets.get(target) or self._wrap(target)
             if weights is None:
                 ignored.append(target)
                 continue
-            loaded.append((weights, to_torch(a, self.config), to_torch(b, self.config)))
+            loaded.append((weights, a, b))
             applied.append(target)
-            if dora_host is not None:
+            if dora_device is not None:
                 if weights.kind != "linear":
                     raise ValueError(f"{adapter.path}: DoRA is not supported on tensor '{target}' (a {weights.kind} here)")
-                magnitude, terms, bias = dora_host
-                device = self.config.torch_device
-                dora.append((weights, torch.from_numpy(magnitude).to(device), terms,
-                             None if bias is None else torch.from_numpy(bias).to(device)))
+                dora.append((weights, *dora_device))
         for weights, a, b in loaded:  # all halves made before any is in use
             weights.add(slot, a, b)
         for weights, magnitude, terms, bias in dora:

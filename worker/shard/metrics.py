@@ -4,7 +4,7 @@ memory (`/health`), its decode threads and the adapters it holds (`/metrics`, Pr
 from __future__ import annotations
 
 from worker.engine.engine import Engine
-from worker.engine.pins import Pins
+from worker.engine.residency import TIERS, Residency
 from worker.engine.runner import ModelRunner
 
 
@@ -31,12 +31,32 @@ def thread_metrics(engine: Engine) -> str:
     return "\n".join(lines) + "\n"
 
 
-def adapter_metrics(pins: Pins, runner: ModelRunner) -> str:
-    lines = ["# HELP loraplex_worker_adapters adapters this replica holds (taking requests, or draining)",
+def adapter_metrics(residency: Residency) -> str:
+    stats, residents = residency.stats, residency.residents()
+    lines = ["# HELP loraplex_worker_adapters adapters this replica serves (taking requests, or draining)",
              "# TYPE loraplex_worker_adapters gauge",
-             f'loraplex_worker_adapters{{state="held"}} {len(pins.held)}',
-             f'loraplex_worker_adapters{{state="draining"}} {len(pins.draining)}',
-             "# HELP loraplex_worker_adapter_bytes device bytes of the adapters' weights this replica holds",
+             f'loraplex_worker_adapters{{state="held"}} {len(residency.held)}',
+             f'loraplex_worker_adapters{{state="draining"}} {len(residency.draining)}',
+             "# HELP loraplex_worker_adapter_bytes device bytes of the adapters' weights on this replica's device",
              "# TYPE loraplex_worker_adapter_bytes gauge",
-             f"loraplex_worker_adapter_bytes {runner.lora.nbytes()}"]
+             f"loraplex_worker_adapter_bytes {residents['device'][1]}",
+             "# HELP loraplex_worker_resident_adapters adapters kept on each tier (device, host, this node's disk)",
+             "# TYPE loraplex_worker_resident_adapters gauge",
+             *(f'loraplex_worker_resident_adapters{{tier="{t}"}} {n}' for t, (n, _) in residents.items()),
+             "# HELP loraplex_worker_resident_bytes bytes of the adapters kept on each tier",
+             "# TYPE loraplex_worker_resident_bytes gauge",
+             *(f'loraplex_worker_resident_bytes{{tier="{t}"}} {b}' for t, (_, b) in residents.items()),
+             "# HELP loraplex_worker_adapter_promotions_total adapters brought onto the device, by the tier they came from",
+             "# TYPE loraplex_worker_adapter_promotions_total counter",
+             *(f'loraplex_worker_adapter_promotions_total{{tier="{t}"}} {n}' for t, n in stats.promotions.items()),
+             "# HELP loraplex_worker_adapter_evictions_total adapters dropped from a tier to make room (least recently used)",
+             "# TYPE loraplex_worker_adapter_evictions_total counter",
+             *(f'loraplex_worker_adapter_evictions_total{{tier="{t}"}} {n}' for t, n in stats.evictions.items()),
+             "# HELP loraplex_worker_requests_waited_on_load_total requests that waited for an adapter to come onto the device",
+             "# TYPE loraplex_worker_requests_waited_on_load_total counter",
+             f"loraplex_worker_requests_waited_on_load_total {stats.waited}"]
+    for i, tier in enumerate(TIERS[1:]):
+        lines += stats.load_s[tier].prometheus(
+            "loraplex_worker_adapter_load_seconds",
+            "time to bring an adapter onto the device, by the tier it came from" if i == 0 else None, f'tier="{tier}"')
     return "\n".join(lines) + "\n"

@@ -6,7 +6,8 @@ worker refuses gets one `Delta.refused`.
 A caller (a gateway process) opens one channel per replica with `channel(id)`, starts
 requests on it with `start(id, call)`, and gets every request's deltas of an engine step as
 one batch (worker/shard/channel.py). The worker knows adapters by fingerprint only: a call
-names them so, and `Pins` turns each into the adapter slot that holds it.
+names them so, and `Residency` brings each onto the device (worker/engine/residency.py) and
+gives the adapter slot that holds it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from worker.contract.spec import WorkerSpec
 from worker.contract.tracing import context_of, open_tracing
 from worker.engine.engine import Engine, EngineRequest
 from worker.engine.loop import EngineLoop, Overloaded, Subscription
-from worker.engine.pins import NotHeld, Pins
+from worker.engine.residency import Lease, NotHeld, Residency
 from worker.engine.prefix_kv import open_prefix_cache
 from worker.engine.runner import ModelRunner
 from worker.formats.tokenizer import GGUFTokenizer
@@ -54,19 +55,22 @@ class ShardWorker:
 
         self.loop = EngineLoop(build, spec.engine.max_waiting)
         self.tracing = open_tracing(spec.tracing, "worker")  # its own exporter: a replica is a process of its own
-        self.pins = Pins(self.loop, self.runner.base, None if spec.blob_store is None else open_blob_store(spec.blob_store))
+        self.residency = Residency(self.loop, self.runner.base, None if spec.blob_store is None else open_blob_store(spec.blob_store),
+                                   spec.residency)
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
         self._channels: dict[str, CallerChannel] = {}
 
-    def request(self, call: WorkerCall) -> EngineRequest:
-        """The engine's request; NotHeld when it names an adapter this replica does not hold."""
+    def request(self, call: WorkerCall, lease: Lease) -> EngineRequest:
+        """The engine's request, its adapters in the slots `lease` holds them in; what it waited for them
+        to come up is taken from its deadline."""
         scales_by_slot: dict[AdapterSlot, float] = {}
         for fingerprint, scale in call.scales_by_fingerprint.items():
-            slot = self.pins.slot_of(Fingerprint(fingerprint))
+            slot = lease.slots[Fingerprint(fingerprint)]
             scales_by_slot[slot] = scales_by_slot.get(slot, 0.0) + float(scale)
+        timeout_s = None if call.timeout_s is None else max(call.timeout_s - lease.waited_s, 1e-3)
         return EngineRequest(
             call.request_id, list(call.prompt_ids), call.params, scales_by_slot,
-            cache_salt=call.cache_salt, cache_prompt=call.cache_prompt, tenant=call.tenant, timeout_s=call.timeout_s,
+            cache_salt=call.cache_salt, cache_prompt=call.cache_prompt, tenant=call.tenant, timeout_s=timeout_s,
         )
 
     async def _submit(self, call: WorkerCall, receive: Callable[[Delta], None]) -> tuple[Subscription | None, Delta | None]:
@@ -75,11 +79,14 @@ class ShardWorker:
         mailbox = self._mailbox()
         if call.traceparent is not None and self.tracing.is_enabled:
             receive = _traced(self.tracing.tracer, call, self.spec.shard, receive, time.time_ns())
-        try:
-            request = self.request(call)
-        except NotHeld as e:  # routed here before a pin arrived or after it left: the gateway tries another replica
+        try:  # its adapters onto the device (those not there come up now, off the step loop)
+            lease = await self.residency.acquire(map(Fingerprint, call.scales_by_fingerprint), call.timeout_s)
+        except NotHeld as e:  # routed here before it was wanted here or after it left: the gateway tries another replica
+            return None, Delta.refused(str(e), status=503, request_id=call.request_id)
+        except Overloaded as e:  # no room on the device in time, or the store could not give it
             return None, Delta.refused(str(e), status=503, request_id=call.request_id)
         try:  # the cache lookup runs off the event loop
+            request = self.request(call, lease)
             return await asyncio.to_thread(self.loop.submit, request, lambda delta: mailbox.post(receive, delta)), None
         except (ValueError, TypeError, ArithmeticError) as e:  # RequestError, MultipleALoRAError, bad numbers: the request's fault
             return None, Delta.refused(str(e), request_id=call.request_id)
@@ -88,6 +95,8 @@ class ShardWorker:
         except Exception:
             log.exception("request %s could not be submitted", call.request_id)
             return None, Delta.refused("internal error in the worker", status=500, request_id=call.request_id)
+        finally:  # submitted: the engine keeps its slots from eviction now
+            lease.release()
 
     async def channel(self, channel_id: str) -> AsyncIterator[list[Delta]]:
         """Open a channel: first an empty batch (requests may be started on it from then on),
@@ -141,12 +150,12 @@ class ShardWorker:
         return mailbox
 
     async def sync(self, version: int, pins: Iterable[Fingerprint]) -> dict[str, Any]:
-        """Hold exactly `pins` from now on, fetching new ones from the adapter store (worker/engine/pins.py)."""
-        return await self.pins.sync(version, pins)
+        """Serve exactly `pins` from now on, fetching new ones from the adapter store (worker/engine/residency.py)."""
+        return await self.residency.sync(version, pins)
 
     def health(self) -> dict[str, Any]:
-        return {"shard": self.spec.shard, "adapters": self.pins.held, "pid": os.getpid(), "cache": self.prefix_cache.health(),
-                "pins": self.pins.state(), "memory": memory_report(self.runner, self.base_bytes), "requests": self._requests()}
+        return {"shard": self.spec.shard, "adapters": self.residency.held, "pid": os.getpid(), "cache": self.prefix_cache.health(),
+                "pins": self.residency.state(), "memory": memory_report(self.runner, self.base_bytes), "requests": self._requests()}
 
     def _requests(self) -> dict[str, int]:
         """Sequences the engine runs and has waiting (read outside its thread, as the loop's
@@ -157,7 +166,7 @@ class ShardWorker:
     def metrics(self) -> str:
         engine = self.loop.engine
         return (self.prefix_cache.prometheus() + engine.counters.prometheus() + thread_metrics(engine)
-                + adapter_metrics(self.pins, self.runner))
+                + adapter_metrics(self.residency))
 
     def close(self) -> None:
         self.loop.close()

@@ -13,7 +13,7 @@ import redis
 from fastapi.testclient import TestClient
 from gguf import GGUFValueType
 
-import worker.engine.pins
+import worker.engine.residency
 from tests.gateway.gateway_setup import ATTN, KEYS, PROMPT, auth, digest, local_app, tiny_config
 from tests.tinymodels import random_lora, write_adapter
 
@@ -32,12 +32,12 @@ def setup(tiny_llama, tmp_path_factory):
     config = tiny_config(tiny_llama, directory, prefix, tenants=tenants, registry={
         "store_dir": str(directory / "store"), "allowed_paths": [str(allowed)], "poll_interval_s": 0.2,
         "garbage_age_s": 0, "resync_interval_s": 0.5})
-    saved = worker.engine.pins.DRAIN_GRACE_S
-    worker.engine.pins.DRAIN_GRACE_S = 0.2
+    saved = worker.engine.residency.DRAIN_GRACE_S
+    worker.engine.residency.DRAIN_GRACE_S = 0.2
     app, pool = local_app(config)
     with TestClient(app) as client:
         yield client, pool, directory, allowed, app.state.gateway, prefix
-    worker.engine.pins.DRAIN_GRACE_S = saved
+    worker.engine.residency.DRAIN_GRACE_S = saved
     pool.close()
     r = redis.Redis()
     for key in r.scan_iter(f"{prefix}:*"):
@@ -122,11 +122,11 @@ def test_removing_answers_404_and_the_workers_drop_it(setup, tiny_llama) -> None
     assert greedy(client, "gone").status_code == 404
     assert client.delete("/v1/adapters/gone", headers=auth()).status_code == 404
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (any(fingerprint in w.pins.slots for w in pool.workers.values())
+    while time.monotonic() < deadline and (any(fingerprint in w.residency.known for w in pool.workers.values())
                                            or gateway.registry.store.path(fingerprint).exists()):
         client.get("/v1/models", headers=auth())  # keeps the registry's loop going
         time.sleep(0.2)
-    assert not any(fingerprint in w.pins.slots for w in pool.workers.values())  # its weights are freed
+    assert not any(fingerprint in w.residency.known for w in pool.workers.values())  # its weights are freed
     assert not gateway.registry.store.path(fingerprint).exists()  # and its file collected
 
 

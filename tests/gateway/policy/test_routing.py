@@ -10,6 +10,9 @@ from dataclasses import replace
 import pytest
 
 from gateway.policy.routing import (
+    DEVICE,
+    HOST,
+    LOWER,
     NoCandidateError,
     RecentLoad,
     ReplicasBusy,
@@ -115,3 +118,23 @@ def test_affinity_does_not_queue_behind_its_favourite_while_another_replica_is_i
     # once everyone is busy, the favourite is as good as any and takes it again
     all_busy = [ReplicaView(r.replica_id, "a", r.fingerprints, 1, True, 0.0) for r in idle]
     assert choose(all_busy, key).replica_id == favourite
+
+
+def test_affinity_prefers_the_replica_with_the_adapter_nearest_and_still_bounds_load() -> None:
+    """Four replicas of a shard serve adapter x: one has it on its device, one on its host, two lower
+    (disk or the store). Requests go nearest first whatever their prefix, while load stays bounded."""
+    tiers = {"r-0": {"x": HOST}, "r-1": {}, "r-2": {"x": DEVICE}, "r-3": {}}
+
+    def pool(load: dict[str, int]) -> list[ReplicaView]:
+        return [ReplicaView(rid, "r", frozenset({"x"}), load.get(rid, 0), tiers=t) for rid, t in tiers.items()]
+
+    keys = [affinity_key("s", [i] * 32, 32) for i in range(50)]
+    assert {choose(pool({}), key, fingerprints={"x"}).replica_id for key in keys} == {"r-2"}
+    assert {choose(pool({"r-2": 3}), key, fingerprints={"x"}).replica_id for key in keys} == {"r-0"}  # the next nearest
+    assert len({choose(pool({}), key).replica_id for key in keys}) > 1  # the base model: by prefix, as before
+    assert ReplicaView("a", "r", frozenset({"x", "y"}), tiers={"x": DEVICE}).tier({"x", "y"}) == LOWER  # the furthest counts
+    assert ReplicaView("a", "r", frozenset({"x"})).tier({"x"}) == DEVICE  # a worker without tiers keeps all on its device
+    load = dict.fromkeys(tiers, 0)
+    for key in keys * 4:  # everyone placed by the policy: the device replica takes most, none past the bound
+        load[choose(pool(load), key, RoutingSettings(eps=0.25), fingerprints={"x"}).replica_id] += 1
+    assert load["r-2"] == max(load.values()) and max(load.values()) <= 1.25 * sum(load.values()) / 4 + 1

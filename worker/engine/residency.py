@@ -1,0 +1,421 @@
+"""Which adapters a shard replica serves, and where it keeps each of them (SPEC §1: the control
+plane decides what a replica serves; its adapter slots change between engine steps, never under
+a running request).
+
+What it serves. Adapters are known by their content fingerprint (SPEC §3): a replaced adapter
+is a new fingerprint beside the old one, so requests already running on the old version finish
+on it and no request ever mixes the two. `sync` takes the whole set the gateway wants served,
+with a version number (an older version, from a gateway that lags, is ignored): a new one is
+fetched from the adapter store into this node's cache (cache/blobs.py: verified against the
+digest recorded when it was stored), read and its fingerprint checked off the engine's thread;
+one that cannot be fetched or read is reported in `failed` with the reason. One no longer
+wanted is no longer reported as served (no gateway that has seen the change routes to it),
+still serves requests from gateways that have not yet, and is dropped once no request uses it
+and a grace period has passed.
+
+Where it keeps them: in tiers, each with a budget (ResidencySettings; none: no limit, and every
+adapter served stays on the device, as before tiers):
+- device: in one of the runner's adapter slots, what a pass can use;
+- host: read, scaled, a DoRA's norms made (`host_halves`), ready to copy (kept when an adapter
+  is read, so an eviction from the device copies nothing);
+- disk: this node's copy of the store's file (every file, when the store is this node's own
+  directory);
+- the store: the tier below.
+A request for an adapter that is not on the device waits, its deadline counting, while the
+adapter comes up: read and copied to the device off the step loop (worker/lora/attach.py:
+`device_halves`, on a GPU on a side stream), then put in a slot between two steps, which only
+wires it in; no other request's step waits for it. Room on the device is made by evicting the
+least recently used adapters that no running, waiting or arriving request uses; when every one
+there is in use, the request waits for one to be free (`load_timeout_s`, then 503). The
+deploy-time adapters (the operator's pins) never leave the device. The host and disk tiers
+drop their least recently used copies past their budgets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from cache.blobs import BlobStore, BlobStoreError
+from cache.stats import Histogram
+from worker.contract.identity import AdapterSlot, Fingerprint
+from worker.contract.spec import ResidencySettings
+from worker.engine.engine import Engine
+from worker.engine.loop import EngineLoop, Overloaded
+from worker.formats.adapter import LoRAAdapter, load_adapter
+from worker.formats.gguf_file import GGUFFile
+from worker.lora.attach import HostHalves, device_halves, host_halves, host_nbytes
+
+log = logging.getLogger(__name__)
+DRAIN_GRACE_S = 2.0  # an unwanted adapter is kept at least this long: a request routed just before may still arrive
+ROOM_POLL_S = 0.01  # how often a promotion that found every adapter on the device in use looks again
+TIERS = ("device", "host", "disk", "store")
+LOAD_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class NotHeld(LookupError):
+    """The request names an adapter this replica does not serve (any more, or yet): another may."""
+
+
+@dataclass
+class ResidencyStats:
+    promotions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS[1:], 0))  # by the tier it came from
+    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS[:3], 0))  # by the tier it left
+    load_s: dict[str, Histogram] = field(default_factory=lambda: {t: Histogram(LOAD_BUCKETS_S) for t in TIERS[1:]})
+    waited: int = 0  # requests that waited for an adapter to come up
+
+
+class Lease:
+    """The device slots of one request's adapters, kept from eviction until `release` (once the
+    request is in the engine's hands, which keeps them itself)."""
+
+    def __init__(self, residency: Residency) -> None:
+        self.residency = residency
+        self.slots: dict[Fingerprint, AdapterSlot] = {}
+        self.waited_s = 0.0  # how long it waited for adapters to come up
+
+    def release(self) -> None:
+        self.residency._unlease(self.slots)
+        self.slots = {}
+
+
+class Residency:
+    def __init__(self, loop: EngineLoop, base: GGUFFile, store: BlobStore | None,
+                 settings: ResidencySettings = ResidencySettings(), clock: Callable[[], float] = time.monotonic) -> None:
+        """The runner's adapters when built (the deploy-time pins) are served and on the device from
+        the start, for good; any other comes from `store` (None: none can)."""
+        self.loop, self.base, self.store, self.settings, self.clock = loop, base, store, settings, clock
+        runner = loop.engine.runner
+        self.config = runner.config
+        self._guard = threading.Lock()  # the device tier: read and changed by the event loop and the engine's thread
+        self._device: OrderedDict[Fingerprint, AdapterSlot] = OrderedDict()  # least recently used first
+        self._device_bytes: dict[Fingerprint, int] = {}
+        self._leased: dict[Fingerprint, int] = {}
+        for slot, adapter in runner.adapters.items():
+            self._device[Fingerprint(adapter.fingerprint)] = AdapterSlot(slot)
+            self._device_bytes[Fingerprint(adapter.fingerprint)] = runner.lora.nbytes(slot)
+        self.hot = frozenset(self._device)  # never evicted
+        self.known: dict[Fingerprint, LoRAAdapter] = {Fingerprint(a.fingerprint): a for a in runner.adapters.values()}
+        self.nbytes: dict[Fingerprint, int] = dict(self._device_bytes)  # each one's device bytes
+        self._host: OrderedDict[Fingerprint, tuple[HostHalves, int]] = OrderedDict()
+        self._disk: OrderedDict[Fingerprint, int] = OrderedDict()  # this node's copies of a store elsewhere: bytes
+        if store is not None and self.settings.is_tiered:  # copies left by an earlier process count too
+            for fingerprint, (size, _) in sorted(store.copies().items(), key=lambda item: item[1][1]):
+                self._disk[Fingerprint(fingerprint)] = size
+        self._loading: dict[Fingerprint, asyncio.Future] = {}  # promotions under way
+        self.draining: dict[Fingerprint, float] = {}  # when it was no longer wanted
+        self.failed: dict[Fingerprint, str] = {}  # why it could not be loaded
+        self.stats = ResidencyStats()
+        self.version = -1
+        self._lock = asyncio.Lock()
+
+    # what it serves
+
+    @property
+    def held(self) -> list[Fingerprint]:
+        """Fingerprints that take new requests (on any tier)."""
+        return sorted(fp for fp in self.known if fp not in self.draining)
+
+    def tier_of(self, fingerprint: Fingerprint) -> str:
+        if fingerprint in self._device:
+            return "device"
+        if fingerprint in self._host:
+            return "host"
+        if self.store is not None and (self.store.is_local or fingerprint in self._disk or not self.settings.is_tiered):
+            return "disk"
+        return "store"
+
+    def state(self) -> dict[str, Any]:
+        """What it serves; with tiers, which of them are on the device (least recently used first) and on the
+        host (the others: on disk or in the store), the deploy-time ones, and about how many adapters the
+        device holds: the gateway routes to a replica that has an adapter nearest, and follows its evictions
+        between two reports."""
+        state = {"version": self.version, "held": self.held, "draining": sorted(self.draining), "failed": dict(self.failed)}
+        if self.settings.is_tiered:
+            with self._guard:
+                device = [fp for fp in self._device if fp not in self.draining]
+            state["tiers"] = {"device": device, "host": sorted(fp for fp in self._host if fp not in self.draining),
+                              "hot": sorted(self.hot), "capacity": self.capacity()}
+        return state
+
+    def capacity(self) -> int:
+        """Adapters the device holds at most: its count budget, or its byte budget over the mean adapter's bytes."""
+        s, sizes = self.settings, list(self.nbytes.values())
+        limits = [s.device_adapters] if s.device_adapters is not None else []
+        if s.device_bytes is not None:
+            limits.append(s.device_bytes * len(sizes) // max(1, sum(sizes)) if sizes else s.device_bytes)
+        return min(limits) if limits else len(self.known)
+
+    def residents(self) -> dict[str, tuple[int, int]]:
+        """Per tier: (adapters, bytes) (metrics)."""
+        with self._guard:
+            device = (len(self._device), sum(self._device_bytes.values()))
+        return {"device": device, "host": (len(self._host), sum(n for _, n in self._host.values())),
+                "disk": (len(self._disk), sum(self._disk.values()))}
+
+    async def sync(self, version: int, wanted: Iterable[Fingerprint]) -> dict[str, Any]:
+        """Serve exactly `wanted` from now on; returns what it serves now."""
+        async with self._lock:
+            if version >= self.version:
+                self.version = version
+                wanted = dict.fromkeys(wanted)  # in the order given
+                for fingerprint in [fp for fp in self.known if fp not in wanted and fp not in self.draining]:
+                    self.draining[fingerprint] = self.clock()
+                for fingerprint in wanted:
+                    self.draining.pop(fingerprint, None)  # wanted again before it was dropped
+                    if fingerprint not in self.known:
+                        await self._admit(fingerprint)
+                self._reap_later()
+            return self.state()
+
+    async def _admit(self, fingerprint: Fingerprint) -> None:
+        """Fetch, read and check a newly wanted adapter; put it on the device while there is room
+        (without evicting anything), else keep what fits lower down."""
+        source = "no adapter store" if self.store is None else self.store.url
+        try:
+            if self.store is None:
+                raise BlobStoreError(f"adapter {fingerprint} is not a deploy-time adapter and this replica has no adapter store")
+            adapter, host = await asyncio.to_thread(self._read, fingerprint)
+            self._touch_disk(fingerprint)
+            self.known[fingerprint] = _closed(adapter)
+            self.nbytes[fingerprint] = _device_nbytes(host, self.config.torch_dtype)
+            self._keep_on_host(fingerprint, host)
+            if self._fits(self.nbytes[fingerprint]):
+                await self._install(fingerprint, host, may_evict=False)
+        except Exception as e:  # not in the store, a changed file, no memory: this one is not served, the others are
+            log.warning("adapter %s from %s could not be loaded: %s", fingerprint[:16], source, e)
+            self.failed[fingerprint] = str(e)[:300]
+            self.known.pop(fingerprint, None)
+            self._host.pop(fingerprint, None)
+            return
+        self.failed.pop(fingerprint, None)
+
+    def _read(self, fingerprint: Fingerprint) -> tuple[LoRAAdapter, HostHalves]:
+        """(the adapter, its host halves) from this node's copy, fetched first when there is none (a thread)."""
+        path = self.store.fetch(fingerprint)
+        adapter = load_adapter(path, self.base)
+        if adapter.fingerprint != fingerprint:
+            raise ValueError(f"the file's fingerprint is {adapter.fingerprint[:16]}, not {fingerprint[:16]}")
+        return adapter, host_halves(adapter)
+
+    # where it keeps them
+
+    async def acquire(self, fingerprints: Iterable[Fingerprint], timeout_s: float | None = None) -> Lease:
+        """The device slots of `fingerprints` (a request's adapters), leased: those not on the device
+        come up first. NotHeld for one it does not serve; Overloaded when one cannot come up in time."""
+        fingerprints = list(dict.fromkeys(fingerprints))
+        for fingerprint in fingerprints:
+            if fingerprint not in self.known:
+                raise NotHeld(f"adapter {fingerprint!r} is not loaded on this replica")
+        started = self.clock()
+        until = started + min(self.settings.load_timeout_s, timeout_s or self.settings.load_timeout_s)
+        lease, came_up = Lease(self), False
+        try:
+            for fingerprint in fingerprints:
+                slot = self._lease(fingerprint)
+                while slot is None:  # not on the device (or evicted again before this request could lease it)
+                    came_up = True
+                    await self._come_up(fingerprint, until)
+                    slot = self._lease(fingerprint)
+                lease.slots[fingerprint] = slot
+        except BaseException:
+            lease.release()
+            raise
+        if came_up:
+            lease.waited_s = self.clock() - started
+            self.stats.waited += 1
+        return lease
+
+    def _lease(self, fingerprint: Fingerprint) -> AdapterSlot | None:
+        with self._guard:
+            slot = self._device.get(fingerprint)
+            if slot is not None:
+                self._leased[fingerprint] = self._leased.get(fingerprint, 0) + 1
+                self._device.move_to_end(fingerprint)
+            return slot
+
+    def _unlease(self, slots: Iterable[Fingerprint]) -> None:
+        with self._guard:
+            for fingerprint in slots:
+                left = self._leased.get(fingerprint, 0) - 1
+                if left > 0:
+                    self._leased[fingerprint] = left
+                else:
+                    self._leased.pop(fingerprint, None)
+
+    async def _come_up(self, fingerprint: Fingerprint, until: float) -> None:
+        """Bring `fingerprint` onto the device, or wait for the promotion already under way."""
+        task = self._loading.get(fingerprint)
+        if task is None:
+            task = self._loading[fingerprint] = asyncio.ensure_future(self._promote(fingerprint, until))
+            task.add_done_callback(lambda done: self._loading.pop(fingerprint, None) if self._loading.get(fingerprint) is done else None)
+        await asyncio.shield(task)
+
+    async def _promote(self, fingerprint: Fingerprint, until: float) -> None:
+        started, source = self.clock(), self.tier_of(fingerprint)
+        kept = self._host.get(fingerprint)
+        if kept is not None:
+            self._host.move_to_end(fingerprint)
+            host = kept[0]
+        else:
+            try:
+                _, host = await asyncio.to_thread(self._read, fingerprint)
+            except Exception as e:
+                raise Overloaded(f"adapter {fingerprint[:16]} could not be loaded: {str(e)[:200]}") from e
+            self._touch_disk(fingerprint)
+            self._keep_on_host(fingerprint, host)
+        await self._install(fingerprint, host, may_evict=True, until=until)
+        self.stats.promotions[source] += 1
+        self.stats.load_s[source].observe(self.clock() - started)
+
+    async def _install(self, fingerprint: Fingerprint, host: HostHalves, may_evict: bool, until: float | None = None) -> None:
+        """Copy to the device (a thread), then take a slot between steps, evicting as needed (with
+        `may_evict`); while every adapter on the device is in use, wait (Overloaded past `until`)."""
+        halves = await asyncio.to_thread(device_halves, host, self.config)
+        nbytes, adapter = self.nbytes[fingerprint], self.known[fingerprint]
+
+        def install(engine: Engine) -> bool:  # the engine's thread, between steps
+            with self._guard:
+                if fingerprint in self._device:
+                    return True
+                victims = self._victims(engine, nbytes) if may_evict else ([] if self._fits_now(nbytes) else None)
+                if victims is None:
+                    return False
+                for victim in victims:
+                    engine.runner.remove_adapter(self._device.pop(victim))
+                    del self._device_bytes[victim]
+                self._device[fingerprint] = engine.runner.add_adapter(adapter, device=halves)
+                self._device_bytes[fingerprint] = nbytes
+            self.stats.evictions["device"] += len(victims)
+            return True
+
+        while not await asyncio.wrap_future(self.loop.call(install)):
+            if not may_evict:
+                return  # no room after all: it stays lower down
+            if self.clock() >= until:
+                raise Overloaded(f"no room on the device for adapter {fingerprint[:16]}: every adapter there is in use")
+            await asyncio.sleep(ROOM_POLL_S)
+
+    def _victims(self, engine: Engine, nbytes: int) -> list[Fingerprint] | None:
+        """Least recently used adapters to evict so that `nbytes` more fit (under the guard, on the engine's
+        thread); None when those in use leave no room."""
+        busy = engine.adapter_slots_in_use() | self.loop.pending_adapter_slots()
+        over_bytes, over_count = self._over(nbytes)
+        victims = []
+        for fingerprint, slot in self._device.items():
+            if over_bytes <= 0 and over_count <= 0:
+                break
+            if fingerprint in self.hot or self._leased.get(fingerprint) or slot in busy:
+                continue
+            victims.append(fingerprint)
+            over_bytes -= self._device_bytes[fingerprint]
+            over_count -= 1
+        return victims if over_bytes <= 0 and over_count <= 0 else None
+
+    def _over(self, nbytes: int) -> tuple[int, int]:
+        """(bytes, adapters) past the device's budget once `nbytes` more are there."""
+        s = self.settings
+        over_bytes = -1 if s.device_bytes is None else sum(self._device_bytes.values()) + nbytes - s.device_bytes
+        over_count = -1 if s.device_adapters is None else len(self._device) + 1 - s.device_adapters
+        return over_bytes, over_count
+
+    def _fits_now(self, nbytes: int) -> bool:
+        return max(self._over(nbytes)) <= 0
+
+    def _fits(self, nbytes: int) -> bool:
+        with self._guard:
+            return self._fits_now(nbytes)
+
+    def _keep_on_host(self, fingerprint: Fingerprint, host: HostHalves) -> None:
+        """Keep `host` for the next promotion, within the host budget (only with tiers: without, nothing
+        leaves the device)."""
+        budget = self.settings.host_bytes
+        if not self.settings.is_tiered or budget == 0:
+            return
+        nbytes = host_nbytes(host)
+        self._host[fingerprint] = (host, nbytes)
+        self._host.move_to_end(fingerprint)
+        if budget is None:
+            return
+        total = sum(n for _, n in self._host.values())
+        while total > budget and self._host:
+            dropped, (_, size) = self._host.popitem(last=False)
+            total -= size
+            self.stats.evictions["host"] += 1
+
+    def _touch_disk(self, fingerprint: Fingerprint) -> None:
+        """This node holds a copy now: the disk tier's budget drops the least recently used others."""
+        if self.store is None or self.store.is_local or not self.settings.is_tiered:
+            return
+        try:
+            self._disk[fingerprint] = self.store.path(fingerprint).stat().st_size
+        except FileNotFoundError:
+            return
+        self._disk.move_to_end(fingerprint)
+        budget = self.settings.disk_bytes
+        if budget is None:
+            return
+        total = sum(self._disk.values())
+        for other in list(self._disk):
+            if total <= budget:
+                break
+            if other == fingerprint or other in self._loading:
+                continue
+            total -= self._disk.pop(other)
+            self.store.drop_copy(other)
+            self.stats.evictions["disk"] += 1
+
+    # dropping what is no longer wanted
+
+    async def reap(self) -> None:
+        """Drop the unwanted adapters no request uses any more (past their grace period)."""
+        async with self._lock:
+            now = self.clock()
+            due = [fp for fp, since in self.draining.items() if now - since >= DRAIN_GRACE_S and fp not in self._loading]
+            if not due:
+                return
+
+            def drop(engine: Engine) -> list[Fingerprint]:
+                with self._guard:
+                    busy = engine.adapter_slots_in_use() | self.loop.pending_adapter_slots()
+                    dropped = []
+                    for fingerprint in due:
+                        slot = self._device.get(fingerprint)
+                        if slot is not None and (slot in busy or self._leased.get(fingerprint)):
+                            continue
+                        if slot is not None:
+                            engine.runner.remove_adapter(slot)
+                            del self._device[fingerprint], self._device_bytes[fingerprint]
+                        dropped.append(fingerprint)
+                    return dropped
+
+            for fingerprint in await asyncio.wrap_future(self.loop.call(drop)):
+                del self.known[fingerprint], self.draining[fingerprint]
+                self.nbytes.pop(fingerprint, None)
+                self._host.pop(fingerprint, None)
+                if self._disk.pop(fingerprint, None) is not None:
+                    self.store.drop_copy(fingerprint)
+            self._reap_later()  # some may still run: look again later
+
+    def _reap_later(self) -> None:
+        if self.draining:
+            asyncio.get_running_loop().call_later(DRAIN_GRACE_S, lambda: asyncio.ensure_future(self.reap()))
+
+
+def _closed(adapter: LoRAAdapter) -> LoRAAdapter:
+    """What the runner keeps of `adapter` (its facts, not its open file: a replica may serve thousands)."""
+    return replace(adapter, gguf=None, base=None)
+
+
+def _device_nbytes(host: HostHalves, dtype: torch.dtype) -> int:
+    """Bytes `host`'s halves take on the device in `dtype` (what LoRAState.nbytes counts once there)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return sum((a.size + b.size) * item for a, b, _ in host.values())
