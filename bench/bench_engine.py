@@ -27,26 +27,32 @@ from worker.contract.calls import Delta
 from worker.engine.runner import ModelRunner
 from worker.formats.adapter import load_adapter
 from worker.formats.default_model import resolve_model_path
+from worker.formats.dora import DORA_KEY, MAGNITUDE_SUFFIX
 from worker.formats.gguf_file import GGUFFile
 from worker.formats.hparams import ModelHParams
 from worker.model.device import DeviceConfig
 
 TARGETS = {
+    "qv": ["attn_q", "attn_v"],
     "attn": ["attn_q", "attn_k", "attn_v", "attn_output"],
     "all": ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"],
 }  # of a model's layers, those it has (dense FFN or MoE experts)
 
 
-def write_random_adapters(base: GGUFFile, directory: Path, num: int, rank: int, targets: str, seed: int) -> list[Path]:
+def write_random_adapters(base: GGUFFile, directory: Path, num: int, rank: int, targets: str, seed: int,
+                          dora: bool = False) -> list[Path]:
+    """`num` adapters with random weights; with `dora`, DoRA adapters (a magnitude per linear target)."""
     hp = ModelHParams.from_gguf(base)
     rng = np.random.default_rng(seed)
     paths = []
     for i in range(num):
-        path = directory / f"random-{i}.gguf"
+        path = directory / f"random-{'dora-' if dora else ''}{i}.gguf"
         w = GGUFWriter(str(path), hp.arch)
         w.add_string("general.type", "adapter")
         w.add_string("adapter.type", "lora")
         w.add_float32("adapter.lora.alpha", float(rank))
+        if dora:
+            w.add_bool(DORA_KEY, True)
         for layer in range(hp.num_layers):
             for name in TARGETS[targets]:
                 info = base.tensors.get(f"blk.{layer}.{name}.weight")
@@ -57,6 +63,8 @@ def write_random_adapters(base: GGUFFile, directory: Path, num: int, rank: int, 
                     f"blk.{layer}.{name}.weight.lora_a", (rng.standard_normal((*experts, rank, d_in)) / d_in**0.5).astype(np.float32)
                 )
                 w.add_tensor(f"blk.{layer}.{name}.weight.lora_b", (rng.standard_normal((*experts, d_out, rank)) * 0.01).astype(np.float32))
+                if dora and not experts:  # a magnitude near the base's row norms' scale, per output channel
+                    w.add_tensor(f"blk.{layer}.{name}.weight{MAGNITUDE_SUFFIX}", (1 + 0.1 * rng.standard_normal(d_out)).astype(np.float32))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
@@ -144,6 +152,14 @@ def timed_step(engine: Engine) -> tuple[float, list[Delta]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.dora:
+        from bench.bench_dora import run as run_dora
+
+        return run_dora(args)
+    if args.device_adapters is not None:
+        from bench.bench_tiers import run as run_tiers
+
+        return run_tiers(args)
     if args.registered:
         from bench.bench_registered import run as run_registered
 

@@ -75,7 +75,7 @@ def _workload_flags(p: argparse.ArgumentParser, *, adapters: int, rank: int, tar
     p.add_argument("--adapters", type=_positive_int, default=adapters, metavar="N",
                    help=f"random adapters to build (default {adapters})")
     p.add_argument("--rank", type=_positive_int, default=rank)
-    p.add_argument("--targets", choices=["attn", "all"], default=targets, help="attn: q,k,v,o; all: the 7 linears")
+    p.add_argument("--targets", choices=["qv", "attn", "all"], default=targets, help="qv: q,v; attn: q,k,v,o; all: the 7 linears")
     p.add_argument("--requests", type=_positive_int, default=16, metavar="M", help="concurrent requests (default 16)")
     p.add_argument("--prompt-tokens", type=_positive_int, default=prompt_tokens, metavar="P")
     p.add_argument("--max-tokens", type=_positive_int, default=64, metavar="G")
@@ -147,6 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--registered", metavar="N,N,...", type=_token_ids, default=None,
                    help="instead: mixed decode speed when the worker holds N adapters (the ones in use among them), "
                         "e.g. 16,256,1024")
+    p.add_argument("--device-adapters", type=_positive_int, default=None, metavar="M",
+                   help="with one --registered N: serve N adapters from a device tier of M (the others on disk, or the "
+                        "host with --host-bytes), against all N on the device, under Zipf traffic (bench/bench_tiers.py)")
+    p.add_argument("--host-bytes", type=int, default=0, metavar="B", help="the host tier's budget with --device-adapters")
+    p.add_argument("--dora", action="store_true",
+                   help="instead: mixed decode speed of --adapters DoRA adapters against as many plain LoRAs of the "
+                        "same rank and targets, in one worker (bench/bench_dora.py)")
+    p.add_argument("--zipf", type=float, default=1.1, metavar="S", help="the traffic's Zipf exponent (default 1.1)")
+    p.add_argument("--total-requests", type=_positive_int, default=256, metavar="R",
+                   help="requests per round with --device-adapters (default 256)")
+    p.add_argument("--warmup", type=_positive_int, default=256, metavar="W", help="warm-up requests (default 256)")
     _device_flags(p)
     p.set_defaults(handler="bench.bench_engine:run")
 

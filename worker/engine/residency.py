@@ -37,7 +37,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -71,6 +71,7 @@ class ResidencyStats:
     evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS[:3], 0))  # by the tier it left
     load_s: dict[str, Histogram] = field(default_factory=lambda: {t: Histogram(LOAD_BUCKETS_S) for t in TIERS[1:]})
     waited: int = 0  # requests that waited for an adapter to come up
+    recent_load_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))  # the last promotions' times (benchmarks)
 
 
 class Lease:
@@ -183,13 +184,16 @@ class Residency:
         try:
             if self.store is None:
                 raise BlobStoreError(f"adapter {fingerprint} is not a deploy-time adapter and this replica has no adapter store")
-            adapter, host = await asyncio.to_thread(self._read, fingerprint)
+            adapter, _ = await asyncio.to_thread(self._read, fingerprint, False)
             self._touch_disk(fingerprint)
             self.known[fingerprint] = _closed(adapter)
-            self.nbytes[fingerprint] = _device_nbytes(host, self.config.torch_dtype)
-            self._keep_on_host(fingerprint, host)
-            if self._fits(self.nbytes[fingerprint]):
-                await self._install(fingerprint, host, may_evict=False)
+            self.nbytes[fingerprint] = _device_nbytes(adapter, self.config.torch_dtype)
+            keeps_host = self.settings.is_tiered and self.settings.host_bytes != 0
+            if self._fits(self.nbytes[fingerprint]) or keeps_host:  # read it now (a thread), for the device or the host
+                host = await asyncio.to_thread(host_halves, adapter)
+                self._keep_on_host(fingerprint, host)
+                if self._fits(self.nbytes[fingerprint]):
+                    await self._install(fingerprint, host, may_evict=False)
         except Exception as e:  # not in the store, a changed file, no memory: this one is not served, the others are
             log.warning("adapter %s from %s could not be loaded: %s", fingerprint[:16], source, e)
             self.failed[fingerprint] = str(e)[:300]
@@ -198,13 +202,14 @@ class Residency:
             return
         self.failed.pop(fingerprint, None)
 
-    def _read(self, fingerprint: Fingerprint) -> tuple[LoRAAdapter, HostHalves]:
-        """(the adapter, its host halves) from this node's copy, fetched first when there is none (a thread)."""
+    def _read(self, fingerprint: Fingerprint, halves: bool = True) -> tuple[LoRAAdapter, HostHalves | None]:
+        """(the adapter, its host halves if `halves`) from this node's copy, fetched first when there is none
+        (a thread)."""
         path = self.store.fetch(fingerprint)
         adapter = load_adapter(path, self.base)
         if adapter.fingerprint != fingerprint:
             raise ValueError(f"the file's fingerprint is {adapter.fingerprint[:16]}, not {fingerprint[:16]}")
-        return adapter, host_halves(adapter)
+        return adapter, host_halves(adapter) if halves else None
 
     # where it keeps them
 
@@ -275,6 +280,7 @@ class Residency:
         await self._install(fingerprint, host, may_evict=True, until=until)
         self.stats.promotions[source] += 1
         self.stats.load_s[source].observe(self.clock() - started)
+        self.stats.recent_load_s.append(self.clock() - started)
 
     async def _install(self, fingerprint: Fingerprint, host: HostHalves, may_evict: bool, until: float | None = None) -> None:
         """Copy to the device (a thread), then take a slot between steps, evicting as needed (with
@@ -415,7 +421,8 @@ def _closed(adapter: LoRAAdapter) -> LoRAAdapter:
     return replace(adapter, gguf=None, base=None)
 
 
-def _device_nbytes(host: HostHalves, dtype: torch.dtype) -> int:
-    """Bytes `host`'s halves take on the device in `dtype` (what LoRAState.nbytes counts once there)."""
+def _device_nbytes(adapter: LoRAAdapter, dtype: torch.dtype) -> int:
+    """Bytes `adapter`'s halves take on the device in `dtype` (what LoRAState.nbytes counts once there, and
+    perhaps a little more: a target that is no matmul here is counted too)."""
     item = torch.empty((), dtype=dtype).element_size()
-    return sum((a.size + b.size) * item for a, b, _ in host.values())
+    return sum((pair.a.num_elements + pair.b.num_elements) * item for pair in adapter.pairs.values())
