@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -190,3 +191,61 @@ def test_the_factor_is_made_once_per_adapter_scale_and_target_and_never_without_
     # the slot's device bytes count its magnitudes: A, B and m, float32
     want = sum(4 * (a.numel() + b.numel() + b.shape[0]) for a, b in (runner.lora.targets[t].pairs[0] for t in runner.lora.applied[0]))
     assert runner.lora.nbytes(0) == want
+
+
+def test_dora_matches_peft_on_a_quantized_base(tmp_path) -> None:
+    """A Q8_0 base: the norms come from its dequantized weights. PEFT runs on the same weights (the HF
+    model's, rounded through Q8_0 before the base is written, so both sides hold exactly the same
+    numbers) and the worker keeps them dense (no f16 copy), so the only difference left is DoRA's."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from tests.tinymodels import TinyModel, TinySpec, gguf_tensors_from_hf, hf_model, write_base
+    from worker.model.device import DeviceConfig
+
+    spec = TinySpec(weight_type=GGMLQuantizationType.Q8_0, seed=11)
+    hf = hf_model(spec)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2:  # every matrix the base writes quantized, the embedding too
+                q = GGMLQuantizationType.Q8_0
+                p.copy_(torch.from_numpy(dequantize(quantize(p.numpy(), q), q).reshape(p.shape)))
+    tensors = gguf_tensors_from_hf(spec, hf.state_dict())
+    tiny = TinyModel(spec, write_base(tmp_path / "q8.gguf", spec, tensors), hf, tensors)
+    base = GGUFFile(tiny.path)
+    assert base.tensors["blk.0.attn_v.weight"].type == GGMLQuantizationType.Q8_0
+    assert np.array_equal(base.load("blk.0.attn_v.weight"), tensors["blk.0.attn_v.weight"])  # what PEFT computes with
+    model, path = converted(tiny, tmp_path, 12, ATTN + MLP)
+    runner = ModelRunner.from_paths(tiny.path, [path], DeviceConfig(device=TEST_DEVICE.device, weights="dense"))
+    for scale in (1.0, 0.6):
+        torch.testing.assert_close(prompt_logits(runner, IDS, {0: scale}), peft_logits(model, IDS, scale), atol=1e-4, rtol=1e-4)
+
+
+def test_an_activated_dora_leaves_the_rows_before_its_invocation_to_the_base(tiny_llama, tmp_path) -> None:
+    """PEFT has no aLoRA + DoRA; ours is the aLoRA rule applied to DoRA's rows: before the activation
+    index the base (no factor either), from it on the DoRA. So one pass over the prompt equals the
+    base's KV up to there and then the same DoRA, not activated, over the rest of it."""
+    from gguf import GGUFValueType
+
+    from tests.tinymodels import invocation_metadata
+    from worker.formats.dora import DORA_KEY, MAGNITUDE_SUFFIX
+
+    _, path = converted(tiny_llama, tmp_path, 13, ATTN + MLP)
+    base = GGUFFile(tiny_llama.path)
+    dora = load_adapter(path, base)
+    invocation = [260, 261]  # found nowhere else in the prompt (the last occurrence counts)
+    activated = tmp_path / "activated.gguf"
+    pairs = {t: dora.load_pair(t) for t in dora.pairs}
+    magnitudes = {f"{t}{MAGNITUDE_SUFFIX}": dora.load_magnitude(t) for t in dora.pairs}
+    write_adapter(activated, pairs, alpha=dora.alpha, extra_tensors=magnitudes,
+                  metadata={**invocation_metadata(invocation), DORA_KEY: (GGUFValueType.BOOL, True, None)})
+    runner = ModelRunner(base, [dora, load_adapter(activated, base)], TEST_DEVICE)
+    assert runner.lora.dora_slots == {0, 1} and runner.adapters[1].is_alora
+    ids = IDS[:6] + invocation + IDS[6:]
+    start = ids.index(invocation[0]) - 1  # llama.cpp's activation index: the token before the invocation
+    one_pass = prompt_logits(runner, ids, {1: 1.0})
+    kv = runner.allocate_kv(1, len(ids))
+    before = runner.forward(ids[:start], 0, kv, runner.resolve_adapters(ids[:start], {}), all_logits=True).cpu()
+    after = runner.forward(ids[start:], start, kv, runner.resolve_adapters(ids[start:], {0: 1.0}), all_logits=True).cpu()
+    torch.testing.assert_close(one_pass, torch.cat([before, after]), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(one_pass[start:], prompt_logits(runner, ids, {})[start:], atol=1e-3)  # the DoRA did apply
