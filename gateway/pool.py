@@ -44,7 +44,7 @@ class ShardPool(Protocol):
 
     async def sync(self, replica_id: str, version: int, pins: dict[Fingerprint, str]) -> dict[str, Any]:
         """Make the replica hold exactly `pins` (fingerprint -> adapter file); what it holds now
-        (worker/engine/pins.py). A pool without it: its workers keep the config's adapters."""
+        (worker/engine/residency.py). A pool without it: its workers keep the config's adapters."""
 
     async def metrics(self, replica_id: str) -> str: ...
 
