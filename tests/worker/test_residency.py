@@ -184,3 +184,19 @@ def test_budgets_hold_under_churn(tiny_llama, stored) -> None:
         assert stats.evictions["device"] > 0 and stats.evictions["host"] > 0 and stats.evictions["disk"] > 0
     finally:
         worker.close()
+
+
+def test_host_halves_kept_as_tensors_reach_the_device_unchanged(tiny_llama, stored) -> None:
+    """A GPU worker keeps its host tier as page-locked tensors (`pinned`); the copy to the device takes
+    them as it takes arrays (here on the test device, unpinned: the path is the same)."""
+    import torch
+
+    from worker.lora.attach import device_halves, host_halves
+    from worker.model.device import DeviceConfig
+
+    directory, _ = stored
+    host = host_halves(load_adapter(directory / "a1.gguf", GGUFFile(tiny_llama.path)))
+    as_tensors = {t: (torch.from_numpy(a), torch.from_numpy(b), d) for t, (a, b, d) in host.items()}
+    config = DeviceConfig(device=TEST_DEVICE.device)
+    for (a, b, _), (a2, b2, _) in zip(device_halves(host, config).values(), device_halves(as_tensors, config).values()):
+        assert torch.equal(a, a2) and torch.equal(b, b2) and a2.device.type == config.torch_device.type

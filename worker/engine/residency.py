@@ -52,7 +52,7 @@ from worker.engine.engine import Engine
 from worker.engine.loop import EngineLoop, Overloaded
 from worker.formats.adapter import LoRAAdapter, load_adapter
 from worker.formats.gguf_file import GGUFFile
-from worker.lora.attach import HostHalves, device_halves, host_halves, host_nbytes
+from worker.lora.attach import HostHalves, device_halves, host_halves, host_nbytes, pinned
 
 log = logging.getLogger(__name__)
 DRAIN_GRACE_S = 2.0  # an unwanted adapter is kept at least this long: a request routed just before may still arrive
@@ -347,6 +347,8 @@ class Residency:
         if not self.settings.is_tiered or budget == 0:
             return
         nbytes = host_nbytes(host)
+        if self.config.torch_device.type == "cuda":
+            host = pinned(host)
         self._host[fingerprint] = (host, nbytes)
         self._host.move_to_end(fingerprint)
         if budget is None:

@@ -61,10 +61,22 @@ def device_halves(host: HostHalves, config: DeviceConfig) -> DeviceHalves:
             if dora is not None:
                 magnitude, terms, bias = dora
                 dora = (torch.from_numpy(magnitude).to(device), terms, None if bias is None else torch.from_numpy(bias).to(device))
-            out[target] = (to_torch(a, config), to_torch(b, config), dora)
+            out[target] = (_on_device(a, config), _on_device(b, config), dora)
     if stream is not None:
         stream.synchronize()
     return out
+
+
+def pinned(host: HostHalves) -> HostHalves:
+    """`host`'s halves in page-locked memory (a GPU worker's host tier: copied to the device asynchronously)."""
+    return {target: (torch.from_numpy(a).pin_memory(), torch.from_numpy(b).pin_memory(), dora)
+            for target, (a, b, dora) in host.items()}
+
+
+def _on_device(half: np.ndarray | torch.Tensor, config: DeviceConfig) -> torch.Tensor:
+    if isinstance(half, torch.Tensor):  # pinned: the copy overlaps (on the caller's stream)
+        return half.to(device=config.torch_device, dtype=config.torch_dtype, non_blocking=True)
+    return to_torch(half, config)
 
 
 def device_nbytes(halves: DeviceHalves) -> int:
