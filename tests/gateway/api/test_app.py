@@ -315,7 +315,7 @@ def test_the_worker_schedules_each_request_as_its_tenants(served, monkeypatch) -
     seen = []
     for worker in pool.workers.values():
         original = worker.request
-        monkeypatch.setattr(worker, "request", lambda call, original=original: seen.append(original(call)) or seen[-1])
+        monkeypatch.setattr(worker, "request", lambda call, lease, original=original: seen.append(original(call, lease)) or seen[-1])
     for key in ("t1", "t2"):
         r = client.post("/v1/completions", headers=auth(key), json={"model": "b", "prompt": PROMPT, "max_tokens": 1})
         assert r.status_code == 200, r.text
