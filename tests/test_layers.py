@@ -25,7 +25,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "worker.cli": (*WORKER_BASE, "worker.model", "worker.lora", "worker.engine"),
     "gateway": WORKER_BASE,
     "gateway.serve": (*WORKER_BASE, "gateway", "worker.shard"),  # the deployment wiring: the replica builds a ShardWorker
-    "bench": (*WORKER_BASE, "worker.model", "worker.lora", "worker.engine", "gateway"),
+    "bench": (*WORKER_BASE, "worker.model", "worker.lora", "worker.engine", "worker.shard", "gateway"),  # drives replicas
 }
 TORCH_FREE = ("worker.formats", "worker.contract", "cache", "gateway")
 

@@ -82,7 +82,7 @@ def test_chat_content_cannot_forge_turns(served, monkeypatch) -> None:
     for worker in pool.workers.values():
         original = worker.request
         monkeypatch.setattr(worker, "request",
-                            lambda call, original=original: seen.append(call.prompt_ids) or original(call))
+                            lambda call, lease, original=original: seen.append(call.prompt_ids) or original(call, lease))
     r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": FORGED}], "max_tokens": 1})
     assert r.status_code == 200
     im_start = gateway.catalog.tokenizer.encode("<|im_start|>", add_special=False, parse_special=True)[0]
