@@ -160,9 +160,29 @@ def plan(adapters: Sequence[AdapterSpec], shares: Mapping[str, float], num_worke
                         return w
         return None
 
+    # the workers by (load, adapters, index), one current entry each: the least loaded with room is the first popped
+    # that has room (a fleet's plan places ~10^5 copies on hundreds of workers); one full by count is dropped
+    by_load = [(0.0, 0, w) for w in range(num_workers)]
+
+    def least_loaded_with_room(name: str) -> int | None:
+        aside, found = [], None
+        while by_load:
+            entry = heapq.heappop(by_load)
+            if room(entry[2], name):
+                found = entry[2]
+                break
+            if max_adapters is None or len(held[entry[2]]) < max_adapters:
+                aside.append(entry)
+        for entry in aside:
+            heapq.heappush(by_load, entry)
+        return found
+
     for per_copy, name in pieces:
-        options = [w for w in range(num_workers) if room(w, name)]
-        w = min(options, key=lambda i: (load[i], len(held[i]), i)) if options else make_room(name)
+        w = least_loaded_with_room(name)
+        if w is None:
+            w = make_room(name)
+            by_load[:] = [(load[v], len(held[v]), v) for v in range(num_workers) if v != w]  # it moved adapters
+            heapq.heapify(by_load)
         if w is None:
             if any(name in h for h in held_sets):
                 copies[name] -= 1  # a spare copy that fits nowhere: drop it
@@ -170,6 +190,7 @@ def plan(adapters: Sequence[AdapterSpec], shares: Mapping[str, float], num_worke
             raise PlacementError(f"could not place {name!r}: every worker is full or already holds it "
                                  "(try more workers or capacity)")
         put(w, name, per_copy)
+        heapq.heappush(by_load, (load[w], len(held[w]), w))
     load = [sum(share[n] / copies[n] for n in held[w]) for w in range(num_workers)]  # with the final copy counts
     single = [n for n in names if copies[n] < target]
     if single:

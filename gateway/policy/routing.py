@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import random as random_module
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from worker.contract.calls import CHANNEL_HEARTBEAT_S
@@ -69,7 +69,7 @@ class RoutingSettings:
                              f"got {self.unresponsive_after_s}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ReplicaView:
     """One replica as routing sees it, at one moment."""
 
@@ -157,8 +157,27 @@ def affinity_key(adapter_set_fingerprint: str, prompt_ids: Sequence[int], chunk_
     return h.digest()
 
 
-def _rank(key: bytes, replica_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(key + replica_id.encode(), digest_size=8).digest(), "big")
+_MASK64 = (1 << 64) - 1
+_replica_hashes: dict[str, int] = {}  # replica id -> its hash (a gateway sees a few hundred ids at most)
+
+
+def _replica_hash(replica_id: str) -> int:
+    h = _replica_hashes.get(replica_id)
+    if h is None:
+        if len(_replica_hashes) >= 1 << 16:
+            _replica_hashes.clear()
+        h = _replica_hashes[replica_id] = int.from_bytes(hashlib.blake2b(replica_id.encode(), digest_size=8).digest(), "big")
+    return h
+
+
+def _rank(key_hash: int, replica_id: str) -> int:
+    """A replica's rendezvous weight for a key (its hash: the affinity key is one already): the two
+    hashes combined and mixed by splitmix64's finalizer, so a request over hundreds of replicas
+    hashes nothing per replica."""
+    x = key_hash ^ _replica_hash(replica_id)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 def choose(pool: Sequence[ReplicaView], key: bytes, settings: RoutingSettings = RoutingSettings(), *,
@@ -167,30 +186,39 @@ def choose(pool: Sequence[ReplicaView], key: bytes, settings: RoutingSettings = 
     """One replica of `pool` (non-empty candidates) for a request with affinity `key` and adapters
     `fingerprints`, by `settings.policy` (and, for affinity, its bound `settings.eps`).
     `shared_cache`: every replica can fetch every prefix (Redis); without it, affinity does
-    not spill a request to an idle replica, where its prefix would be computed again."""
+    not spill a request to an idle replica, where its prefix would be computed again.
+    Each replica's load and rank are read once (a fleet's gateway routes over hundreds)."""
     if not pool:
         raise NoCandidateError("no candidate replicas")
     if settings.policy == "random":
         return (rng or random_module).choice(list(pool))
+    key_hash = int.from_bytes(key[:8], "big")
     if settings.policy == "least_loaded":
-        return min(pool, key=lambda r: (r.in_flight, _rank(key, r.replica_id)))
-    eps = settings.eps
-    ranked = sorted(pool, key=lambda r: _rank(key, r.replica_id), reverse=True)
-    load_bound = _bound(pool, lambda r: r.load, eps)
-    in_flight_bound = _bound(pool, lambda r: r.in_flight, eps)
-    not_busy = ranked
+        return min(pool, key=lambda r: (r.in_flight, _rank(key_hash, r.replica_id)))
+    eps, n = settings.eps, len(pool)
+    in_flight = [r.in_flight for r in pool]
+    loads = [f + r.recent for f, r in zip(in_flight, pool)]
+    load_bound = max(1.0, (1 + eps) * (sum(loads) + 1) / n)  # (1 + eps) x the mean once this request is added, >= 1
+    in_flight_bound = max(1.0, (1 + eps) * (sum(in_flight) + 1) / n)
+    ranks = [_rank(key_hash, r.replica_id) for r in pool]
+    not_busy = ranked = sorted(range(n), key=ranks.__getitem__, reverse=True)  # indices, best rank first
     if shared_cache:  # never queue behind a full replica's slots while another has one free: start soonest
-        ranked = [r for r in ranked if r.has_free_seq_slot] or ranked
-        not_busy = [r for r in ranked if r.in_flight + 1 <= in_flight_bound] or [min(ranked, key=lambda r: r.in_flight)]
-    tiers = {r.replica_id: r.tier(fingerprints) for r in not_busy}
-    nearest = min(tiers.values())
-    if nearest != max(tiers.values()):  # some have the adapters nearer: one of those, while its requests in flight are in bound
-        near = [r for r in not_busy if tiers[r.replica_id] == nearest and r.in_flight + 1 <= in_flight_bound]
-        if near:  # the recent-load bound only among them: an idle replica that must load the adapter first is no faster
-            return next((r for r in near if r.load + 1 <= load_bound), None) or min(near, key=lambda r: r.load)
-    return next((r for r in not_busy if r.load + 1 <= load_bound), None) or min(not_busy, key=lambda r: r.load)
+        ranked = [i for i in ranked if in_flight[i] < pool[i].num_seq_slots] or ranked
+        not_busy = [i for i in ranked if in_flight[i] + 1 <= in_flight_bound] or [min(ranked, key=in_flight.__getitem__)]
+    if fingerprints:
+        tiers = [pool[i].tier(fingerprints) for i in not_busy]
+        nearest = min(tiers)
+        if nearest != max(tiers):  # some have the adapters nearer: one of those, while its requests in flight are in bound
+            near = [i for i, tier in zip(not_busy, tiers) if tier == nearest and in_flight[i] + 1 <= in_flight_bound]
+            if near:  # the recent-load bound only among them: an idle replica that must load the adapter first is no faster
+                return pool[_first_within(near, loads, load_bound)]
+    return pool[_first_within(not_busy, loads, load_bound)]
 
 
-def _bound(pool: Sequence[ReplicaView], load: Callable[[ReplicaView], float], eps: float) -> float:
-    """(1 + eps) x the mean `load` once this request is added, and at least 1."""
-    return max(1.0, (1 + eps) * (sum(load(r) for r in pool) + 1) / len(pool))
+def _first_within(order: Sequence[int], loads: Sequence[float], bound: float) -> int:
+    """The first of `order` whose load stays within `bound` with this request, else the least loaded."""
+    for i in order:
+        if loads[i] + 1 <= bound:
+            return i
+    return min(order, key=loads.__getitem__)
+
