@@ -275,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-slo-s", type=float, help="override the scenario's slo.ttft_s")
     p.add_argument("--itl-slo-s", type=float, help="override the scenario's sim.itl_s")
     p.add_argument("--no-shared-cache", action="store_true", help="no Redis tier: each replica's own prefix cache only")
+    p.add_argument("--device-adapters", type=_positive_int, metavar="N",
+                   help="workers with adapter tiers: N adapters on each device, the others they serve loaded on use")
     p.add_argument("--capacity", action="store_true", help="instead: the fewest replicas (up to --replicas) meeting the SLO, per router")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler="bench.sim.cli:run")

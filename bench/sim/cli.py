@@ -8,6 +8,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 
 from bench.sim.fleet import Fleet, place
 from bench.sim.profile import DEFAULT_PROFILE, load_profile
@@ -20,9 +21,13 @@ GOOD_SHARE = 0.99  # --capacity: the share of requests that must meet the SLO
 
 
 def simulate(fleet: FleetScenario, num_replicas: int, routers: list[str], profile_name: str | None = None,
-             slo: SLO | None = None, shared_cache: bool | None = None) -> list[dict[str, float | int | str]]:
-    """One run per router over the same requests and placement; their figures."""
+             slo: SLO | None = None, shared_cache: bool | None = None,
+             device_adapters: int | None = None) -> list[dict[str, float | int | str]]:
+    """One run per router over the same requests and placement; their figures. `device_adapters`:
+    workers with adapter tiers, that many on each device (the profile's otherwise)."""
     profile = load_profile(profile_name or fleet.sim.profile or DEFAULT_PROFILE)
+    if device_adapters is not None:
+        profile = replace(profile, device_adapters=device_adapters)
     scenario = fleet.scenario
     slo = slo or SLO(scenario.slo.ttft_s, fleet.sim.itl_s)
     placement = place(fleet, num_replicas)
@@ -69,9 +74,10 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()  # only to report how long the simulation took; no decision reads it
     try:
         if args.capacity:
-            result = {r: capacity(fleet, args.replicas, r, profile_name=args.profile, slo=slo, shared_cache=shared) for r in routers}
+            result = {r: capacity(fleet, args.replicas, r, profile_name=args.profile, slo=slo, shared_cache=shared,
+                                  device_adapters=args.device_adapters) for r in routers}
         else:
-            rows = simulate(fleet, args.replicas, routers, args.profile, slo, shared)
+            rows = simulate(fleet, args.replicas, routers, args.profile, slo, shared, args.device_adapters)
     except ValueError as e:
         print(f"loraplex simulate: {e}", file=sys.stderr)
         return 2

@@ -185,8 +185,7 @@ class Fleet:
             self.record.num_adapter_loads += 1
             self._push(self.now_s + self.profile.adapter_load_s, _LOADED, index, seq)
             return
-        if request.adapter != BASE and request.adapter not in replica.pinned:
-            replica.load(request.adapter)  # used: most recently
+        replica.load(request.adapter)  # used: most recently
         self._deliver(seq, replica)
 
     def _deliver(self, seq: Seq, replica: ReplicaModel) -> None:

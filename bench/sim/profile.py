@@ -27,6 +27,9 @@ class CostProfile:
     kv_bytes_per_token: int = 0
     adapter_load_s: float = 0.0  # loading an adapter a replica does not pin (routers that ignore residency)
     max_loaded_adapters: int = 8  # adapters held beyond the pins, least recently used evicted
+    # workers with adapter tiers (worker/engine/residency.py): at most this many adapters on the device, those it
+    # serves among them (least recently used evicted); the others it serves come up in adapter_load_s. None: all on it
+    device_adapters: int | None = None
     l1_chunks: int = 4096  # prefix chunks a replica keeps without a shared tier
 
     def __post_init__(self) -> None:
@@ -34,6 +37,8 @@ class CostProfile:
             raise ValueError(f"profile {self.name!r}: costs must be >= 0")
         if not self.step_overhead_s + self.prompt_token_s + self.decode_seq_s > 0:
             raise ValueError(f"profile {self.name!r}: a step must cost some time")
+        if self.device_adapters is not None and self.device_adapters < 1:
+            raise ValueError(f"profile {self.name!r}: device_adapters must be >= 1")
         if self.max_loaded_adapters < 0 or self.l1_chunks < 0:
             raise ValueError(f"profile {self.name!r}: max_loaded_adapters and l1_chunks must be >= 0")
 

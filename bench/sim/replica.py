@@ -93,7 +93,11 @@ class ReplicaModel:
         self.costs = StepCosts()  # the engine's own: measured costs raise the prompt budget beside decoding
         self.running: list[Seq] = []
         self.waiting: deque[Seq] = deque()
-        self.loaded: OrderedDict[str, None] = OrderedDict()  # adapters beyond the pins, least recently used first
+        # adapters beyond the pins, least recently used first; with tiers (profile.device_adapters), every adapter on
+        # the device, those it serves (its pins; some of them from the start) among them
+        self.is_tiered = profile.device_adapters is not None
+        self.capacity = profile.device_adapters if self.is_tiered else profile.max_loaded_adapters
+        self.loaded: OrderedDict[str, None] = OrderedDict.fromkeys(list(pinned)[: self.capacity] if self.is_tiered else ())
         self.num_loading = 0  # requests waiting for an adapter to load here
         self.stats = StepStats()
         self.version = 0  # of the step under way: a cut one's end event is stale
@@ -113,15 +117,16 @@ class ReplicaModel:
         return self.num_steps == 0
 
     def holds(self, adapter: str) -> bool:
-        return adapter in self.pinned or adapter in self.loaded or adapter == "base"
+        """Whether a request for `adapter` runs here without loading it first."""
+        return adapter in self.loaded or adapter == "base" or (not self.is_tiered and adapter in self.pinned)
 
     def load(self, adapter: str) -> None:
-        """Hold `adapter` (loaded), evicting the least recently used beyond `max_loaded_adapters`."""
-        if adapter in self.pinned or adapter == "base":
+        """Hold `adapter` (loaded, or used: most recently), evicting the least recently used past the capacity."""
+        if adapter == "base" or (not self.is_tiered and adapter in self.pinned):
             return
         self.loaded[adapter] = None
         self.loaded.move_to_end(adapter)
-        while len(self.loaded) > self.profile.max_loaded_adapters:
+        while len(self.loaded) > self.capacity:
             self.loaded.popitem(last=False)
 
     # requests

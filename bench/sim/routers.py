@@ -21,6 +21,7 @@ from gateway.policy.routing import (
     NoCandidateError,
     RecentLoad,
     ReplicasBusy,
+    Residents,
     ReplicaView,
     RoutingSettings,
     affinity_key,
@@ -30,6 +31,7 @@ from gateway.policy.routing import (
 from worker.contract.identity import Fingerprint
 
 ROUTERS = ("ours", "holders-then-p2c", "scorer-mix", "holders-only-least-loaded", "least-loaded", "round-robin")
+REPORT_S = 10.0  # how often a worker with tiers reports where its adapters are (the registry's resync_interval_s)
 SCORER_WEIGHTS = {"adapter": 2.0, "prefix": 3.0, "queue": 2.0}  # llm-d-like: LoRA affinity, prefix cache, queue depth
 
 
@@ -58,7 +60,9 @@ class Router:
 
 
 class Ours(Router):
-    """gateway/dispatch.py's _route: candidates, then choose, then count it in RecentLoad."""
+    """gateway/dispatch.py's _route: candidates, then choose, then count it in RecentLoad; with
+    tiers, each replica's `Residents` (the gateway's model of where a worker has its adapters) from
+    a report every REPORT_S (the registry's resync) and the requests routed since."""
 
     name = "ours"
 
@@ -68,6 +72,17 @@ class Ours(Router):
         self.ids = [f"r{i}" for i in self.all]
         self.index = {replica_id: i for i, replica_id in enumerate(self.ids)}
         self.fingerprints = [frozenset(Fingerprint(a) for a in r.pinned) for r in self.replicas]
+        self.residents: list[Residents | None] = [None] * len(self.replicas)
+        self.reported_s = [float("-inf")] * len(self.replicas)
+
+    def tiers(self, i: int, now_s: float) -> Residents | None:
+        replica = self.replicas[i]
+        if not replica.is_tiered:
+            return None
+        if now_s - self.reported_s[i] >= REPORT_S:
+            self.residents[i] = Residents({"device": list(replica.loaded), "capacity": replica.capacity})
+            self.reported_s[i] = now_s
+        return self.residents[i]
 
     def route(self, request: SimRequest, key: bytes, tried: Collection[int]) -> int:
         now_s = self.clock()
@@ -75,13 +90,16 @@ class Ours(Router):
         # views of the replicas that pin the adapter: candidates() keeps only those anyway
         views = [ReplicaView(self.ids[i], f"r{i}", self.fingerprints[i], in_flight=self.replicas[i].in_flight,
                              recent=self.recent.get(self.ids[i], now_s), num_seq_slots=config.num_seq_slots,
-                             capacity=config.num_seq_slots + config.max_waiting)
+                             capacity=config.num_seq_slots + config.max_waiting, tiers=self.tiers(i, now_s))
                  for i in self.holding(request)]
         needed = () if request.adapter == BASE else (Fingerprint(request.adapter),)
         pool = candidates(views, needed, exclude={self.ids[i] for i in tried})
-        chosen = choose(pool, key, self.settings, rng=self.rng, shared_cache=self.shared_cache)
+        chosen = choose(pool, key, self.settings, rng=self.rng, shared_cache=self.shared_cache, fingerprints=needed)
         self.recent.add(chosen.replica_id, now_s)
-        return self.index[chosen.replica_id]
+        index = self.index[chosen.replica_id]
+        if self.residents[index] is not None:
+            self.residents[index].promoted(needed)
+        return index
 
 
 def _untried(indices: Sequence[int], tried: Collection[int], what: str) -> list[int]:

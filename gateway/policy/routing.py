@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import hashlib
 import random as random_module
-from collections.abc import Collection, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 from worker.contract.calls import CHANNEL_HEARTBEAT_S
@@ -99,6 +101,49 @@ class ReplicaView:
     @property
     def load(self) -> float:
         return self.in_flight + self.recent
+
+
+class Residents(Mapping[Fingerprint, int]):
+    """Where a worker with tiers has its adapters (routing's DEVICE, HOST; absent: lower), as it last
+    reported (worker/engine/residency.py: `state`) and as this gateway's requests to it have changed
+    it since: an adapter a request was sent for comes onto its device, and the least recently used
+    ones past the device's capacity leave it, as the worker's own eviction does (with several
+    gateways, each follows its own requests until the next report)."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        self.device: OrderedDict[Fingerprint, None] = OrderedDict.fromkeys(report.get("device", ()))  # least recent first
+        self.host = frozenset(report.get("host", ()))
+        self.hot = frozenset(report.get("hot", ()))
+        self.capacity = int(report.get("capacity", len(self.device)))
+
+    def promoted(self, fingerprints: Iterable[Fingerprint]) -> None:
+        fingerprints = frozenset(fingerprints)
+        for fingerprint in fingerprints:
+            self.device[fingerprint] = None
+            self.device.move_to_end(fingerprint)
+        for fingerprint in list(self.device):
+            if len(self.device) <= self.capacity:
+                break
+            if fingerprint not in self.hot and fingerprint not in fingerprints:
+                del self.device[fingerprint]
+
+    def get(self, fingerprint: Fingerprint, default: Any = None) -> Any:  # ReplicaView.tier's (faster than Mapping's)
+        if fingerprint in self.device:
+            return DEVICE
+        return HOST if fingerprint in self.host else default
+
+    def __getitem__(self, fingerprint: Fingerprint) -> int:
+        if fingerprint in self.device:
+            return DEVICE
+        if fingerprint in self.host:
+            return HOST
+        raise KeyError(fingerprint)
+
+    def __iter__(self) -> Iterator[Fingerprint]:
+        return iter(self.device.keys() | self.host)
+
+    def __len__(self) -> int:
+        return len(self.device.keys() | self.host)
 
 
 class RecentLoad:

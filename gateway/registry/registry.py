@@ -24,8 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from gateway.api.protocol import APIError
 from gateway.catalog import AdapterInfo, Catalog
 from gateway.config import ServeConfig
 from gateway.policy.placement import PlacementError, place_new, rebalance
-from gateway.policy.routing import DEVICE, HOST
+from gateway.policy.routing import Residents
 from gateway.pool import ReplicaInfo, ShardPool
 from gateway.registry.records import (
     SHARED,
@@ -64,44 +63,6 @@ def describe(adapter: LoRAAdapter, owner: str, name: str, size: int) -> AdapterR
     return AdapterRecord(owner, name, adapter.fingerprint, size, rank, tuple(kinds), adapter.alpha,
                          adapter.invocation_tokens, adapter.task_name, adapter.prompt_prefix, time.time(),
                          is_dora=adapter.is_dora)
-
-
-class Residents(Mapping[Fingerprint, int]):
-    """Where a worker with tiers has its adapters (routing's DEVICE, HOST; absent: lower), as it last
-    reported (worker/engine/residency.py: `state`) and as this gateway's requests to it have changed
-    it since: an adapter a request was sent for comes onto its device, and the least recently used
-    ones past the device's capacity leave it, as the worker's own eviction does (with several
-    gateways, each follows its own requests until the next report)."""
-
-    def __init__(self, report: dict[str, Any]) -> None:
-        self.device: OrderedDict[Fingerprint, None] = OrderedDict.fromkeys(report.get("device", ()))  # least recent first
-        self.host = frozenset(report.get("host", ()))
-        self.hot = frozenset(report.get("hot", ()))
-        self.capacity = int(report.get("capacity", len(self.device)))
-
-    def promoted(self, fingerprints: Iterable[Fingerprint]) -> None:
-        fingerprints = frozenset(fingerprints)
-        for fingerprint in fingerprints:
-            self.device[fingerprint] = None
-            self.device.move_to_end(fingerprint)
-        for fingerprint in list(self.device):
-            if len(self.device) <= self.capacity:
-                break
-            if fingerprint not in self.hot and fingerprint not in fingerprints:
-                del self.device[fingerprint]
-
-    def __getitem__(self, fingerprint: Fingerprint) -> int:
-        if fingerprint in self.device:
-            return DEVICE
-        if fingerprint in self.host:
-            return HOST
-        raise KeyError(fingerprint)
-
-    def __iter__(self) -> Iterator[Fingerprint]:
-        return iter(self.device.keys() | self.host)
-
-    def __len__(self) -> int:
-        return len(self.device.keys() | self.host)
 
 
 class AdapterRegistry:
