@@ -281,6 +281,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(handler="bench.sim.cli:run")
 
+    p = sub.add_parser("calibrate", help="time the real engine's passes and fit a cost profile for simulate (bench/sim)")
+    p.add_argument("--out", required=True, metavar="FILE.yaml", help="the profile to write (simulate --profile FILE.yaml)")
+    p.add_argument("--name", help="the profile's name (default: FILE's stem)")
+    p.add_argument("--config", metavar="FILE.yaml", help="take the profile's engine section from this loraplex serve config")
+    p.add_argument("--model", metavar="BASE.gguf", help="base model (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--lora", action="append", metavar="PATH", help="an adapter file (repeatable; default: random ones)")
+    p.add_argument("--adapters", type=_positive_int, default=4, metavar="N", help="random adapters without --lora (default 4)")
+    p.add_argument("--rank", type=_positive_int, default=8)
+    p.add_argument("--targets", choices=["attn", "all"], default="attn", help="attn: q,k,v,o; all: the 7 linears")
+    p.add_argument("--rounds", type=_positive_int, default=5, help="rounds of every shape after a warm-up (medians fitted)")
+    p.add_argument("--concurrent", type=_positive_int, default=1, metavar="N",
+                   help="time it while N - 1 other engines run the same rounds (N replicas sharing the cores)")
+    p.add_argument("--seed", type=int, default=0)
+    _device_flags(p)
+    p.set_defaults(handler="bench.sim.calibrate:run")
+
     p = sub.add_parser("bench-gateway",
                        help="latency and requests/s the gateway alone adds, against an instant stub shard")
     p.add_argument("--requests", type=_positive_int, default=500,

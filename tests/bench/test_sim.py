@@ -21,6 +21,8 @@ from bench.sim.profile import CostProfile, load_profile
 from bench.sim.replica import PrefixCache, ReplicaModel, Seq
 from bench.sim.routers import ROUTERS
 from bench.sim.workload import FleetScenario, SimRequest, parse_fleet_scenario, requests
+from gateway.cli import main as cli_main
+from tests.helpers import TEST_DEVICE
 from worker.contract.spec import EngineConfig
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import SequenceState
@@ -146,3 +148,19 @@ def test_the_replica_batches_as_the_engine_scheduler_does() -> None:
 def test_profiles_load_and_say_whether_they_were_measured() -> None:
     assert load_profile("cpu-2core").is_measured
     assert not load_profile("gpu-8b-assumed").is_measured
+
+
+def test_calibrate_fits_the_engine_and_writes_a_profile_simulate_reads(tiny_llama, tmp_path, capsys) -> None:
+    out = tmp_path / "tiny.yaml"
+    code = cli_main(["calibrate", "--model", str(tiny_llama.path), "--out", str(out), "--adapters", "2", "--rank", "2",
+                     "--rounds", "1", "--concurrent", "2", "--threads", "1", "--device", TEST_DEVICE.device])
+    assert code == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    profile = load_profile(str(out))
+    assert profile.name == "tiny" and profile.is_measured
+    assert profile.step_overhead_s > 0 and profile.prompt_token_s >= 0 and profile.decode_seq_s >= 0
+    assert profile.step_s(64, 4) > profile.step_s(0, 1) > 0
+    hp = tiny_llama.spec
+    assert profile.kv_bytes_per_token == hp.num_layers * hp.num_kv_heads * (hp.embed_dim // hp.num_heads) * 2 * 4  # K, V in fp32
+    assert profile.engine == EngineConfig()
+    assert "# Measured by `loraplex calibrate`" in out.read_text() and "1 other engine(s)" in out.read_text()

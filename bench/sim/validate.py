@@ -1,0 +1,335 @@
+"""The simulator against reality: one small scenario (bench/sim/scenarios/validate-2replicas.yaml:
+2 CPU replicas of one shard, three adapters and the base, a few requests/s) served for real by
+`loraplex serve` under the load tester, and simulated with a profile that `loraplex calibrate`
+measures just before, on a replica's share of this machine's cores beside the other replica's
+engine (`--concurrent 2`); then a table of TTFT, ITL
+and throughput, real against simulated, with the relative error.
+
+    python -m bench.sim.validate [--rate-rps R] [--duration-s T] [--profile FILE.yaml] [--out DIR]
+
+The simulation replays the load tester's own requests (its plan_workload: the same arrivals,
+adapters, prompt and output lengths, shared prefixes), not a draw of its own from the seed. ITL
+is per request, its mean gap between tokens (the simulator's definition; streamed chunks may
+hold several tokens); "gap p99" is over every gap. Everything this starts (a redis-server of its
+own, `loraplex serve`) it stops by pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from unittest import mock
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+import bench.sim.fleet as fleet_module
+from bench.cluster import free_port
+from bench.server import ROOT, Server, base_config
+from bench.sim.fleet import Fleet, RunRecord, place
+from bench.sim.machine import OTHERS_SHARE, CPUShare, PrivateRedis
+from bench.sim.profile import CostProfile, load_profile
+from bench.sim.replica import Seq
+from bench.sim.report import _bucket_percentile, percentile
+from bench.sim.workload import FleetScenario, SimRequest, load_fleet_scenario, scaled
+from gateway.config import ServeConfig, parse_config
+from gateway.loadtest.generators import PlannedRequest, plan_workload
+from gateway.loadtest.scenario import Scenario
+
+SCENARIO = Path(__file__).parent / "scenarios" / "validate-2replicas.yaml"
+ADAPTERS = ["caps", "json", "signature"]  # deploy/serve.yaml's, all on both replicas
+NUM_REPLICAS = 2
+OPERATOR_KEY = "sk-loraplex-operator"  # deploy/serve.yaml's
+TOLERANCE = 0.15
+WARM_UP_S = 15.0  # load before the measured run (another seed: other prefixes), for the replicas' one-time costs
+LONE_PROMPT_TOKENS, LONE_NEW_TOKENS = 64, 32
+LONE = {"name": "one-at-a-time", "seed": 1, "warmup_s": 0, "duration_s": 300, "max_requests": 12,
+        "load": {"mode": "closed", "users": 1}, "adapters": {"names": ["caps"], "weights": {"caps": 1.0}},
+        "prompts": {"kind": "random", "length": {"min": LONE_PROMPT_TOKENS, "max": LONE_PROMPT_TOKENS}},
+        "output_tokens": {"min": LONE_NEW_TOKENS, "max": LONE_NEW_TOKENS}}  # an idle server's TTFT and gaps
+
+
+def served_config(redis_url: str | None, directory: Path) -> dict:
+    """deploy/serve.yaml with one shard of the three adapters on NUM_REPLICAS replicas, a Redis (None: none) and cache
+    namespace of its own."""
+    config = base_config(f"loraplex-validate-{uuid.uuid4().hex[:8]}")
+    config["adapters"] = [a for a in config["adapters"] if a["name"] in ADAPTERS]
+    config["shards"] = [{"name": "all", "adapters": ADAPTERS, "replicas": NUM_REPLICAS, "num_cpus": 0}]
+    config["tenants"] = [t for t in config["tenants"] if t["id"] == "demo"]
+    config["cache"]["redis_url"] = redis_url
+    config["registry"] = {"store_dir": str(directory / "store"), "allowed_paths": [str(ROOT / "deploy" / "adapters")]}
+    return config
+
+
+def calibrate(config_path: Path, adapter_paths: Sequence[str], threads: int, out: Path, rounds: int) -> Path:
+    command = [sys.executable, "-m", "gateway.cli", "calibrate", "--out", str(out), "--config", str(config_path),
+               "--threads", str(threads), "--rounds", str(rounds), "--concurrent", str(NUM_REPLICAS)]
+    for path in adapter_paths:
+        command += ["--lora", path]
+    subprocess.run(command, check=True)
+    return out
+
+
+def loadtest(scenario_path: Path, url: str, out: Path, seed: int | None = None, duration_s: float | None = None) -> Path:
+    command = [sys.executable, "-m", "gateway.cli", "loadtest", "--scenario", str(scenario_path), "--url", url, "--out", str(out),
+               "--quiet"]
+    if seed is not None:
+        command += ["--seed", str(seed)]
+    if duration_s is not None:
+        command += ["--duration", str(duration_s)]
+    subprocess.run(command, check=True, capture_output=True, text=True)
+    return out / "report.json"
+
+
+def engine_totals(url: str) -> Counter:
+    """The replicas' engine counters and pass times, summed, from the gateway's /metrics."""
+    request = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"})
+    text = urllib.request.urlopen(request, timeout=30).read().decode()
+    wanted = {"loraplex_engine_steps_total", "loraplex_engine_prompt_tokens_total", "loraplex_engine_generated_tokens_total",
+              "loraplex_engine_step_seconds_sum", "loraplex_engine_step_seconds_count",
+              "loraplex_engine_decode_step_seconds_sum", "loraplex_engine_decode_step_seconds_count"}
+    totals: Counter = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                totals[sample.name] += sample.value
+    return totals
+
+
+def sim_requests(planned: Sequence[PlannedRequest], scenario: Scenario) -> list[SimRequest]:
+    """The load tester's requests as the simulator takes them: a prompt is its shared prefix (which
+    one, found by its tokens) and its own tokens' count."""
+    p = scenario.prompts
+    if p.kind == "shared_prefix" and p.length.max >= p.prefix_tokens + p.length.min:
+        raise ValueError("own prompts as long as a prefix: which requests share one cannot be told from their lengths")
+    prefixes: dict[tuple[int, ...], int] = {}
+    out = []
+    for i, r in enumerate(planned):
+        prefix = -1
+        if p.kind == "rag" or (p.kind == "shared_prefix" and len(r.prompt_ids) >= p.prefix_tokens + p.length.min):
+            prefix = prefixes.setdefault(tuple(r.prompt_ids[: p.prefix_tokens]), len(prefixes))
+        num_prefix = p.prefix_tokens if prefix >= 0 else 0
+        out.append(SimRequest(i, r.at_s, r.tenant, r.adapter, prefix, num_prefix, len(r.prompt_ids) - num_prefix, r.max_tokens))
+    return out
+
+
+class TracedFleet(Fleet):
+    """A Fleet that keeps each completed request's TTFT and mean gap by its index (to set beside its real twin)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - Fleet's
+        super().__init__(*args, **kwargs)
+        self.by_index: dict[int, tuple[float, float | None]] = {}
+
+    def _complete(self, seq: Seq) -> None:
+        super()._complete(seq)
+        request = seq.request
+        gap_s = (seq.finished_s - seq.first_token_s) / (request.max_tokens - 1) if request.max_tokens > 1 else None
+        self.by_index[request.index] = (seq.first_token_s - request.at_s, gap_s)
+
+
+def simulated(fleet: FleetScenario, profile: CostProfile, config: ServeConfig,
+              requests: list[SimRequest]) -> tuple[RunRecord, TracedFleet]:
+    """The fleet of the served config ("ours" is its routing; a shared prefix tier when it has a
+    Redis) on `requests`. Fleet.run draws its own requests from the scenario's seed (same
+    distributions, other draws than the load tester's): this replays the load tester's instead."""
+    run = TracedFleet(fleet, fleet.scenario, profile, place(fleet, NUM_REPLICAS), "ours", routing=config.routing,
+                shared_cache=config.cache.redis is not None)
+    with mock.patch.object(fleet_module, "requests", lambda _scenario: iter(requests)):
+        return run.run(), run
+
+
+def twins(report_path: Path, requests: list[SimRequest], run: TracedFleet) -> str:
+    """Each measured real request beside its simulated twin (the same index: both in arrival order,
+    checked by adapter and prompt length): the median TTFT difference, prefix hits and misses
+    apart, and the median ratio of their mean gaps."""
+    real = sorted(json.loads(report_path.read_text())["requests"], key=lambda r: r["start_s"])
+    if len(real) != len(requests):
+        return f"request by request: not paired ({len(real)} real requests, {len(requests)} planned)"
+    diffs: dict[bool, list[float]] = {True: [], False: []}
+    ratios = []
+    for r, planned in zip(real, requests):
+        twin = run.by_index.get(planned.index)
+        if (r["status"] != 200 or twin is None or r["adapter"] != planned.adapter or r["prompt_tokens"] != planned.num_prompt_tokens
+                or r["start_s"] < run.scenario.warmup_s):
+            continue
+        diffs[r["cached_tokens"] > 0].append(r["ttft_s"] - twin[0])
+        if twin[1] and r["completion_tokens"] > 1:
+            ratios.append(sum(r["itl_s"]) / (r["completion_tokens"] - 1) / twin[1])
+    median = lambda values: percentile(values, 0.5)  # noqa: E731
+    ms = lambda v: "n/a" if v is None or v != v else f"{1e3 * v:+.0f} ms"  # noqa: E731
+    return (f"request by request (a real one minus its simulated twin, medians): TTFT {ms(median(diffs[True]))} for "
+            f"{len(diffs[True])} prefix hits, {ms(median(diffs[False]))} for {len(diffs[False])} misses; mean gap x"
+            f"{median(ratios):.2f} ({len(ratios)} requests)")
+
+
+def real_figures(report_path: Path, scenario: Scenario) -> dict[str, float | None]:
+    rows = [r for r in json.loads(report_path.read_text())["requests"] if r["start_s"] >= scenario.warmup_s]
+    ok = [r for r in rows if r["status"] == 200 and r["ttft_s"] is not None]
+    itl = [sum(r["itl_s"]) / (r["completion_tokens"] - 1) for r in ok if r["completion_tokens"] > 1]
+    measured_s = scenario.duration_s - scenario.warmup_s
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    return {
+        "ttft_p50_s": percentile([r["ttft_s"] for r in ok], 0.5), "ttft_p99_s": percentile([r["ttft_s"] for r in ok], 0.99),
+        "itl_p50_s": percentile(itl, 0.5), "itl_p99_s": percentile(itl, 0.99),
+        "gap_p99_s": percentile([g for r in ok for g in r["itl_s"]], 0.99),
+        "completed_rps": len(ok) / measured_s, "output_tok_s": sum(r["completion_tokens"] for r in ok) / measured_s,
+        "prefix_hit": sum(r["cached_tokens"] for r in ok) / prompt if prompt else None,
+        "failed": len(rows) - len(ok),
+    }
+
+
+def sim_figures(record: RunRecord, requests: list[SimRequest], scenario: Scenario) -> dict[str, float | None]:
+    measured_s = scenario.duration_s - scenario.warmup_s
+    measured = [r for r in requests if r.at_s >= scenario.warmup_s]
+    all_done = record.outcomes["completed"] == len(requests)  # then every measured one completed: its tokens are known
+    return {
+        "ttft_p50_s": percentile(record.ttft_s, 0.5), "ttft_p99_s": percentile(record.ttft_s, 0.99),
+        "itl_p50_s": percentile(record.itl_s, 0.5), "itl_p99_s": percentile(record.itl_s, 0.99),
+        "gap_p99_s": _bucket_percentile(record.gaps, 0.99),
+        "completed_rps": len(record.ttft_s) / measured_s,
+        "output_tok_s": sum(r.max_tokens for r in measured) / measured_s if all_done else None,
+        "prefix_hit": record.cached_tokens / record.prompt_tokens if record.prompt_tokens else None,
+        "failed": record.num_measured - len(record.ttft_s),
+    }
+
+
+def lone_figures(report_path: Path) -> tuple[float | None, float | None]:
+    """Median TTFT and median mean gap of requests sent one at a time."""
+    ok = [r for r in json.loads(report_path.read_text())["requests"] if r["status"] == 200 and r["completion_tokens"] > 1]
+    return (percentile([r["ttft_s"] for r in ok], 0.5),
+            percentile([sum(r["itl_s"]) / (r["completion_tokens"] - 1) for r in ok], 0.5))
+
+
+ROWS = [("ttft_p50_s", "TTFT p50 (s)", "{:.3f}"), ("ttft_p99_s", "TTFT p99 (s)", "{:.3f}"),
+        ("itl_p50_s", "ITL p50 (s, a request's mean gap)", "{:.4f}"), ("itl_p99_s", "ITL p99 (s, a request's mean gap)", "{:.4f}"),
+        ("completed_rps", "throughput (requests/s)", "{:.2f}"), ("output_tok_s", "throughput (output tokens/s)", "{:.1f}"),
+        ("gap_p99_s", "gap p99 (s, every gap; not a target)", "{:.4f}"), ("prefix_hit", "prompt tokens cached (not a target)", "{:.1%}")]
+TARGETS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "completed_rps", "output_tok_s")
+
+
+def table(real: dict[str, float | None], sim: dict[str, float | None]) -> tuple[str, list[str]]:
+    """The Markdown table, and the target figures off by more than TOLERANCE."""
+    lines = ["| figure | real | simulated | error |", "|---|---|---|---|"]
+    off = []
+    for key, title, fmt in ROWS:
+        r, s = real[key], sim[key]
+        error = (s / r - 1) if r and s is not None else None
+        if key in TARGETS and (error is None or abs(error) > TOLERANCE):
+            off.append(key)
+        cell = lambda v: "n/a" if v is None else fmt.format(v)  # noqa: E731
+        lines.append(f"| {title} | {cell(r)} | {cell(s)} | {'n/a' if error is None else f'{error:+.1%}'} |")
+    return "\n".join(lines), off
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", default=str(SCENARIO), help="a fleet scenario (the load tester's format plus sim:)")
+    parser.add_argument("--rate-rps", type=float, help="override the scenario's rate")
+    parser.add_argument("--duration-s", type=float, help="override the scenario's duration_s")
+    parser.add_argument("--profile", metavar="FILE.yaml", help="a calibrated profile (default: calibrate now)")
+    parser.add_argument("--no-redis", action="store_true", help="no Redis tier: each replica's own prefix cache (simulated alike)")
+    parser.add_argument("--calibrate-rounds", type=int, default=5)
+    parser.add_argument("--out", metavar="DIR", help="where the config, profile and reports go (default: a new temporary directory)")
+    args = parser.parse_args()
+    out = Path(args.out or tempfile.mkdtemp(prefix="loraplex-validate-"))
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = load_fleet_scenario(args.scenario)
+    fleet = FleetScenario(scaled(loaded.scenario, args.rate_rps, args.duration_s), loaded.sim)
+    scenario = fleet.scenario
+    scenario_path = out / "scenario.yaml"  # the load tester's part
+    scenario_path.write_text(yaml.safe_dump(scenario.model_dump(mode="json")))
+    redis_server = None if args.no_redis else PrivateRedis()
+    try:
+        raw = served_config(redis_server.url if redis_server else None, out)
+        config_path = out / "serve.yaml"
+        config_path.write_text(yaml.safe_dump(raw))
+        config = parse_config(raw, out, str(config_path))
+        threads = max(1, (os.cpu_count() or 1) // NUM_REPLICAS)  # what gateway/serve.py gives each CPU replica
+        adapter_paths = [a["path"] for a in raw["adapters"]]
+        cpu = CPUShare([])
+        profile_path = Path(args.profile) if args.profile else calibrate(config_path, adapter_paths, threads, out / "profile.yaml",
+                                                                         args.calibrate_rounds)
+        cpu_calibrate = cpu.done() if not args.profile else ("not run (--profile)", False)
+        port = free_port()
+        print(f"serving {NUM_REPLICAS} replicas ({threads} thread(s) each) on port {port}...", flush=True)
+        server = Server(raw, out, port)
+        try:
+            loadtest(scenario_path, server.url, out / "warm-up", seed=scenario.seed + 1000, duration_s=WARM_UP_S)
+            lone_path = out / "one-at-a-time.yaml"
+            lone_path.write_text(yaml.safe_dump({**LONE, "tenants": [t.model_dump() for t in scenario.tenants[:1]]}))
+            lone = lone_figures(loadtest(lone_path, server.url, out / "one-at-a-time"))
+            before = engine_totals(server.url)
+            pids = [server.process.pid] + ([redis_server.process.pid] if redis_server else [])
+            cpu, started = CPUShare(pids), time.perf_counter()
+            report = loadtest(scenario_path, server.url, out / "real")
+            real_wall_s, cpu_real = time.perf_counter() - started, cpu.done()
+            passes = engine_totals(server.url) - before
+        finally:
+            stopped = server.stop()
+        if not stopped:
+            print("loraplex serve did not stop within its timeout: killed with everything it started", file=sys.stderr)
+    finally:
+        if redis_server is not None:
+            redis_server.stop()
+    profile = replace(load_profile(str(profile_path)), engine=config.engine)  # the served engine, whatever the file says
+    planned = plan_workload(scenario).requests  # the load tester's requests, as it planned them
+    requests = sim_requests(planned, scenario)
+    started = time.perf_counter()
+    record, run = simulated(fleet, profile, config, requests)
+    sim_wall_s = time.perf_counter() - started
+    real, sim = real_figures(report, scenario), sim_figures(record, requests, scenario)
+    text, off = table(real, sim)
+    print(f"\n{scenario.name}: {len(planned)} requests at {scenario.load.rate_rps:g} req/s over {scenario.duration_s:g} s "
+          f"(the first {scenario.warmup_s:g} s not measured); {NUM_REPLICAS} replicas of one shard, {threads} thread(s) each; "
+          f"profile {profile_path} (step_overhead_s {profile.step_overhead_s}, prompt_token_s {profile.prompt_token_s}, "
+          f"decode_seq_s {profile.decode_seq_s}); real {real_wall_s:.0f} s, simulated in {sim_wall_s:.2f} s; "
+          f"CPU during calibration: {cpu_calibrate[0]}; during the real run: {cpu_real[0]}; measured requests that failed: "
+          f"{real['failed']} real, {sim['failed']} simulated\n")
+    for what, (_, is_shared) in (("calibration", cpu_calibrate), ("the real run", cpu_real)):
+        if is_shared:
+            print(f"WARNING: other processes took more than {OTHERS_SHARE:.0%} of the busy CPU during {what}: "
+                  "these figures are not this code's alone; run it again on a quiet machine")
+    print(text)
+    real_busy_s = passes["loraplex_engine_step_seconds_sum"]
+    sim_busy_s = sum(record.busy_s)
+    sim_steps = sum(r.stats.num_steps for r in run.replicas)
+    print(f"\npasses, both replicas, the whole run: real {passes['loraplex_engine_steps_total']:.0f} passes, "
+          f"{real_busy_s:.1f} s in the model runner (from /metrics; the engine's schedule and postprocess not counted), "
+          f"{passes['loraplex_engine_prompt_tokens_total']:.0f} prompt tokens computed; simulated {sim_steps} steps, "
+          f"{sim_busy_s:.1f} s ({sim_busy_s / real_busy_s - 1:+.0%})" if real_busy_s else "no passes in /metrics")
+    if passes["loraplex_engine_decode_step_seconds_count"]:
+        decode_s = passes["loraplex_engine_decode_step_seconds_sum"] / passes["loraplex_engine_decode_step_seconds_count"]
+        slots = profile.engine.num_seq_slots
+        print(f"a real pass that only decodes: {1e3 * decode_s:.1f} ms on average; the profile's at 1 sequence "
+              f"{1e3 * profile.step_s(0, 1):.1f} ms, at {slots} {1e3 * profile.step_s(0, slots):.1f} ms")
+    print(twins(report, requests, run))
+    if lone[0] is not None and lone[1] is not None:
+        print(f"one request at a time on the idle server ({LONE_PROMPT_TOKENS} prompt tokens, {LONE_NEW_TOKENS} new; median): "
+              f"TTFT real {1e3 * lone[0]:.1f} ms, the profile's pass {1e3 * profile.step_s(LONE_PROMPT_TOKENS, 0):.1f} ms; "
+              f"gap real {1e3 * lone[1]:.1f} ms, the profile's decode pass {1e3 * profile.step_s(0, 1):.1f} ms")
+    if off:
+        print(f"\noutside {TOLERANCE:.0%}: {', '.join(off)}. What the simulator leaves out: the HTTP, gateway and Ray hops "
+              "(in every real TTFT and gap, not in a simulated one); the load tester, gateway, Ray and Redis (every new "
+              "prefix chunk's KV is written to it) on the replicas' cores (calibration had only the other replica's engine "
+              "beside it); loading cached prefixes from Redis (free in the model); pass times that grow with the context "
+              "(linear in tokens and sequences in the model). The pass totals above say how much of the difference is "
+              "inside the passes.")
+    else:
+        print(f"\nevery target figure within {TOLERANCE:.0%}")
+    print(f"(config, profile and reports in {out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
