@@ -5,8 +5,13 @@ the adapters, the RateLimiter (per process, on the simulation's clock) admits, a
 refuses (its queue full: 503) sends the request to the next, `max_attempts` in all, as
 gateway/dispatch.py does.
 
+Faults (the scenario's `sim.faults`): a replica lost takes what it ran and queued with it: a
+stream that had begun fails, any other request is sent to another replica (`max_attempts` in
+all, as the gateway retries a whole request when a replica dies); it comes back empty. Redis
+down: the shared prefix tier misses and stores nothing meanwhile.
+
 Every request ends exactly once: completed, refused (429 rate limit, 503 busy) or failed (no
-replica holds its adapter, longer than a KV slot).
+replica holds its adapter, longer than a KV slot, its replica lost).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 from bench.sim.profile import CostProfile
 from bench.sim.replica import PrefixCache, ReplicaModel, Seq
 from bench.sim.routers import Router, make_router, request_key
-from bench.sim.workload import BASE, FleetScenario, SimRequest, requests
+from bench.sim.workload import BASE, Fault, FleetScenario, SimRequest, requests
 from gateway.api.protocol import APIError
 from gateway.loadtest.scenario import Scenario
 from gateway.policy.placement import AdapterSpec, plan, zipf_shares
@@ -28,8 +33,8 @@ from gateway.policy.routing import NoCandidateError, ReplicasBusy, RoutingSettin
 from gateway.ratelimit import RateLimiter
 from gateway.tenants import Tenant
 
-OUTCOMES = ("completed", "refused_rate", "refused_busy", "failed_no_replica", "failed_too_long")
-_STEP, _LOADED = 0, 1
+OUTCOMES = ("completed", "refused_rate", "refused_busy", "failed_no_replica", "failed_too_long", "failed_replica_lost")
+_STEP, _LOADED, _FAULT = 0, 1, 2
 
 
 def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -88,6 +93,8 @@ class RunRecord:
     num_seq_slots: int = 1
     gaps: dict[int, int] = field(default_factory=dict)  # every inter-token gap: 0.1 ms bucket -> count
     num_adapter_loads: int = 0
+    num_lost: int = 0  # requests a lost replica had (running, queued or loading an adapter for)
+    num_lost_retried: int = 0  # of those, sent to another replica
     end_s: float = 0.0
     num_events: int = 0
 
@@ -99,7 +106,7 @@ class Fleet:
         self.routing = routing
         self.now_s = 0.0
         is_shared = fleet.sim.shared_cache if shared_cache is None else shared_cache
-        shared = PrefixCache(scenario.chunk_tokens, True, 0) if is_shared else None
+        self.shared = shared = PrefixCache(scenario.chunk_tokens, True, 0) if is_shared else None
         self.replicas = [ReplicaModel(i, profile, shared or PrefixCache(scenario.chunk_tokens, False, profile.l1_chunks), pins)
                          for i, pins in enumerate(placement.pins)]
         self.rng = random.Random(f"{scenario.seed}-router")
@@ -114,6 +121,11 @@ class Fleet:
         self._heap: list[tuple[float, int, int, int, Any]] = []
         self._counter = 0
         self._tried: dict[int, list[int]] = {}
+        self.down: set[int] = set()  # replicas lost, not back yet
+        for fault in fleet.sim.faults:
+            self._push(fault.at_s, _FAULT, 0, (fault, True))
+            if fault.at_s + fault.for_s < scenario.duration_s:
+                self._push(fault.at_s + fault.for_s, _FAULT, 0, (fault, False))
 
     def _push(self, at_s: float, kind: int, replica: int, payload: Any) -> None:
         self._counter += 1
@@ -130,11 +142,17 @@ class Fleet:
                 self.now_s = at_s
                 if kind == _STEP:
                     self._step_end(self.replicas[index], payload)
-                else:
+                elif kind == _LOADED:
+                    seq, epoch = payload
                     replica = self.replicas[index]
+                    if epoch != replica.epoch:  # lost while it loaded
+                        self._lost(seq)
+                        continue
                     replica.num_loading -= 1
-                    replica.load(payload.request.adapter)
-                    self._deliver(payload, replica)
+                    replica.load(seq.request.adapter)
+                    self._deliver(seq, replica)
+                else:
+                    self._fault(*payload)
             else:
                 self.now_s = pending.at_s
                 self._arrive(pending)
@@ -167,11 +185,39 @@ class Fleet:
             return
         self._route(Seq(request, self.now_s), request_key(request, self.scenario.chunk_tokens))
 
+    def _fault(self, fault: Fault, starting: bool) -> None:
+        if fault.kind == "redis_down":
+            if self.shared is not None:
+                self.shared.is_down = starting
+            return
+        n = len(self.replicas)
+        for index in sorted({int(k * n / fault.replicas) for k in range(min(fault.replicas, n))}):  # spread over the fleet
+            replica = self.replicas[index]
+            if starting and not replica.is_down:
+                self.down.add(index)
+                for seq in replica.lose():
+                    self._lost(seq)
+            elif not starting and replica.is_down:
+                self.down.discard(index)
+                replica.restart()
+
+    def _lost(self, seq: Seq) -> None:
+        """Its replica is gone: a begun stream fails, a request tried fewer than max_attempts times starts again elsewhere."""
+        request = seq.request
+        self.record.num_lost += 1
+        is_stream = (request.index * 2654435761) % (1 << 32) < self.fleet.sim.stream_share * (1 << 32)
+        if (is_stream and seq.first_token_s >= 0) or len(self._tried.get(request.index, ())) >= self.routing.max_attempts:
+            self._end(request, "failed_replica_lost")
+            return
+        self.record.num_lost_retried += 1
+        self._route(Seq(request, self.now_s))
+
     def _route(self, seq: Seq, key: bytes | None = None) -> None:
         request = seq.request
         tried = self._tried.setdefault(request.index, [])
+        excluded = tried if not self.down else self.down.union(tried)  # a lost replica: known gone, as a failed channel says
         try:
-            index = self.router.route(request, key or request_key(request, self.scenario.chunk_tokens), tried)
+            index = self.router.route(request, key or request_key(request, self.scenario.chunk_tokens), excluded)
         except ReplicasBusy:
             self._end(request, "refused_busy")
             return
@@ -183,7 +229,7 @@ class Fleet:
         if not replica.holds(request.adapter):
             replica.num_loading += 1
             self.record.num_adapter_loads += 1
-            self._push(self.now_s + self.profile.adapter_load_s, _LOADED, index, seq)
+            self._push(self.now_s + self.profile.adapter_load_s, _LOADED, index, (seq, replica.epoch))
             return
         replica.load(request.adapter)  # used: most recently
         self._deliver(seq, replica)

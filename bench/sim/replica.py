@@ -51,9 +51,11 @@ class PrefixCache:
         self._chunks: OrderedDict[tuple[str, str, int], int] = OrderedDict()
         self._num_chunks = 0
 
+    is_down = False  # the shared tier (Redis) unreachable: every lookup misses, nothing is stored
+
     def lookup(self, request: SimRequest) -> int:
         """Cached leading prompt tokens (whole chunks of its prefix)."""
-        if request.prefix < 0:
+        if request.prefix < 0 or self.is_down:
             return 0
         key = (request.tenant, request.adapter, request.prefix)
         chunks = self._chunks.get(key, 0)
@@ -62,7 +64,7 @@ class PrefixCache:
         return chunks * self.chunk_tokens
 
     def store(self, request: SimRequest) -> None:
-        if request.prefix < 0:
+        if request.prefix < 0 or self.is_down:
             return
         key = (request.tenant, request.adapter, request.prefix)
         chunks = request.num_prefix_tokens // self.chunk_tokens
@@ -99,6 +101,8 @@ class ReplicaModel:
         self.capacity = profile.device_adapters if self.is_tiered else profile.max_loaded_adapters
         self.loaded: OrderedDict[str, None] = OrderedDict.fromkeys(list(pinned)[: self.capacity] if self.is_tiered else ())
         self.num_loading = 0  # requests waiting for an adapter to load here
+        self.is_down = False  # lost (a fault), until it restarts
+        self.epoch = 0  # restarts: a load begun before one never completes
         self.stats = StepStats()
         self.version = 0  # of the step under way: a cut one's end event is stale
         self.step_start_s = self.step_s = 0.0
@@ -115,6 +119,21 @@ class ReplicaModel:
     @property
     def is_idle(self) -> bool:
         return self.num_steps == 0
+
+    def lose(self) -> list[Seq]:
+        """The replica is gone: every sequence it had (running or waiting); it takes none until `restart`."""
+        lost = [*self.running, *self.waiting]
+        self.running, self.waiting = [], deque()
+        self.is_down, self.num_steps, self.num_loading, self._spans = True, 0, 0, []
+        self.version += 1  # its step under way never ends
+        self.epoch += 1  # loads under way for it never arrive
+        return lost
+
+    def restart(self) -> None:
+        """Back, empty: what a new process holds (its device tier: some of its pins again)."""
+        self.is_down = False
+        self.loaded = OrderedDict.fromkeys(list(self.pinned)[: self.capacity] if self.is_tiered else ())
+        self.costs = StepCosts()
 
     def holds(self, adapter: str) -> bool:
         """Whether a request for `adapter` runs here without loading it first."""

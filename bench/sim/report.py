@@ -45,7 +45,7 @@ def figures(record: RunRecord, slo: SLO, measured_s: float) -> dict[str, float |
         "router": record.router,
         "replicas": record.num_replicas,
         **record.outcomes,
-        "failed": record.outcomes["failed_no_replica"] + record.outcomes["failed_too_long"],
+        "failed": record.outcomes["failed_no_replica"] + record.outcomes["failed_too_long"] + record.outcomes["failed_replica_lost"],
         "measured": record.num_measured,
         "goodput_rps": good / measured_s,
         "goodput_share": good / record.num_measured if record.num_measured else math.nan,

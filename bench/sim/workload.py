@@ -14,6 +14,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -31,6 +32,17 @@ class TenantLimit(BaseModel):
     tokens_per_min: int | None = Field(None, ge=1)
 
 
+class Fault(BaseModel):
+    """A fault at `at_s`: `replica_lost` takes `replicas` replicas down (spread over the fleet) for `for_s`,
+    after which they come back empty; `redis_down` makes the shared prefix tier miss for `for_s`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    at_s: float = Field(ge=0)
+    kind: Literal["replica_lost", "redis_down"]
+    replicas: int = Field(1, ge=1)
+    for_s: float = Field(30.0, gt=0)
+
+
 class SimSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     num_adapters: int | None = Field(None, ge=1)  # adapters a0000...: replace adapters.names (zipf_s applies)
@@ -40,6 +52,8 @@ class SimSection(BaseModel):
     itl_s: float = Field(0.2, gt=0)  # SLO: mean time between a request's tokens
     tenant_limits: dict[str, TenantLimit] = Field(default_factory=dict)
     profile: str | None = None  # bench/sim/profiles/NAME.yaml or a path
+    faults: list[Fault] = Field(default_factory=list)
+    stream_share: float = Field(0.5, ge=0, le=1)  # requests streamed: a lost replica's started streams fail, the rest retry
 
 
 @dataclass(frozen=True)
