@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.server import loadtest as run_loadtest
 from gateway.loadtest.report import cache_share_over_time, percentile
 from gateway.loadtest.runner import Result
 
@@ -66,16 +67,7 @@ def stop(process: subprocess.Popen) -> None:
 def loadtest(
     scenario: Path, port: int, out: Path, duration: float | None, seed: int | None = None, max_requests: int | None = None
 ) -> Path:
-    command = [sys.executable, "-m", "gateway.cli", "loadtest", "--scenario", str(scenario), "--url", f"http://127.0.0.1:{port}",
-               "--out", str(out), "--quiet"]
-    if duration:
-        command += ["--duration", str(duration)]
-    if seed is not None:
-        command += ["--seed", str(seed)]
-    if max_requests is not None:
-        command += ["--max-requests", str(max_requests)]
-    subprocess.run(command, check=True, capture_output=True, text=True)
-    return out / "report.json"
+    return run_loadtest(scenario, f"http://127.0.0.1:{port}", out, duration_s=duration or None, seed=seed, max_requests=max_requests)
 
 
 def cache_counters(port: int) -> Counter:

@@ -99,3 +99,15 @@ def delete_keys(client, prefix: str) -> None:
     stale = list(client.scan_iter(f"{prefix}*"))
     for start in range(0, len(stale), 512):
         client.delete(*stale[start : start + 512])
+
+
+def loadtest(scenario: Path, url: str, out: Path, *, duration_s: float | None = None, seed: int | None = None,
+             max_requests: int | None = None) -> Path:
+    """`loraplex loadtest` of `scenario` against the server at `url`, its report in `out`; the report's path."""
+    command = [sys.executable, "-m", "gateway.cli", "loadtest", "--scenario", str(scenario), "--url", url, "--out", str(out),
+               "--quiet"]
+    for flag, value in (("--duration", duration_s), ("--seed", seed), ("--max-requests", max_requests)):
+        if value is not None:
+            command += [flag, str(value)]
+    subprocess.run(command, check=True, capture_output=True, text=True)
+    return out / "report.json"

@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import bench.sim.fleet as fleet_module
 from bench.cluster import free_port
-from bench.server import ROOT, Server, base_config
+from bench.server import ROOT, Server, base_config, loadtest
 from bench.sim.fleet import Fleet, RunRecord, place
 from bench.sim.machine import OTHERS_SHARE, CPUShare, PrivateRedis
 from bench.sim.profile import CostProfile, load_profile
@@ -79,17 +79,6 @@ def calibrate(config_path: Path, adapter_paths: Sequence[str], threads: int, out
         command += ["--lora", path]
     subprocess.run(command, check=True)
     return out
-
-
-def loadtest(scenario_path: Path, url: str, out: Path, seed: int | None = None, duration_s: float | None = None) -> Path:
-    command = [sys.executable, "-m", "gateway.cli", "loadtest", "--scenario", str(scenario_path), "--url", url, "--out", str(out),
-               "--quiet"]
-    if seed is not None:
-        command += ["--seed", str(seed)]
-    if duration_s is not None:
-        command += ["--duration", str(duration_s)]
-    subprocess.run(command, check=True, capture_output=True, text=True)
-    return out / "report.json"
 
 
 def engine_totals(url: str) -> Counter:
