@@ -127,7 +127,7 @@ def test_a_promotion_does_not_hold_up_other_requests_steps(tiny_llama, stored, m
 
         async def scenario() -> None:
             await worker.sync(1, fingerprints[4:6])
-            worker.residency._device.pop(fingerprints[5], None)  # as if evicted: only on disk
+            worker.residency._device.pop(fingerprints[5])  # as if evicted: only on disk
             slot = next(s for s, a in worker.runner.adapters.items() if a.fingerprint == fingerprints[5])
             await asyncio.wrap_future(worker.loop.call(lambda engine: engine.runner.remove_adapter(slot)))
             monkeypatch.setattr(worker.residency, "_read", slow_read)

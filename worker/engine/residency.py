@@ -37,19 +37,15 @@ import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
-
 from cache.blobs import BlobStore, BlobStoreError
-from cache.stats import Histogram
 from worker.contract.identity import AdapterSlot, Fingerprint
 from worker.contract.spec import ResidencySettings
 from worker.engine.engine import Engine
 from worker.engine.loop import EngineLoop, Overloaded
+from worker.engine.tiers import ByteLRU, ResidencyStats, closed, device_nbytes
 from worker.formats.adapter import LoRAAdapter, load_adapter
 from worker.formats.gguf_file import GGUFFile
 from worker.lora.attach import HostHalves, device_halves, host_halves, host_nbytes, pinned
@@ -57,21 +53,10 @@ from worker.lora.attach import HostHalves, device_halves, host_halves, host_nbyt
 log = logging.getLogger(__name__)
 DRAIN_GRACE_S = 2.0  # an unwanted adapter is kept at least this long: a request routed just before may still arrive
 ROOM_POLL_S = 0.01  # how often a promotion that found every adapter on the device in use looks again
-TIERS = ("device", "host", "disk", "store")
-LOAD_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class NotHeld(LookupError):
     """The request names an adapter this replica does not serve (any more, or yet): another may."""
-
-
-@dataclass
-class ResidencyStats:
-    promotions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS[1:], 0))  # by the tier it came from
-    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS[:3], 0))  # by the tier it left
-    load_s: dict[str, Histogram] = field(default_factory=lambda: {t: Histogram(LOAD_BUCKETS_S) for t in TIERS[1:]})
-    waited: int = 0  # requests that waited for an adapter to come up
-    recent_load_s: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))  # the last promotions' times (benchmarks)
 
 
 class Lease:
@@ -97,20 +82,18 @@ class Residency:
         runner = loop.engine.runner
         self.config = runner.config
         self._guard = threading.Lock()  # the device tier: read and changed by the event loop and the engine's thread
-        self._device: OrderedDict[Fingerprint, AdapterSlot] = OrderedDict()  # least recently used first
-        self._device_bytes: dict[Fingerprint, int] = {}
+        self._device: ByteLRU[Fingerprint, AdapterSlot] = ByteLRU()
         self._leased: dict[Fingerprint, int] = {}
         for slot, adapter in runner.adapters.items():
-            self._device[Fingerprint(adapter.fingerprint)] = AdapterSlot(slot)
-            self._device_bytes[Fingerprint(adapter.fingerprint)] = runner.lora.nbytes(slot)
+            self._device.put(Fingerprint(adapter.fingerprint), AdapterSlot(slot), runner.lora.nbytes(slot))
         self.hot = frozenset(self._device)  # never evicted
         self.known: dict[Fingerprint, LoRAAdapter] = {Fingerprint(a.fingerprint): a for a in runner.adapters.values()}
-        self.nbytes: dict[Fingerprint, int] = dict(self._device_bytes)  # each one's device bytes
-        self._host: OrderedDict[Fingerprint, tuple[HostHalves, int]] = OrderedDict()
-        self._disk: OrderedDict[Fingerprint, int] = OrderedDict()  # this node's copies of a store elsewhere: bytes
+        self.nbytes: dict[Fingerprint, int] = {fp: nbytes for fp, _, nbytes in self._device.items()}  # each one's device bytes
+        self._host: ByteLRU[Fingerprint, HostHalves] = ByteLRU()
+        self._disk: ByteLRU[Fingerprint, None] = ByteLRU()  # this node's copies of a store elsewhere
         if store is not None and self.settings.is_tiered:  # copies left by an earlier process count too
             for fingerprint, (size, _) in sorted(store.copies().items(), key=lambda item: item[1][1]):
-                self._disk[Fingerprint(fingerprint)] = size
+                self._disk.put(Fingerprint(fingerprint), None, size)
         self._loading: dict[Fingerprint, asyncio.Future] = {}  # promotions under way
         self.draining: dict[Fingerprint, float] = {}  # when it was no longer wanted
         self.failed: dict[Fingerprint, str] = {}  # why it could not be loaded
@@ -158,9 +141,8 @@ class Residency:
     def residents(self) -> dict[str, tuple[int, int]]:
         """Per tier: (adapters, bytes) (metrics)."""
         with self._guard:
-            device = (len(self._device), sum(self._device_bytes.values()))
-        return {"device": device, "host": (len(self._host), sum(n for _, n in self._host.values())),
-                "disk": (len(self._disk), sum(self._disk.values()))}
+            device = (len(self._device), self._device.total)
+        return {"device": device, "host": (len(self._host), self._host.total), "disk": (len(self._disk), self._disk.total)}
 
     async def sync(self, version: int, wanted: Iterable[Fingerprint]) -> dict[str, Any]:
         """Serve exactly `wanted` from now on; returns what it serves now."""
@@ -186,8 +168,8 @@ class Residency:
                 raise BlobStoreError(f"adapter {fingerprint} is not a deploy-time adapter and this replica has no adapter store")
             adapter, _ = await asyncio.to_thread(self._read, fingerprint, False)
             self._touch_disk(fingerprint)
-            self.known[fingerprint] = _closed(adapter)
-            self.nbytes[fingerprint] = _device_nbytes(adapter, self.config.torch_dtype)
+            self.known[fingerprint] = closed(adapter)
+            self.nbytes[fingerprint] = device_nbytes(adapter, self.config.torch_dtype)
             keeps_host = self.settings.is_tiered and self.settings.host_bytes != 0
             if self._fits(self.nbytes[fingerprint]) or keeps_host:  # read it now (a thread), for the device or the host
                 host = await asyncio.to_thread(host_halves, adapter)
@@ -198,7 +180,7 @@ class Residency:
             log.warning("adapter %s from %s could not be loaded: %s", fingerprint[:16], source, e)
             self.failed[fingerprint] = str(e)[:300]
             self.known.pop(fingerprint, None)
-            self._host.pop(fingerprint, None)
+            self._host.pop(fingerprint)
             return
         self.failed.pop(fingerprint, None)
 
@@ -244,7 +226,7 @@ class Residency:
             slot = self._device.get(fingerprint)
             if slot is not None:
                 self._leased[fingerprint] = self._leased.get(fingerprint, 0) + 1
-                self._device.move_to_end(fingerprint)
+                self._device.touch(fingerprint)
             return slot
 
     def _unlease(self, slots: Iterable[Fingerprint]) -> None:
@@ -266,10 +248,9 @@ class Residency:
 
     async def _promote(self, fingerprint: Fingerprint, until: float) -> None:
         started, source = self.clock(), self.tier_of(fingerprint)
-        kept = self._host.get(fingerprint)
-        if kept is not None:
-            self._host.move_to_end(fingerprint)
-            host = kept[0]
+        host = self._host.get(fingerprint)
+        if host is not None:
+            self._host.touch(fingerprint)
         else:
             try:
                 _, host = await asyncio.to_thread(self._read, fingerprint)
@@ -278,9 +259,7 @@ class Residency:
             self._touch_disk(fingerprint)
             self._keep_on_host(fingerprint, host)
         await self._install(fingerprint, host, may_evict=True, until=until)
-        self.stats.promotions[source] += 1
-        self.stats.load_s[source].observe(self.clock() - started)
-        self.stats.recent_load_s.append(self.clock() - started)
+        self.stats.promoted(source, self.clock() - started)
 
     async def _install(self, fingerprint: Fingerprint, host: HostHalves, may_evict: bool, until: float | None = None) -> None:
         """Copy to the device (a thread), then take a slot between steps, evicting as needed (with
@@ -297,9 +276,7 @@ class Residency:
                     return False
                 for victim in victims:
                     engine.runner.remove_adapter(self._device.pop(victim))
-                    del self._device_bytes[victim]
-                self._device[fingerprint] = engine.runner.add_adapter(adapter, device=halves)
-                self._device_bytes[fingerprint] = nbytes
+                self._device.put(fingerprint, engine.runner.add_adapter(adapter, device=halves), nbytes)
             self.stats.evictions["device"] += len(victims)
             return True
 
@@ -316,20 +293,20 @@ class Residency:
         busy = engine.adapter_slots_in_use() | self.loop.pending_adapter_slots()
         over_bytes, over_count = self._over(nbytes)
         victims = []
-        for fingerprint, slot in self._device.items():
+        for fingerprint, slot, size in self._device.items():
             if over_bytes <= 0 and over_count <= 0:
                 break
             if fingerprint in self.hot or self._leased.get(fingerprint) or slot in busy:
                 continue
             victims.append(fingerprint)
-            over_bytes -= self._device_bytes[fingerprint]
+            over_bytes -= size
             over_count -= 1
         return victims if over_bytes <= 0 and over_count <= 0 else None
 
     def _over(self, nbytes: int) -> tuple[int, int]:
         """(bytes, adapters) past the device's budget once `nbytes` more are there."""
         s = self.settings
-        over_bytes = -1 if s.device_bytes is None else sum(self._device_bytes.values()) + nbytes - s.device_bytes
+        over_bytes = -1 if s.device_bytes is None else self._device.total + nbytes - s.device_bytes
         over_count = -1 if s.device_adapters is None else len(self._device) + 1 - s.device_adapters
         return over_bytes, over_count
 
@@ -347,39 +324,22 @@ class Residency:
         if not self.settings.is_tiered or budget == 0:
             return
         nbytes = host_nbytes(host)
-        if self.config.torch_device.type == "cuda":
-            host = pinned(host)
-        self._host[fingerprint] = (host, nbytes)
-        self._host.move_to_end(fingerprint)
-        if budget is None:
-            return
-        total = sum(n for _, n in self._host.values())
-        while total > budget and self._host:
-            dropped, (_, size) = self._host.popitem(last=False)
-            total -= size
-            self.stats.evictions["host"] += 1
+        self._host.put(fingerprint, pinned(host) if self.config.torch_device.type == "cuda" else host, nbytes)
+        if budget is not None:
+            self.stats.evictions["host"] += len(self._host.trim(budget))
 
     def _touch_disk(self, fingerprint: Fingerprint) -> None:
         """This node holds a copy now: the disk tier's budget drops the least recently used others."""
         if self.store is None or self.store.is_local or not self.settings.is_tiered:
             return
         try:
-            self._disk[fingerprint] = self.store.path(fingerprint).stat().st_size
+            self._disk.put(fingerprint, None, self.store.path(fingerprint).stat().st_size)
         except FileNotFoundError:
             return
-        self._disk.move_to_end(fingerprint)
-        budget = self.settings.disk_bytes
-        if budget is None:
-            return
-        total = sum(self._disk.values())
-        for other in list(self._disk):
-            if total <= budget:
-                break
-            if other == fingerprint or other in self._loading:
-                continue
-            total -= self._disk.pop(other)
-            self.store.drop_copy(other)
-            self.stats.evictions["disk"] += 1
+        if self.settings.disk_bytes is not None:
+            for other in self._disk.trim(self.settings.disk_bytes, keep={fingerprint, *self._loading}):
+                self.store.drop_copy(other)
+                self.stats.evictions["disk"] += 1
 
     # dropping what is no longer wanted
 
@@ -400,16 +360,16 @@ class Residency:
                         if slot is not None and (slot in busy or self._leased.get(fingerprint)):
                             continue
                         if slot is not None:
-                            engine.runner.remove_adapter(slot)
-                            del self._device[fingerprint], self._device_bytes[fingerprint]
+                            engine.runner.remove_adapter(self._device.pop(fingerprint))
                         dropped.append(fingerprint)
                     return dropped
 
             for fingerprint in await asyncio.wrap_future(self.loop.call(drop)):
                 del self.known[fingerprint], self.draining[fingerprint]
                 self.nbytes.pop(fingerprint, None)
-                self._host.pop(fingerprint, None)
-                if self._disk.pop(fingerprint, None) is not None:
+                self._host.pop(fingerprint)
+                if fingerprint in self._disk:
+                    self._disk.pop(fingerprint)
                     self.store.drop_copy(fingerprint)
             self._reap_later()  # some may still run: look again later
 
@@ -417,14 +377,3 @@ class Residency:
         if self.draining:
             asyncio.get_running_loop().call_later(DRAIN_GRACE_S, lambda: asyncio.ensure_future(self.reap()))
 
-
-def _closed(adapter: LoRAAdapter) -> LoRAAdapter:
-    """What the runner keeps of `adapter` (its facts, not its open file: a replica may serve thousands)."""
-    return replace(adapter, gguf=None, base=None)
-
-
-def _device_nbytes(adapter: LoRAAdapter, dtype: torch.dtype) -> int:
-    """Bytes `adapter`'s halves take on the device in `dtype` (what LoRAState.nbytes counts once there, and
-    perhaps a little more: a target that is no matmul here is counted too)."""
-    item = torch.empty((), dtype=dtype).element_size()
-    return sum((pair.a.num_elements + pair.b.num_elements) * item for pair in adapter.pairs.values())

@@ -79,11 +79,6 @@ def _on_device(half: np.ndarray | torch.Tensor, config: DeviceConfig) -> torch.T
     return to_torch(half, config)
 
 
-def device_nbytes(halves: DeviceHalves) -> int:
-    """Device bytes of `halves` (what `LoRAState.nbytes` counts for its slot)."""
-    return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b, _ in halves.values())
-
-
 class LoRAState:
     """The model's LoRA layers, the pass's shared batch mapping, and per adapter slot which
     targets apply (`applied`) and which are not matmuls here (`ignored`: llama.cpp ignores them too)."""

@@ -4,7 +4,8 @@ memory (`/health`), its decode threads and the adapters it holds (`/metrics`, Pr
 from __future__ import annotations
 
 from worker.engine.engine import Engine
-from worker.engine.residency import TIERS, Residency
+from worker.engine.residency import Residency
+from worker.engine.tiers import TIERS
 from worker.engine.runner import ModelRunner
 
 
