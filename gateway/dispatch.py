@@ -60,13 +60,15 @@ class Gateway:
         now_s = self._clock()
         num_seq_slots = self.config.engine.num_seq_slots
         is_reachable = getattr(self.pool, "is_reachable", lambda _: True)
+        replicas = self.pool.replicas
+        recent = self._recent.get_many([r.replica_id for r in replicas], now_s)
         return [
             ReplicaView(r.replica_id, r.shard, self.registry.held[r.replica_id],
                         in_flight=self._in_flight.get(r.replica_id, 0),
                         is_healthy=self._failed_until_s.get(r.replica_id, 0.0) <= now_s, is_reachable=is_reachable(r.replica_id),
-                        recent=self._recent.get(r.replica_id, now_s), num_seq_slots=num_seq_slots,
+                        recent=load, num_seq_slots=num_seq_slots,
                         capacity=num_seq_slots + self.config.engine.max_waiting, tiers=self.registry.tiers.get(r.replica_id))
-            for r in self.pool.replicas
+            for r, load in zip(replicas, recent)
         ]
 
     def _retry_after(self) -> dict[str, str]:

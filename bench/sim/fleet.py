@@ -148,7 +148,7 @@ class Fleet:
                     if epoch != replica.epoch:  # lost while it loaded
                         self._lost(seq)
                         continue
-                    replica.num_loading -= 1
+                    replica.loading(-1)
                     replica.load(seq.request.adapter)
                     self._deliver(seq, replica)
                 else:
@@ -227,7 +227,7 @@ class Fleet:
         tried.append(index)
         replica = self.replicas[index]
         if not replica.holds(request.adapter):
-            replica.num_loading += 1
+            replica.loading(1)
             self.record.num_adapter_loads += 1
             self._push(self.now_s + self.profile.adapter_load_s, _LOADED, index, (seq, replica.epoch))
             return

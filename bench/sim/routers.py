@@ -74,6 +74,7 @@ class Ours(Router):
         self.fingerprints = [frozenset(Fingerprint(a) for a in r.pinned) for r in self.replicas]
         self.residents: list[Residents | None] = [None] * len(self.replicas)
         self.reported_s = [float("-inf")] * len(self.replicas)
+        self.is_tiered = any(r.is_tiered for r in self.replicas)
 
     def tiers(self, i: int, now_s: float) -> Residents | None:
         replica = self.replicas[i]
@@ -87,11 +88,15 @@ class Ours(Router):
     def route(self, request: SimRequest, key: bytes, tried: Collection[int]) -> int:
         now_s = self.clock()
         config = self.replicas[0].config
+        slots, capacity, ids, fingerprints, replicas = config.num_seq_slots, config.num_seq_slots + config.max_waiting, \
+            self.ids, self.fingerprints, self.replicas
+        held = self.holding(request)
+        recent = self.recent.get_many([ids[i] for i in held], now_s)
+        tiers = [self.tiers(i, now_s) for i in held] if self.is_tiered else [None] * len(held)
         # views of the replicas that pin the adapter: candidates() keeps only those anyway
-        views = [ReplicaView(self.ids[i], f"r{i}", self.fingerprints[i], in_flight=self.replicas[i].in_flight,
-                             recent=self.recent.get(self.ids[i], now_s), num_seq_slots=config.num_seq_slots,
-                             capacity=config.num_seq_slots + config.max_waiting, tiers=self.tiers(i, now_s))
-                 for i in self.holding(request)]
+        views = [ReplicaView(ids[i], ids[i], fingerprints[i], in_flight=replicas[i].in_flight, recent=load,
+                             num_seq_slots=slots, capacity=capacity, tiers=residents)
+                 for i, load, residents in zip(held, recent, tiers)]
         needed = () if request.adapter == BASE else (Fingerprint(request.adapter),)
         pool = candidates(views, needed, exclude={self.ids[i] for i in tried})
         chosen = choose(pool, key, self.settings, rng=self.rng, shared_cache=self.shared_cache, fingerprints=needed)

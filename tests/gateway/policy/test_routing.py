@@ -103,6 +103,34 @@ def test_light_traffic_stays_balanced_through_recent_load() -> None:
     assert recent.get("r0", now + 30) == pytest.approx(recent.get("r0", now) / 2)
 
 
+def test_recent_load_decays_by_its_half_life_over_a_long_run() -> None:
+    """The counts are kept scaled to one moment and rescaled past RecentLoad.REBASE half-lives:
+    reads stay the decayed counts however long the gateway runs."""
+    recent, now = RecentLoad(half_life_s=10), 5.0
+    recent.add("r0", now)
+    recent.add("r0", now)
+    recent.add("r1", now + 10)
+    assert recent.get("r0", now + 10) == pytest.approx(1.0) and recent.get("r1", now + 10) == pytest.approx(1.0)
+    assert recent.get_many(["r1", "r0", "r9"], now + 20) == pytest.approx([0.5, 0.5, 0.0])
+    for step in range(1, 4000):  # 40,000 s: 4,000 half-lives, past REBASE many times
+        recent.add("r2", now + 10 * step)
+    assert recent.get("r2", now + 40_000) == pytest.approx(sum(0.5 ** k for k in range(1, 4000)))
+    assert recent.get("r0", now + 40_000) == 0.0
+    recent.add("r0", now + 40_000)
+    assert recent.get("r0", now + 40_010) == pytest.approx(0.5)
+
+
+def test_ranks_are_the_same_for_large_pools() -> None:
+    """Pools of _VECTOR_FROM replicas or more are ranked with numpy: the same choice as one by one."""
+    from gateway.policy import routing
+
+    pool = [ReplicaView(f"replica-{i}", "a", frozenset()) for i in range(routing._VECTOR_FROM + 7)]
+    rng = random.Random(3)
+    for _ in range(50):
+        key_hash = rng.getrandbits(64)
+        assert routing._ranks(key_hash, pool) == [routing._rank(key_hash, r.replica_id) for r in pool]
+
+
 def test_affinity_does_not_queue_behind_its_favourite_while_another_replica_is_idle() -> None:
     key = affinity_key("set", [5] * 32, 32)
     idle = [ReplicaView(r, "a", frozenset({"x"}), 0, True, 0.0) for r in ("r0", "r1", "r2", "r3")]
