@@ -1,13 +1,16 @@
-"""A simulated worker: the engine's continuous batching (worker/engine/scheduler.py's rules,
-one tenant's view of them) on a linear cost model, in virtual time.
+"""A simulated worker: the engine's continuous batching (worker/engine/scheduler.py's rules)
+on a linear cost model, in virtual time.
 
 Each step decodes one token for every decoding sequence first; prompts then take what is left
 of `max_step_tokens`, at most `prefill_while_decoding` beside decoding (the engine's
 StepCosts, the production object, fed each step's simulated cost, raises that floor by
 `decode_stall` as on a worker), scaled by the sequences waiting for their first token per
-decoding one; waiting requests take free KV slots in arrival order; more than `max_waiting`
-waiting: the replica refuses (503). Not modelled: the fair share between tenants and its
-reserved slots (one FIFO), n > 1 choices, deadlines.
+decoding one while every decoding sequence's tenant has one of those. Prompt tokens and free
+KV slots go to the tenant served the fewest tokens first, then in arrival order (a tenant back
+from idle starts level with the least served busy one), and once a second tenant has been seen
+(or the engine is `is_multi_tenant`) a tenant already running may not take the last
+`reserved_slots` free slots. More than `max_waiting` waiting: the replica refuses (503). Not
+modelled: n > 1 choices, deadlines.
 
 A run of steps that only decode, with nothing able to start, is one event (`steps` of the
 same length): an arrival that could start cuts it at the step under way.
@@ -27,7 +30,7 @@ FF_OBSERVATIONS = 16  # a run of identical steps moves the moving averages at mo
 
 class Seq:
     __slots__ = ("request", "num_prompt", "num_cached", "num_computed", "num_generated", "arrived_s", "admitted_s",
-                 "first_token_s", "finished_s")
+                 "first_token_s", "finished_s", "arrival")
 
     def __init__(self, request: SimRequest, arrived_s: float) -> None:
         self.request = request
@@ -35,6 +38,7 @@ class Seq:
         self.num_cached = self.num_computed = self.num_generated = 0
         self.arrived_s = arrived_s
         self.admitted_s = self.first_token_s = self.finished_s = -1.0
+        self.arrival = 0  # its place in its replica's arrivals (the scheduler's tie-break)
 
     @property
     def is_prefilling(self) -> bool:
@@ -94,13 +98,19 @@ class ReplicaModel:
         self.config = profile.engine
         self.costs = StepCosts()  # the engine's own: measured costs raise the prompt budget beside decoding
         self.running: list[Seq] = []
-        self.waiting: deque[Seq] = deque()
+        self.queues: dict[str, deque[Seq]] = {}  # waiting, per tenant in arrival order
+        self.num_waiting = 0
+        self._num_arrivals = 0
+        self._served: dict[str, int] = {}  # tokens computed per tenant (the scheduler's least attained service)
+        self._floor = 0
+        self._running_tenants: dict[str, int] = {}  # sequences running per tenant
         # adapters beyond the pins, least recently used first; with tiers (profile.device_adapters), every adapter on
         # the device, those it serves (its pins; some of them from the start) among them
         self.is_tiered = profile.device_adapters is not None
         self.capacity = profile.device_adapters if self.is_tiered else profile.max_loaded_adapters
         self.loaded: OrderedDict[str, None] = OrderedDict.fromkeys(list(pinned)[: self.capacity] if self.is_tiered else ())
         self.num_loading = 0  # requests waiting for an adapter to load here
+        self.in_flight = 0  # the gateway's view: running, waiting and loading (kept as they change: read per request)
         self.is_down = False  # lost (a fault), until it restarts
         self.epoch = 0  # restarts: a load begun before one never completes
         self.stats = StepStats()
@@ -112,9 +122,10 @@ class ReplicaModel:
 
     # the gateway's view
 
-    @property
-    def in_flight(self) -> int:
-        return len(self.running) + len(self.waiting) + self.num_loading
+    def loading(self, change: int) -> None:
+        """A request began (1) or ended (-1) waiting for its adapter to load here."""
+        self.num_loading += change
+        self.in_flight += change
 
     @property
     def is_idle(self) -> bool:
@@ -122,9 +133,10 @@ class ReplicaModel:
 
     def lose(self) -> list[Seq]:
         """The replica is gone: every sequence it had (running or waiting); it takes none until `restart`."""
-        lost = [*self.running, *self.waiting]
-        self.running, self.waiting = [], deque()
-        self.is_down, self.num_steps, self.num_loading, self._spans = True, 0, 0, []
+        lost = [*self.running, *(seq for queue in self.queues.values() for seq in queue)]
+        self.running, self.queues, self.num_waiting, self._running_tenants = [], {}, 0, {}
+        self._served, self._floor = {}, 0
+        self.is_down, self.num_steps, self.num_loading, self.in_flight, self._spans = True, 0, 0, 0, []
         self.version += 1  # its step under way never ends
         self.epoch += 1  # loads under way for it never arrive
         return lost
@@ -152,9 +164,15 @@ class ReplicaModel:
 
     def offer(self, seq: Seq) -> bool:
         """Queue it, or False (503: its queue is full)."""
-        if len(self.waiting) >= self.config.max_waiting:
+        if self.num_waiting >= self.config.max_waiting:
             return False
-        self.waiting.append(seq)
+        tenant = seq.request.tenant
+        if tenant not in self.queues and tenant not in self._running_tenants:  # back from idle: level with the rest
+            self._served[tenant] = self._floor
+        seq.arrival, self._num_arrivals = self._num_arrivals, self._num_arrivals + 1
+        self.queues.setdefault(tenant, deque()).append(seq)
+        self.num_waiting += 1
+        self.in_flight += 1
         return True
 
     def cut(self, now_s: float) -> float | None:
@@ -173,34 +191,55 @@ class ReplicaModel:
 
     def start(self, now_s: float) -> float | None:
         """Plan the next step (or run of identical decode steps) from `now_s`: its end, None when idle."""
-        config = self.config
+        config, served, queues = self.config, self._served, self.queues
         decoding = [seq for seq in self.running if not seq.is_prefilling]
         prefilling = [seq for seq in self.running if seq.is_prefilling]
         spans = [(seq, 1) for seq in decoding]
+        for seq in decoding:
+            served[seq.request.tenant] += 1
         budget = config.max_step_tokens - len(decoding)
         free = config.num_seq_slots - len(self.running)
         prompt_floor = self.costs.prompt_budget(config.prefill_while_decoding, config.decode_stall)
         if decoding and prompt_floor is not None:
-            starting = len(prefilling) + min(len(self.waiting), free)
-            budget = min(budget, int(prompt_floor * max(1.0, starting / len(decoding))) if starting else prompt_floor)
+            starting_tenants = {seq.request.tenant for seq in prefilling} | (queues.keys() if free else set())
+            if any(seq.request.tenant not in starting_tenants for seq in decoding):
+                budget = min(budget, prompt_floor)  # another tenant's streams: the bound, no more
+            else:
+                starting = len(prefilling) + min(self.num_waiting, free)
+                budget = min(budget, int(prompt_floor * max(1.0, starting / len(decoding))))
         num_prompt_tokens = 0
-        for seq in prefilling:
-            if budget <= 0:
+        while budget > 0:  # prompts, fairly between tenants: running ones, and each tenant's first waiting one
+            best, best_turn = None, None
+            for seq in prefilling:
+                turn = (served[seq.request.tenant], seq.arrival)
+                if best_turn is None or turn < best_turn:
+                    best, best_turn = seq, turn
+            for tenant, queue in queues.items():
+                turn = (served[tenant], queue[0].arrival)
+                if (best_turn is None or turn < best_turn) and self._may_take_slot(tenant, free):
+                    best, best_turn = queue[0], turn
+            if best is None:
                 break
-            length = min(seq.num_prompt - seq.num_computed, budget)
-            spans.append((seq, length))
+            tenant = best.request.tenant
+            if best.admitted_s < 0:
+                queue = queues[tenant]
+                queue.popleft()
+                if not queue:
+                    del queues[tenant]
+                self.num_waiting -= 1
+                free -= 1
+                best.admitted_s = now_s
+                best.num_cached = best.num_computed = min(self.cache.lookup(best.request), best.num_prompt - 1)
+                self.running.append(best)
+                self._running_tenants[tenant] = self._running_tenants.get(tenant, 0) + 1
+            else:
+                prefilling.remove(best)
+            length = min(best.num_prompt - best.num_computed, budget)
+            spans.append((best, length))
             budget -= length
+            served[tenant] += length
             num_prompt_tokens += length
-        while budget > 0 and self.waiting and free > 0:
-            seq = self.waiting.popleft()
-            free -= 1
-            seq.admitted_s = now_s
-            seq.num_cached = seq.num_computed = min(self.cache.lookup(seq.request), seq.num_prompt - 1)
-            self.running.append(seq)
-            length = min(seq.num_prompt - seq.num_computed, budget)
-            spans.append((seq, length))
-            budget -= length
-            num_prompt_tokens += length
+        self._level()
         if not spans:
             self.num_steps = 0
             return None
@@ -208,10 +247,25 @@ class ReplicaModel:
         self.step_s = self.profile.step_s(num_prompt_tokens, len(decoding))
         self.step_start_s = now_s
         self.num_steps = 1
-        if num_prompt_tokens == 0 and not (self.waiting and free > 0):  # nothing can start until one finishes
+        if num_prompt_tokens == 0 and not (free and any(self._may_take_slot(t, free) for t in queues)):
+            # nothing can start until one finishes
             self.num_steps = min(seq.request.max_tokens - seq.num_generated for seq in decoding)
         self.version += 1
         return now_s + self.num_steps * self.step_s
+
+    def _may_take_slot(self, tenant: str, free: int) -> bool:
+        """Whether `tenant`'s next waiting request may take one of the `free` KV slots (the scheduler's reserve)."""
+        if free < 1:
+            return False
+        is_multi = self.config.is_multi_tenant or len(self._served) > 1
+        reserve = min(self.config.reserved_slots, self.config.num_seq_slots - 1) if is_multi else 0
+        return free - 1 >= reserve or tenant not in self._running_tenants
+
+    def _level(self) -> None:
+        """The scheduler's floor: the least any tenant with work has been served."""
+        active = self._running_tenants.keys() | self.queues.keys()
+        if active:
+            self._floor = max(self._floor, min(self._served[t] for t in active))
 
     def finish_steps(self, now_s: float) -> list[Seq]:
         """The step (or run) under way has ended at `now_s`: the sequences it finished."""
@@ -224,6 +278,11 @@ class ReplicaModel:
         if self._num_decode:
             bucket = round(step_s * 1e4)  # 0.1 ms
             self.stats.gaps[bucket] = self.stats.gaps.get(bucket, 0) + steps * self._num_decode
+        if steps > 1:  # a run: its decoding sequences' tenants served a token a step after the first
+            for seq in self.running:
+                if not seq.is_prefilling:
+                    self._served[seq.request.tenant] += steps - 1
+            self._level()
         done: list[Seq] = []
         for seq, length in self._spans:
             if length == 1 and not seq.is_prefilling:
@@ -240,6 +299,12 @@ class ReplicaModel:
                 done.append(seq)
         if done:
             finished = set(map(id, done))
+            self.in_flight -= len(done)
+            for seq in done:
+                tenant = seq.request.tenant
+                self._running_tenants[tenant] -= 1
+                if not self._running_tenants[tenant]:
+                    del self._running_tenants[tenant]
             self.running = [seq for seq in self.running if id(seq) not in finished]
         self._spans = []
         self.num_steps = 0

@@ -104,27 +104,35 @@ def test_a_shared_tier_finds_more_prefixes(profile: CostProfile) -> None:
     assert shared["prefix_hit_rate"] > own["prefix_hit_rate"] > 0
 
 
-def _model_steps(prompts: list[int], max_tokens: list[int]) -> list[tuple[int, int]]:
-    profile = replace(PROFILE, engine=replace(PROFILE.engine, max_waiting=len(prompts)))
+Steps = list[tuple[int, int]]  # each step's decoding sequences and prompt tokens
+
+
+def _model_steps(prompts: list[int], max_tokens: list[int], tenants: list[str], multi: bool = False) -> tuple[Steps, list[int]]:
+    """The replica model's steps, and the requests in the order they got their first token."""
+    profile = replace(PROFILE, engine=replace(PROFILE.engine, max_waiting=len(prompts), is_multi_tenant=multi))
     replica = ReplicaModel(0, profile, PrefixCache(32, True, 0), frozenset())
-    for i, (p, g) in enumerate(zip(prompts, max_tokens)):
-        assert replica.offer(Seq(SimRequest(i, 0.0, "t", "base", -1, 0, p, g), 0.0))
-    steps: list[tuple[int, int]] = []
+    seqs = [Seq(SimRequest(i, 0.0, tenant, "base", -1, 0, p, g), 0.0)
+            for i, (p, g, tenant) in enumerate(zip(prompts, max_tokens, tenants))]
+    for seq in seqs:
+        assert replica.offer(seq)
+    steps: Steps = []
     end_s = replica.start(0.0)
     while end_s is not None:
         steps += [(replica._num_decode, replica._num_prompt_tokens)] * replica.num_steps
         replica.finish_steps(end_s)
         end_s = replica.start(end_s)
-    return steps
+    return steps, sorted(range(len(seqs)), key=lambda i: (seqs[i].first_token_s, i))
 
 
-def _scheduler_steps(prompts: list[int], max_tokens: list[int]) -> list[tuple[int, int]]:
+def _scheduler_steps(prompts: list[int], max_tokens: list[int], tenants: list[str], multi: bool = False) -> tuple[Steps, list[int]]:
+    """worker/engine/scheduler.py's steps for the same requests (costs from the same profile)."""
     config = PROFILE.engine
-    scheduler = Scheduler(config.num_seq_slots, config.slot_len, config.max_step_tokens,
+    scheduler = Scheduler(config.num_seq_slots, config.slot_len, config.max_step_tokens, is_multi_tenant=multi,
                           prefill_while_decoding=config.prefill_while_decoding)
-    for i, (p, g) in enumerate(zip(prompts, max_tokens)):
-        scheduler.add(SequenceState(f"r{i}", list(range(p)), p, p + g, tenant="t"))
-    steps: list[tuple[int, int]] = []
+    for i, (p, g, tenant) in enumerate(zip(prompts, max_tokens, tenants)):
+        scheduler.add(SequenceState(f"r{i}", list(range(p)), p, p + g, tenant=tenant))
+    steps: Steps = []
+    firsts: list[tuple[int, int]] = []  # (step, request)
     while scheduler.has_work():
         spans = scheduler.schedule()
         prompt_tokens = sum(span.prompt_tokens for span in spans)
@@ -133,16 +141,32 @@ def _scheduler_steps(prompts: list[int], max_tokens: list[int]) -> list[tuple[in
             seq = span.seq
             seq.num_computed += span.length
             if span.samples:
+                if len(seq.token_ids) == seq.num_prompt_tokens:
+                    firsts.append((len(steps), int(seq.request_id[1:])))
                 seq.token_ids.append(0)
                 if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_len - seq.num_prompt_tokens:
                     scheduler.finish(seq)
-    return steps
+    return steps, [i for _, i in sorted(firsts)]
+
+
+PROMPTS = [300, 20, 90, 5, 200, 64, 33, 150, 7, 400, 60, 12]
+MAX_TOKENS = [5, 30, 12, 1, 8, 40, 3, 17, 25, 6, 9, 50]
 
 
 def test_the_replica_batches_as_the_engine_scheduler_does() -> None:
-    prompts = [300, 20, 90, 5, 200, 64, 33, 150, 7, 400]
-    max_tokens = [5, 30, 12, 1, 8, 40, 3, 17, 25, 6]
-    assert _model_steps(prompts, max_tokens) == _scheduler_steps(prompts, max_tokens)
+    tenants = ["t"] * len(PROMPTS)
+    assert _model_steps(PROMPTS, MAX_TOKENS, tenants) == _scheduler_steps(PROMPTS, MAX_TOKENS, tenants)
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_the_replica_shares_between_tenants_as_the_engine_scheduler_does(multi: bool) -> None:
+    """A tenant's backlog of long prompts arrived first; another's short ones: the second tenant is
+    served by least attained service and the reserved slot, step for step as the scheduler does."""
+    tenants = ["flood"] * 7 + ["quiet", "other", "quiet", "flood", "other"]
+    model = _model_steps(PROMPTS, MAX_TOKENS, tenants, multi)
+    assert model == _scheduler_steps(PROMPTS, MAX_TOKENS, tenants, multi)
+    fifo = _model_steps(PROMPTS, MAX_TOKENS, ["t"] * len(PROMPTS), multi)[1]
+    assert model[1].index(7) < fifo.index(7)  # the quiet tenant's first request starts sooner than in arrival order
 
 
 def test_profiles_load_and_say_whether_they_were_measured() -> None:
