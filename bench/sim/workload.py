@@ -138,7 +138,7 @@ def requests(scenario: Scenario) -> Iterator[SimRequest]:
     tenants = WeightedSampler([t.name for t in shared], [t.weight for t in shared]) if shared else None
     events: list[tuple[float, str | None]] = [(t, None) for t in arrival_times(scenario, rng)] if tenants else []
     for own in (t for t in scenario.tenants if t.rate_rps is not None):
-        events += [(t, own.name) for t in arrival_times(scenario, rng, own.rate_rps)]
+        events += [(t, own.name) for t in arrival_times(scenario, rng, own.rate_rps, tenant=own.name)]
     events.sort(key=lambda e: e[0])
     shifts = sorted((p.at_s, p.shift) for p in scenario.phases if p.shift)
     p = scenario.prompts

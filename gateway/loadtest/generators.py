@@ -75,12 +75,17 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(n)]
 
 
-def arrival_times(scenario: Scenario, rng: random.Random, rate_rps: float | None = None, phases: bool = True) -> list[float]:
+def arrival_times(scenario: Scenario, rng: random.Random, rate_rps: float | None = None, phases: bool = True,
+                  tenant: str | None = None) -> list[float]:
     """Open-loop arrival times in [0, duration): Poisson (or evenly spaced) at the rate the
-    phases set, plus each phase's burst."""
+    phases set, plus each phase's burst. `rate_rps`: the stream of `tenant`, a tenant with a rate
+    of its own (the phases for that tenant set it; every tenant's bursts add to it too)."""
     duration, rate = scenario.duration_s, rate_rps or scenario.load.rate_rps
-    changes = [(p.at_s, p.rate_rps) for p in scenario.phases if phases and p.rate_rps] if rate_rps is None else []
-    bursts = [(p.at_s, p.burst) for p in scenario.phases if phases and p.burst]
+    mine = [p for p in scenario.phases if phases and (p.tenant is None or p.tenant == tenant)]
+    if rate_rps is None:
+        mine = [p for p in mine if p.tenant is None]
+    changes = [(p.at_s, p.rate_rps) for p in mine if p.rate_rps and (rate_rps is None or p.tenant is not None)]
+    bursts = [(p.at_s, p.burst) for p in mine if p.burst]
     times, t = [], 0.0
     while True:
         for at, new_rate in changes:
@@ -113,7 +118,7 @@ def plan_workload(scenario: Scenario, invocation_tokens: Sequence[int] = ()) -> 
     tenants = WeightedSampler([t.name for t in shared], [t.weight for t in shared]) if shared else None
     events: list[tuple[float, str | None]] = [(t, None) for t in arrival_times(scenario, rng)] if tenants else []
     for own in (t for t in scenario.tenants if t.rate_rps is not None):  # tenants with their own rate (noisy ones)
-        events += [(t, own.name) for t in arrival_times(scenario, rng, own.rate_rps)]
+        events += [(t, own.name) for t in arrival_times(scenario, rng, own.rate_rps, tenant=own.name)]
     if scenario.load.mode == "closed":  # arrival times do not matter; enough requests for the run
         events = [(0.0, None) for _ in range(scenario.max_requests)] if tenants else events
     events.sort(key=lambda e: e[0])

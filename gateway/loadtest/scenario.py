@@ -45,6 +45,7 @@ class Phase(_Strict):
     rate_rps: float | None = Field(None, gt=0)  # the total open-loop rate from here on
     burst: int | None = Field(None, ge=1)  # this many requests at once, at at_s
     shift: int | None = None  # rotate the popularity ranking by this many places (a hot-set shift)
+    tenant: str | None = None  # rate_rps and burst for this tenant alone (one with its own rate_rps): a tenant's burst
 
 
 class Range(_Strict):
@@ -103,6 +104,13 @@ class Scenario(_Strict):
             raise ValueError("prompts.alora_adapter is needed for alora_pipeline")
         if [p.at_s for p in self.phases] != sorted(p.at_s for p in self.phases):
             raise ValueError("phases must be in order of at_s")
+        own = {t.name for t in self.tenants if t.rate_rps is not None}
+        for i, phase in enumerate(self.phases):
+            if phase.tenant is not None and phase.tenant not in own:
+                raise ValueError(f"phases[{i}].tenant: {phase.tenant!r} is not a tenant with its own rate_rps "
+                                 f"(a tenant's phase changes its own rate; known: {', '.join(sorted(own)) or 'none'})")
+            if phase.tenant is not None and phase.shift is not None:
+                raise ValueError(f"phases[{i}]: a shift changes every tenant's adapters: it takes no tenant")
         return self
 
 

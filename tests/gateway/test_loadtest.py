@@ -42,6 +42,8 @@ def test_the_shipped_scenarios_load() -> None:
     ({"load": {"mode": "sideways"}}, "load.mode"),
     ({"tenants": []}, "tenants"),
     ({"colour": 1}, "colour: Extra inputs are not permitted"),
+    ({"phases": [{"at_s": 1, "burst": 5, "tenant": "a"}]}, "'a' is not a tenant with its own rate_rps"),
+    ({"tenants": [{"name": "a", "rate_rps": 1.0}], "phases": [{"at_s": 1, "shift": 1, "tenant": "a"}]}, "takes no tenant"),
 ])
 def test_a_bad_scenario_names_the_problem(change, message) -> None:
     with pytest.raises(ConfigError) as e:
@@ -77,6 +79,21 @@ def test_poisson_arrivals_follow_the_phase_rates() -> None:
     before, after = sum(t < 100 for t in times), sum(t >= 100 for t in times) - 30
     assert abs(before - 200) < 4 * 200**0.5 and abs(after - 800) < 4 * 800**0.5
     assert Counter(times)[150] == 30
+
+
+def test_a_tenant_phase_changes_that_tenants_arrivals_alone() -> None:
+    """`tenant` on a phase: the burst and the new rate are that tenant's; the others arrive as before."""
+    tenants = [{"name": "a", "weight": 3}, {"name": "b", "weight": 1}, {"name": "loud", "rate_rps": 1.0}]
+    phases = [{"at_s": 50, "rate_rps": 10.0, "tenant": "loud"}, {"at_s": 60, "burst": 40, "tenant": "loud"},
+              {"at_s": 100, "rate_rps": 1.0, "tenant": "loud"}]
+    calm = parse_scenario({**BASE, "duration_s": 200, "max_requests": 10_000, "load": {"rate_rps": 4.0}, "tenants": tenants})
+    loud = calm.model_copy(update={"phases": parse_scenario({**BASE, "tenants": tenants, "phases": phases}).phases})
+    per_tenant = lambda scenario, name, start, end: sum(  # noqa: E731
+        1 for r in plan_workload(scenario).requests if r.tenant == name and start <= r.at_s < end)
+    assert per_tenant(loud, "loud", 50, 100) >= 40 + 500 - 4 * 500**0.5 > 3 * per_tenant(calm, "loud", 50, 100)
+    assert per_tenant(loud, "loud", 100, 200) < 100 + 4 * 100**0.5
+    shared = lambda scenario: [r.at_s for r in plan_workload(scenario).requests if r.tenant != "loud"]  # noqa: E731
+    assert shared(loud) == shared(calm)  # (which of a and b each is, one random stream draws after the loud one's)
 
 
 def test_the_ideal_cache_share_counts_whole_chunks_seen_before() -> None:
