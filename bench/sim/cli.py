@@ -12,12 +12,12 @@ from dataclasses import replace
 
 from bench.sim.fleet import Fleet, place
 from bench.sim.profile import DEFAULT_PROFILE, load_profile
-from bench.sim.report import SLO, figures, table
+from bench.sim.report import SLO, figures, table, tenant_table
 from bench.sim.routers import ROUTERS
 from bench.sim.workload import FleetScenario, load_fleet_scenario, scaled
 from gateway.config import ConfigError
 
-GOOD_SHARE = 0.99  # --capacity: the share of requests that must meet the SLO
+GOOD_SHARE = 0.99  # --capacity: the share of requests the rate limits admit that must meet the SLO
 
 
 def simulate(fleet: FleetScenario, num_replicas: int, routers: list[str], profile_name: str | None = None,
@@ -39,7 +39,7 @@ def simulate(fleet: FleetScenario, num_replicas: int, routers: list[str], profil
 def capacity(fleet: FleetScenario, max_replicas: int, router: str, **kwargs) -> int | None:
     """The fewest replicas (binary search up to `max_replicas`) whose goodput share is GOOD_SHARE."""
     def meets(n: int) -> bool:
-        return simulate(fleet, n, [router], **kwargs)[0]["goodput_share"] >= GOOD_SHARE
+        return simulate(fleet, n, [router], **kwargs)[0]["good_admitted_share"] >= GOOD_SHARE
 
     low = max(1, math.ceil(len(fleet.scenario.adapters.names) * fleet.sim.redundancy / fleet.sim.max_adapters_per_replica))
     if not meets(max_replicas):
@@ -100,5 +100,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{what}; {args.replicas} replicas")
         print(table(rows))
+        print(tenant_table(rows))
         print(f"({wall_s:.1f} s of wall time)")
     return 0

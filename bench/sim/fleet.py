@@ -16,10 +16,12 @@ replica holds its adapter, longer than a KV slot, its replica lost).
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import random
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench.sim.profile import CostProfile
@@ -28,13 +30,13 @@ from bench.sim.routers import Router, make_router, request_key
 from bench.sim.workload import BASE, Fault, FleetScenario, SimRequest, requests
 from gateway.api.protocol import APIError
 from gateway.loadtest.scenario import Scenario
-from gateway.policy.placement import AdapterSpec, plan, zipf_shares
+from gateway.policy.placement import AdapterSpec, PlacementError, place_new, plan, rebalance, zipf_shares
 from gateway.policy.routing import NoCandidateError, ReplicasBusy, RoutingSettings
 from gateway.ratelimit import RateLimiter
 from gateway.tenants import Tenant
 
 OUTCOMES = ("completed", "refused_rate", "refused_busy", "failed_no_replica", "failed_too_long", "failed_replica_lost")
-_STEP, _LOADED, _FAULT = 0, 1, 2
+_STEP, _LOADED, _FAULT, _REPLAN, _NEW_VERSION, _PINNED = range(6)
 
 
 def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -51,6 +53,7 @@ def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
 class Placement:
     pins: tuple[frozenset[str], ...]  # per replica
     holders: dict[str, list[int]]  # adapter -> replicas pinning it
+    shards: tuple[str, ...] = ()  # per replica: its shard (replicas of a shard pin the same adapters)
 
 
 def place(fleet: FleetScenario, num_replicas: int) -> Placement:
@@ -58,21 +61,23 @@ def place(fleet: FleetScenario, num_replicas: int) -> Placement:
     mix = fleet.scenario.adapters
     names = [n for n in mix.names if n != BASE]
     if not names:
-        return Placement(tuple(frozenset() for _ in range(num_replicas)), {})
+        return Placement(tuple(frozenset() for _ in range(num_replicas)), {}, tuple(f"shard-{i}" for i in range(num_replicas)))
     shares = zipf_shares(mix.names, mix.zipf_s) if mix.zipf_s is not None else dict(mix.weights)
     shares = {n: s for n, s in shares.items() if n != BASE}
     result = plan([AdapterSpec(n) for n in names], shares, num_replicas, max_adapters=fleet.sim.max_adapters_per_replica,
                   redundancy=fleet.sim.redundancy)
     pins: list[frozenset[str]] = []
+    shards: list[str] = []
     for shard in result.shards:
         pins += [frozenset(shard.adapters)] * shard.replicas
+        shards += [shard.name] * shard.replicas
     holders: dict[str, list[int]] = {}
     for i, held in enumerate(pins):
         for name in held:
             holders.setdefault(name, []).append(i)
     for held in holders.values():
         held.sort()
-    return Placement(tuple(pins), holders)
+    return Placement(tuple(pins), holders, tuple(shards))
 
 
 @dataclass
@@ -83,6 +88,8 @@ class RunRecord:
     num_replicas: int
     outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     num_measured: int = 0
+    measured: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> outcome -> measured requests
+    tenants: list[str] = field(default_factory=list)  # per completed measured request, aligned with ttft_s
     ttft_s: list[float] = field(default_factory=list)  # per completed measured request
     itl_s: list[float] = field(default_factory=list)  # its mean gap between tokens (none for one token)
     queue_s: list[float] = field(default_factory=list)  # arrival at its replica to a KV slot
@@ -93,10 +100,15 @@ class RunRecord:
     num_seq_slots: int = 1
     gaps: dict[int, int] = field(default_factory=dict)  # every inter-token gap: 0.1 ms bucket -> count
     num_adapter_loads: int = 0
+    num_adapter_evictions: int = 0
     num_lost: int = 0  # requests a lost replica had (running, queued or loading an adapter for)
     num_lost_retried: int = 0  # of those, sent to another replica
     end_s: float = 0.0
     num_events: int = 0
+    num_replans: int = 0
+    num_pins_moved: int = 0  # adapters whose shards a re-plan changed
+    num_new_versions: int = 0  # adapters replaced by a new version (registered, then served)
+    num_unplaced: int = 0  # new versions place_new found no room for
 
 
 class Fleet:
@@ -111,7 +123,8 @@ class Fleet:
                          for i, pins in enumerate(placement.pins)]
         self.rng = random.Random(f"{scenario.seed}-router")
         clock: Callable[[], float] = lambda: self.now_s  # noqa: E731 - the virtual clock every decision reads
-        self.router: Router = make_router(router, self.replicas, placement.holders, routing, self.rng, is_shared, clock)
+        self.holders = {name: list(held) for name, held in placement.holders.items()}  # changes with churn
+        self.router: Router = make_router(router, self.replicas, self.holders, routing, self.rng, is_shared, clock)
         self.limiter = RateLimiter(clock=clock)
         limits = fleet.sim.tenant_limits
         self.tenants = {t.name: Tenant(t.name, None, limits[t.name].requests_per_min if t.name in limits else None,
@@ -122,6 +135,22 @@ class Fleet:
         self._counter = 0
         self._tried: dict[int, list[int]] = {}
         self.down: set[int] = set()  # replicas lost, not back yet
+        churn = fleet.sim.churn
+        self.traffic: dict[str, float] = {}  # requests per adapter since the last re-plan (the registry's count)
+        self.version_of: dict[str, str] = {}  # an adapter's name in the workload -> its current version's
+        self._num_versions = 0
+        self._capacity = churn.max_adapters_per_replica or fleet.sim.max_adapters_per_replica
+        self.churn_rng = random.Random(f"{scenario.seed}-churn")
+        self._churn_names: list[str] = []
+        self._churn_weights: list[float] = []
+        if churn.replan_interval_s is not None:
+            self._push(churn.replan_interval_s, _REPLAN, 0, None)
+        if churn.new_versions_per_min > 0 and placement.holders:
+            mix = scenario.adapters
+            shares = zipf_shares(mix.names, mix.zipf_s) if mix.zipf_s is not None else dict(mix.weights)
+            self._churn_names = [n for n in mix.names if n in placement.holders]
+            self._churn_weights = list(itertools.accumulate(shares[n] for n in self._churn_names))
+            self._push(self.churn_rng.expovariate(churn.new_versions_per_min / 60), _NEW_VERSION, 0, None)
         for fault in fleet.sim.faults:
             self._push(fault.at_s, _FAULT, 0, (fault, True))
             if fault.at_s + fault.for_s < scenario.duration_s:
@@ -151,8 +180,14 @@ class Fleet:
                     replica.loading(-1)
                     replica.load(seq.request.adapter)
                     self._deliver(seq, replica)
-                else:
+                elif kind == _FAULT:
                     self._fault(*payload)
+                elif kind == _REPLAN:
+                    self._replan()
+                elif kind == _NEW_VERSION:
+                    self._new_version()
+                else:
+                    self._pinned(*payload)
             else:
                 self.now_s = pending.at_s
                 self._arrive(pending)
@@ -161,6 +196,7 @@ class Fleet:
         self.record.busy_s = [r.stats.busy_s for r in self.replicas]
         self.record.slot_s = [r.stats.slot_s for r in self.replicas]
         self.record.num_seq_slots = self.profile.engine.num_seq_slots
+        self.record.num_adapter_evictions = sum(r.num_evictions for r in self.replicas)
         for r in self.replicas:
             for bucket, count in r.stats.gaps.items():
                 self.record.gaps[bucket] = self.record.gaps.get(bucket, 0) + count
@@ -168,11 +204,18 @@ class Fleet:
 
     def _end(self, request: SimRequest, outcome: str) -> None:
         self.record.outcomes[outcome] += 1
+        if request.at_s >= self.scenario.warmup_s:
+            per_tenant = self.record.measured.setdefault(request.tenant, dict.fromkeys(OUTCOMES, 0))
+            per_tenant[outcome] += 1
         self._tried.pop(request.index, None)
 
     def _arrive(self, request: SimRequest) -> None:
         if request.at_s >= self.scenario.warmup_s:
             self.record.num_measured += 1
+        if self.version_of:
+            current = self.version_of.get(request.adapter)
+            if current is not None:
+                request = replace(request, adapter=current)
         if request.num_prompt_tokens + request.max_tokens > self.profile.slot_len:
             self._end(request, "failed_too_long")
             return
@@ -183,7 +226,92 @@ class Fleet:
         except APIError as e:
             self._end(request, "refused_rate" if e.status == 429 else "failed_too_long")
             return
+        if self.fleet.sim.churn.replan_interval_s is not None:  # the registry counts what it routes
+            self.traffic[request.adapter] = self.traffic.get(request.adapter, 0.0) + 1.0
         self._route(Seq(request, self.now_s), request_key(request, self.scenario.chunk_tokens))
+
+    # adapters moving (sim.churn): the registry's rebalance and place_new
+
+    def _shards(self) -> dict[str, list[int]]:
+        members: dict[str, list[int]] = {}
+        for i, shard in enumerate(self.placement.shards):
+            members.setdefault(shard, []).append(i)
+        return members
+
+    def _pin(self, i: int, name: str) -> None:
+        replica = self.replicas[i]
+        if name not in replica.pinned:
+            replica.pinned = replica.pinned | {name}
+            bisect.insort(self.holders.setdefault(name, []), i)
+            self.router.pins_changed(i)
+
+    def _unpin(self, i: int, name: str) -> None:
+        replica = self.replicas[i]
+        if name in replica.pinned:
+            replica.pinned = replica.pinned - {name}
+            replica.loaded.pop(name, None)
+            held = self.holders[name]
+            held.remove(i)
+            if not held:
+                del self.holders[name]
+            self.router.pins_changed(i)
+
+    def _replan(self) -> None:
+        """The registry's re-plan: rebalance over the traffic routed since, then halve it. A shard that
+        gains an adapter serves it once its replicas have loaded it; one that loses it, at once."""
+        sim, members = self.fleet.sim, self._shards()
+        shard_of = self.placement.shards
+        placed = {name: tuple(sorted({shard_of[i] for i in held})) for name, held in self.holders.items()}
+        changes = rebalance(placed, self.traffic, {shard: len(m) for shard, m in members.items()}, sim.redundancy,
+                            self._capacity)
+        self.traffic = {name: n / 2 for name, n in self.traffic.items() if n >= 1.0}
+        self.record.num_replans += 1
+        self.record.num_pins_moved += len(changes)
+        for name, shards in changes.items():
+            for shard in set(placed[name]) - set(shards):
+                for i in members[shard]:
+                    self._unpin(i, name)
+            added = [i for shard in sorted(set(shards) - set(placed[name])) for i in members[shard]]
+            if added:
+                self._push(self.now_s + self.profile.adapter_load_s, _PINNED, 0, (name, added, None))
+        interval_s = sim.churn.replan_interval_s
+        if interval_s is not None and self.now_s + interval_s < self.scenario.duration_s:
+            self._push(self.now_s + interval_s, _REPLAN, 0, None)
+
+    def _new_version(self) -> None:
+        """A tenant registers a new version of an adapter (picked by popularity): place_new puts it on
+        the shards pinning the fewest; it is served, and the old one unregistered, once they load it."""
+        sim, members = self.fleet.sim, self._shards()
+        base = self.churn_rng.choices(self._churn_names, cum_weights=self._churn_weights)[0]
+        old = self.version_of.get(base, base)
+        self._num_versions += 1
+        name = f"{base}~{self._num_versions}"
+        pinned = {shard: len(self.replicas[m[0]].pinned) for shard, m in members.items()}
+        try:
+            shards = place_new(pinned, {shard: len(m) for shard, m in members.items()}, sim.redundancy, self._capacity)
+        except PlacementError:
+            self.record.num_unplaced += 1
+        else:
+            added = [i for shard in shards for i in members[shard]]
+            self._push(self.now_s + self.profile.adapter_load_s, _PINNED, 0, (name, added, (base, old)))
+        next_s = self.now_s + self.churn_rng.expovariate(sim.churn.new_versions_per_min / 60)
+        if next_s < self.scenario.duration_s:
+            self._push(next_s, _NEW_VERSION, 0, None)
+
+    def _pinned(self, name: str, replicas: list[int], replacing: tuple[str, str] | None) -> None:
+        for i in replicas:
+            self._pin(i, name)
+        if replacing is not None:
+            base, old = replacing
+            if self.version_of.get(base, base) != old:  # a later version was served first: this one is dropped
+                for i in replicas:
+                    self._unpin(i, name)
+                return
+            self.version_of[base] = name
+            self.record.num_new_versions += 1
+            for i in list(self.holders.get(old, ())):
+                self._unpin(i, old)
+            self.traffic.pop(old, None)
 
     def _fault(self, fault: Fault, starting: bool) -> None:
         if fault.kind == "redis_down":
@@ -265,6 +393,7 @@ class Fleet:
             return
         r = self.record
         r.ttft_s.append(seq.first_token_s - request.at_s)
+        r.tenants.append(request.tenant)
         if request.max_tokens > 1:
             r.itl_s.append((seq.finished_s - seq.first_token_s) / (request.max_tokens - 1))
         r.queue_s.append(seq.admitted_s - seq.arrived_s)

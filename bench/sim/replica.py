@@ -110,6 +110,7 @@ class ReplicaModel:
         self.capacity = profile.device_adapters if self.is_tiered else profile.max_loaded_adapters
         self.loaded: OrderedDict[str, None] = OrderedDict.fromkeys(list(pinned)[: self.capacity] if self.is_tiered else ())
         self.num_loading = 0  # requests waiting for an adapter to load here
+        self.num_evictions = 0  # adapters it dropped for room
         self.in_flight = 0  # the gateway's view: running, waiting and loading (kept as they change: read per request)
         self.is_down = False  # lost (a fault), until it restarts
         self.epoch = 0  # restarts: a load begun before one never completes
@@ -159,6 +160,7 @@ class ReplicaModel:
         self.loaded.move_to_end(adapter)
         while len(self.loaded) > self.capacity:
             self.loaded.popitem(last=False)
+            self.num_evictions += 1
 
     # requests
 

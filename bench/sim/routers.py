@@ -58,6 +58,9 @@ class Router:
     def route(self, request: SimRequest, key: bytes, tried: Collection[int]) -> int:
         raise NotImplementedError
 
+    def pins_changed(self, i: int) -> None:
+        """Replica `i` pins other adapters now (`holders` says who pins what already)."""
+
 
 class Ours(Router):
     """gateway/dispatch.py's _route: candidates, then choose, then count it in RecentLoad; with
@@ -75,6 +78,9 @@ class Ours(Router):
         self.residents: list[Residents | None] = [None] * len(self.replicas)
         self.reported_s = [float("-inf")] * len(self.replicas)
         self.is_tiered = any(r.is_tiered for r in self.replicas)
+
+    def pins_changed(self, i: int) -> None:
+        self.fingerprints[i] = frozenset(Fingerprint(a) for a in self.replicas[i].pinned)
 
     def tiers(self, i: int, now_s: float) -> Residents | None:
         replica = self.replicas[i]

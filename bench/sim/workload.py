@@ -38,9 +38,24 @@ class Fault(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     at_s: float = Field(ge=0)
-    kind: Literal["replica_lost", "redis_down"]
+    kind: Literal["replica_lost", "redis_down", "redis_slow"]
     replicas: int = Field(1, ge=1)
     for_s: float = Field(30.0, gt=0)
+
+
+class Churn(BaseModel):
+    """Adapters that move while the fleet runs, through the registry's own placement functions:
+    `replan_interval_s`, the registry's re-plan (gateway.policy.placement.rebalance over the
+    requests routed since, halved after each); `new_versions_per_min`, adapters replaced by a new
+    version (placed by place_new, served once its replicas have loaded it, the old one then
+    unregistered), picked by popularity."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    replan_interval_s: float | None = Field(None, gt=0)
+    new_versions_per_min: float = Field(0.0, ge=0)
+    # the registry's max_adapters_per_worker for what it places while running (default: sim.max_adapters_per_replica;
+    # a placement planned up to that limit leaves no room for an adapter registered later)
+    max_adapters_per_replica: int | None = Field(None, ge=1)
 
 
 class SimSection(BaseModel):
@@ -54,6 +69,7 @@ class SimSection(BaseModel):
     profile: str | None = None  # bench/sim/profiles/NAME.yaml or a path
     faults: list[Fault] = Field(default_factory=list)
     stream_share: float = Field(0.5, ge=0, le=1)  # requests streamed: a lost replica's started streams fail, the rest retry
+    churn: Churn = Churn()
 
 
 @dataclass(frozen=True)
