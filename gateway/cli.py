@@ -269,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "least-loaded, round-robin")
     p.add_argument("--seed", type=int, help="override the scenario's seed")
     p.add_argument("--duration-s", type=float, metavar="T", help="override the scenario's duration_s")
-    p.add_argument("--rate-rps", type=float, metavar="R", help="set the total rate (every rate and burst scaled alike)")
+    p.add_argument("--rate-rps", type=float, metavar="R",
+                   help="set load.rate_rps to R, every other rate and burst (tenants' own, phases') by the same factor")
     p.add_argument("--max-requests", type=_positive_int, metavar="N", help="override the scenario's max_requests")
     p.add_argument("--profile", metavar="NAME|FILE.yaml", help="step costs and engine (bench/sim/profiles; default: the scenario's)")
     p.add_argument("--ttft-slo-s", type=float, help="override the scenario's slo.ttft_s")
@@ -277,8 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-shared-cache", action="store_true", help="no Redis tier: each replica's own prefix cache only")
     p.add_argument("--device-adapters", type=_positive_int, metavar="N",
                    help="workers with adapter tiers: N adapters on each device, the others they serve loaded on use")
+    p.add_argument("--l2-fetch-token-s", type=float, metavar="S",
+                   help="the shared tier's cost per token fetched (each replica then keeps its own L1 beside it)")
+    p.add_argument("--l2-lookup-s", type=float, metavar="S", help="the shared tier's round trip per lookup (with --l2-fetch-token-s)")
     p.add_argument("--capacity", action="store_true", help="instead: the fewest replicas (up to --replicas) meeting the SLO, per router")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--out", metavar="DIR", help="also write report.json, report.md and plots (PNG) there")
     p.set_defaults(handler="bench.sim.cli:run")
 
     p = sub.add_parser("calibrate", help="time the real engine's passes and fit a cost profile for simulate (bench/sim)")

@@ -9,8 +9,11 @@ import math
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
-from bench.sim.fleet import Fleet, place
+from bench.sim.fleet import Fleet, RunRecord, place
+from bench.sim.plots import write_report
 from bench.sim.profile import DEFAULT_PROFILE, load_profile
 from bench.sim.report import SLO, figures, table, tenant_table
 from bench.sim.routers import ROUTERS
@@ -21,19 +24,27 @@ GOOD_SHARE = 0.99  # --capacity: the share of requests the rate limits admit tha
 
 
 def simulate(fleet: FleetScenario, num_replicas: int, routers: list[str], profile_name: str | None = None,
-             slo: SLO | None = None, shared_cache: bool | None = None,
-             device_adapters: int | None = None) -> list[dict[str, float | int | str]]:
+             slo: SLO | None = None, shared_cache: bool | None = None, device_adapters: int | None = None,
+             profile_changes: dict[str, Any] | None = None,
+             records: list[RunRecord] | None = None) -> list[dict[str, Any]]:
     """One run per router over the same requests and placement; their figures. `device_adapters`:
-    workers with adapter tiers, that many on each device (the profile's otherwise)."""
+    workers with adapter tiers, that many on each device (the profile's otherwise); `profile_changes`:
+    other fields of the profile to set; `records`: each run's record appended there."""
     profile = load_profile(profile_name or fleet.sim.profile or DEFAULT_PROFILE)
-    if device_adapters is not None:
-        profile = replace(profile, device_adapters=device_adapters)
+    changes = {**(profile_changes or {}), **({"device_adapters": device_adapters} if device_adapters is not None else {})}
+    if changes:
+        profile = replace(profile, **changes)
     scenario = fleet.scenario
     slo = slo or SLO(scenario.slo.ttft_s, fleet.sim.itl_s)
     placement = place(fleet, num_replicas)
     measured_s = scenario.duration_s - scenario.warmup_s
-    return [figures(Fleet(fleet, scenario, profile, placement, router, shared_cache=shared_cache).run(), slo, measured_s)
-            for router in routers]
+    rows = []
+    for router in routers:
+        record = Fleet(fleet, scenario, profile, placement, router, shared_cache=shared_cache).run()
+        rows.append(figures(record, slo, measured_s))
+        if records is not None:
+            records.append(record)
+    return rows
 
 
 def capacity(fleet: FleetScenario, max_replicas: int, router: str, **kwargs) -> int | None:
@@ -71,13 +82,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     slo = SLO(args.ttft_slo_s or scenario.slo.ttft_s, args.itl_slo_s or fleet.sim.itl_s)
     shared = False if args.no_shared_cache else None
+    changes = {k: v for k, v in (("l2_fetch_token_s", args.l2_fetch_token_s), ("l2_lookup_s", args.l2_lookup_s)) if v is not None}
+    records: list[RunRecord] = []
     started = time.perf_counter()  # only to report how long the simulation took; no decision reads it
     try:
         if args.capacity:
             result = {r: capacity(fleet, args.replicas, r, profile_name=args.profile, slo=slo, shared_cache=shared,
-                                  device_adapters=args.device_adapters) for r in routers}
+                                  device_adapters=args.device_adapters, profile_changes=changes) for r in routers}
         else:
-            rows = simulate(fleet, args.replicas, routers, args.profile, slo, shared, args.device_adapters)
+            rows = simulate(fleet, args.replicas, routers, args.profile, slo, shared, args.device_adapters, changes,
+                            records if args.out else None)
     except ValueError as e:
         print(f"loraplex simulate: {e}", file=sys.stderr)
         return 2
@@ -94,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
             for router, n in result.items():
                 print(f"{router:28} {n if n is not None else f'> {args.replicas}'} replicas")
         return 0
+    if args.out:
+        written = write_report(Path(args.out), f"{what}; {args.replicas} replicas", rows, records)
+        print(f"loraplex simulate: report in {args.out}/ ({', '.join(written)})", file=sys.stderr)
     if args.json:
         print(json.dumps({"scenario": scenario.name, "replicas": args.replicas, "profile": profile.name,
                           "is_measured": profile.is_measured, "rows": rows, "wall_s": wall_s}))

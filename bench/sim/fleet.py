@@ -36,7 +36,7 @@ from gateway.ratelimit import RateLimiter
 from gateway.tenants import Tenant
 
 OUTCOMES = ("completed", "refused_rate", "refused_busy", "failed_no_replica", "failed_too_long", "failed_replica_lost")
-_STEP, _LOADED, _FAULT, _REPLAN, _NEW_VERSION, _PINNED = range(6)
+_STEP, _LOADED, _FAULT, _REPLAN, _NEW_VERSION, _PINNED, _FETCHED = range(7)
 
 
 def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -90,6 +90,7 @@ class RunRecord:
     num_measured: int = 0
     measured: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> outcome -> measured requests
     tenants: list[str] = field(default_factory=list)  # per completed measured request, aligned with ttft_s
+    arrivals: list[float] = field(default_factory=list)  # per completed measured request: when it arrived
     ttft_s: list[float] = field(default_factory=list)  # per completed measured request
     itl_s: list[float] = field(default_factory=list)  # its mean gap between tokens (none for one token)
     queue_s: list[float] = field(default_factory=list)  # arrival at its replica to a KV slot
@@ -100,6 +101,7 @@ class RunRecord:
     num_seq_slots: int = 1
     gaps: dict[int, int] = field(default_factory=dict)  # every inter-token gap: 0.1 ms bucket -> count
     num_adapter_loads: int = 0
+    load_times_s: list[float] = field(default_factory=list)  # when each adapter load began
     num_adapter_evictions: int = 0
     num_lost: int = 0  # requests a lost replica had (running, queued or loading an adapter for)
     num_lost_retried: int = 0  # of those, sent to another replica
@@ -109,6 +111,7 @@ class RunRecord:
     num_pins_moved: int = 0  # adapters whose shards a re-plan changed
     num_new_versions: int = 0  # adapters replaced by a new version (registered, then served)
     num_unplaced: int = 0  # new versions place_new found no room for
+    fetched_tokens: int = 0  # prompt tokens fetched from the shared tier (with its costs: the rest were in L1)
 
 
 class Fleet:
@@ -119,8 +122,13 @@ class Fleet:
         self.now_s = 0.0
         is_shared = fleet.sim.shared_cache if shared_cache is None else shared_cache
         self.shared = shared = PrefixCache(scenario.chunk_tokens, True, 0) if is_shared else None
-        self.replicas = [ReplicaModel(i, profile, shared or PrefixCache(scenario.chunk_tokens, False, profile.l1_chunks), pins)
+        self.has_l1 = shared is None or profile.l2_fetch_token_s is not None  # a replica's own L1 (beside the tier)
+        self.replicas = [ReplicaModel(i, profile, PrefixCache(scenario.chunk_tokens, False, profile.l1_chunks) if self.has_l1
+                                      else shared, pins, shared if self.has_l1 else None)
                          for i, pins in enumerate(placement.pins)]
+        self.redis_latency_s = 0.0  # a redis_slow fault's, while it lasts
+        if any(f.kind == "redis_slow" for f in fleet.sim.faults) and (shared is None or profile.l2_fetch_token_s is None):
+            raise ValueError("a redis_slow fault needs a shared tier and a profile with its costs (l2_fetch_token_s)")
         self.rng = random.Random(f"{scenario.seed}-router")
         clock: Callable[[], float] = lambda: self.now_s  # noqa: E731 - the virtual clock every decision reads
         self.holders = {name: list(held) for name, held in placement.holders.items()}  # changes with churn
@@ -180,6 +188,14 @@ class Fleet:
                     replica.loading(-1)
                     replica.load(seq.request.adapter)
                     self._deliver(seq, replica)
+                elif kind == _FETCHED:
+                    seq, epoch = payload
+                    replica = self.replicas[index]
+                    if epoch != replica.epoch:  # lost while it fetched
+                        self._lost(seq)
+                        continue
+                    replica.loading(-1)
+                    self._queue(seq, replica)
                 elif kind == _FAULT:
                     self._fault(*payload)
                 elif kind == _REPLAN:
@@ -318,6 +334,9 @@ class Fleet:
             if self.shared is not None:
                 self.shared.is_down = starting
             return
+        if fault.kind == "redis_slow":
+            self.redis_latency_s = fault.latency_s if starting else 0.0
+            return
         n = len(self.replicas)
         for index in sorted({int(k * n / fault.replicas) for k in range(min(fault.replicas, n))}):  # spread over the fleet
             replica = self.replicas[index]
@@ -357,6 +376,7 @@ class Fleet:
         if not replica.holds(request.adapter):
             replica.loading(1)
             self.record.num_adapter_loads += 1
+            self.record.load_times_s.append(self.now_s)
             self._push(self.now_s + self.profile.adapter_load_s, _LOADED, index, (seq, replica.epoch))
             return
         replica.load(request.adapter)  # used: most recently
@@ -364,6 +384,24 @@ class Fleet:
 
     def _deliver(self, seq: Seq, replica: ReplicaModel) -> None:
         seq.arrived_s = self.now_s
+        fetch_token_s = self.profile.l2_fetch_token_s
+        if fetch_token_s is not None and self.shared is not None:  # looked up on arrival, off the step loop
+            request = seq.request
+            own = replica.cache.lookup(request)
+            tier = 0 if self.shared.is_down else self.shared.lookup(request)
+            seq.num_cached, seq.looked_up = min(max(own, tier), seq.num_prompt - 1), True
+            if tier > own:
+                replica.cache.store(request)  # the fetched chunks: in its L1 from now on
+                self.record.fetched_tokens += tier - own
+            wait_s = 0.0 if self.shared.is_down else (self.profile.l2_lookup_s + self.redis_latency_s
+                                                      + max(0, tier - own) * fetch_token_s)
+            if wait_s > 0:
+                replica.loading(1)  # in flight there, not queued yet
+                self._push(self.now_s + wait_s, _FETCHED, replica.index, (seq, replica.epoch))
+                return
+        self._queue(seq, replica)
+
+    def _queue(self, seq: Seq, replica: ReplicaModel) -> None:
         if not replica.offer(seq):  # 503: its queue is full
             if len(self._tried[seq.request.index]) < self.routing.max_attempts:
                 self._route(seq)
@@ -394,6 +432,7 @@ class Fleet:
         r = self.record
         r.ttft_s.append(seq.first_token_s - request.at_s)
         r.tenants.append(request.tenant)
+        r.arrivals.append(request.at_s)
         if request.max_tokens > 1:
             r.itl_s.append((seq.finished_s - seq.first_token_s) / (request.max_tokens - 1))
         r.queue_s.append(seq.admitted_s - seq.arrived_s)

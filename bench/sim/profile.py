@@ -30,7 +30,13 @@ class CostProfile:
     # workers with adapter tiers (worker/engine/residency.py): at most this many adapters on the device, those it
     # serves among them (least recently used evicted); the others it serves come up in adapter_load_s. None: all on it
     device_adapters: int | None = None
-    l1_chunks: int = 4096  # prefix chunks a replica keeps without a shared tier
+    l1_chunks: int = 4096  # prefix chunks a replica keeps in its own memory
+    # the shared tier's costs: None, it is free and looked up when a request is admitted (each replica sees every chunk
+    # at once); set, each replica keeps its own L1 of l1_chunks beside it, and a request is looked up when it reaches
+    # its replica (as a worker does, off the step loop): a round trip, plus this much per token fetched from the tier
+    # that its L1 lacks, before it is queued
+    l2_fetch_token_s: float | None = None
+    l2_lookup_s: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.step_overhead_s, self.prompt_token_s, self.decode_seq_s, self.adapter_load_s) < 0:
@@ -39,6 +45,8 @@ class CostProfile:
             raise ValueError(f"profile {self.name!r}: a step must cost some time")
         if self.device_adapters is not None and self.device_adapters < 1:
             raise ValueError(f"profile {self.name!r}: device_adapters must be >= 1")
+        if (self.l2_fetch_token_s or 0) < 0 or self.l2_lookup_s < 0:
+            raise ValueError(f"profile {self.name!r}: l2_fetch_token_s and l2_lookup_s must be >= 0")
         if self.max_loaded_adapters < 0 or self.l1_chunks < 0:
             raise ValueError(f"profile {self.name!r}: max_loaded_adapters and l1_chunks must be >= 0")
 

@@ -30,7 +30,7 @@ FF_OBSERVATIONS = 16  # a run of identical steps moves the moving averages at mo
 
 class Seq:
     __slots__ = ("request", "num_prompt", "num_cached", "num_computed", "num_generated", "arrived_s", "admitted_s",
-                 "first_token_s", "finished_s", "arrival")
+                 "first_token_s", "finished_s", "arrival", "looked_up")
 
     def __init__(self, request: SimRequest, arrived_s: float) -> None:
         self.request = request
@@ -39,6 +39,7 @@ class Seq:
         self.arrived_s = arrived_s
         self.admitted_s = self.first_token_s = self.finished_s = -1.0
         self.arrival = 0  # its place in its replica's arrivals (the scheduler's tie-break)
+        self.looked_up = False  # its cached prefix was found on arrival (num_cached), not to be looked up on admission
 
     @property
     def is_prefilling(self) -> bool:
@@ -93,8 +94,11 @@ class StepStats:
 
 
 class ReplicaModel:
-    def __init__(self, index: int, profile: CostProfile, cache: PrefixCache, pinned: frozenset[str]) -> None:
-        self.index, self.profile, self.cache, self.pinned = index, profile, cache, pinned
+    def __init__(self, index: int, profile: CostProfile, cache: PrefixCache, pinned: frozenset[str],
+                 shared: PrefixCache | None = None) -> None:
+        """`cache`: what admission looks up and first tokens store to; `shared`: a tier beside it
+        (its own L1 then), stored to as well."""
+        self.index, self.profile, self.cache, self.pinned, self.shared = index, profile, cache, pinned, shared
         self.config = profile.engine
         self.costs = StepCosts()  # the engine's own: measured costs raise the prompt budget beside decoding
         self.running: list[Seq] = []
@@ -145,6 +149,8 @@ class ReplicaModel:
     def restart(self) -> None:
         """Back, empty: what a new process holds (its device tier: some of its pins again)."""
         self.is_down = False
+        if not self.cache.shared:  # its own L1 went with the process
+            self.cache = PrefixCache(self.cache.chunk_tokens, False, self.cache.l1_chunks)
         self.loaded = OrderedDict.fromkeys(list(self.pinned)[: self.capacity] if self.is_tiered else ())
         self.costs = StepCosts()
 
@@ -231,7 +237,9 @@ class ReplicaModel:
                 self.num_waiting -= 1
                 free -= 1
                 best.admitted_s = now_s
-                best.num_cached = best.num_computed = min(self.cache.lookup(best.request), best.num_prompt - 1)
+                if not best.looked_up:
+                    best.num_cached = min(self.cache.lookup(best.request), best.num_prompt - 1)
+                best.num_computed = best.num_cached
                 self.running.append(best)
                 self._running_tenants[tenant] = self._running_tenants.get(tenant, 0) + 1
             else:
@@ -296,6 +304,8 @@ class ReplicaModel:
                     seq.num_generated = 1
                     seq.first_token_s = now_s
                     self.cache.store(seq.request)
+                    if self.shared is not None:
+                        self.shared.store(seq.request)
             if seq.num_generated >= seq.request.max_tokens:
                 seq.finished_s = now_s
                 done.append(seq)

@@ -70,6 +70,7 @@ def figures(record: RunRecord, slo: SLO, measured_s: float) -> dict[str, float |
         "adapter_loads_per_min": record.num_adapter_loads / duration_s * 60,
         "adapter_evictions_per_min": record.num_adapter_evictions / duration_s * 60,
         "tenants": _per_tenant(record, is_good),
+        "fetched_tokens": record.fetched_tokens,
         "replans": record.num_replans,
         "pins_moved": record.num_pins_moved,
         "new_versions": record.num_new_versions,

@@ -34,13 +34,15 @@ class TenantLimit(BaseModel):
 
 class Fault(BaseModel):
     """A fault at `at_s`: `replica_lost` takes `replicas` replicas down (spread over the fleet) for `for_s`,
-    after which they come back empty; `redis_down` makes the shared prefix tier miss for `for_s`."""
+    after which they come back empty; `redis_down` makes the shared prefix tier miss for `for_s`;
+    `redis_slow` adds `latency_s` to each lookup in it (a profile with the tier's costs, l2_fetch_token_s)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     at_s: float = Field(ge=0)
     kind: Literal["replica_lost", "redis_down", "redis_slow"]
     replicas: int = Field(1, ge=1)
     for_s: float = Field(30.0, gt=0)
+    latency_s: float = Field(0.05, ge=0)  # redis_slow
 
 
 class Churn(BaseModel):

@@ -4,9 +4,11 @@ batches as the engine's scheduler does."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
+import yaml
 
 import bench.sim.fleet as fleet_module
 import bench.sim.replica as replica_module
@@ -188,3 +190,26 @@ def test_calibrate_fits_the_engine_and_writes_a_profile_simulate_reads(tiny_llam
     assert profile.kv_bytes_per_token == hp.num_layers * hp.num_kv_heads * (hp.embed_dim // hp.num_heads) * 2 * 4  # K, V in fp32
     assert profile.engine == EngineConfig()
     assert "# Measured by `loraplex calibrate`" in out.read_text() and "1 other engine(s)" in out.read_text()
+
+
+def test_the_command_prints_json_and_writes_the_report_with_plots(tmp_path, capsys) -> None:
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "small", "seed": 3, "duration_s": 40, "warmup_s": 5, "max_requests": 10_000, "load": {"rate_rps": 20},
+        "phases": [{"at_s": 20, "rate_rps": 60, "tenant": "loud"}],
+        "tenants": [{"name": "a"}, {"name": "loud", "rate_rps": 2}], "adapters": {"names": ["base"], "zipf_s": 1.1},
+        "prompts": {"kind": "shared_prefix", "num_prefixes": 4, "prefix_tokens": 128, "length": {"min": 8, "max": 64}},
+        "output_tokens": {"min": 4, "max": 24}, "sim": {"num_adapters": 40, "max_adapters_per_replica": 20},
+    }))
+    out = tmp_path / "report"
+    assert cli_main(["simulate", "--scenario", str(path), "--replicas", "4", "--policy", "ours", "--policy", "round-robin",
+                     "--l2-fetch-token-s", "0.00001", "--json", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)["rows"]
+    assert [row["router"] for row in rows] == ["ours", "round-robin"]
+    assert all(set(row["tenants"]) == {"a", "loud"} and row["fetched_tokens"] > 0 for row in rows)
+    assert {p.name for p in out.iterdir()} == {"report.json", "report.md", "ttft_cdf.png", "ttft_over_time.png",
+                                               "adapter_loads.png", "replica_utilisation.png", "goodput_per_tenant.png"}
+    assert "round-robin" in (out / "report.md").read_text() and f"report in {out}" in captured.err
+    assert cli_main(["simulate", "--scenario", str(path), "--replicas", "4", "--policy", "fastest"]) == 2
+    assert "unknown policy 'fastest'" in capsys.readouterr().err
