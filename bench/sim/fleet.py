@@ -36,7 +36,7 @@ from gateway.ratelimit import RateLimiter
 from gateway.tenants import Tenant
 
 OUTCOMES = ("completed", "refused_rate", "refused_busy", "failed_no_replica", "failed_too_long", "failed_replica_lost")
-_STEP, _LOADED, _FAULT, _REPLAN, _NEW_VERSION, _PINNED, _FETCHED = range(7)
+_STEP, _LOADED, _FAULT, _REPLAN, _NEW_VERSION, _PINNED, _FETCHED, _ARRIVE = range(8)
 
 
 def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -64,6 +64,10 @@ def place(fleet: FleetScenario, num_replicas: int) -> Placement:
         return Placement(tuple(frozenset() for _ in range(num_replicas)), {}, tuple(f"shard-{i}" for i in range(num_replicas)))
     shares = zipf_shares(mix.names, mix.zipf_s) if mix.zipf_s is not None else dict(mix.weights)
     shares = {n: s for n, s in shares.items() if n != BASE}
+    alora = fleet.scenario.prompts.alora_adapter
+    if fleet.scenario.prompts.kind == "alora_pipeline" and alora and alora not in shares:  # every other request is its
+        names.append(alora)
+        shares = {**{n: s / 2 for n, s in shares.items()}, alora: 0.5}
     result = plan([AdapterSpec(n) for n in names], shares, num_replicas, max_adapters=fleet.sim.max_adapters_per_replica,
                   redundancy=fleet.sim.redundancy)
     pins: list[frozenset[str]] = []
@@ -141,7 +145,8 @@ class Fleet:
         self.record = RunRecord(router, len(self.replicas))
         self._heap: list[tuple[float, int, int, int, Any]] = []
         self._counter = 0
-        self._tried: dict[int, list[int]] = {}
+        self._tried: dict[int, list[int]] = {}  # requests routed and not ended -> the replicas tried
+        self._parked: dict[int, SimRequest] = {}  # a request's index -> the one sent once it ends
         self.down: set[int] = set()  # replicas lost, not back yet
         churn = fleet.sim.churn
         self.traffic: dict[str, float] = {}  # requests per adapter since the last re-plan (the registry's count)
@@ -196,6 +201,8 @@ class Fleet:
                         continue
                     replica.loading(-1)
                     self._queue(seq, replica)
+                elif kind == _ARRIVE:
+                    self._arrive(payload)
                 elif kind == _FAULT:
                     self._fault(*payload)
                 elif kind == _REPLAN:
@@ -220,12 +227,18 @@ class Fleet:
 
     def _end(self, request: SimRequest, outcome: str) -> None:
         self.record.outcomes[outcome] += 1
+        follower = self._parked.pop(request.index, None)
+        if follower is not None:  # the pipeline's next call, sent now
+            self._push(self.now_s, _ARRIVE, 0, replace(follower, at_s=self.now_s))
         if request.at_s >= self.scenario.warmup_s:
             per_tenant = self.record.measured.setdefault(request.tenant, dict.fromkeys(OUTCOMES, 0))
             per_tenant[outcome] += 1
         self._tried.pop(request.index, None)
 
     def _arrive(self, request: SimRequest) -> None:
+        if request.after >= 0 and request.after in self._tried:  # sent once the call it follows has ended
+            self._parked[request.after] = request
+            return
         if request.at_s >= self.scenario.warmup_s:
             self.record.num_measured += 1
         if self.version_of:

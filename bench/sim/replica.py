@@ -62,8 +62,8 @@ class PrefixCache:
         """Cached leading prompt tokens (whole chunks of its prefix)."""
         if request.prefix < 0 or self.is_down:
             return 0
-        key = (request.tenant, request.adapter, request.prefix)
-        chunks = self._chunks.get(key, 0)
+        key = request.cache_key
+        chunks = min(self._chunks.get(key, 0), request.num_prefix_tokens // self.chunk_tokens)
         if chunks and not self.shared:
             self._chunks.move_to_end(key)
         return chunks * self.chunk_tokens
@@ -71,8 +71,8 @@ class PrefixCache:
     def store(self, request: SimRequest) -> None:
         if request.prefix < 0 or self.is_down:
             return
-        key = (request.tenant, request.adapter, request.prefix)
-        chunks = request.num_prefix_tokens // self.chunk_tokens
+        key = request.cache_key
+        chunks = request.num_stored_tokens // self.chunk_tokens
         old = self._chunks.get(key, 0)
         if chunks <= old:
             return

@@ -5,7 +5,10 @@ requests, drawn from the seed with the load tester's own arrival process and sam
 
 Prompts are not token ids here: a request is its shared prefix (which one, how long) and
 its own tokens' count, so an hour of hundreds of requests a second fits in memory. Prefix
-kinds: random, shared_prefix and rag (chat and alora_pipeline are the load tester's only).
+kinds as the load tester's: random, shared_prefix and rag (a shared prefix), chat (a turn's
+prompt is its conversation's last prompt, the reply and a new message: the last prompt is its
+cached prefix), alora_pipeline (a base call, then once it has ended an aLoRA call on its prompt
+plus an invocation, whose tokens before the invocation are the base's KV).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from gateway.config import ConfigError, describe_errors, read_yaml
 from gateway.loadtest.generators import WeightedSampler, arrival_times
 from gateway.loadtest.scenario import Scenario, parse_scenario
 
-SIM_KINDS = ("random", "shared_prefix", "rag")
+SIM_KINDS = ("random", "shared_prefix", "rag", "chat", "alora_pipeline")
+ALORA_INVOCATION_TOKENS = 8  # an aLoRA call's invocation sequence (the load tester takes the server's)
 BASE = "base"
 
 
@@ -119,10 +123,21 @@ class SimRequest:
     num_prefix_tokens: int
     num_own_tokens: int  # after the prefix, never shared
     max_tokens: int
+    stores_tokens: int = -1  # its prompt's tokens it leaves in the cache under `prefix` (-1: num_prefix_tokens)
+    kv_adapter: str = ""  # whose KV its prefix is ("": `adapter`'s; an aLoRA's before its activation: the base's)
+    after: int = -1  # sent once this request (by index) has ended: an aLoRA pipeline's second call
 
     @property
     def num_prompt_tokens(self) -> int:
         return self.num_prefix_tokens + self.num_own_tokens
+
+    @property
+    def cache_key(self) -> tuple[str, str, int]:
+        return self.tenant, self.kv_adapter or self.adapter, self.prefix
+
+    @property
+    def num_stored_tokens(self) -> int:
+        return self.num_prefix_tokens if self.stores_tokens < 0 else self.stores_tokens
 
 
 def scaled(scenario: Scenario, rate_rps: float | None = None, duration_s: float | None = None,
@@ -161,14 +176,42 @@ def requests(scenario: Scenario) -> Iterator[SimRequest]:
     shifts = sorted((p.at_s, p.shift) for p in scenario.phases if p.shift)
     p = scenario.prompts
     prefix_pick = WeightedSampler.zipf([str(i) for i in range(p.num_prefixes)], 1.0)
-    for index, (at, fixed_tenant) in enumerate(events[: scenario.max_requests]):
+    conversations: dict[str, list[list]] = {}  # chat, per tenant, the live ones: [adapter, id, last prompt's tokens, turns left]
+    index = 0
+    for at, fixed_tenant in events:
+        if index >= scenario.max_requests:
+            break
         while shifts and shifts[0][0] <= at:
             adapters.rotate(shifts.pop(0)[1])
         tenant = fixed_tenant or tenants.sample(rng)
         adapter = adapters.sample(rng)
         num_own = rng.randint(p.length.min, p.length.max)
         max_tokens = rng.randint(scenario.output_tokens.min, scenario.output_tokens.max)
+        if p.kind == "chat":  # as the load tester: 70% continue a live conversation of the tenant's
+            live = conversations.setdefault(tenant, [])
+            if live and rng.random() < 0.7:
+                conv = rng.choice(live)
+                last, conv[2] = conv[2], conv[2] + scenario.output_tokens.max + num_own  # the reply, then the next turn
+                conv[3] -= 1
+                if not conv[3]:
+                    live.remove(conv)
+                yield SimRequest(index, at, tenant, conv[0], conv[1], last, conv[2] - last, max_tokens, conv[2])
+            else:
+                turns_left = rng.randint(p.turns.min, p.turns.max) - 1
+                if turns_left:
+                    live.append([adapter, index, num_own, turns_left])
+                yield SimRequest(index, at, tenant, adapter, index, 0, num_own, max_tokens, num_own)
+            index += 1
+            continue
+        if p.kind == "alora_pipeline":  # the base call, then the aLoRA's on the same prompt (its KV: the base's)
+            yield SimRequest(index, at, tenant, BASE, index, 0, num_own, max_tokens, num_own)
+            if index + 1 < scenario.max_requests:
+                yield SimRequest(index + 1, at, tenant, p.alora_adapter or "alora", index, num_own, ALORA_INVOCATION_TOKENS,
+                                 max_tokens, 0, BASE, after=index)
+            index += 2
+            continue
         prefix = -1
         if p.kind == "rag" or (p.kind == "shared_prefix" and rng.random() < p.sharing):
             prefix = int(prefix_pick.sample(rng))
         yield SimRequest(index, at, tenant, adapter, prefix, p.prefix_tokens if prefix >= 0 else 0, num_own, max_tokens)
+        index += 1

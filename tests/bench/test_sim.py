@@ -35,13 +35,13 @@ PROFILE = CostProfile("test", False, step_overhead_s=0.01, prompt_token_s=0.0005
 
 
 def scenario(rate_rps: float = 20.0, num_adapters: int = 40, duration_s: float = 30.0, kind: str = "shared_prefix",
-             **sim: object) -> FleetScenario:
+             prompts: dict | None = None, **sim: object) -> FleetScenario:
     return parse_fleet_scenario({
         "name": "t", "seed": 7, "duration_s": duration_s, "warmup_s": 2, "max_requests": 100_000,
         "load": {"rate_rps": rate_rps}, "phases": [{"at_s": 10, "burst": 30}, {"at_s": 15, "shift": 3}],
         "tenants": [{"name": "a", "weight": 3}, {"name": "b", "weight": 1}],
         "adapters": {"names": ["base"], "zipf_s": 1.1},
-        "prompts": {"kind": kind, "num_prefixes": 4, "prefix_tokens": 128, "length": {"min": 8, "max": 64}},
+        "prompts": {"kind": kind, "num_prefixes": 4, "prefix_tokens": 128, "length": {"min": 8, "max": 64}, **(prompts or {})},
         "output_tokens": {"min": 4, "max": 24}, "chunk_tokens": 32,
         "sim": {"num_adapters": num_adapters, "max_adapters_per_replica": 20, "itl_s": 0.1,
                 "tenant_limits": {"b": {"requests_per_min": 120}}, **sim},
@@ -213,3 +213,29 @@ def test_the_command_prints_json_and_writes_the_report_with_plots(tmp_path, caps
     assert "round-robin" in (out / "report.md").read_text() and f"report in {out}" in captured.err
     assert cli_main(["simulate", "--scenario", str(path), "--replicas", "4", "--policy", "fastest"]) == 2
     assert "unknown policy 'fastest'" in capsys.readouterr().err
+
+
+def test_chat_turns_find_their_conversation_and_alora_calls_the_base_kv(profile: CostProfile) -> None:
+    """chat: a turn's cached prefix is its conversation's last prompt; alora_pipeline: the aLoRA
+    call is sent once its base call has ended and finds the base's KV before its invocation."""
+    chat = scenario(kind="chat")
+    turns = [r for r in requests(chat.scenario) if r.num_prefix_tokens]
+    assert len(turns) > 100 and all(r.stores_tokens == r.num_prompt_tokens for r in turns)
+    row = simulate(chat, 6, ["ours"])[0]
+    assert 0.3 < row["prefix_hit_rate"] < 1 and row["completed"] + row["refused_rate"] == row["measured"] + \
+        sum(1 for r in requests(chat.scenario) if r.at_s < chat.scenario.warmup_s)
+    pipeline = scenario(kind="alora_pipeline", prompts={"alora_adapter": "check", "length": {"min": 64, "max": 128}})
+    calls = list(requests(pipeline.scenario))
+    assert [r.adapter == "check" for r in calls[:6]] == [False, True] * 3 and calls[1].after == 0
+    fleet_run = Fleet(pipeline, pipeline.scenario, PROFILE, fleet_module.place(pipeline, 6), "ours")
+    sent: dict[int, float] = {}
+    ended: dict[int, float] = {}
+    arrive, end = fleet_run._arrive, fleet_run._end
+    fleet_run._arrive = lambda request: (sent.__setitem__(request.index, fleet_run.now_s), arrive(request))  # type: ignore[method-assign]
+    fleet_run._end = lambda request, outcome: (ended.setdefault(request.index, fleet_run.now_s), end(request, outcome))  # type: ignore[method-assign]
+    record = fleet_run.run()
+    assert sum(record.outcomes[o] for o in OUTCOMES) == len(calls) and record.outcomes["failed_no_replica"] == 0
+    followers = [r for r in calls if r.after >= 0]
+    assert all(fleet_run._parked == {} and sent[r.index] >= ended[r.after] for r in followers)  # after its base, always
+    # each aLoRA call finds the whole chunks of its base call's prompt: 32 to 128 of its 72 to 136 tokens
+    assert 0.3 < record.cached_tokens / record.prompt_tokens < 0.6
