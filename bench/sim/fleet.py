@@ -64,6 +64,8 @@ def place(fleet: FleetScenario, num_replicas: int) -> Placement:
         return Placement(tuple(frozenset() for _ in range(num_replicas)), {}, tuple(f"shard-{i}" for i in range(num_replicas)))
     shares = zipf_shares(mix.names, mix.zipf_s) if mix.zipf_s is not None else dict(mix.weights)
     shares = {n: s for n, s in shares.items() if n != BASE}
+    if fleet.sim.placed_by == "registry":  # no popularity known
+        shares = dict.fromkeys(shares, 1.0 / len(shares))
     alora = fleet.scenario.prompts.alora_adapter
     if fleet.scenario.prompts.kind == "alora_pipeline" and alora and alora not in shares:  # every other request is its
         names.append(alora)

@@ -76,6 +76,9 @@ class SimSection(BaseModel):
     faults: list[Fault] = Field(default_factory=list)
     stream_share: float = Field(0.5, ge=0, le=1)  # requests streamed: a lost replica's started streams fail, the rest retry
     churn: Churn = Churn()
+    # how the adapters were first placed: `plan`, by the scenario's popularity (loraplex plan); `registry`, as adapters
+    # registered while running are, their traffic unknown: `redundancy` copies each, spread evenly
+    placed_by: Literal["plan", "registry"] = "plan"
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ def test_replans_follow_the_traffic() -> None:
     before = {name: len(held) for name, held in placement.holders.items()}
     after = {name: len(held) for name, held in fleet_run.holders.items()}
     assert after["a01"] < before["a01"] and after["a02"] < before["a02"]  # hot before the shift, cold after: copies go
-    assert after["a03"] >= after["a01"] + 2  # the hottest after the shift keeps its share
+    assert after["a03"] > before["a03"] and after["a03"] > after["a01"]  # the hottest after the shift gains
     assert min(after.values()) >= 2  # never below the redundancy
     # the router follows the moved pins: an adapter only ever runs where it is pinned (no load on a replica without it)
     assert record.num_adapter_loads == 0 and record.outcomes["failed_no_replica"] == 0

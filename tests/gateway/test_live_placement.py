@@ -21,11 +21,34 @@ def test_a_new_adapter_goes_to_the_emptiest_shards_until_it_has_its_copies() -> 
 def test_a_hot_adapter_gains_a_shard_and_a_cold_one_gives_back_its_extra() -> None:
     replicas = {"a": 1, "b": 1, "c": 1, "d": 1}
     placed = {"hot": ("a", "b"), "cold": ("a", "b", "c"), "mid": ("c", "d")}
-    changes = rebalance(placed, {"hot": 90.0, "cold": 1.0, "mid": 9.0}, replicas, copies=2, capacity=8)
-    assert len(changes["hot"]) == 3 and set(changes["hot"]) > {"a", "b"}
-    assert len(changes["cold"]) == 2  # down to its redundancy, never below
+    traffic = {"hot": 90.0, "cold": 1.0, "mid": 9.0}
+    changes = rebalance(placed, traffic, replicas, copies=2, capacity=2)  # a, b and c full: d has room for one
+    assert changes["hot"] == ("a", "b", "d")
+    assert len(changes["cold"]) == 2  # down to its redundancy, never below, making room on a full shard
     assert "mid" not in changes
-    again = rebalance({**placed, **changes}, {"hot": 90.0, "cold": 1.0, "mid": 9.0}, replicas, copies=2, capacity=8)
+    again = rebalance({**placed, **changes}, traffic, replicas, copies=2, capacity=2)
     assert "cold" not in again
+    roomy = rebalance(placed, traffic, replicas, copies=2, capacity=8)
+    assert len(roomy["hot"]) == 3 and "cold" not in roomy  # with room a spare copy stays: it absorbs the next shift
     assert rebalance(placed, {}, replicas, copies=2, capacity=8) == {}  # no traffic: nothing moves
     assert rebalance(placed, {"hot": 90.0}, replicas, copies=2, capacity=1).get("hot") is None  # no room: nothing moves
+
+
+def test_a_replan_keeps_every_shard_within_its_bound_of_the_mean() -> None:
+    """Copies are dropped only while the other holders stay within (1 + BALANCE_SLACK) x the mean,
+    and a shard past it gets a copy of its hot adapter on one that stays within it."""
+    from gateway.policy.placement import BALANCE_SLACK
+
+    replicas = dict.fromkeys("abcdef", 1)
+    placed = {"x": ("a", "b"), "y": ("a", "c"), "z": ("d", "e", "f"), "w": ("b", "c", "d", "e", "f")}
+    traffic = {"x": 40.0, "y": 30.0, "z": 5.0, "w": 5.0}  # a carries 35 of 80: the mean is 13.3
+    changes = rebalance(placed, traffic, replicas, copies=2, capacity=3)
+    assert len(changes["x"]) == 3 and changes["x"][-1] in "def"  # x spreads to one of the idle shards
+    held = {**placed, **changes}
+    load = dict.fromkeys(replicas, 0.0)
+    for a, shards in held.items():
+        for s in shards:
+            load[s] += traffic[a] / len(shards)
+    assert max(load.values()) < 35.0
+    tight = rebalance({"x": ("a", "b", "c")}, {"x": 30.0}, {"a": 1, "b": 1, "c": 1}, copies=1, capacity=1)
+    assert tight == {} and 30.0 / 2 > (1 + BALANCE_SLACK) * 10.0  # dropping one would put the other two past the bound
