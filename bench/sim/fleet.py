@@ -186,23 +186,18 @@ class Fleet:
                 self.now_s = at_s
                 if kind == _STEP:
                     self._step_end(self.replicas[index], payload)
-                elif kind == _LOADED:
+                elif kind == _LOADED or kind == _FETCHED:
                     seq, epoch = payload
                     replica = self.replicas[index]
-                    if epoch != replica.epoch:  # lost while it loaded
+                    if epoch != replica.epoch:  # lost while it loaded the adapter or fetched the prefix
                         self._lost(seq)
                         continue
                     replica.loading(-1)
-                    replica.load(seq.request.adapter)
-                    self._deliver(seq, replica)
-                elif kind == _FETCHED:
-                    seq, epoch = payload
-                    replica = self.replicas[index]
-                    if epoch != replica.epoch:  # lost while it fetched
-                        self._lost(seq)
-                        continue
-                    replica.loading(-1)
-                    self._queue(seq, replica)
+                    if kind == _LOADED:
+                        replica.load(seq.request.adapter)
+                        self._deliver(seq, replica)
+                    else:
+                        self._queue(seq, replica)
                 elif kind == _ARRIVE:
                     self._arrive(payload)
                 elif kind == _FAULT:
