@@ -305,16 +305,20 @@ class Fleet:
             self._push(self.now_s + interval_s, _REPLAN, 0, None)
 
     def _new_version(self) -> None:
-        """A tenant registers a new version of an adapter (picked by popularity): place_new puts it on
-        the shards pinning the fewest; it is served, and the old one unregistered, once they load it."""
+        """A tenant registers a new version of an adapter (picked by popularity): it goes where the old
+        one was (as the registry's _place does; place_new, the shards pinning the fewest, for one pinned
+        nowhere); it is served, and the old one unregistered, once they have loaded it."""
         sim, members = self.fleet.sim, self._shards()
         base = self.churn_rng.choices(self._churn_names, cum_weights=self._churn_weights)[0]
         old = self.version_of.get(base, base)
         self._num_versions += 1
         name = f"{base}~{self._num_versions}"
         pinned = {shard: len(self.replicas[m[0]].pinned) for shard, m in members.items()}
+        shard_of = self.placement.shards
+        shards: tuple[str, ...] = tuple(sorted({shard_of[i] for i in self.holders.get(old, ())}))  # where the old one was
         try:
-            shards = place_new(pinned, {shard: len(m) for shard, m in members.items()}, sim.redundancy, self._capacity)
+            shards = shards or place_new(pinned, {shard: len(m) for shard, m in members.items()}, sim.redundancy,
+                                         self._capacity)
         except PlacementError:
             self.record.num_unplaced += 1
         else:

@@ -53,8 +53,8 @@ class Churn(BaseModel):
     """Adapters that move while the fleet runs, through the registry's own placement functions:
     `replan_interval_s`, the registry's re-plan (gateway.policy.placement.rebalance over the
     requests routed since, halved after each); `new_versions_per_min`, adapters replaced by a new
-    version (placed by place_new, served once its replicas have loaded it, the old one then
-    unregistered), picked by popularity."""
+    version (on the old one's shards, as the registry does, or by place_new; served once its
+    replicas have loaded it, the old one then unregistered), picked by popularity."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     replan_interval_s: float | None = Field(None, gt=0)
