@@ -19,17 +19,19 @@ from bench.sim.report import SLO, figures, table, tenant_table
 from bench.sim.routers import ROUTERS
 from bench.sim.workload import FleetScenario, load_fleet_scenario, scaled
 from gateway.config import ConfigError
+from gateway.policy.routing import RoutingSettings
 
 GOOD_SHARE = 0.99  # --capacity: the share of requests the rate limits admit that must meet the SLO
 
 
 def simulate(fleet: FleetScenario, num_replicas: int, routers: list[str], profile_name: str | None = None,
              slo: SLO | None = None, shared_cache: bool | None = None, device_adapters: int | None = None,
-             profile_changes: dict[str, Any] | None = None,
-             records: list[RunRecord] | None = None) -> list[dict[str, Any]]:
+             profile_changes: dict[str, Any] | None = None, records: list[RunRecord] | None = None,
+             routing: RoutingSettings = RoutingSettings()) -> list[dict[str, Any]]:
     """One run per router over the same requests and placement; their figures. `device_adapters`:
     workers with adapter tiers, that many on each device (the profile's otherwise); `profile_changes`:
-    other fields of the profile to set; `records`: each run's record appended there."""
+    other fields of the profile to set; `records`: each run's record appended there; `routing`: the
+    gateway's routing settings (ours reads its bound, eps; every router, max_attempts)."""
     profile = load_profile(profile_name or fleet.sim.profile or DEFAULT_PROFILE)
     changes = {**(profile_changes or {}), **({"device_adapters": device_adapters} if device_adapters is not None else {})}
     if changes:
@@ -40,7 +42,7 @@ def simulate(fleet: FleetScenario, num_replicas: int, routers: list[str], profil
     measured_s = scenario.duration_s - scenario.warmup_s
     rows = []
     for router in routers:
-        record = Fleet(fleet, scenario, profile, placement, router, shared_cache=shared_cache).run()
+        record = Fleet(fleet, scenario, profile, placement, router, routing, shared_cache=shared_cache).run()
         rows.append(figures(record, slo, measured_s))
         if records is not None:
             records.append(record)
@@ -84,14 +86,20 @@ def run(args: argparse.Namespace) -> int:
     shared = False if args.no_shared_cache else None
     changes = {k: v for k, v in (("l2_fetch_token_s", args.l2_fetch_token_s), ("l2_lookup_s", args.l2_lookup_s)) if v is not None}
     records: list[RunRecord] = []
+    try:
+        routing = RoutingSettings(eps=args.eps) if args.eps is not None else RoutingSettings()
+    except ValueError as e:
+        print(f"loraplex simulate: --eps: {e}", file=sys.stderr)
+        return 2
     started = time.perf_counter()  # only to report how long the simulation took; no decision reads it
     try:
         if args.capacity:
             result = {r: capacity(fleet, args.replicas, r, profile_name=args.profile, slo=slo, shared_cache=shared,
-                                  device_adapters=args.device_adapters, profile_changes=changes) for r in routers}
+                                  device_adapters=args.device_adapters, profile_changes=changes, routing=routing)
+                      for r in routers}
         else:
             rows = simulate(fleet, args.replicas, routers, args.profile, slo, shared, args.device_adapters, changes,
-                            records if args.out else None)
+                            records if args.out else None, routing)
     except ValueError as e:
         print(f"loraplex simulate: {e}", file=sys.stderr)
         return 2

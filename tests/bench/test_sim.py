@@ -213,6 +213,8 @@ def test_the_command_prints_json_and_writes_the_report_with_plots(tmp_path, caps
     assert "round-robin" in (out / "report.md").read_text() and f"report in {out}" in captured.err
     assert cli_main(["simulate", "--scenario", str(path), "--replicas", "4", "--policy", "fastest"]) == 2
     assert "unknown policy 'fastest'" in capsys.readouterr().err
+    assert cli_main(["simulate", "--scenario", str(path), "--replicas", "4", "--eps", "0"]) == 2
+    assert "--eps: eps and half_life_s must be > 0" in capsys.readouterr().err
 
 
 def test_chat_turns_find_their_conversation_and_alora_calls_the_base_kv(profile: CostProfile) -> None:
