@@ -47,9 +47,11 @@ class Seq:
 
 
 class PrefixCache:
-    """Which prefix chunks a replica finds: with a shared tier (`shared`) a chunk computed
-    anywhere is a hit everywhere; else each replica's own LRU of `l1_chunks`. A prefix is
-    known by (tenant, adapter, prefix): chunks hold KV, which depends on the adapters."""
+    """Which prefix chunks a replica finds: the shared tier (`shared`: a chunk computed anywhere
+    is a hit everywhere) or a replica's own LRU of `l1_chunks` (alone, or beside the tier when the
+    profile gives the tier's costs). A prefix is known by (tenant, the adapter whose KV it is,
+    prefix): chunks hold KV, which depends on the adapters; a lookup finds at most the request's
+    own prefix."""
 
     def __init__(self, chunk_tokens: int, shared: bool, l1_chunks: int) -> None:
         self.chunk_tokens, self.shared, self.l1_chunks = chunk_tokens, shared, l1_chunks
