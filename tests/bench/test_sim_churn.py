@@ -55,3 +55,11 @@ def test_every_request_ends_once_under_churn_for_every_router() -> None:
     for router in ROUTERS:
         record, num_requests, _, _ = run(router, replan_interval_s=5.0, new_versions_per_min=20.0, max_adapters_per_replica=8)
         assert sum(record.outcomes[o] for o in OUTCOMES) == num_requests, router
+
+
+def test_placed_as_the_registry_places_popularity_is_unknown() -> None:
+    planned = place(scenario(max_adapters_per_replica=6), 20)
+    registered = place(scenario(max_adapters_per_replica=6, placed_by="registry"), 20)
+    copies = lambda placement: [len(placement.holders[f"a{i:02d}"]) for i in range(40)]  # noqa: E731
+    assert copies(planned)[0] > 3 * copies(planned)[-1]  # the plan copies the popular ones
+    assert max(copies(registered)) - min(copies(registered)) <= 1  # without popularity: evenly
