@@ -281,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--l2-fetch-token-s", type=float, metavar="S",
                    help="the shared tier's cost per token fetched (each replica then keeps its own L1 beside it)")
     p.add_argument("--l2-lookup-s", type=float, metavar="S", help="the shared tier's round trip per lookup (with --l2-fetch-token-s)")
+    p.add_argument("--host-adapters", type=_positive_int, metavar="N",
+                   help="with --device-adapters: N adapters in each host's memory, the others loaded from below it")
     p.add_argument("--eps", type=float, metavar="E", help="ours: the bounded-load slack (routing.eps; default 0.25)")
     p.add_argument("--capacity", action="store_true", help="instead: the fewest replicas (up to --replicas) meeting the SLO, per router")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     slo = SLO(args.ttft_slo_s or scenario.slo.ttft_s, args.itl_slo_s or fleet.sim.itl_s)
     shared = False if args.no_shared_cache else None
-    changes = {k: v for k, v in (("l2_fetch_token_s", args.l2_fetch_token_s), ("l2_lookup_s", args.l2_lookup_s)) if v is not None}
+    changes = {k: v for k, v in (("l2_fetch_token_s", args.l2_fetch_token_s), ("l2_lookup_s", args.l2_lookup_s),
+                                 ("host_adapters", args.host_adapters)) if v is not None}
     records: list[RunRecord] = []
     try:
         routing = RoutingSettings(eps=args.eps) if args.eps is not None else RoutingSettings()

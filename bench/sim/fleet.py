@@ -109,6 +109,7 @@ class RunRecord:
     num_adapter_loads: int = 0
     load_times_s: list[float] = field(default_factory=list)  # when each adapter load began
     num_adapter_evictions: int = 0
+    num_lower_loads: int = 0  # of the loads, from disk or the store (not on the host: profile.host_adapters)
     num_lost: int = 0  # requests a lost replica had (running, queued or loading an adapter for)
     num_lost_retried: int = 0  # of those, sent to another replica
     end_s: float = 0.0
@@ -217,6 +218,7 @@ class Fleet:
         self.record.slot_s = [r.stats.slot_s for r in self.replicas]
         self.record.num_seq_slots = self.profile.engine.num_seq_slots
         self.record.num_adapter_evictions = sum(r.num_evictions for r in self.replicas)
+        self.record.num_lower_loads = sum(r.lower_loads for r in self.replicas)
         for r in self.replicas:
             for bucket, count in r.stats.gaps.items():
                 self.record.gaps[bucket] = self.record.gaps.get(bucket, 0) + count
@@ -391,7 +393,7 @@ class Fleet:
             replica.loading(1)
             self.record.num_adapter_loads += 1
             self.record.load_times_s.append(self.now_s)
-            self._push(self.now_s + self.profile.adapter_load_s, _LOADED, index, (seq, replica.epoch))
+            self._push(self.now_s + replica.load_s(request.adapter), _LOADED, index, (seq, replica.epoch))
             return
         replica.load(request.adapter)  # used: most recently
         self._deliver(seq, replica)

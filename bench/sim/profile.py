@@ -30,6 +30,10 @@ class CostProfile:
     # workers with adapter tiers (worker/engine/residency.py): at most this many adapters on the device, those it
     # serves among them (least recently used evicted); the others it serves come up in adapter_load_s. None: all on it
     device_adapters: int | None = None
+    # with tiers: at most this many adapters in host memory (the device's among them); one that is not there comes up
+    # from disk or the store in adapter_load_lower_s instead. None: every adapter a replica serves is on its host
+    host_adapters: int | None = None
+    adapter_load_lower_s: float = 0.0
     l1_chunks: int = 4096  # prefix chunks a replica keeps in its own memory
     # the shared tier's costs: None, it is free and looked up when a request is admitted (each replica sees every chunk
     # at once); set, each replica keeps its own L1 of l1_chunks beside it, and a request is looked up when it reaches
@@ -45,6 +49,10 @@ class CostProfile:
             raise ValueError(f"profile {self.name!r}: a step must cost some time")
         if self.device_adapters is not None and self.device_adapters < 1:
             raise ValueError(f"profile {self.name!r}: device_adapters must be >= 1")
+        if self.host_adapters is not None and (self.device_adapters is None or self.host_adapters < self.device_adapters):
+            raise ValueError(f"profile {self.name!r}: host_adapters needs device_adapters, and at least as many")
+        if self.adapter_load_lower_s < 0:
+            raise ValueError(f"profile {self.name!r}: adapter_load_lower_s must be >= 0")
         if (self.l2_fetch_token_s or 0) < 0 or self.l2_lookup_s < 0:
             raise ValueError(f"profile {self.name!r}: l2_fetch_token_s and l2_lookup_s must be >= 0")
         if self.max_loaded_adapters < 0 or self.l1_chunks < 0:

@@ -115,6 +115,10 @@ class ReplicaModel:
         self.is_tiered = profile.device_adapters is not None
         self.capacity = profile.device_adapters if self.is_tiered else profile.max_loaded_adapters
         self.loaded: OrderedDict[str, None] = OrderedDict.fromkeys(list(pinned)[: self.capacity] if self.is_tiered else ())
+        # with a host budget: the adapters in host memory, least recently used first (the device's among them)
+        self.host_capacity = profile.host_adapters
+        self.host: OrderedDict[str, None] = OrderedDict.fromkeys(self.loaded)
+        self.lower_loads = 0  # loads from disk or the store (not on the host)
         self.num_loading = 0  # requests waiting for an adapter to load here
         self.num_evictions = 0  # adapters it dropped for room
         self.in_flight = 0  # the gateway's view: running, waiting and loading (kept as they change: read per request)
@@ -154,11 +158,18 @@ class ReplicaModel:
         if not self.cache.shared:  # its own L1 went with the process
             self.cache = PrefixCache(self.cache.chunk_tokens, False, self.cache.l1_chunks)
         self.loaded = OrderedDict.fromkeys(list(self.pinned)[: self.capacity] if self.is_tiered else ())
+        self.host = OrderedDict.fromkeys(self.loaded)
         self.costs = StepCosts()
 
     def holds(self, adapter: str) -> bool:
         """Whether a request for `adapter` runs here without loading it first."""
         return adapter in self.loaded or adapter == "base" or (not self.is_tiered and adapter in self.pinned)
+
+    def load_s(self, adapter: str) -> float:
+        """How long bringing `adapter` onto the device takes: from host memory, or from below it."""
+        if self.host_capacity is None or adapter in self.host:
+            return self.profile.adapter_load_s
+        return self.profile.adapter_load_lower_s
 
     def load(self, adapter: str) -> None:
         """Hold `adapter` (loaded, or used: most recently), evicting the least recently used past the capacity."""
@@ -169,6 +180,17 @@ class ReplicaModel:
         while len(self.loaded) > self.capacity:
             self.loaded.popitem(last=False)
             self.num_evictions += 1
+        if self.host_capacity is not None:  # inclusive: what is on the device is on the host too
+            if adapter not in self.host:
+                self.lower_loads += 1
+            self.host[adapter] = None
+            self.host.move_to_end(adapter)
+            while len(self.host) > self.host_capacity:
+                dropped = next(iter(self.host))
+                if dropped in self.loaded:  # the device's stay (LRU there is the same order)
+                    self.host.move_to_end(dropped)
+                    continue
+                del self.host[dropped]
 
     # requests
 

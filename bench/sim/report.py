@@ -67,6 +67,7 @@ def figures(record: RunRecord, slo: SLO, measured_s: float) -> dict[str, float |
         "util_max": max(utilisation),
         "util_max_over_mean": max(utilisation) / mean_util if mean_util > 0 else math.nan,
         "adapter_loads": record.num_adapter_loads,
+        "adapter_loads_lower": record.num_lower_loads,
         "adapter_loads_per_min": record.num_adapter_loads / duration_s * 60,
         "adapter_evictions_per_min": record.num_adapter_evictions / duration_s * 60,
         "tenants": _per_tenant(record, is_good),

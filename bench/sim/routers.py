@@ -87,7 +87,8 @@ class Ours(Router):
         if not replica.is_tiered:
             return None
         if now_s - self.reported_s[i] >= REPORT_S:
-            self.residents[i] = Residents({"device": list(replica.loaded), "capacity": replica.capacity})
+            host = list(replica.host) if replica.host_capacity is not None else list(replica.pinned)
+            self.residents[i] = Residents({"device": list(replica.loaded), "host": host, "capacity": replica.capacity})
             self.reported_s[i] = now_s
         return self.residents[i]
 

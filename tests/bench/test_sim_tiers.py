@@ -32,3 +32,21 @@ def test_with_tiers_ours_loads_fewer_adapters_than_routers_that_only_know_who_se
     assert outcomes["completed"] > 1000
     assert 0 < ours < 0.85 * min(p2c, least), (ours, p2c, least)  # measured: 485 against 684 and 641
     assert loads("ours", None)[0] == 0  # without tiers every adapter a replica serves is on its device
+
+
+def test_a_host_budget_makes_some_loads_come_from_below_it() -> None:
+    """profile.host_adapters: an adapter not in host memory comes up in adapter_load_lower_s, and
+    then stays on the host (inclusive of the device); ours also prefers a replica with it on its host."""
+    fleet = scenario(rate_rps=30.0, num_adapters=60, duration_s=60.0)
+    runs = {}
+    for router in ("ours", "holders-then-p2c"):
+        profile = replace(PROFILE, adapter_load_s=0.01, adapter_load_lower_s=0.2, device_adapters=4, host_adapters=8)
+        fleet_run = Fleet(fleet, fleet.scenario, profile, place(fleet, 8), router)
+        record = fleet_run.run()
+        runs[router] = record
+        assert all(len(r.host) <= 8 and set(r.loaded) <= set(r.host) for r in fleet_run.replicas)
+    ours, p2c = runs["ours"], runs["holders-then-p2c"]
+    assert 0 < ours.num_lower_loads < ours.num_adapter_loads and 0 < p2c.num_lower_loads
+    assert ours.num_lower_loads < p2c.num_lower_loads, (ours.num_lower_loads, p2c.num_lower_loads)
+    all_host = Fleet(fleet, fleet.scenario, replace(PROFILE, adapter_load_s=0.01, device_adapters=4), place(fleet, 8), "ours").run()
+    assert all_host.num_lower_loads == 0  # no host budget: every adapter a replica serves is in its memory
