@@ -241,3 +241,21 @@ def test_chat_turns_find_their_conversation_and_alora_calls_the_base_kv(profile:
     assert all(fleet_run._parked == {} and sent[r.index] >= ended[r.after] for r in followers)  # after its base, always
     # each aLoRA call finds the whole chunks of its base call's prompt: 32 to 128 of its 72 to 136 tokens
     assert 0.3 < record.cached_tokens / record.prompt_tokens < 0.6
+
+
+def test_validation_scales_the_profile_by_how_much_slower_passes_ran_under_load() -> None:
+    from collections import Counter
+
+    from bench.sim.validate import pass_ratio, under_load
+
+    def passes(steps: int, prompt: int, generated: int, times: float) -> Counter:
+        predicted = steps * PROFILE.step_overhead_s + prompt * PROFILE.prompt_token_s + generated * PROFILE.decode_seq_s
+        return Counter({"loraplex_engine_steps_total": steps, "loraplex_engine_prompt_tokens_total": prompt,
+                        "loraplex_engine_generated_tokens_total": generated, "loraplex_engine_step_seconds_sum": predicted * times})
+
+    idle, loaded = passes(40, 2_000, 400, 0.9), passes(300, 30_000, 5_000, 1.35)  # passes alone: 0.9 of a whole step
+    assert pass_ratio(PROFILE, idle) == pytest.approx(0.9)
+    scaled_profile, factor = under_load(PROFILE, loaded, idle)
+    assert factor == pytest.approx(1.5)
+    assert scaled_profile.step_s(100, 3) == pytest.approx(1.5 * PROFILE.step_s(100, 3))
+    assert under_load(PROFILE, Counter(), idle)[1] == 1.0  # nothing measured: unchanged
