@@ -8,7 +8,14 @@ gateway/dispatch.py does.
 Faults (the scenario's `sim.faults`): a replica lost takes what it ran and queued with it: a
 stream that had begun fails, any other request is sent to another replica (`max_attempts` in
 all, as the gateway retries a whole request when a replica dies); it comes back empty. Redis
-down: the shared prefix tier misses and stores nothing meanwhile.
+down: the shared prefix tier misses and stores nothing meanwhile; Redis slow: each lookup in it
+takes longer (with the tier's costs in the profile, a request is looked up when it reaches its
+replica, off the step loop as a worker does, and waits for what it fetches).
+
+Churn (`sim.churn`): the registry's re-plan (placement.rebalance) and new versions of adapters
+(on the old one's shards, or placement.place_new) change the pins while requests run; a shard
+given an adapter serves it once its replicas have loaded it. An aLoRA pipeline's second call is
+sent when its first ends.
 
 Every request ends exactly once: completed, refused (429 rate limit, 503 busy) or failed (no
 replica holds its adapter, longer than a KV slot, its replica lost).
