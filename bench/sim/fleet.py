@@ -453,7 +453,7 @@ class Fleet:
         if request.at_s < self.scenario.warmup_s:
             return
         r = self.record
-        r.ttft_s.append(seq.first_token_s - request.at_s)
+        r.ttft_s.append(seq.first_token_s - request.at_s + self.profile.hop_s)
         r.tenants.append(request.tenant)
         r.arrivals.append(request.at_s)
         if request.max_tokens > 1:

@@ -41,6 +41,7 @@ class CostProfile:
     # that its L1 lacks, before it is queued
     l2_fetch_token_s: float | None = None
     l2_lookup_s: float = 0.0
+    hop_s: float = 0.0  # a request's way to its replica and its first token's back (HTTP, gateway, Ray): added to TTFT
 
     def __post_init__(self) -> None:
         if min(self.step_overhead_s, self.prompt_token_s, self.decode_seq_s, self.adapter_load_s) < 0:
@@ -53,8 +54,8 @@ class CostProfile:
             raise ValueError(f"profile {self.name!r}: host_adapters needs device_adapters, and at least as many")
         if self.adapter_load_lower_s < 0:
             raise ValueError(f"profile {self.name!r}: adapter_load_lower_s must be >= 0")
-        if (self.l2_fetch_token_s or 0) < 0 or self.l2_lookup_s < 0:
-            raise ValueError(f"profile {self.name!r}: l2_fetch_token_s and l2_lookup_s must be >= 0")
+        if (self.l2_fetch_token_s or 0) < 0 or self.l2_lookup_s < 0 or self.hop_s < 0:
+            raise ValueError(f"profile {self.name!r}: l2_fetch_token_s, l2_lookup_s and hop_s must be >= 0")
         if self.max_loaded_adapters < 0 or self.l1_chunks < 0:
             raise ValueError(f"profile {self.name!r}: max_loaded_adapters and l1_chunks must be >= 0")
 

@@ -259,3 +259,11 @@ def test_validation_scales_the_profile_by_how_much_slower_passes_ran_under_load(
     assert factor == pytest.approx(1.5)
     assert scaled_profile.step_s(100, 3) == pytest.approx(1.5 * PROFILE.step_s(100, 3))
     assert under_load(PROFILE, Counter(), idle)[1] == 1.0  # nothing measured: unchanged
+    from bench.sim.validate import LONE_PROMPT_TOKENS
+
+    hopped, _ = under_load(PROFILE, loaded, idle, PROFILE.step_s(LONE_PROMPT_TOKENS, 0) + 0.02)
+    assert hopped.hop_s == pytest.approx(0.02)  # the idle server's TTFT past the profile's pass
+    fleet = scenario()
+    plain = Fleet(fleet, fleet.scenario, PROFILE, fleet_module.place(fleet, 4), "ours").run()
+    late = Fleet(fleet, fleet.scenario, replace(PROFILE, hop_s=0.02), fleet_module.place(fleet, 4), "ours").run()
+    assert late.ttft_s == pytest.approx([t + 0.02 for t in plain.ttft_s])  # every TTFT, and nothing else
