@@ -246,22 +246,20 @@ def test_chat_turns_find_their_conversation_and_alora_calls_the_base_kv(profile:
 def test_validation_scales_the_profile_by_how_much_slower_passes_ran_under_load() -> None:
     from collections import Counter
 
-    from bench.sim.validate import pass_ratio, under_load
+    from bench.sim.validate import LONE_PROMPT_TOKENS, pass_ratio, under_load
 
     def passes(steps: int, prompt: int, generated: int, times: float) -> Counter:
         predicted = steps * PROFILE.step_overhead_s + prompt * PROFILE.prompt_token_s + generated * PROFILE.decode_seq_s
         return Counter({"loraplex_engine_steps_total": steps, "loraplex_engine_prompt_tokens_total": prompt,
                         "loraplex_engine_generated_tokens_total": generated, "loraplex_engine_step_seconds_sum": predicted * times})
 
-    idle, loaded = passes(40, 2_000, 400, 0.9), passes(300, 30_000, 5_000, 1.35)  # passes alone: 0.9 of a whole step
-    assert pass_ratio(PROFILE, idle) == pytest.approx(0.9)
-    scaled_profile, factor = under_load(PROFILE, loaded, idle)
-    assert factor == pytest.approx(1.5)
-    assert scaled_profile.step_s(100, 3) == pytest.approx(1.5 * PROFILE.step_s(100, 3))
-    assert under_load(PROFILE, Counter(), idle)[1] == 1.0  # nothing measured: unchanged
-    from bench.sim.validate import LONE_PROMPT_TOKENS
-
-    hopped, _ = under_load(PROFILE, loaded, idle, PROFILE.step_s(LONE_PROMPT_TOKENS, 0) + 0.02)
+    loaded = passes(300, 30_000, 5_000, 1.35)
+    assert pass_ratio(PROFILE, loaded) == pytest.approx(1.35)
+    scaled_profile, factor = under_load(PROFILE, loaded)
+    assert factor == pytest.approx(1.35)
+    assert scaled_profile.step_s(100, 3) == pytest.approx(1.35 * PROFILE.step_s(100, 3))
+    assert under_load(PROFILE, Counter())[1] == 1.0  # nothing measured: unchanged
+    hopped, _ = under_load(PROFILE, loaded, PROFILE.step_s(LONE_PROMPT_TOKENS, 0) + 0.02)
     assert hopped.hop_s == pytest.approx(0.02)  # the idle server's TTFT past the profile's pass
     fleet = scenario()
     plain = Fleet(fleet, fleet.scenario, PROFILE, fleet_module.place(fleet, 4), "ours").run()
