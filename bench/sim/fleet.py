@@ -12,10 +12,8 @@ down: the shared prefix tier misses and stores nothing meanwhile; Redis slow: ea
 takes longer (with the tier's costs in the profile, a request is looked up when it reaches its
 replica, off the step loop as a worker does, and waits for what it fetches).
 
-Churn (`sim.churn`): the registry's re-plan (placement.rebalance) and new versions of adapters
-(on the old one's shards, or placement.place_new) change the pins while requests run; a shard
-given an adapter serves it once its replicas have loaded it. An aLoRA pipeline's second call is
-sent when its first ends.
+Churn (`sim.churn`, bench/sim/churn.py) changes the pins while requests run. An aLoRA
+pipeline's second call is sent when its first ends.
 
 Every request ends exactly once: completed, refused (429 rate limit, 503 busy) or failed (no
 replica holds its adapter, longer than a KV slot, its replica lost).
@@ -23,27 +21,26 @@ replica holds its adapter, longer than a KV slot, its replica lost).
 
 from __future__ import annotations
 
-import bisect
 import heapq
-import itertools
 import random
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from bench.sim.churn import Churn
 from bench.sim.profile import CostProfile
 from bench.sim.replica import PrefixCache, ReplicaModel, Seq
 from bench.sim.routers import Router, make_router, request_key
 from bench.sim.workload import BASE, Fault, FleetScenario, SimRequest, requests
 from gateway.api.protocol import APIError
 from gateway.loadtest.scenario import Scenario
-from gateway.policy.placement import AdapterSpec, PlacementError, place_new, plan, rebalance, zipf_shares
+from gateway.policy.placement import AdapterSpec, plan, zipf_shares
 from gateway.policy.routing import NoCandidateError, ReplicasBusy, RoutingSettings
 from gateway.ratelimit import RateLimiter
 from gateway.tenants import Tenant
 
 OUTCOMES = ("completed", "refused_rate", "refused_busy", "failed_no_replica", "failed_too_long", "failed_replica_lost")
-_STEP, _LOADED, _FAULT, _REPLAN, _NEW_VERSION, _PINNED, _FETCHED, _ARRIVE = range(8)
+_STEP, _LOADED, _FAULT, _FETCHED, _ARRIVE, _CALL = range(6)
 
 
 def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -136,9 +133,9 @@ class Fleet:
         self.now_s = 0.0
         is_shared = fleet.sim.shared_cache if shared_cache is None else shared_cache
         self.shared = shared = PrefixCache(scenario.chunk_tokens, True, 0) if is_shared else None
-        self.has_l1 = shared is None or profile.l2_fetch_token_s is not None  # a replica's own L1 (beside the tier)
-        self.replicas = [ReplicaModel(i, profile, PrefixCache(scenario.chunk_tokens, False, profile.l1_chunks) if self.has_l1
-                                      else shared, pins, shared if self.has_l1 else None)
+        has_l1 = shared is None or profile.l2_fetch_token_s is not None  # a replica's own L1 (beside the tier)
+        self.replicas = [ReplicaModel(i, profile, PrefixCache(scenario.chunk_tokens, False, profile.l1_chunks) if has_l1
+                                      else shared, pins, shared if has_l1 else None)
                          for i, pins in enumerate(placement.pins)]
         self.redis_latency_s = 0.0  # a redis_slow fault's, while it lasts
         if any(f.kind == "redis_slow" for f in fleet.sim.faults) and (shared is None or profile.l2_fetch_token_s is None):
@@ -158,22 +155,7 @@ class Fleet:
         self._tried: dict[int, list[int]] = {}  # requests routed and not ended -> the replicas tried
         self._parked: dict[int, SimRequest] = {}  # a request's index -> the one sent once it ends
         self.down: set[int] = set()  # replicas lost, not back yet
-        churn = fleet.sim.churn
-        self.traffic: dict[str, float] = {}  # requests per adapter since the last re-plan (the registry's count)
-        self.version_of: dict[str, str] = {}  # an adapter's name in the workload -> its current version's
-        self._num_versions = 0
-        self._capacity = churn.max_adapters_per_replica or fleet.sim.max_adapters_per_replica
-        self.churn_rng = random.Random(f"{scenario.seed}-churn")
-        self._churn_names: list[str] = []
-        self._churn_weights: list[float] = []
-        if churn.replan_interval_s is not None:
-            self._push(churn.replan_interval_s, _REPLAN, 0, None)
-        if churn.new_versions_per_min > 0 and placement.holders:
-            mix = scenario.adapters
-            shares = zipf_shares(mix.names, mix.zipf_s) if mix.zipf_s is not None else dict(mix.weights)
-            self._churn_names = [n for n in mix.names if n in placement.holders]
-            self._churn_weights = list(itertools.accumulate(shares[n] for n in self._churn_names))
-            self._push(self.churn_rng.expovariate(churn.new_versions_per_min / 60), _NEW_VERSION, 0, None)
+        self.churn = Churn(self)
         for fault in fleet.sim.faults:
             self._push(fault.at_s, _FAULT, 0, (fault, True))
             if fault.at_s + fault.for_s < scenario.duration_s:
@@ -182,6 +164,10 @@ class Fleet:
     def _push(self, at_s: float, kind: int, replica: int, payload: Any) -> None:
         self._counter += 1
         heapq.heappush(self._heap, (at_s, self._counter, kind, replica, payload))
+
+    def call_at(self, at_s: float, call: Callable[..., None], *args: Any) -> None:
+        """`call(*args)` at virtual time `at_s` (churn's moves)."""
+        self._push(at_s, _CALL, 0, (call, args))
 
     def run(self) -> RunRecord:
         arrivals = requests(self.scenario)
@@ -210,12 +196,9 @@ class Fleet:
                     self._arrive(payload)
                 elif kind == _FAULT:
                     self._fault(*payload)
-                elif kind == _REPLAN:
-                    self._replan()
-                elif kind == _NEW_VERSION:
-                    self._new_version()
                 else:
-                    self._pinned(*payload)
+                    call, args = payload
+                    call(*args)
             else:
                 self.now_s = pending.at_s
                 self._arrive(pending)
@@ -247,10 +230,7 @@ class Fleet:
             return
         if request.at_s >= self.scenario.warmup_s:
             self.record.num_measured += 1
-        if self.version_of:
-            current = self.version_of.get(request.adapter)
-            if current is not None:
-                request = replace(request, adapter=current)
+        request = self.churn.current(request)
         if request.num_prompt_tokens + request.max_tokens > self.profile.slot_len:
             self._end(request, "failed_too_long")
             return
@@ -261,96 +241,8 @@ class Fleet:
         except APIError as e:
             self._end(request, "refused_rate" if e.status == 429 else "failed_too_long")
             return
-        if self.fleet.sim.churn.replan_interval_s is not None:  # the registry counts what it routes
-            self.traffic[request.adapter] = self.traffic.get(request.adapter, 0.0) + 1.0
+        self.churn.count(request.adapter)
         self._route(Seq(request, self.now_s), request_key(request, self.scenario.chunk_tokens))
-
-    # adapters moving (sim.churn): the registry's rebalance and place_new
-
-    def _shards(self) -> dict[str, list[int]]:
-        members: dict[str, list[int]] = {}
-        for i, shard in enumerate(self.placement.shards):
-            members.setdefault(shard, []).append(i)
-        return members
-
-    def _pin(self, i: int, name: str) -> None:
-        replica = self.replicas[i]
-        if name not in replica.pinned:
-            replica.pinned = replica.pinned | {name}
-            bisect.insort(self.holders.setdefault(name, []), i)
-            self.router.pins_changed(i)
-
-    def _unpin(self, i: int, name: str) -> None:
-        replica = self.replicas[i]
-        if name in replica.pinned:
-            replica.pinned = replica.pinned - {name}
-            replica.loaded.pop(name, None)
-            held = self.holders[name]
-            held.remove(i)
-            if not held:
-                del self.holders[name]
-            self.router.pins_changed(i)
-
-    def _replan(self) -> None:
-        """The registry's re-plan: rebalance over the traffic routed since, then halve it. A shard that
-        gains an adapter serves it once its replicas have loaded it; one that loses it, at once."""
-        sim, members = self.fleet.sim, self._shards()
-        shard_of = self.placement.shards
-        placed = {name: tuple(sorted({shard_of[i] for i in held})) for name, held in self.holders.items()}
-        changes = rebalance(placed, self.traffic, {shard: len(m) for shard, m in members.items()}, sim.redundancy,
-                            self._capacity)
-        self.traffic = {name: n / 2 for name, n in self.traffic.items() if n >= 1.0}
-        self.record.num_replans += 1
-        self.record.num_pins_moved += len(changes)
-        for name, shards in changes.items():
-            for shard in set(placed[name]) - set(shards):
-                for i in members[shard]:
-                    self._unpin(i, name)
-            added = [i for shard in sorted(set(shards) - set(placed[name])) for i in members[shard]]
-            if added:
-                self._push(self.now_s + self.profile.adapter_load_s, _PINNED, 0, (name, added, None))
-        interval_s = sim.churn.replan_interval_s
-        if interval_s is not None and self.now_s + interval_s < self.scenario.duration_s:
-            self._push(self.now_s + interval_s, _REPLAN, 0, None)
-
-    def _new_version(self) -> None:
-        """A tenant registers a new version of an adapter (picked by popularity): it goes where the old
-        one was (as the registry's _place does; place_new, the shards pinning the fewest, for one pinned
-        nowhere); it is served, and the old one unregistered, once they have loaded it."""
-        sim, members = self.fleet.sim, self._shards()
-        base = self.churn_rng.choices(self._churn_names, cum_weights=self._churn_weights)[0]
-        old = self.version_of.get(base, base)
-        self._num_versions += 1
-        name = f"{base}~{self._num_versions}"
-        pinned = {shard: len(self.replicas[m[0]].pinned) for shard, m in members.items()}
-        shard_of = self.placement.shards
-        shards: tuple[str, ...] = tuple(sorted({shard_of[i] for i in self.holders.get(old, ())}))  # where the old one was
-        try:
-            shards = shards or place_new(pinned, {shard: len(m) for shard, m in members.items()}, sim.redundancy,
-                                         self._capacity)
-        except PlacementError:
-            self.record.num_unplaced += 1
-        else:
-            added = [i for shard in shards for i in members[shard]]
-            self._push(self.now_s + self.profile.adapter_load_s, _PINNED, 0, (name, added, (base, old)))
-        next_s = self.now_s + self.churn_rng.expovariate(sim.churn.new_versions_per_min / 60)
-        if next_s < self.scenario.duration_s:
-            self._push(next_s, _NEW_VERSION, 0, None)
-
-    def _pinned(self, name: str, replicas: list[int], replacing: tuple[str, str] | None) -> None:
-        for i in replicas:
-            self._pin(i, name)
-        if replacing is not None:
-            base, old = replacing
-            if self.version_of.get(base, base) != old:  # a later version was served first: this one is dropped
-                for i in replicas:
-                    self._unpin(i, name)
-                return
-            self.version_of[base] = name
-            self.record.num_new_versions += 1
-            for i in list(self.holders.get(old, ())):
-                self._unpin(i, old)
-            self.traffic.pop(old, None)
 
     def _fault(self, fault: Fault, starting: bool) -> None:
         if fault.kind == "redis_down":

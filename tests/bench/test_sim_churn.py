@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import bench.sim.fleet as fleet_module
+import bench.sim.churn as churn_module
 import gateway.policy.placement as placement_module
 from bench.sim.fleet import OUTCOMES, Fleet, place
 from bench.sim.routers import ROUTERS
@@ -20,8 +20,8 @@ def run(router: str = "ours", num_replicas: int = 20, **churn: object):
 
 
 def test_the_registry_placement_functions_are_the_production_ones() -> None:
-    assert fleet_module.rebalance is placement_module.rebalance
-    assert fleet_module.place_new is placement_module.place_new
+    assert churn_module.rebalance is placement_module.rebalance
+    assert churn_module.place_new is placement_module.place_new
 
 
 def test_replans_follow_the_traffic() -> None:
@@ -43,8 +43,8 @@ def test_new_versions_replace_adapters_while_requests_run() -> None:
     """A new version goes where the old one was (the registry's _place), is served once loaded,
     and the old one is unregistered."""
     record, num_requests, placement, fleet_run = run(new_versions_per_min=30.0)
-    assert record.num_new_versions >= 15 and fleet_run.version_of
-    for base, current in fleet_run.version_of.items():
+    assert record.num_new_versions >= 15 and fleet_run.churn.version_of
+    for base, current in fleet_run.churn.version_of.items():
         assert base not in fleet_run.holders  # the old version unregistered: pinned nowhere
         assert fleet_run.holders[current] == placement.holders[base]  # on the replicas the first version was on
     assert record.num_adapter_loads == 0 and record.outcomes["failed_no_replica"] == 0
