@@ -11,6 +11,7 @@ from typing import Any
 
 from bench.sim.fleet import RunRecord
 from bench.sim.report import table, tenant_table
+from gateway.loadtest.report import PNGs
 
 WINDOW_S = 30.0  # the plots over time: one point per window
 
@@ -40,18 +41,8 @@ def _windows(times: Sequence[float], values: Sequence[float], end_s: float, q: f
 
 
 def plots(rows: Sequence[dict[str, Any]], records: Sequence[RunRecord], out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written: list[str] = []
-
-    def save(fig, name: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=100)
-        plt.close(fig)
-        written.append(name)
+    pngs = PNGs(out)
+    plt, save = pngs.plt, pngs.save
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for record in records:
@@ -99,4 +90,4 @@ def plots(rows: Sequence[dict[str, Any]], records: Sequence[RunRecord], out: Pat
     ax.set(ylabel="met the SLO (of admitted)", title="goodput per tenant", ylim=(0, 1.05))
     ax.legend(fontsize=7)
     save(fig, "goodput_per_tenant.png")
-    return written
+    return pngs.written

@@ -116,20 +116,28 @@ def cache_share_over_time(results: list[Result], window_s: float) -> tuple[list[
     return times, achieved, ideal
 
 
-def plots(results: list[Result], summary: dict[str, Any], out: Path) -> list[str]:
-    import matplotlib
+class PNGs:
+    """Figures drawn off screen and saved into `out` as PNGs; `written` names them in order."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def __init__(self, out: Path) -> None:
+        import matplotlib
 
-    ok = [r for r in results if r.status == 200]
-    written = []
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
-    def save(fig, name: str) -> None:
+        self.out, self.plt, self.written = out, plt, []
+
+    def save(self, fig: Any, name: str) -> None:
         fig.tight_layout()
-        fig.savefig(out / name, dpi=100)
-        plt.close(fig)
-        written.append(name)
+        fig.savefig(self.out / name, dpi=100)
+        self.plt.close(fig)
+        self.written.append(name)
+
+
+def plots(results: list[Result], summary: dict[str, Any], out: Path) -> list[str]:
+    pngs = PNGs(out)
+    plt, save, written = pngs.plt, pngs.save, pngs.written
+    ok = [r for r in results if r.status == 200]
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, values in (("TTFT", [r.ttft_s for r in ok if r.ttft_s is not None]), ("end to end", [r.e2e_s for r in ok if r.e2e_s])):
