@@ -161,6 +161,14 @@ def scaled(scenario: Scenario, rate_rps: float | None = None, duration_s: float 
     return scenario.model_copy(update=update)
 
 
+@dataclass(slots=True)
+class _Conversation:
+    adapter: str
+    prefix: int  # its cache key: its first request's index
+    num_tokens: int  # its last prompt's
+    turns_left: int
+
+
 def requests(scenario: Scenario) -> Iterator[SimRequest]:
     """Every request of the open-loop run in arrival order (the load tester's plan_workload,
     with prompts as prefix + own token counts), at most `max_requests`."""
@@ -179,7 +187,7 @@ def requests(scenario: Scenario) -> Iterator[SimRequest]:
     shifts = sorted((p.at_s, p.shift) for p in scenario.phases if p.shift)
     p = scenario.prompts
     prefix_pick = WeightedSampler.zipf([str(i) for i in range(p.num_prefixes)], 1.0)
-    conversations: dict[str, list[list]] = {}  # chat, per tenant, the live ones: [adapter, id, last prompt's tokens, turns left]
+    conversations: dict[str, list[_Conversation]] = {}  # chat: per tenant, the live ones
     index = 0
     for at, fixed_tenant in events:
         if index >= scenario.max_requests:
@@ -194,15 +202,17 @@ def requests(scenario: Scenario) -> Iterator[SimRequest]:
             live = conversations.setdefault(tenant, [])
             if live and rng.random() < 0.7:
                 conv = rng.choice(live)
-                last, conv[2] = conv[2], conv[2] + scenario.output_tokens.max + num_own  # the reply, then the next turn
-                conv[3] -= 1
-                if not conv[3]:
+                last = conv.num_tokens
+                conv.num_tokens += scenario.output_tokens.max + num_own  # the reply, then the next turn
+                conv.turns_left -= 1
+                if not conv.turns_left:
                     live.remove(conv)
-                yield SimRequest(index, at, tenant, conv[0], conv[1], last, conv[2] - last, max_tokens, conv[2])
+                yield SimRequest(index, at, tenant, conv.adapter, conv.prefix, last, conv.num_tokens - last, max_tokens,
+                                 conv.num_tokens)
             else:
                 turns_left = rng.randint(p.turns.min, p.turns.max) - 1
                 if turns_left:
-                    live.append([adapter, index, num_own, turns_left])
+                    live.append(_Conversation(adapter, index, num_own, turns_left))
                 yield SimRequest(index, at, tenant, adapter, index, 0, num_own, max_tokens, num_own)
             index += 1
             continue
