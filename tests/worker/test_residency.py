@@ -162,6 +162,7 @@ def test_budgets_hold_under_churn(tiny_llama, stored) -> None:
                 fp = rng.choice(fingerprints)
                 got = tokens(await deltas_of(worker, call(0, fp, max_tokens=4)))
                 assert expected.setdefault(fp, got) == got
+                seen.append(worker.residency.residents())  # at every answer too: the watcher's samples depend on the loop
 
             async def watch() -> None:
                 while True:
