@@ -130,6 +130,7 @@ def serve_config(model_path: Path, adapters: list[Path], args: argparse.Namespac
         "engine": {"num_slots": args.requests, "max_step_tokens": args.step_tokens, "threads": args.device_settings.threads,
                    "decode_threads": args.device_settings.decode_threads},
         "http": {"max_tokens_default": args.max_tokens, "listener": args.listener},
+        "auth": "none", "state": {"ephemeral": True},  # a benchmark on this machine: no keys, state in its Redis
     }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import secrets
 import time
@@ -31,6 +32,8 @@ SHOWN_CHARS = len(KEY_PREFIX) + 4  # how much of a key listings show
 TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_KEYS_PER_TENANT = 64
 MAX_KEY_NAME_CHARS = 128
+MAX_ADAPTER_PATHS = 64  # a tenant's adapter_paths, each an absolute directory of at most MAX_PATH_CHARS
+MAX_PATH_CHARS = 4096
 FORGET_ENDED_KEYS_S = 30 * 24 * 3600  # a revoked or expired key's record is dropped this long after
 RESERVED_IDS = frozenset({"anonymous"})  # the open deployment's tenant (gateway/tenants.py)
 
@@ -54,6 +57,7 @@ class TenantRecord:
     shared_cache: bool = False
     max_adapters: int = 32
     max_adapter_bytes: int = 1 << 30
+    adapter_paths: tuple[str, ...] = ()  # absolute directories its keys may load adapters from by server path
     is_disabled: bool = False  # its keys are refused (403) until it is enabled again
     is_deleted: bool = False  # a tombstone: the id is never used again (its usage, responses and cache salt stay its own)
     created_s: float = 0.0
@@ -72,12 +76,14 @@ class TenantRecord:
         data = _known(cls, data)  # a field a newer gateway wrote is ignored here (rolling upgrades)
         if data.get("adapters") is not None:
             data["adapters"] = tuple(data["adapters"])
+        data["adapter_paths"] = tuple(data.get("adapter_paths", ()))
         return cls(**data)
 
     def public(self) -> dict[str, Any]:
         out = asdict(self)
         del out["kind"], out["is_deleted"]
         out["adapters"] = "*" if self.adapters is None else list(self.adapters)
+        out["adapter_paths"] = list(self.adapter_paths)
         return out
 
 
@@ -113,15 +119,64 @@ class KeyRecord:
         return out
 
 
+# what an operator key may do; "admin" may do everything, operator keys and the audit log included
+SCOPES = ("admin", "tenants", "adapters", "usage", "observe")
+SCOPE_HELP = {"admin": "everything, operator keys and the audit log included", "tenants": "tenants and their keys",
+              "adapters": "shared adapters, and any tenant's (?owner=)", "usage": "every tenant's usage, read only",
+              "observe": "/metrics and /health's details"}
+MAX_OPERATOR_KEYS = 64
+OPERATOR_KEY_PREFIX = "sk-lpop-"
+
+
+@dataclass(frozen=True)
+class OperatorKeyRecord:
+    """An operator key made at run time (the config's operator keys are the bootstrap: admin, fixed)."""
+
+    id: str
+    sha256: str
+    shown: str
+    scopes: tuple[str, ...]
+    name: str = ""
+    created_s: float = 0.0
+    created_by: str = ""  # the operator key that made it
+    expires_s: float | None = None
+    revoked_s: float | None = None
+    kind: str = "operator_key"
+
+    @property
+    def key(self) -> str:
+        return f"operator_key/{self.id}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OperatorKeyRecord:
+        data = _known(cls, data)
+        data["scopes"] = tuple(data.get("scopes") or ())
+        return cls(**data)
+
+    def is_valid(self, now_s: float) -> bool:
+        return self.revoked_s is None and (self.expires_s is None or now_s < self.expires_s)
+
+    def public(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k not in ("kind", "sha256")}
+        out.update(shown=self.shown + "...", scopes=list(self.scopes), object="operator_key")
+        return out
+
+
 class AccountRecords:
-    """The record type of the store: a tenant or a key, by its `kind`."""
+    """The record type of the store: a tenant, a key or an operator key, by its `kind`."""
 
     @staticmethod
-    def from_dict(data: dict[str, Any]) -> TenantRecord | KeyRecord:
-        return KeyRecord.from_dict(data) if data.get("kind") == "key" else TenantRecord.from_dict(data)
+    def from_dict(data: dict[str, Any]) -> TenantRecord | KeyRecord | OperatorKeyRecord:
+        kind = data.get("kind")
+        if kind == "operator_key":
+            return OperatorKeyRecord.from_dict(data)
+        return KeyRecord.from_dict(data) if kind == "key" else TenantRecord.from_dict(data)
 
     @staticmethod
-    def from_json(text: str | bytes) -> TenantRecord | KeyRecord:
+    def from_json(text: str | bytes) -> TenantRecord | KeyRecord | OperatorKeyRecord:
         return AccountRecords.from_dict(json.loads(text))
 
 
@@ -140,7 +195,18 @@ def keys_of(records: Records, tenant: str | None = None) -> list[KeyRecord]:
     return sorted(keys, key=lambda k: (k.created_s, k.id))
 
 
-def _ended_s(key: KeyRecord) -> float:
+def operator_keys_of(records: Records) -> list[OperatorKeyRecord]:
+    keys = (r for r in records.values() if isinstance(r, OperatorKeyRecord))
+    return sorted(keys, key=lambda k: (k.created_s, k.id))
+
+
+def checked_scopes(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v in SCOPES for v in value):
+        raise AccountError(400, f"scopes: a non-empty list of {', '.join(SCOPES)}", "invalid_value")
+    return tuple(dict.fromkeys(value))
+
+
+def _ended_s(key: KeyRecord | OperatorKeyRecord) -> float:
     ended = [t for t in (key.revoked_s, key.expires_s) if t is not None]
     return min(ended) if ended else float("inf")
 
@@ -163,12 +229,17 @@ TENANT_FIELDS = {  # what the operator may set, and its check
     "shared_cache": lambda v: isinstance(v, bool),
     "max_adapters": lambda v: _is_int(v) and 0 <= v <= 100_000,
     "max_adapter_bytes": lambda v: _is_int(v) and 0 <= v <= 1 << 50,
+    "adapter_paths": lambda v: isinstance(v, list) and len(v) <= MAX_ADAPTER_PATHS and all(_is_absolute_path(p) for p in v),
     "disabled": lambda v: isinstance(v, bool),
 }
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_absolute_path(v: Any) -> bool:
+    return isinstance(v, str) and os.path.isabs(v) and len(v) <= MAX_PATH_CHARS and "\0" not in v
 
 
 def checked_fields(body: Any) -> dict[str, Any]:
@@ -184,6 +255,8 @@ def checked_fields(body: Any) -> dict[str, Any]:
     out = {k: v for k, v in body.items() if k != "id"}
     if "adapters" in out:
         out["adapters"] = None if out["adapters"] == "*" else tuple(out["adapters"])
+    if "adapter_paths" in out:
+        out["adapter_paths"] = tuple(out["adapter_paths"])
     if "disabled" in out:
         out["is_disabled"] = out.pop("disabled")
     return out
@@ -253,7 +326,9 @@ class Accounts:
                         replacing: str | None = None, old_expires_s: float | None = None) -> tuple[str, KeyRecord, str | None]:
         """A new key of `tenant_id`: the key itself, its record, and a warning when no Redis replica
         acknowledged it in time (it is shown anyway: refusing would lose a key that works). With
-        `replacing` (rotation): that key expires at `old_expires_s` (now when None) in the same change."""
+        `replacing` (rotation): that key expires at `old_expires_s` (now when None) in the same change.
+        A tenant has at most MAX_KEYS_PER_TENANT live keys, the old one of a rotation with a grace period
+        included (counted once); a rotation that ends the old key now is always allowed."""
         self._config_tenant(tenant_id)
         if not isinstance(name, str) or len(name) > MAX_KEY_NAME_CHARS:
             raise AccountError(400, f"name: at most {MAX_KEY_NAME_CHARS} characters", "invalid_value")
@@ -269,15 +344,17 @@ class Accounts:
             changes: dict[str, Any] = {record.key: record}
             # keys revoked or expired long ago are forgotten (the set every gateway reads stays small)
             changes.update((k.key, None) for k in keys_of(records, tenant_id) if _ended_s(k) < now_s - FORGET_ENDED_KEYS_S)
+            is_ending_old_now = False
             if replacing is not None:
                 old = records.get(f"key/{replacing}")
                 if not isinstance(old, KeyRecord) or old.tenant != tenant_id:
                     raise AccountError(404, f"key {replacing!r} not found", "key_not_found")
                 until_s = now_s if old_expires_s is None else min(old_expires_s, old.expires_s or old_expires_s)
                 changes[old.key] = replace(old, expires_s=until_s)
-            elif len(live) >= MAX_KEYS_PER_TENANT:
-                raise AccountError(403, f"tenant {tenant_id!r} has {len(live)} keys, the most it may: revoke one first",
-                                   "key_limit")
+                is_ending_old_now = until_s <= now_s  # the new key takes its place; otherwise both are live for a while
+            if not is_ending_old_now and len(live) >= MAX_KEYS_PER_TENANT:
+                hint = "revoke one, or rotate with no grace period (grace_s 0)" if replacing is not None else "revoke one first"
+                raise AccountError(403, f"tenant {tenant_id!r} has {len(live)} keys, the most it may: {hint}", "key_limit")
             return changes, record
 
         try:
@@ -298,6 +375,62 @@ class Accounts:
 
         return (await self.records.transact(revoke))[1]
 
+    async def issue_operator_key(self, scopes: tuple[str, ...], by: str, name: str = "", expires_s: float | None = None,
+                                 replacing: str | None = None, old_expires_s: float | None = None,
+                                 ) -> tuple[str, OperatorKeyRecord, str | None]:
+        """A new operator key with `scopes`, made by operator `by`: the key itself (shown once), its record,
+        and a warning when no Redis replica acknowledged it. With `replacing` (rotation): that key ends at
+        `old_expires_s` (now when None) in the same change, and the new one takes its scopes when none are given."""
+        if not isinstance(name, str) or len(name) > MAX_KEY_NAME_CHARS:
+            raise AccountError(400, f"name: at most {MAX_KEY_NAME_CHARS} characters", "invalid_value")
+        now_s = self.clock()
+        if expires_s is not None and expires_s <= now_s:
+            raise AccountError(400, "the key's expiry is in the past", "invalid_value")
+        key = OPERATOR_KEY_PREFIX + secrets.token_urlsafe(32)
+        made: list[OperatorKeyRecord] = []  # the record of the last try (the change may run again)
+
+        def issue(records: Records):
+            record = OperatorKeyRecord("opk_" + secrets.token_hex(8), digest(key), key[:len(OPERATOR_KEY_PREFIX) + 4],
+                                       scopes, name, now_s, by, expires_s)
+            changes: dict[str, Any] = {record.key: record}
+            changes.update((k.key, None) for k in operator_keys_of(records) if _ended_s(k) < now_s - FORGET_ENDED_KEYS_S)
+            live = [k for k in operator_keys_of(records) if k.is_valid(now_s)]
+            if replacing is not None:
+                old = records.get(f"operator_key/{replacing}")
+                if not isinstance(old, OperatorKeyRecord):
+                    raise AccountError(404, f"operator key {replacing!r} not found", "key_not_found")
+                record = replace(record, scopes=scopes or old.scopes)
+                changes[record.key] = record
+                until_s = now_s if old_expires_s is None else min(old_expires_s, old.expires_s or old_expires_s)
+                changes[old.key] = replace(old, expires_s=until_s)
+                is_old_live = until_s > now_s and old.is_valid(now_s)
+                if is_old_live and len(live) + 1 > MAX_OPERATOR_KEYS:
+                    raise AccountError(403, f"{len(live)} operator keys are live, the most there may be: rotate without a "
+                                       "grace period, or revoke one first", "key_limit")
+            elif len(live) >= MAX_OPERATOR_KEYS:
+                raise AccountError(403, f"{len(live)} operator keys are live, the most there may be: revoke one first",
+                                   "key_limit")
+            if not record.scopes:
+                raise AccountError(400, f"scopes: a non-empty list of {', '.join(SCOPES)}", "invalid_value")
+            made.append(record)
+            return changes, record
+
+        try:
+            await self.records.transact(issue)
+        except ReplicaDidNotAcknowledge as e:  # committed on the master: the key works unless a failover loses it
+            return key, made[-1], str(e)
+        return key, made[-1], None
+
+    async def revoke_operator_key(self, key_id: str) -> OperatorKeyRecord:
+        def revoke(records: Records):
+            old = records.get(f"operator_key/{key_id}")
+            if not isinstance(old, OperatorKeyRecord):
+                raise AccountError(404, f"operator key {key_id!r} not found", "key_not_found")
+            record = old if old.revoked_s is not None else replace(old, revoked_s=self.clock())
+            return {record.key: record}, record
+
+        return (await self.records.transact(revoke))[1]
+
     async def load(self) -> tuple[int, Records]:
         return await self.records.load()
 
@@ -309,9 +442,9 @@ class Snapshot:
     version: int = -1
     tenants: dict[str, TenantRecord] = field(default_factory=dict)
     keys_by_digest: dict[str, KeyRecord] = field(default_factory=dict)
-    has_had_tenants: bool = False  # a tenant was ever made (deleted ones too): the deployment is no longer open
+    operator_keys_by_digest: dict[str, OperatorKeyRecord] = field(default_factory=dict)
 
     @classmethod
     def of(cls, version: int, records: Records) -> Snapshot:
-        ever = any(isinstance(r, TenantRecord) for r in records.values())
-        return cls(version, tenants_of(records), {k.sha256: k for k in keys_of(records)}, ever)
+        return cls(version, tenants_of(records), {k.sha256: k for k in keys_of(records)},
+                   {k.sha256: k for k in operator_keys_of(records)})

@@ -17,6 +17,8 @@ stdlib dataclasses without their own config). The file's shape, old spellings in
               timeout_s, redis_password_file, redis_cluster are RedisConfig's (cache/l2.py) url, ..., cluster
     routing:  RoutingSettings (gateway/policy/routing.py); `routing: affinity` is `{policy: affinity}`
     tracing:  TracingSettings (worker/contract/tracing.py): otlp_endpoint, service_name, sample_ratio
+    state:    StateSettings (gateway/state.py): the state store's redis_url, cluster, ephemeral, stale_after_s
+    auth:     keys (every request needs a key) or none (one anonymous tenant: said, never inferred)
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from cache.l2 import RedisConfig
 from cache.prefix import PrefixCacheConfig
 from gateway.policy.nodes import selector_error
 from gateway.policy.routing import RoutingSettings
+from gateway.state import StateSettings
+from gateway.state import config_error as state_config_error
+from gateway.state import state_redis as _state_redis
 from worker.contract.spec import DEFAULT_FINGERPRINT_DIR, DeviceSettings, EngineConfig, ResidencySettings, WorkerSpec
 from worker.contract.tracing import TracingSettings  # gateway/tracing.py's; defined with the workers', who get it too
 
@@ -95,6 +100,9 @@ class TenantConfig(_Strict):
     shared_cache: bool = False  # opt in to the shared cache salt (default: its own)
     max_adapters: int = Field(32, ge=0)  # adapters it may register at run time (POST /v1/adapters)
     max_adapter_bytes: int = Field(1 << 30, ge=0)  # their total size
+    # directories its keys may load adapters from by server path (load_lora_adapter's lora_path), each
+    # within registry.allowed_paths; none: it registers adapters by uploading them
+    adapter_paths: list[str] = Field(default_factory=list)
 
     @field_validator("key_sha256")
     @classmethod
@@ -125,6 +133,8 @@ class HTTPSettings(_Strict):
     node_labels: NodeLabels = Field(default_factory=dict)
     # origins browsers may call the API from (CORS): ["*"] any, llama-server's default; []: none
     cors_origins: list[str] = Field(default_factory=lambda: ["*"])
+    # listen beyond loopback with the public example keys, or with no auth (auth: none): only when said
+    allow_insecure_bind: bool = False
 
 
 class RegistrySettings(_Strict):
@@ -162,6 +172,10 @@ class ServeConfig(_Strict):
     tenants_file: str | None = None  # more tenants, from a YAML list (a mounted Secret on Kubernetes)
     operator_key_sha256: list[str] = Field(default_factory=list)  # keys for /metrics, /health's details (SHA-256)
     operator_key_file: str | None = None  # an operator key itself, from a mounted Secret (hashed when read)
+    # keys: every request needs a tenant's key (the config's or a run-time one); none: no auth, one anonymous
+    # tenant, said here and never inferred from what a store holds (a local deployment)
+    auth: Literal["keys", "none"] = "keys"
+    state: StateSettings = StateSettings()  # where accounts, usage and the registry are kept (gateway/state.py)
     engine: EngineConfig = EngineConfig()
     device: DeviceSettings = DeviceSettings()
     residency: ResidencySettings = ResidencySettings()  # adapters' tiers on each worker (device, host, disk): budgets
@@ -230,7 +244,20 @@ class ServeConfig(_Strict):
                 for name in tenant.adapters:
                     if name not in known:
                         raise ValueError(f"tenants[{i}] ({tenant.id}): unknown adapter {name!r}")
+        if self.auth == "none" and self.tenants:
+            raise ValueError("auth: none serves everyone anonymously, and tenants are configured: "
+                             "remove the tenants or use auth: keys")
+        if self.auth == "keys" and not self.tenants and not self.operator_key_sha256:
+            raise ValueError("no tenants and no operator key: nobody could call this deployment; add tenants or an "
+                             "operator key (operator_key_sha256, operator_key_file), or set auth: none for an open one")
+        for error in (state_config_error(self.state, self.cache.redis), exposure_error(self)):
+            if error is not None:
+                raise ValueError(error)
         return self
+
+    def state_redis(self) -> RedisConfig | None:
+        """The state store's Redis (gateway/state.py): state.redis_url, else the cache's (ephemeral)."""
+        return _state_redis(self.state, self.cache.redis)
 
     def resolve(self, path: str) -> Path:
         p = Path(path).expanduser()
@@ -316,6 +343,29 @@ def _unique(what: str, names: list[str]) -> None:
 
 def key_digest(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+# the keys deploy/serve.yaml and the docs show: anyone can read them
+EXAMPLE_KEYS = ("sk-loraplex-demo", "sk-loraplex-acme", "sk-loraplex-operator")
+EXAMPLE_KEY_DIGESTS = frozenset(key_digest(k) for k in EXAMPLE_KEYS)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def exposure_error(config: ServeConfig) -> str | None:
+    """Why `config` may not listen where it says (None: it may): beyond loopback, the public example
+    keys or no auth at all would let anyone in, unless http.allow_insecure_bind says the operator means it."""
+    if config.http.host in LOOPBACK_HOSTS or config.http.host.startswith("127.") or config.http.allow_insecure_bind:
+        return None
+    digests = {d for t in config.tenants for d in t.key_sha256} | set(config.operator_key_sha256)
+    examples = digests & EXAMPLE_KEY_DIGESTS
+    if config.auth == "none":
+        why = "with auth: none (no keys at all)"
+    elif examples:
+        why = f"with {len(examples)} of the public example keys (deploy/serve.yaml's sk-loraplex-*)"
+    else:
+        return None
+    return (f"http.host {config.http.host} listens beyond loopback {why}: anyone who reaches it gets in; use keys of "
+            "your own, or set http.allow_insecure_bind: true (--allow-insecure-bind) if that is meant")
 
 
 def describe_errors(e: ValidationError) -> str:

@@ -13,9 +13,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from gateway.admission import Admission, Prepared
+from gateway.audit import open_audit
 from gateway.api.protocol import APIError
 from gateway.catalog import Catalog
 from gateway.config import ServeConfig
@@ -44,8 +46,9 @@ class Gateway:
         self.tenants = open_tenants(config, clock)
         self.limiter = limiter or RateLimiter()
         self.registry = registry or open_registry(config, catalog, pool, clock)
-        self.usage = open_ledger(config.cache.redis)
+        self.usage = open_ledger(config.state_redis())
         self.responses = open_response_store(config)  # the Responses API's stored responses
+        self.audit = open_audit(config.state_redis(), Path(config.blob_store().cache_dir).expanduser())
         self.admission = Admission(config, catalog, self.limiter, self.registry, clock, self.usage)
         self.metrics = metrics or GatewayMetrics()
         self.tracing = open_tracing(config.tracing, "gateway")
@@ -273,7 +276,27 @@ class Gateway:
             status = "degraded"
         else:
             status = "ok"
-        return {"status": status, "redis": redis, "shards": shards, "registry": self.registry.health()}
+        state = self.state_health()
+        if state["status"] != "ok":
+            status = "down" if state["status"] == "refused" else "degraded"
+        return {"status": status, "redis": redis, "state": state, "shards": shards, "registry": self.registry.health()}
+
+    def state_health(self) -> dict[str, Any]:
+        """The state store as this gateway sees it: ok; stale (run-time keys not read within the bound:
+        refused until it is read again); refused (its check failed: every request refused)."""
+        tenants = self.tenants
+        age_s = None if tenants.read_ok_s is None else max(0.0, self._clock() - tenants.read_ok_s)
+        if tenants.refused is not None:
+            status = "refused"
+        elif age_s is None or age_s > tenants.stale_after_s:
+            status = "stale"
+        else:
+            status = "ok"
+        out: dict[str, Any] = {"status": status, "read_age_s": None if age_s in (None, float("inf")) else round(age_s, 3)}
+        for name, why in (("refused", tenants.refused), ("went_back", tenants.went_back)):
+            if why is not None:
+                out[name] = why
+        return out
 
     async def full_metrics(self) -> str:
         """The gateway's metrics and every replica's (asked all at once, within a timeout)."""

@@ -159,8 +159,8 @@ ResponseStore = LocalResponses | RedisResponses
 
 
 def open_response_store(config: ServeConfig) -> ResponseStore:
-    """The deployment's store: in its Redis when it has one, else in this process."""
-    redis_config = config.cache.redis
+    """The deployment's store: in its state store's Redis when it has one, else in this process."""
+    redis_config = config.state_redis()
     if redis_config is None:
         return LocalResponses()
     return RedisResponses(connect(redis_config, is_async=True), redis_config.key_prefix)

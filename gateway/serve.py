@@ -18,6 +18,7 @@ started, or leaves the cluster it joined running.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
@@ -33,9 +34,11 @@ from ray.serve.exceptions import RayServeException
 
 from gateway.channel import Channels, ReplicaChannel
 from gateway.cluster import JoinError, alive_nodes, call_within, connect, ray_address, this_node
-from gateway.config import ConfigError, ServeConfig, ShardConfig, load_config, parse_config
+from gateway.config import ConfigError, ServeConfig, ShardConfig, exposure_error, load_config, parse_config
 from gateway.policy.nodes import Node, ReplicaDemand, node_options, spread
 from gateway.pool import WorkerFailed, replica_infos
+from gateway.state import StateStoreRefused
+from gateway.state import check as check_state
 from worker.contract.calls import Delta, WorkerCall
 from worker.contract.spec import WorkerSpec
 
@@ -197,11 +200,11 @@ class GatewayIngress:
 
 
 def _rate_limiter(config: ServeConfig) -> RateLimiter:
-    """Rate limits in the deployment's Redis (an asyncio client), or per process without one.
+    """Rate limits in the deployment's state store (an asyncio client), or per process without one.
     An unreachable Redis is found on first use: limits then count per process for a while."""
     from gateway.ratelimit import RateLimiter
 
-    redis = config.cache.redis
+    redis = config.state_redis()
     if redis is None:
         return RateLimiter()
     from cache.l2 import connect
@@ -319,18 +322,36 @@ def _stop(*, is_deployed: bool, is_joined: bool, was_serve_idle: bool) -> None:
         ray.shutdown()  # a local Ray: every process of it; a joined cluster: this driver's connection only
 
 
+def _check_state_store(config: ServeConfig) -> None:
+    """StateStoreRefused for a state store that may lose state (gateway/state.py); one that cannot be
+    reached yet is said and left to the gateways, which check it before they first read it."""
+    from cache.l2 import client_errors
+
+    try:
+        asyncio.run(check_state(config.state, config.state_redis()))
+    except client_errors() as e:
+        print(f"loraplex: the state store cannot be reached yet ({type(e).__name__}); requests that need it wait for it",
+              file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
         updates = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        if getattr(args, "allow_insecure_bind", False):
+            updates["allow_insecure_bind"] = True
         if updates:
             config = config.model_copy(update={"http": config.http.model_copy(update=updates)})
+        exposed = exposure_error(config)  # the config was checked as written; --host may move it
+        if exposed is not None:
+            raise ConfigError(exposed)
+        _check_state_store(config)
         from gateway.catalog import Catalog
 
         print(f"loraplex: checking {config.model or 'the default model'} and {len(config.adapters)} adapter(s)...",
               file=sys.stderr, flush=True)
         catalog = Catalog(config)  # a bad model or adapter file stops here, before Ray starts
-    except (ConfigError, ValueError, OSError) as e:
+    except (ConfigError, ValueError, OSError, StateStoreRefused) as e:
         print(f"loraplex serve: {e}", file=sys.stderr)
         return 2
     for name, value in SERVE_ENV.items():  # a local Ray's processes inherit them (a cluster's nodes set their own)

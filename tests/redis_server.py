@@ -12,19 +12,27 @@ from bench.cluster import free_port
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None) -> None:
+    """`args`: more of redis-server's options (its defaults here: no persistence)."""
+
+    def __init__(self, port: int | None = None, args: tuple[str, ...] = ()) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt install redis-server)")
-        self.binary, self.port = binary, port or free_port()
+        self.binary, self.port, self.args = binary, port or free_port(), tuple(args)
         self.process: subprocess.Popen | None = None
+
+    @classmethod
+    def durable(cls, directory, port: int | None = None) -> RedisServer:
+        """A state store as production runs one: AOF in `directory`, never evicting."""
+        return cls(port, ("--appendonly", "yes", "--appendfsync", "always", "--dir", str(directory),
+                          "--maxmemory-policy", "noeviction"))
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *self.args]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_timeout=0.5)
         deadline = time.monotonic() + 10

@@ -3,8 +3,15 @@
 over the same registry (gateway/registry/).
 
 A tenant's key manages that tenant's names; the operator's key manages the shared ones
-(and, with `?owner=`, any tenant's). An upload (gateway/api/uploads.py) has its own size
+(and, with `?owner=`, any known tenant's). An upload (gateway/api/uploads.py) has its own size
 limit. A bad file is a 400 with llama.cpp's message and changes nothing.
+
+Loading by server path (`/v1/load_lora_adapter`'s `lora_path`) reads only under the
+directories `registry.allowed_paths` names: the operator's key loads from any of them; a
+tenant's key only from those of them its tenant's own `adapter_paths` name too (none: a 403
+`path_not_allowed`, and the tenant uploads its adapters instead). Whatever the route, a
+tenant whose ACL lists its adapters may not register the content of a shared adapter the
+list leaves out (a 403 `adapter_not_allowed`; gateway/registry/registry.py).
 """
 
 from __future__ import annotations
@@ -89,7 +96,8 @@ async def _caller(request: Request) -> tuple[Gateway, str, Tenant | None]:
     """(gateway, owner, tenant or None for the operator)."""
     gateway = gateway_of(request)
     gateway.registry.ensure_running()
-    if gateway.tenants.is_operator(credentials(request)):
+    await gateway.tenants.refresh_if_stale()  # run-time operator keys, as fresh as tenants' keys
+    if gateway.tenants.is_operator(credentials(request), "adapters"):
         return gateway, SHARED, None
     gateway, tenant, _ = await begin(request)
     return gateway, tenant.id, tenant
@@ -128,6 +136,10 @@ async def _register(gateway: Gateway, owner: str, tenant: Tenant | None, name: s
 async def upload(request: Request) -> JSONResponse:
     gateway, owner, tenant = await _caller(request)
     owner = _owner_of(request, owner, tenant)
+    if tenant is None and owner != SHARED:
+        await gateway.tenants.refresh_if_stale()
+        if owner not in gateway.tenants.by_id:
+            raise APIError(404, f"tenant {owner[:80]!r} not found", "tenant_not_found")
     form = await read_form(request, gateway.config.registry.max_upload_bytes)
     try:
         name = _check_name(form.get("name"))
@@ -140,8 +152,8 @@ async def upload(request: Request) -> JSONResponse:
 def _visible(gateway: Gateway, tenant: Tenant | None) -> list[tuple[str, AdapterInfo, AdapterRecord | None]]:
     """(name, info, its registry record or None for a config adapter) of what the caller sees."""
     registry = gateway.registry
-    if tenant is not None:
-        records = {r.name: r for r in registry.owned(tenant.id)} | {r.name: r for r in registry.owned(SHARED)}
+    if tenant is not None:  # its own record wins over a shared one of that name (one it cannot see)
+        records = {r.name: r for r in registry.owned(SHARED)} | {r.name: r for r in registry.owned(tenant.id)}
         return [(n, info, records.get(n) if records.get(n) and records[n].fingerprint == info.fingerprint else None)
                 for n, info in registry.visible(tenant).items()]
     shared = [(n, info, None) for n, info in registry.seed.items()]
@@ -184,16 +196,29 @@ async def delete_adapter(name: str, request: Request) -> dict[str, Any]:
     return {"object": "adapter.deleted", "name": name, "fingerprint": record.fingerprint, "deleted": True}
 
 
+def _own_paths(gateway: Gateway, tenant: Tenant | None) -> list[Path] | None:
+    """The directories a caller's lora_path must lie in besides registry.allowed_paths: None for
+    the operator (and an open deployment's caller, who holds its authority); a tenant's own
+    adapter_paths (relative: to the config file), a 403 when it has none."""
+    if tenant is None or gateway.tenants.is_operator_open:
+        return None
+    if not tenant.adapter_paths:
+        raise APIError(403, "loading an adapter by server path is the operator's: this key may upload adapters "
+                       "(POST /v1/adapters), its tenant has no adapter_paths to load from", "path_not_allowed")
+    return [gateway.config.resolve(p) for p in tenant.adapter_paths]
+
+
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: Request) -> PlainTextResponse:
     gateway, owner, tenant = await _caller(request)
     body = await read_parsed(request, gateway, LoadLoRARequest)
     name = _check_name(body.lora_name)
     roots, base_dir = gateway.config.allowed_paths(), Path(gateway.config.base_dir)
+    within = _own_paths(gateway, tenant)
 
     def read(scratch: Path) -> LoRAAdapter:
         try:
-            return read_server_path(body.lora_path, roots, base_dir, gateway.catalog.base, scratch)
+            return read_server_path(body.lora_path, roots, base_dir, gateway.catalog.base, scratch, within)
         except PathNotAllowed as e:
             raise _Refused(403, str(e), "path_not_allowed") from e
         except FileNotFoundError as e:

@@ -25,6 +25,7 @@ from gateway.api import (
     anthropic_routes,
     llama_routes,
     openai_routes,
+    operator_keys,
     operator_routes,
     responses_routes,
     tenant_routes,
@@ -135,7 +136,7 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal)
     app.add_exception_handler(RegistryUnavailable, registry_unavailable)
-    for routes in (openai_routes, llama_routes, operator_routes, adapters, anthropic_routes, responses_routes, tenant_routes,
+    for routes in (openai_routes, llama_routes, operator_routes, operator_keys, adapters, anthropic_routes, responses_routes, tenant_routes,
                    usage_routes):
         app.include_router(routes.router)
     app.add_middleware(ConfiguredCORS)

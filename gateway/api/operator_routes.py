@@ -1,5 +1,5 @@
-"""The operator's routes (torch-free): `/health` and `/metrics`. They take the operator's key,
-not a tenant's, and count against no rate limit."""
+"""The operator's routes (torch-free): `/health` and `/metrics`. They take an operator key with
+the `observe` scope (gateway/tenants.py), not a tenant's, and count against no rate limit."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ async def health(request: Request) -> JSONResponse:
     With the operator key: every shard and replica, and the cache's Redis state (503 when a shard
     has no healthy replica)."""
     gateway = gateway_of(request)
-    if not gateway.tenants.is_operator_open and not gateway.tenants.is_operator(credentials(request)):
+    if not gateway.tenants.is_operator(credentials(request), "observe"):
         return JSONResponse({"status": "ok"})
     report = await gateway.full_health()
     return JSONResponse(report, status_code=200 if report["status"] != "down" else 503)
@@ -27,5 +27,5 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
     gateway = gateway_of(request)
-    gateway.tenants.authenticate_operator(credentials(request))
+    gateway.tenants.authenticate_operator(credentials(request), "observe")
     return PlainTextResponse(await gateway.full_metrics(), media_type="text/plain; version=0.0.4")

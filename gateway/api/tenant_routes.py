@@ -1,8 +1,9 @@
 """The operator's tenants and keys (torch-free): `/v1/tenants[/{id}[/keys[/{key_id}[/rotate]]]]`.
 
-Every route takes an operator key, and one must be configured: run-time tenants are never made
-by an unauthenticated caller. A change is answered once it is committed (gateway/accounts.py),
-and this gateway applies it at once; the others within ACCOUNTS_POLL_S (gateway/tenants.py).
+Every route takes an operator key with the `tenants` scope (gateway/tenants.py): run-time tenants
+are never made by an unauthenticated caller. A change is answered once it is committed
+(gateway/accounts.py), and this gateway applies it at once; the others within ACCOUNTS_POLL_S.
+Every change is written to the audit log (gateway/audit.py) with the operator key that made it.
 Tenants from the config file are listed (`source: config`) and cannot be changed here.
 """
 
@@ -25,13 +26,17 @@ MAX_EXPIRY_S = 10 * 365 * 24 * 3600
 
 async def _operator(request: Request) -> tuple[Gateway, Accounts]:
     gateway = gateway_of(request)
-    if not gateway.tenants.is_operator(credentials(request)):
-        gateway.tenants.authenticate_operator(credentials(request))
-        raise APIError(403, "managing tenants needs an operator key, and none is configured (operator_key_sha256)",
-                       "operator_only")
+    await gateway.tenants.refresh_if_stale()  # run-time operator keys, as fresh as tenants' keys
+    request.state.operator = gateway.tenants.authenticate_operator(credentials(request), "tenants")
     if gateway.tenants.accounts is None:
         raise APIError(503, "this gateway keeps no run-time tenants", "tenants_unavailable")
     return gateway, gateway.tenants.accounts
+
+
+async def audited(request: Request, gateway: Gateway, action: str, target: str, **detail: Any) -> dict[str, str]:
+    """The change written to the audit log as the calling operator's; a warning for the answer if it could not be."""
+    warning = await gateway.audit.record(request.state.operator.id, action, target, detail)
+    return {} if warning is None else {"audit_warning": warning}
 
 
 async def _body(request: Request, gateway: Gateway) -> dict[str, Any]:
@@ -41,10 +46,7 @@ async def _body(request: Request, gateway: Gateway) -> dict[str, Any]:
 
 async def _changed(gateway: Gateway, accounts: Accounts) -> Snapshot:
     """The records after a change, applied to this gateway's view at once."""
-    version, records = await accounts.load()
-    snapshot = Snapshot.of(version, records)
-    gateway.tenants.apply(snapshot)
-    return snapshot
+    return await gateway.tenants.read_now()
 
 
 def _config_tenant(tenant: Tenant, digests: list[str]) -> dict[str, Any]:
@@ -52,7 +54,7 @@ def _config_tenant(tenant: Tenant, digests: list[str]) -> dict[str, Any]:
             "requests_per_min": tenant.requests_per_min, "tokens_per_min": tenant.tokens_per_min,
             "tokens_per_day": tenant.tokens_per_day, "tokens_per_month": tenant.tokens_per_month,
             "shared_cache": tenant.shared_cache, "max_adapters": tenant.max_adapters,
-            "max_adapter_bytes": tenant.max_adapter_bytes, "is_disabled": False,
+            "max_adapter_bytes": tenant.max_adapter_bytes, "adapter_paths": list(tenant.adapter_paths), "is_disabled": False,
             "keys": [{"id": config_key_id(d), "source": "config"} for d in digests]}
 
 
@@ -84,6 +86,11 @@ def _warned(warning: str | None) -> dict[str, str]:
     return {} if warning is None else {"warning": warning}
 
 
+def _plain(settings: dict[str, Any]) -> dict[str, Any]:
+    """Settings as JSON has them (tuples as lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
+
+
 def _answer(e: AccountError) -> APIError:
     return APIError(e.status, str(e), e.code)
 
@@ -101,11 +108,13 @@ async def create_tenant(request: Request) -> JSONResponse:
     gateway, accounts = await _operator(request)
     body = await _body(request, gateway)
     try:
-        await accounts.create_tenant(body.get("id"), checked_fields(body))
+        settings = checked_fields(body)
+        await accounts.create_tenant(body.get("id"), settings)
     except AccountError as e:
         raise _answer(e) from e
     snapshot = await _changed(gateway, accounts)
-    return JSONResponse(_tenant(gateway, snapshot, body["id"]), status_code=201)
+    warned = await audited(request, gateway, "tenant.create", body["id"], **_plain(settings))
+    return JSONResponse({**_tenant(gateway, snapshot, body["id"]), **warned}, status_code=201)
 
 
 @router.get("/v1/tenants/{tenant_id}")
@@ -119,10 +128,12 @@ async def update_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
     gateway, accounts = await _operator(request)
     body = await _body(request, gateway)
     try:
-        await accounts.update_tenant(tenant_id, checked_fields(body))
+        settings = checked_fields(body)
+        await accounts.update_tenant(tenant_id, settings)
     except AccountError as e:
         raise _answer(e) from e
-    return _tenant(gateway, await _changed(gateway, accounts), tenant_id)
+    warned = await audited(request, gateway, "tenant.update", tenant_id, **_plain(settings))
+    return {**_tenant(gateway, await _changed(gateway, accounts), tenant_id), **warned}
 
 
 @router.delete("/v1/tenants/{tenant_id}")
@@ -140,7 +151,8 @@ async def delete_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
     except AccountError as e:
         raise _answer(e) from e
     await _changed(gateway, accounts)
-    return {"id": record.id, "object": "tenant.deleted", "deleted": True}
+    warned = await audited(request, gateway, "tenant.delete", tenant_id)
+    return {"id": record.id, "object": "tenant.deleted", "deleted": True, **warned}
 
 
 @router.post("/v1/tenants/{tenant_id}/keys")
@@ -153,7 +165,9 @@ async def issue_key(request: Request, tenant_id: str) -> JSONResponse:
     except AccountError as e:
         raise _answer(e) from e
     await _changed(gateway, accounts)
-    return JSONResponse({**_key(record), "key": key, **_warned(warning)}, status_code=201)
+    warned = await audited(request, gateway, "key.issue", f"{tenant_id}/{record.id}", name=record.name,
+                           expires_s=record.expires_s)
+    return JSONResponse({**_key(record), "key": key, **_warned(warning), **warned}, status_code=201)
 
 
 @router.get("/v1/tenants/{tenant_id}/keys")
@@ -171,7 +185,7 @@ async def revoke_key(request: Request, tenant_id: str, key_id: str) -> dict[str,
     except AccountError as e:
         raise _answer(e) from e
     await _changed(gateway, accounts)
-    return _key(record)
+    return {**_key(record), **await audited(request, gateway, "key.revoke", f"{tenant_id}/{key_id}")}
 
 
 @router.post("/v1/tenants/{tenant_id}/keys/{key_id}/rotate")
@@ -192,4 +206,5 @@ async def rotate_key(request: Request, tenant_id: str, key_id: str) -> JSONRespo
     except AccountError as e:
         raise _answer(e) from e
     await _changed(gateway, accounts)
-    return JSONResponse({**_key(record), "key": key, "replaces": key_id, **_warned(warning)}, status_code=201)
+    warned = await audited(request, gateway, "key.rotate", f"{tenant_id}/{key_id}", new_key=record.id, grace_s=grace)
+    return JSONResponse({**_key(record), "key": key, "replaces": key_id, **_warned(warning), **warned}, status_code=201)

@@ -60,7 +60,8 @@ def _totals(rows: list[dict[str, Any]]) -> dict[str, int]:
 async def usage(request: Request) -> Response:
     gateway = gateway_of(request)
     asked = request.query_params.get("tenant")
-    if gateway.tenants.is_operator(credentials(request)) or gateway.tenants.is_operator_open:
+    await gateway.tenants.refresh_if_stale()
+    if gateway.tenants.is_operator(credentials(request), "usage"):
         known = set(gateway.tenants.by_id) | await gateway.usage.tenants_with_usage()
         tenants = [asked] if asked else sorted(known)
     else:

@@ -7,11 +7,16 @@ against what is there and a replace moves a name atomically. Each change bumps a
 number: gateway replicas poll it to see changes, and workers ignore a pin set older than
 the one they hold.
 
-Kept in Redis (a hash of records and a version counter, under the deployment's key
-prefix) when the deployment has one, shared by every gateway replica, with a copy of
-every committed state in a JSON file beside the adapter files: a Redis that restarts
-empty (the cache's Redis need not persist anything) gets the registry back from it.
-Without Redis, that JSON file is the registry, changed under a file lock (one machine).
+Kept in the state store's Redis (gateway/state.py: it never evicts and persists; a hash of
+records and a version counter, under the deployment's key prefix), shared by every gateway
+replica. Without Redis, a JSON file beside the adapter files is the registry, changed under a
+file lock (one machine). Nothing writes an older state back: a store that lost its records
+starts again from none (a revoked key stays revoked: it is gone), never from a copy.
+
+Versions only go forward, across a store that starts again too: the first commit to a store
+with no version sets it to the wall clock in microseconds, and each commit after adds one, so a
+store started again later begins above any version a gateway or worker has seen (the gateways
+and workers ignore a version older than the one they hold).
 
 A change is optimistic: read the version and the records, compute the change, then one
 script applies it only if the version is still the one read (else: again, on what is
@@ -28,6 +33,7 @@ import fcntl
 import json
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -167,24 +173,17 @@ class RecordStore(Protocol):
 _READ = """
 return {redis.call('GET', KEYS[2]) or false, redis.call('HGETALL', KEYS[1])}
 """
-# ARGV: the version the change was computed on ('' when there was none), then (field, record JSON, or ''
-# to delete) pairs. Applied, and the version bumped, only if it is still the one read.
-# -> the new version, or nil when another gateway committed first.
+# ARGV: the version the change was computed on ('' when there was none), the first version of a store
+# with none, then (field, record JSON, or '' to delete) pairs. Applied, and the version bumped, only if
+# it is still the one read. -> the new version, or nil when another gateway committed first.
 _COMMIT = """
-if (redis.call('GET', KEYS[2]) or '') ~= ARGV[1] then return false end
-for i = 2, #ARGV, 2 do
+local current = redis.call('GET', KEYS[2])
+if (current or '') ~= ARGV[1] then return false end
+for i = 3, #ARGV, 2 do
   if ARGV[i + 1] == '' then redis.call('HDEL', KEYS[1], ARGV[i]) else redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 end
+if not current then redis.call('SET', KEYS[2], ARGV[2]) return tonumber(ARGV[2]) end
 return redis.call('INCR', KEYS[2])
-"""
-# ARGV: the version to restore, then (field, record JSON) pairs; only into a registry still missing.
-# -> {the version there now, 1 if this call restored it}.
-_RESTORE = """
-local current = redis.call('GET', KEYS[2])
-if current then return {current, 0} end
-for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-redis.call('SET', KEYS[2], ARGV[1])
-return {ARGV[1], 1}
 """
 MAX_REDIRECTS = 3  # a commit sent to a node that no longer owns the slot (failover, resharding): tries on the new owner
 
@@ -203,8 +202,8 @@ class RedisRecords:
     (Redis may answer a WAIT that timed out up to 1/hz = 100 ms late: past the client's socket timeout,
     that is a timeout, which answers as a missing acknowledgement does: unavailable.)"""
 
-    def __init__(self, client, key_prefix: str, mirror: Path | None = None, ack_timeout_s: float = 0.1,
-                 name: str = "registry", record_type: Any = None) -> None:
+    def __init__(self, client, key_prefix: str, ack_timeout_s: float = 0.1, name: str = "registry",
+                 record_type: Any = None, wall_clock: Callable[[], float] = time.time) -> None:
         if ack_timeout_s <= 0:
             raise ValueError(f"ack_timeout_s must be > 0 (WAIT 0 would wait for ever), got {ack_timeout_s}")
         self.client = client
@@ -212,52 +211,28 @@ class RedisRecords:
         self.records_key, self.version_key = redis_record_keys(key_prefix, is_cluster=self.is_cluster, name=name)
         self.record_type = record_type or AdapterRecord  # its from_json and from_dict read what is stored
         self.what = "the adapter registry" if name == "registry" else f"the {name} records"  # in errors
-        self.mirror = mirror
         self.ack_timeout_ms = max(1, round(ack_timeout_s * 1000))
+        self._wall_clock = wall_clock
         self._read_script = client.register_script(_READ)
-        self._restore_script = client.register_script(_RESTORE)
 
     async def version(self) -> int:
         try:
             raw = await self.client.get(self.version_key)
         except client_errors() as e:
             raise _unavailable(e, self.what) from e
-        return int(raw) if raw is not None else await self._restore()
+        return int(raw) if raw is not None else 0
 
     async def load(self) -> tuple[int, Records]:
         try:
             version, records = await self._read()
         except client_errors() as e:
             raise _unavailable(e, self.what) from e
-        if version is None and await self._restore():
-            return await self.load()
         return int(version or 0), records
 
     async def _read(self) -> tuple[bytes | None, Records]:
         """The version as stored (None: no registry) and the records, read together."""
         version, flat = await self._read_script(keys=[self.records_key, self.version_key])
         return version, _decode(dict(zip(flat[::2], flat[1::2])), self.record_type)
-
-    async def _restore(self) -> int:
-        """Redis has no registry (it restarted empty): put the mirror's back, once, under a
-        version above any a worker has seen. 0 when there is nothing to restore."""
-        if self.mirror is None:
-            return 0
-        try:
-            version, records = FileRecords.read(self.mirror, self.record_type)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("the registry's mirror %s cannot be read: %s", self.mirror, e)
-            return 0
-        if version == 0:
-            return 0
-        args = [version + 1] + [x for key, record in records.items() for x in (key, record.to_json())]
-        try:
-            now, restored = await self._restore_script(keys=[self.records_key, self.version_key], args=args)
-        except client_errors() as e:
-            raise _unavailable(e, self.what) from e
-        if restored:
-            log.warning("the registry was missing from Redis: restored %d record(s) from %s", len(records), self.mirror)
-        return int(now)
 
     async def lease(self, name: str, ttl_s: float) -> bool:
         try:
@@ -276,12 +251,6 @@ class RedisRecords:
                     break  # else another gateway changed it meanwhile: again, on what is there now
         except client_errors() as e:
             raise _unavailable(e, self.what) from e
-        if self.mirror is not None:
-            try:
-                await asyncio.to_thread(FileRecords.write_if_newer, self.mirror, version, _applied(records, changes),
-                                        self.record_type)
-            except OSError as e:
-                log.warning("the registry's mirror %s cannot be written: %s", self.mirror, e)
         if num_replicas and not num_acks:
             raise ReplicaDidNotAcknowledge(
                 f"{self.what}'s change (version {version}) is on Redis' master, but none of its {num_replicas} "
@@ -294,7 +263,8 @@ class RedisRecords:
         connection's last write), and only to a master with replicas: without any, it would wait its whole timeout."""
         from redis.exceptions import AskError, TryAgainError
 
-        args = [read_version or b""] + [x for key, r in changes.items() for x in (key, "" if r is None else r.to_json())]
+        first = int(self._wall_clock() * 1_000_000)  # a store's first version: above any an earlier store reached
+        args = [read_version or b"", first] + [x for key, r in changes.items() for x in (key, "" if r is None else r.to_json())]
         for _ in range(MAX_REDIRECTS):
             (role,) = await self._on_master([("ROLE",)])
             if isinstance(role, Exception):
@@ -350,17 +320,6 @@ class FileRecords:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data), encoding="utf-8")
         os.replace(tmp, path)
-
-    @classmethod
-    def write_if_newer(cls, path: Path, version: int, records: Records, record_type: Any = None) -> None:
-        """`write`, unless the file already holds a later version (gateways racing to mirror)."""
-        with _file_lock(path.with_name(path.name + ".lock")):
-            try:
-                current = cls.read(path, record_type)[0]
-            except (ValueError, KeyError, TypeError):  # a damaged copy: this one replaces it
-                current = -1
-            if current < version:
-                cls.write(path, version, records)
 
     def _read(self) -> tuple[int, Records]:
         return self.read(self.path, self.record_type)

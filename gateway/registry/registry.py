@@ -2,7 +2,10 @@
 tenant may use by name, which fingerprints each worker pins, and the changes tenants make.
 
 - Names are per tenant (owner). A tenant sees the config's adapters its policy allows,
-  the operator's shared ones likewise, and its own; another tenant's never.
+  the operator's shared ones likewise, and its own; another tenant's never. A tenant whose
+  policy lists its adapters is checked by content too: an adapter of its own that holds a
+  shared adapter its policy leaves out (by fingerprint: whoever registered it, under any
+  name) is not visible to it, and registering one is refused.
 - A change is staged, made servable, then committed. An added or replacing adapter is
   first recorded as pending: it is pinned (workers load it) while its name still points
   where it did. Once a replica holds it the name moves to it in one transaction; if none
@@ -96,16 +99,30 @@ class AdapterRegistry:
 
     def visible(self, tenant: Tenant) -> dict[str, AdapterInfo]:
         """The adapters `tenant` may use, by its names: the shared ones first (config order, then
-        by age), then its own by age."""
+        by age), then its own by age, less those of its own whose content is a shared adapter it
+        may not use (`forbidden`)."""
         cached = self._visible.get((tenant.id, tenant.allowed))  # an operator may change a tenant's ACL
         if cached is None:
             cached = {n: info for n, info in self.seed.items() if tenant.may_use(n)}
             committed = sorted((r for k, r in self.current.items() if not k.startswith(PENDING)),
                                key=lambda r: (r.created_s, r.name))
             cached.update((r.name, self.info(r)) for r in committed if r.owner == SHARED and tenant.may_use(r.name))
-            cached.update((r.name, self.info(r)) for r in committed if r.owner == tenant.id)
+            forbidden = self.forbidden(tenant)
+            cached.update((r.name, self.info(r)) for r in committed
+                          if r.owner == tenant.id and r.fingerprint not in forbidden)
             self._visible[(tenant.id, tenant.allowed)] = cached
         return cached
+
+    def forbidden(self, tenant: Tenant) -> frozenset[Fingerprint]:
+        """The content a tenant with a restricted ACL may not be served under any name: that of
+        the shared adapters (the config's, the operator's, staged ones too) it may not use, less
+        what one it may use holds."""
+        if tenant.allowed is None:
+            return frozenset()
+        shared = [(n, info.fingerprint, True) for n, info in self.seed.items()]  # (name, content, is committed)
+        shared += [(r.name, r.fingerprint, not k.startswith(PENDING)) for k, r in self.current.items() if r.owner == SHARED]
+        usable = {fp for n, fp, is_committed in shared if is_committed and tenant.may_use(n)}
+        return frozenset(Fingerprint(fp) for n, fp, _ in shared if not tenant.may_use(n) and fp not in usable)
 
     def info(self, r: AdapterRecord) -> AdapterInfo:
         return AdapterInfo(r.name, self.store.path(r.fingerprint), r.fingerprint, r.task_name, r.prompt_prefix,
@@ -267,11 +284,15 @@ class AdapterRegistry:
                        tenant: Tenant | None = None) -> tuple[AdapterRecord, AdapterRecord | None, float]:
         """Add or replace `owner`'s `name` with the checked adapter in `staged`; (the record, the
         one it replaced, seconds until it was servable). A tenant's name may not hide a shared
-        adapter it uses (one it cannot see, it may). Raises APIError for a refusal."""
+        adapter it uses (one it cannot see, it may), and a tenant may not register the content of
+        a shared adapter its ACL leaves out. Raises APIError for a refusal."""
         started_s = self._clock()
         if owner == SHARED and name in self.seed:
             raise APIError(409, f"adapter {name!r} is defined in the deployment config; change it there",
                            "config_adapter")
+        if tenant is not None and adapter.fingerprint in self.forbidden(tenant):
+            raise APIError(403, "this adapter is a shared adapter this key may not use (the same content under another "
+                           "name is refused too)", "adapter_not_allowed")
         await self._store(staged, adapter.fingerprint)  # the file before any record names it
         fresh = describe(adapter, owner, name, staged.stat().st_size)
         key, pending_key = record_key(owner, name), PENDING + record_key(owner, name)
@@ -379,12 +400,11 @@ def open_registry(config: ServeConfig, catalog: Catalog, pool: ShardPool,
     fit only it). Files go to the adapter store the config names (cache/blobs.py)."""
     store = open_blob_store(config.blob_store())
     scope = catalog.base_fingerprint[:16]
-    redis_config = config.cache.redis
+    redis_config = config.state_redis()
     if redis_config is not None:
         from cache.l2 import connect
 
         records: RecordStore = RedisRecords(connect(redis_config, is_async=True), f"{redis_config.key_prefix}:{scope}:",
-                                            mirror=store.directory / f"registry-{scope}.redis-mirror.json",
                                             ack_timeout_s=redis_config.replica_ack_timeout_s)
     else:
         records = FileRecords(store.directory, scope)

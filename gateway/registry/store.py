@@ -2,8 +2,9 @@
 base with llama.cpp's rules (SPEC §2, the same messages) and converted when it is PEFT; the
 registry then keeps it under its fingerprint in the adapter store (cache/blobs.py), where
 every worker can fetch it. A server-side path (vLLM's `lora_path`) is read only under the
-directories the operator allows; any other, through `..` or a symlink included, is refused
-without saying what is there.
+directories the operator allows (`registry.allowed_paths`) and, for a tenant's key, under its
+own `adapter_paths` too; any other, through `..` or a symlink included, is refused without
+saying what is there.
 """
 
 from __future__ import annotations
@@ -65,28 +66,37 @@ def convert_peft(directory: Path, base: GGUFFile, out: Path) -> LoRAAdapter:
     return adapter
 
 
-def allowed_path(requested: str, roots: list[Path], base_dir: Path) -> Path:
-    """`requested` with every symlink resolved, when it lies under one of `roots`; else PathNotAllowed."""
-    refused = PathNotAllowed("lora_path is not under a directory this server loads adapters from")
+def _is_under(real: Path, roots: list[Path]) -> bool:
+    for root in roots:
+        root_real = Path(os.path.realpath(root))
+        if real == root_real or root_real in real.parents:
+            return True
+    return False
+
+
+def allowed_path(requested: str, roots: list[Path], base_dir: Path, within: list[Path] | None = None) -> Path:
+    """`requested` with every symlink resolved, when it lies under one of `roots` and, given
+    `within` (a tenant's own directories), under one of those too; else PathNotAllowed."""
+    refused = PathNotAllowed("lora_path is not under a directory this server loads adapters from" if within is None
+                             else "lora_path is not under a directory this key may load adapters from")
     if not requested or "\0" in requested:
         raise refused
     path = Path(requested).expanduser()
     real = Path(os.path.realpath(path if path.is_absolute() else base_dir / path))
-    for root in roots:
-        root_real = Path(os.path.realpath(root))
-        if real == root_real or root_real in real.parents:
-            return real
+    if _is_under(real, roots) and (within is None or _is_under(real, within)):
+        return real
     raise refused
 
 
-def read_server_path(requested: str, roots: list[Path], base_dir: Path, base: GGUFFile, scratch: Path) -> LoRAAdapter:
-    """The adapter at an allowed server path: a GGUF file, or a PEFT directory (each of its
-    files must resolve under the allowed directories too)."""
-    path = allowed_path(requested, roots, base_dir)
+def read_server_path(requested: str, roots: list[Path], base_dir: Path, base: GGUFFile, scratch: Path,
+                     within: list[Path] | None = None) -> LoRAAdapter:
+    """The adapter at an allowed server path (`allowed_path`): a GGUF file, or a PEFT directory
+    (each of its files must resolve under the allowed directories too)."""
+    path = allowed_path(requested, roots, base_dir, within)
     if path.is_file():
         return check_gguf(path, base)
     if path.is_dir() and (path / PEFT_CONFIG).is_file():
         for name in (PEFT_CONFIG, PEFT_WEIGHTS):
-            allowed_path(str(path / name), roots, base_dir)  # a symlink inside pointing out is refused too
+            allowed_path(str(path / name), roots, base_dir, within)  # a symlink inside pointing out is refused too
         return convert_peft(path, base, scratch / "converted.gguf")
     raise FileNotFoundError("lora_path names no GGUF adapter file and no PEFT adapter directory")

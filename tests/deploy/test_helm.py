@@ -4,21 +4,28 @@ schemas, and the RayService's serveConfigV2 checked against `loraplex serve`."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import copy
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
 
+from cache.l2 import connect
 from gateway.config import RegistrySettings, load_config, parse_config
+from gateway.state import StateSettings, StateStoreRefused, check, state_redis
 from gateway.tracing import TracingSettings
+from tests.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "loraplex"
 KUBE_VERSION = "1.30.0"
 CORE_KINDS = {"Service", "StatefulSet", "Secret", "NetworkPolicy", "Ingress", "ConfigMap"}
+KEYED = {"operator": {"key": "sk-ops"}}  # someone may call the deployment: the gateway refuses a config without keys
 
 
 def render(values: dict | None = None) -> list[dict]:
@@ -37,9 +44,49 @@ def ray_pods(rayservice: dict) -> list[dict]:
     return [cluster["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in cluster["workerGroupSpecs"])]
 
 
+def by_name(docs: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def mounted_files(docs: list[dict], pod: dict) -> dict[str, str]:
+    """What a Ray pod reads from its mounted Secrets (the chart's own): {path: content}."""
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    volumes = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    files = {}
+    for mount in pod["containers"][0]["volumeMounts"]:
+        if mount["name"] in volumes:
+            volume = volumes[mount["name"]]
+            secret = secrets[volume["secretName"]]
+            for item in volume["items"]:
+                text = secret.get("stringData", {}).get(item["key"])
+                files[f"{mount['mountPath']}/{item['path']}"] = (
+                    text if text is not None else base64.b64decode(secret["data"][item["key"]]).decode())
+    return files
+
+
+def config_in_pod(docs: list[dict], tmp_path: Path) -> dict:
+    """The RayService's config as a Ray pod has it: every file it names is mounted in every Ray pod
+    (asserted), and is written under tmp_path with the mounted Secret's content, where the config now points."""
+    service = next(d for d in docs if d["kind"] == "RayService")
+    config = copy.deepcopy(serve_config(service))
+    pods = [mounted_files(docs, pod) for pod in ray_pods(service)]
+    for section, key in [(None, "tenants_file"), (None, "operator_key_file"), ("cache", "redis_password_file"),
+                         ("state", "password_file")]:
+        holder = config if section is None else config.get(section, {})
+        path = holder.get(key)
+        if path is None:
+            continue
+        assert all(path in files for files in pods), f"{key} {path} is not mounted in every Ray pod"
+        local = tmp_path / path.lstrip("/")
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_text(pods[0][path])
+        holder[key] = str(local)
+    return config
+
+
 def multi_shard_values() -> dict:
     """What a user of `loraplex plan --format helm-values` would install: several shards, tenants,
-    an external Redis with a password, ingress and monitoring on."""
+    external Redis (the cache's, and a Redis Cluster for the state) with passwords, ingress and monitoring on."""
     return {
         "loraplex": {
             "model": "base.gguf",
@@ -52,6 +99,8 @@ def multi_shard_values() -> dict:
                                "requests_per_min": 100}]},
         "redis": {"enabled": False,
                   "external": {"url": "rediss://cache.internal:6380/0", "passwordSecret": "redis-auth"}},
+        "state": {"enabled": False,
+                  "external": {"url": "rediss://state.internal:6380", "passwordSecret": "state-auth", "cluster": True}},
         "models": {"existingClaim": "loraplex-models"},
         "gateway": {"ingress": {"enabled": True, "className": "nginx", "host": "llm.example.com",
                                 "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]}},
@@ -95,55 +144,178 @@ def test_defaults_run_redis_with_lru_eviction_behind_a_network_policy() -> None:
     assert ("Secret", "lp-loraplex-redis") in docs and ("Ingress", "lp-loraplex") not in docs
 
 
+def redis_bytes(size: str) -> int:
+    number = size.rstrip("bgkm")
+    return int(number) * {"": 1, "b": 1, "kb": 1024, "mb": 1024**2, "gb": 1024**3}[size[len(number):]]
+
+
+def test_the_state_store_is_a_redis_of_its_own_that_never_evicts_and_keeps_its_data_on_a_volume() -> None:
+    docs = by_name(render())
+    state = docs[("StatefulSet", "lp-loraplex-state")]["spec"]
+    container = state["template"]["spec"]["containers"][0]
+    args = dict(zip(container["args"][::2], container["args"][1::2], strict=True))
+    assert (args["--maxmemory-policy"], args["--appendonly"], args["--appendfsync"]) == ("noeviction", "yes", "everysec")
+    assert container["resources"]["limits"]["memory"] == "2Gi"
+    assert redis_bytes(args["--maxmemory"]) < 2 * 1024**3  # room under the limit for an AOF rewrite's fork
+    claim = state["volumeClaimTemplates"][0]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == claim["metadata"]["name"])
+    assert mount["mountPath"] == args["--dir"] == "/data"
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and claim["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    assert "redis-cli" in str(container["readinessProbe"]["exec"])  # not ready while it replays the append-only file
+    assert container["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "lp-loraplex-state"
+    assert ("Secret", "lp-loraplex-state") in docs
+    cache = docs[("StatefulSet", "lp-loraplex-redis")]["spec"]["template"]["spec"]["containers"][0]
+    cache_args = dict(zip(cache["args"][::2], cache["args"][1::2], strict=True))
+    assert (cache_args["--maxmemory-policy"], cache_args["--appendonly"]) == ("allkeys-lru", "no")  # disposable
+    pod_labels = state["template"]["metadata"]["labels"]
+    assert docs[("Service", "lp-loraplex-state")]["spec"]["selector"].items() <= pod_labels.items()
+    assert not docs[("Service", "lp-loraplex-redis")]["spec"]["selector"].items() <= pod_labels.items()
+    policy = docs[("NetworkPolicy", "lp-loraplex-state")]["spec"]
+    assert policy["podSelector"]["matchLabels"] == pod_labels
+    assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "ray"
+
+
+def test_the_gateway_accepts_a_redis_run_as_the_chart_runs_the_state_store_and_refuses_the_caches(tmp_path) -> None:
+    """The StatefulSets' args on a real redis-server (here, without a password), through the check a gateway
+    makes when it starts (gateway/state.py)."""
+    docs = by_name(render({"state": {"auth": {"enabled": False}}, "redis": {"auth": {"enabled": False}}}))
+
+    def check_server(name: str) -> None:
+        args = docs[("StatefulSet", name)]["spec"]["template"]["spec"]["containers"][0]["args"]
+        args = [str(tmp_path / name) if previous == "--dir" else a for previous, a in zip(["", *args], args)]
+        (tmp_path / name).mkdir()
+        server = RedisServer(args=tuple(args)).start()
+        settings = StateSettings(redis_url=server.url)
+        store = state_redis(settings, None)
+
+        async def run() -> None:
+            client = connect(store, is_async=True)
+            try:
+                await check(settings, store, client)
+            finally:
+                await client.aclose()
+
+        try:
+            asyncio.run(run())
+        finally:
+            server.stop()
+
+    check_server("lp-loraplex-state")
+    assert any((tmp_path / "lp-loraplex-state").iterdir())  # the append-only file, in the volume's --dir
+    with pytest.raises(StateStoreRefused, match="noeviction"):
+        check_server("lp-loraplex-redis")
+
+
+def test_the_state_store_keeps_a_claim_of_yours_and_a_storage_class() -> None:
+    values = {"state": {"persistence": {"existingClaim": "loraplex-state", "storageClass": "fast-ssd"}}}
+    lint(values)
+    state = by_name(render(values))[("StatefulSet", "lp-loraplex-state")]["spec"]
+    assert "volumeClaimTemplates" not in state
+    assert state["template"]["spec"]["volumes"] == [{"name": "data", "persistentVolumeClaim": {"claimName": "loraplex-state"}}]
+    claim = by_name(render({"state": {"persistence": {"storageClass": "fast-ssd"}}}))[("StatefulSet", "lp-loraplex-state")]
+    assert claim["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "fast-ssd"
+
+
+def test_the_config_keeps_state_in_the_state_redis_with_its_password_mounted_in_every_ray_pod(tmp_path) -> None:
+    docs = render(KEYED)
+    config = serve_config(next(d for d in docs if d["kind"] == "RayService"))
+    url = urlsplit(config["state"]["redis_url"])
+    assert (url.hostname, url.port) == ("lp-loraplex-state", 6379) and ("Service", url.hostname) in by_name(docs)
+    assert config["state"]["password_file"] == "/etc/loraplex/state-redis/password"
+    parsed = parse_config(config_in_pod(docs, tmp_path), ".", "serveConfigV2")  # asserts the mounts, too
+    store = parsed.state_redis()
+    assert store.url == config["state"]["redis_url"] != parsed.cache.redis.url and not parsed.state.ephemeral
+    secret = by_name(docs)[("Secret", "lp-loraplex-state")]["data"]["password"]
+    assert Path(store.password_file).read_text() == base64.b64decode(secret).decode()  # the pod reads the server's password
+
+
+def test_without_a_state_store_the_chart_refuses_unless_told_state_may_be_lost(tmp_path) -> None:
+    none = {"state": {"enabled": False}}
+    with pytest.raises(helm.HelmError, match="no state store") as e:
+        render(none)
+    assert "state.external.url" in str(e.value) and "state.ephemeral: true" in str(e.value)
+    shared = {"redis": {"enabled": False, "external": {"url": "redis://r:6379/0"}},
+              "state": {"enabled": False, "external": {"url": "redis://r:6379/0"}}}
+    with pytest.raises(helm.HelmError, match="is the cache's Redis"):
+        render(shared)
+    ephemeral = {"state": {"enabled": False, "ephemeral": True}, **KEYED}
+    lint(ephemeral)
+    docs = render(ephemeral)
+    assert all(name != "lp-loraplex-state" for _, name in by_name(docs))
+    config = serve_config(next(d for d in docs if d["kind"] == "RayService"))
+    assert config["state"] == {"ephemeral": True}
+    parsed = parse_config(config_in_pod(docs, tmp_path), ".", "serveConfigV2")
+    assert parsed.state_redis() == parsed.cache.redis  # the cache's Redis: it evicts, and keeps nothing on disk
+    notes = helm.Chart.load(str(CHART)).render(ephemeral, name="lp", namespace="serving", is_install=True)
+    assert "bills, keys and registered adapters" in notes["loraplex/templates/NOTES.txt"]
+    render({**shared, "state": {**shared["state"], "ephemeral": True}})
+
+
 def test_the_multi_shard_install_has_ingress_monitoring_and_the_tenants_secret() -> None:
     docs = {(d["kind"], d["metadata"]["name"]): d for d in render(multi_shard_values())}
     assert ("Ingress", "lp-loraplex") in docs and ("ServiceMonitor", "lp-loraplex") in docs
-    assert ("StatefulSet", "lp-loraplex-redis") not in docs  # external Redis
+    assert ("StatefulSet", "lp-loraplex-redis") not in docs and ("StatefulSet", "lp-loraplex-state") not in docs
+    assert not [name for kind, name in docs if kind == "NetworkPolicy"]  # external Redis: nothing of ours to guard
     tenants = yaml.safe_load(docs[("Secret", "lp-loraplex-tenants")]["stringData"]["tenants.yaml"])
     assert tenants[0]["id"] == "acme"
     config = serve_config(docs[("RayService", "lp-loraplex")])
     assert config["cache"]["redis_url"] == "rediss://cache.internal:6380/0"
+    assert config["state"] == {"redis_url": "rediss://state.internal:6380", "cluster": True, "ephemeral": False,
+                               "password_file": "/etc/loraplex/state-redis/password"}
+    for pod in ray_pods(docs[("RayService", "lp-loraplex")]):
+        volume = next(v for v in pod["volumes"] if v["name"] == "state-redis-password")
+        assert volume["secret"]["secretName"] == "state-auth"
+        assert {"name": "state-redis-password", "mountPath": "/etc/loraplex/state-redis", "readOnly": True} in (
+            pod["containers"][0]["volumeMounts"])
     assert config["tenants_file"] == "/etc/loraplex/tenants/tenants.yaml"
     assert [s["replicas"] for s in config["shards"]] == [2, 2, 2]
     monitor = docs[("ServiceMonitor", "lp-loraplex")]["spec"]["endpoints"][0]
     assert monitor["bearerTokenSecret"] == {"name": "lp-loraplex-operator", "key": "operator-key"}
-    assert docs[("Secret", "lp-loraplex-operator")]["stringData"]["operator-key"] == "sk-ops"
+    assert base64.b64decode(docs[("Secret", "lp-loraplex-operator")]["data"]["operator-key"]) == b"sk-ops"
     assert config["operator_key_file"] == "/etc/loraplex/operator/operator-key"
 
 
-def test_monitoring_without_an_operator_key_is_refused() -> None:
+def test_without_an_operator_key_given_the_chart_makes_one_and_monitoring_uses_it() -> None:
+    """Never a deployment nobody can administer, nor one open by default: a random bootstrap operator key."""
     values = multi_shard_values()
     values.pop("operator")
-    with pytest.raises(helm.HelmError, match="serviceMonitor.enabled needs operator.key"):
-        render(values)
+    docs = by_name(render(values))
+    key = base64.b64decode(docs[("Secret", "lp-loraplex-operator")]["data"]["operator-key"]).decode()
+    assert key.startswith("sk-lpop-") and len(key) == len("sk-lpop-") + 43
+    assert key != base64.b64decode(by_name(render(values))[("Secret", "lp-loraplex-operator")]["data"]["operator-key"]).decode()
+    monitor = docs[("ServiceMonitor", "lp-loraplex")]["spec"]["endpoints"][0]
+    assert monitor["bearerTokenSecret"] == {"name": "lp-loraplex-operator", "key": "operator-key"}
+    assert serve_config(docs[("RayService", "lp-loraplex")])["operator_key_file"] == "/etc/loraplex/operator/operator-key"
 
 
 def test_serve_config_v2_builds_what_loraplex_serve_deploys_for_the_same_config(tmp_path) -> None:
-    """deploy/serve.yaml through the chart (tenants into its Secret) gives the same deployment."""
+    """deploy/serve.yaml through the chart (tenants into its Secret) gives the same deployment, with the
+    state in the chart's state Redis instead of the cache's."""
     local = load_config(ROOT / "deploy" / "serve.yaml")
     source = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
     tenants = source.pop("tenants")
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in render({"loraplex": source, "tenants": {"items": tenants}})}
+    source.pop("state")  # where the state store is: the chart's state: section
+    source["http"]["allow_insecure_bind"] = True  # the file's public example keys, now beyond loopback: said so
+    docs = by_name(render({"loraplex": source, "tenants": {"items": tenants}}))
     app = yaml.safe_load(docs[("RayService", "lp-loraplex")]["spec"]["serveConfigV2"])["applications"][0]
     assert app["import_path"] == "gateway.serve:app_from_config" and app["args"]["base_dir"] == "/models"
-    secret = tmp_path / "tenants.yaml"
-    secret.write_text(docs[("Secret", "lp-loraplex-tenants")]["stringData"]["tenants.yaml"])
-    config = copy.deepcopy(app["args"]["config"])
-    config["tenants_file"] = str(secret)  # where the pod mounts the Secret
-    config["cache"].pop("redis_password_file")  # the pod's mounted Redis password
+    config = config_in_pod(list(docs.values()), tmp_path)
     in_cluster = parse_config(config, ROOT / "deploy", "serveConfigV2")  # the files live under /models in the pod
 
     def comparable(c) -> dict:
         data = c.model_dump()
-        for cluster_decides in ("base_dir", "http"):
+        for cluster_decides in ("base_dir", "http", "state"):
             data.pop(cluster_decides)
-        data["cache"].pop("redis_url")
+        for redis in ("redis_url", "redis_password_file"):
+            data["cache"].pop(redis)
+        data["operator_key_sha256"] = data["operator_key_sha256"][:1]  # and the chart's own bootstrap key beside it
         data["registry"].pop("store_dir")  # the chart's adapter-store volume
         return data
 
     assert comparable(in_cluster) == comparable(local)
     assert in_cluster.cache.redis.url == "redis://lp-loraplex-redis:6379/0" and in_cluster.http.host == "0.0.0.0"
     assert in_cluster.http.listener == "serve-proxy"  # KubeRay's Service and probes expect Serve's proxy on every pod
+    assert in_cluster.state_redis().url == "redis://lp-loraplex-state:6379/0" and not in_cluster.state.ephemeral
     from gateway.serve import app_from_config, build
 
     assert type(app_from_config({"config": config, "base_dir": str(ROOT / "deploy")})) is type(build(local))
@@ -161,10 +333,9 @@ def test_the_chart_decides_where_http_listens_and_keeps_the_rest_of_the_users_ht
     {"engine": {"num_slots": 4, "dtype": "bfloat16"}, "routing": "random"},  # the older spellings
     {"engine": {"num_seq_slots": 4}, "device": {"dtype": "bfloat16"}, "routing": {"policy": "random", "eps": 0.5}},
 ], ids=["old", "new"])
-def test_the_chart_takes_either_spelling_of_the_engine_device_and_routing(settings) -> None:
+def test_the_chart_takes_either_spelling_of_the_engine_device_and_routing(settings, tmp_path) -> None:
     lint({"loraplex": settings})
-    config = serve_config(next(d for d in render({"loraplex": settings}) if d["kind"] == "RayService"))
-    parsed = parse_config(config, ".", "serveConfigV2")
+    parsed = parse_config(config_in_pod(render({"loraplex": settings, **KEYED}), tmp_path), ".", "serveConfigV2")
     assert (parsed.engine.num_seq_slots, parsed.device.dtype, parsed.routing.policy) == (4, "bfloat16", "random")
 
 
@@ -181,6 +352,10 @@ def test_the_chart_takes_either_spelling_of_the_engine_device_and_routing(settin
     ({"loraplex": {"shards": [{"name": "s"}], "routing": {"policy": "fastest"}}}, "routing"),
     ({"adapterStore": {"url": "https://bucket.example.com/x"}}, "url"),
     ({"adapterStore": {"endpointUrl": "minio:9000"}}, "endpointUrl"),
+    ({"state": {"maxmemoryPolicy": "allkeys-lru"}}, "maxmemoryPolicy"),  # the state store never evicts
+    ({"state": {"external": {"url": "state.internal:6379"}}}, "url"),
+    ({"state": {"persistence": {"size": ""}}}, "size"),
+    ({"loraplex": {"shards": [{"name": "s"}], "state": {"redis_url": "redis://x:6379/0"}}}, "redis_url"),
 ])
 def test_the_schema_rejects_bad_values_with_the_key(change, fragment) -> None:
     chart = helm.Chart.load(str(CHART))
@@ -237,10 +412,10 @@ def test_the_emptydir_adapter_store_is_refused_when_more_than_one_worker_pod_may
         render({**values, "adapterStore": fix})
 
 
-def test_tracing_settings_reach_the_config_the_application_is_built_from() -> None:
+def test_tracing_settings_reach_the_config_the_application_is_built_from(tmp_path) -> None:
     tracing = {"otlp_endpoint": "http://otel-collector.monitoring:4318", "service_name": "llm", "sample_ratio": 0.1}
     lint({"loraplex": {"tracing": tracing}})
-    config = serve_config(next(d for d in render({"loraplex": {"tracing": tracing}}) if d["kind"] == "RayService"))
+    config = config_in_pod(render({"loraplex": {"tracing": tracing}, **KEYED}), tmp_path)
     assert parse_config(config, ".", "serveConfigV2").tracing == TracingSettings(**tracing)
     with pytest.raises(helm.HelmError, match="otlp_endpoint"):
         render({"loraplex": {"tracing": {"otlp_endpoint": "otel-collector:4318"}}})

@@ -50,6 +50,7 @@ def tiny_config(model: TinyModel, directory: Path, prefix: str, **overrides):
         "http": {"max_body_bytes": 4096},
         "registry": {"store_dir": str(directory / "store"), "poll_interval_s": 0.2},
         "routing": {"unresponsive_after_s": 2.0},  # how long a request waits for a replica to be reachable again
+        "state": {"ephemeral": True},  # the machine's Redis (no persistence) keeps the tests' state
         **overrides,
     }
     return parse_config(data, directory)

@@ -82,7 +82,7 @@ def test_an_upload_is_stored_in_s3_and_served_by_workers_that_fetched_it(setup, 
 def test_vllm_load_lora_adapter_goes_through_the_store_too(setup, tiny_llama) -> None:
     client, pool, _, allowed, gateway, s3, bucket = setup
     path = adapter_file(tiny_llama, allowed / "vl.gguf", 42)
-    r = client.post("/v1/load_lora_adapter", headers=auth(), json={"lora_name": "vl", "lora_path": str(path)})
+    r = client.post("/v1/load_lora_adapter", headers=auth("operator"), json={"lora_name": "vl", "lora_path": str(path)})
     assert r.status_code == 200, r.text
     assert f"adapters/{fingerprint_of(tiny_llama, path)}.gguf" in stored_keys(s3, bucket)
     assert greedy(client, "vl").status_code == 200

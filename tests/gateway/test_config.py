@@ -12,7 +12,8 @@ from gateway.config import ConfigError, ServeConfig, load_config, parse_config
 from gateway.policy.routing import RoutingSettings
 from worker.contract.spec import DeviceSettings, EngineConfig
 
-BASE = {"adapters": [{"name": "a", "path": "a.gguf"}], "shards": [{"name": "s", "adapters": ["a"]}]}
+BASE = {"adapters": [{"name": "a", "path": "a.gguf"}], "shards": [{"name": "s", "adapters": ["a"]}], "auth": "none",
+        "state": {"ephemeral": True}}
 
 
 def test_the_default_config_loads_and_its_files_exist() -> None:
@@ -141,8 +142,8 @@ def test_the_worker_spec_decides_the_device_threads_and_tenancy(tmp_path) -> Non
     assert cpu.adapter_paths == (str(tmp_path / "a.gguf"),) and cpu.cache is config.cache
     assert parse_config({**BASE, "device": {"threads": 2}}, ".").worker_spec("s", threads=8).device.threads == 2
     assert not cpu.engine.is_multi_tenant
-    assert parse_config({**BASE, "tenants": tenants}, ".").worker_spec("s").engine.is_multi_tenant
-    operated = parse_config({**BASE, "operator_key_sha256": ["0" * 64]}, ".")  # tenants may come at run time
+    assert parse_config({**BASE, "auth": "keys", "tenants": tenants}, ".").worker_spec("s").engine.is_multi_tenant
+    operated = parse_config({**BASE, "auth": "keys", "operator_key_sha256": ["0" * 64]}, ".")  # tenants may come at run time
     assert operated.worker_spec("s").engine.is_multi_tenant
 
 
@@ -161,7 +162,7 @@ def test_unreadable_and_malformed_files(tmp_path) -> None:
 def test_tenants_file_and_redis_password_file_come_from_mounted_secrets(tmp_path) -> None:
     (tmp_path / "tenants.yaml").write_text('- {id: from-secret, key_sha256: ["' + "b" * 64 + '"]}\n')
     (tmp_path / "password").write_text("s3cret\n")
-    config = parse_config({**BASE, "tenants": [{"id": "inline", "key_sha256": ["c" * 64]}],
+    config = parse_config({**BASE, "auth": "keys", "tenants": [{"id": "inline", "key_sha256": ["c" * 64]}],
                            "tenants_file": "tenants.yaml",
                            "cache": {"redis_password_file": str(tmp_path / "password")}}, tmp_path)
     assert [t.id for t in config.tenants] == ["inline", "from-secret"] and config.tenants_file is None

@@ -25,7 +25,6 @@ from gateway.config import ServeConfig, parse_config
 from gateway.ratelimit import REDIS_RETRY_S, RateLimiter
 from gateway.registry.records import (
     AdapterRecord,
-    FileRecords,
     RedisRecords,
     RegistryUnavailable,
     ReplicaDidNotAcknowledge,
@@ -53,7 +52,8 @@ def cluster_config(cluster: LocalRedisCluster, **options) -> RedisConfig:
 
 
 def test_the_config_file_takes_redis_cluster_next_to_redis_url() -> None:
-    base = {"adapters": [{"name": "a", "path": "a.gguf"}], "shards": [{"name": "s", "adapters": ["a"]}]}
+    base = {"adapters": [{"name": "a", "path": "a.gguf"}], "shards": [{"name": "s", "adapters": ["a"]}], "auth": "none",
+            "state": {"ephemeral": True}}
     config = parse_config({**base, "cache": {"redis_url": "redis://redis-cluster:6379/0", "redis_cluster": True}}, ".")
     assert config.cache.redis == RedisConfig(url="redis://redis-cluster:6379/0", cluster=True)
     dumped = config.model_dump()
@@ -68,29 +68,30 @@ def test_one_redis_keeps_the_key_names_it_had() -> None:
     assert RateLimiter(redis.asyncio.Redis(), "lp")._key("acme", "requests") == "lp:rl:acme:requests"
 
 
-def test_the_registry_on_a_cluster_keeps_its_keys_in_one_slot(cluster, tmp_path: Path) -> None:
-    mirror = tmp_path / "mirror.json"
+def test_the_registry_on_a_cluster_keeps_its_keys_in_one_slot(cluster) -> None:
+    clock = [1_000.0]
 
     async def scenario() -> None:
         client = connect(cluster_config(cluster), is_async=True)
-        records = RedisRecords(client, SCOPE, mirror=mirror)
+        records = RedisRecords(client, SCOPE, wall_clock=lambda: clock[0])
         assert (records.records_key, records.version_key) == ("{lp:0123456789abcdef:registry}:records",
                                                              "{lp:0123456789abcdef:registry}:version")
         assert key_slot(records.records_key.encode()) == key_slot(f"{records.version_key}:lease:replan".encode())
         assert await records.version() == 0 and await records.load() == (0, {})
-        assert await records.transact(added(RECORD)) == (1, [])
-        other = RedisRecords(connect(cluster_config(cluster), is_async=True), SCOPE, mirror=mirror)  # another gateway
+        first = 1_000 * 1_000_000  # a store's first version: the wall clock in microseconds
+        assert await records.transact(added(RECORD)) == (first, [])
+        other = RedisRecords(connect(cluster_config(cluster), is_async=True), SCOPE)  # another gateway
         # gateways racing: each change is applied once, on what the other committed
         results = await asyncio.gather(*(r.transact(added(replace(RECORD, name=f"n{i}")))
                                          for i, r in enumerate([records, other] * 3)))
-        assert sorted(version for version, _ in results) == [2, 3, 4, 5, 6, 7]
+        assert sorted(version for version, _ in results) == [first + i for i in range(1, 7)]
         version, found = await other.load()
-        assert version == 7 and sorted(found) == ["acme/caps"] + [f"acme/n{i}" for i in range(6)]
+        assert version == first + 6 and sorted(found) == ["acme/caps"] + [f"acme/n{i}" for i in range(6)]
         assert await records.lease("replan", 5.0) and not await other.lease("replan", 5.0)
-        assert FileRecords.read(mirror)[0] == 7  # the committed state's copy
         await client.delete(records.records_key, records.version_key)  # a cluster restarted empty
-        assert await other.version() == 8  # restored from the mirror, once, above any version seen
-        assert await records.version() == 8 and (await records.load())[1] == FileRecords.read(mirror)[1]
+        assert await other.load() == (0, {})  # nothing comes back from anywhere
+        clock[0] += 1.0  # a second later: the new store's versions start above every one the old reached
+        assert (await records.transact(added(RECORD)))[0] == first + 1_000_000 > first + 6
         await client.aclose()
         await other.client.aclose()
 

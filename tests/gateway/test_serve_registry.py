@@ -207,14 +207,20 @@ def test_bad_uploads_quota_and_tenants(server, deployment) -> None:
 
 def test_vllm_endpoints_read_only_the_allowed_directory(server, deployment) -> None:
     directory = deployment.directory
-    r = httpx.post(f"{server}/v1/load_lora_adapter", headers=auth(),
-                   json={"lora_name": "from-disk", "lora_path": str(DEPLOY / "adapters" / "caps.gguf")})
+    caps = str(DEPLOY / "adapters" / "caps.gguf")
+    for tenant in ("acme", "demo"):  # loading by path is the operator's (these tenants have no adapter_paths)
+        r = httpx.post(f"{server}/v1/load_lora_adapter", headers=auth(tenant), json={"lora_name": "mycaps", "lora_path": caps})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "path_not_allowed"
+    with pytest.raises(openai.NotFoundError):
+        complete(server, "mycaps", tenant="acme")
+    r = httpx.post(f"{server}/v1/load_lora_adapter", headers=auth("operator"),
+                   json={"lora_name": "from-disk", "lora_path": caps})
     assert r.status_code == 200 and "added successfully" in r.text
     assert complete(server, "from-disk").choices[0].text
     for path in (str(directory / "v1.gguf"), str(DEPLOY / "adapters" / ".." / "serve.yaml"), "/etc/hostname"):
-        r = httpx.post(f"{server}/v1/load_lora_adapter", headers=auth(), json={"lora_name": "x", "lora_path": path})
+        r = httpx.post(f"{server}/v1/load_lora_adapter", headers=auth("operator"), json={"lora_name": "x", "lora_path": path})
         assert r.status_code == 403 and "hostname" not in r.text and "serve.yaml" not in r.text
-    r = httpx.post(f"{server}/v1/unload_lora_adapter", headers=auth(), json={"lora_name": "from-disk"})
+    r = httpx.post(f"{server}/v1/unload_lora_adapter", headers=auth("operator"), json={"lora_name": "from-disk"})
     assert r.status_code == 200
 
 

@@ -18,7 +18,7 @@ from worker.contract.params import SamplingParams
 
 
 def config(**shard_fields):
-    return parse_config({"model": None, "adapters": [], "cache": {"redis_url": None},
+    return parse_config({"model": None, "adapters": [], "cache": {"redis_url": None}, "auth": "none", "state": {"ephemeral": True},
                          "shards": [{"name": "a", "replicas": 2, **shard_fields}, {"name": "b", "replicas": 1}]}, ".")
 
 

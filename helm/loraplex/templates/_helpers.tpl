@@ -38,6 +38,46 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
+{{/* The state store's URL (the chart's state Redis, or state.external.url), or "" when there is none. */}}
+{{- define "loraplex.stateURL" -}}
+{{- if .Values.state.enabled -}}
+{{- printf "redis://%s-state:6379/0" (include "loraplex.fullname" .) -}}
+{{- else -}}
+{{- .Values.state.external.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Secret holding the state store's password, or "" when it needs none. */}}
+{{- define "loraplex.statePasswordSecret" -}}
+{{- if .Values.state.enabled -}}
+{{- if .Values.state.auth.enabled -}}
+{{- default (printf "%s-state" (include "loraplex.fullname" .)) .Values.state.auth.existingSecret -}}
+{{- end -}}
+{{- else if .Values.state.external.url -}}
+{{- .Values.state.external.passwordSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A Redis password Secret (root, name, password): the password given, else the installed one, else a new one. */}}
+{{- define "loraplex.passwordSecret" -}}
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ .name }}
+  labels:
+    {{- include "loraplex.labels" .root | nindent 4 }}
+type: Opaque
+data:
+  {{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name }}
+  {{- if .password }}
+  password: {{ .password | b64enc | quote }}
+  {{- else if and $existing $existing.data }}
+  password: {{ index $existing.data "password" | quote }}
+  {{- else }}
+  password: {{ randAlphaNum 32 | b64enc | quote }}
+  {{- end }}
+{{- end -}}
+
 {{- define "loraplex.tenantsSecret" -}}
 {{- if .Values.tenants.existingSecret -}}
 {{- .Values.tenants.existingSecret -}}
@@ -49,13 +89,32 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "loraplex.operatorSecret" -}}
 {{- if .Values.operator.existingSecret -}}
 {{- .Values.operator.existingSecret -}}
-{{- else if .Values.operator.key -}}
+{{- else -}}
 {{- printf "%s-operator" (include "loraplex.fullname" .) -}}
 {{- end -}}
 {{- end -}}
 
+{{/* The config's state: section: the values' timeout_s and stale_after_s, plus where the store is. With
+     none and state.ephemeral, redis_url stays unset: the state lives in the cache's Redis. */}}
+{{- define "loraplex.stateConfig" -}}
+{{- $state := deepCopy (default (dict) .Values.loraplex.state) -}}
+{{- $url := include "loraplex.stateURL" . -}}
+{{- if $url -}}
+{{- if and (eq $url (include "loraplex.redisURL" .)) (not .Values.state.ephemeral) -}}
+{{- fail (printf "state.external.url is the cache's Redis (%s): the prefix cache's KV would fill the state store, and it evicts; give the state its own Redis (state.enabled: true, this chart's) or set state.ephemeral: true to accept losing bills, keys and registered adapters" $url) -}}
+{{- end -}}
+{{- $_ := set $state "redis_url" $url -}}
+{{- $_ := set $state "cluster" (and (not .Values.state.enabled) .Values.state.external.cluster) -}}
+{{- if include "loraplex.statePasswordSecret" . }}{{- $_ := set $state "password_file" "/etc/loraplex/state-redis/password" -}}{{- end -}}
+{{- else if not .Values.state.ephemeral -}}
+{{- fail "state: no state store (state.enabled is false and state.external.url is empty): accounts, keys, usage and the adapter registry need a Redis that never evicts and keeps its data on disk; set state.enabled: true (this chart's, with a volume) or state.external.url (yours: maxmemory-policy noeviction, appendonly yes), or state.ephemeral: true to keep them in the cache's Redis, which evicts them and loses them on restart" -}}
+{{- end -}}
+{{- $_ := set $state "ephemeral" .Values.state.ephemeral -}}
+{{- toYaml $state -}}
+{{- end -}}
+
 {{/* The loraplex config the application is built from: the values' config plus what
-     the cluster decides (Redis, the Secrets' mount paths, the HTTP port). */}}
+     the cluster decides (both Redis, the Secrets' mount paths, the HTTP port). */}}
 {{- define "loraplex.config" -}}
 {{- $config := deepCopy .Values.loraplex -}}
 {{- $cache := deepCopy (default (dict) $config.cache) -}}
@@ -63,6 +122,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if $url }}{{- $_ := set $cache "redis_url" $url -}}{{- else }}{{- $_ := set $cache "redis_url" nil -}}{{- end -}}
 {{- if include "loraplex.redisPasswordSecret" . }}{{- $_ := set $cache "redis_password_file" "/etc/loraplex/redis/password" -}}{{- end -}}
 {{- $_ := set $config "cache" $cache -}}
+{{- $_ := set $config "state" (include "loraplex.stateConfig" . | fromYaml) -}}
 {{- if include "loraplex.tenantsSecret" . }}{{- $_ := set $config "tenants_file" "/etc/loraplex/tenants/tenants.yaml" -}}{{- end -}}
 {{- if include "loraplex.operatorSecret" . }}{{- $_ := set $config "operator_key_file" "/etc/loraplex/operator/operator-key" -}}{{- end -}}
 {{- $registry := deepCopy (default (dict) $config.registry) -}}
@@ -88,7 +148,7 @@ applications:
 {{ include "loraplex.config" . | indent 8 }}
 {{- end -}}
 
-{{/* Volumes and mounts every Ray pod gets: models, the adapter store, tenants, Redis password, operator key. */}}
+{{/* Volumes and mounts every Ray pod gets: models, the adapter store, tenants, both Redis' passwords, operator key. */}}
 {{- define "loraplex.volumes" -}}
 - name: models
 {{- if .Values.models.existingClaim }}
@@ -119,6 +179,12 @@ applications:
     secretName: {{ . }}
     items: [{key: password, path: password}]
 {{- end }}
+{{- with include "loraplex.statePasswordSecret" . }}
+- name: state-redis-password
+  secret:
+    secretName: {{ . }}
+    items: [{key: password, path: password}]
+{{- end }}
 {{- with include "loraplex.operatorSecret" . }}
 - name: operator-key
   secret:
@@ -141,6 +207,11 @@ applications:
 {{- if include "loraplex.redisPasswordSecret" . }}
 - name: redis-password
   mountPath: /etc/loraplex/redis
+  readOnly: true
+{{- end }}
+{{- if include "loraplex.statePasswordSecret" . }}
+- name: state-redis-password
+  mountPath: /etc/loraplex/state-redis
   readOnly: true
 {{- end }}
 {{- if include "loraplex.operatorSecret" . }}

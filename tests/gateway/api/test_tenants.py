@@ -169,7 +169,9 @@ def test_usage_is_what_the_answers_said_in_every_format(client) -> None:
     operator = client.get(f"/v1/usage?tenant={tenant_id}", headers=OPERATOR).json()
     assert operator["totals"] == totals  # the operator reads any tenant's
     assert client.get(f"/v1/usage?tenant={tenant_id}", headers=auth("t1")).status_code == 403  # a tenant, only its own
-    last_month = client.get("/v1/usage?start=2026-01-01&end=2026-01-02", headers=bearer(key)).json()
+    now = time.gmtime()
+    year, month = (now.tm_year, now.tm_mon - 1) if now.tm_mon > 1 else (now.tm_year - 1, 12)
+    last_month = client.get(f"/v1/usage?start={year:04d}-{month:02d}-01&end={year:04d}-{month:02d}-02", headers=bearer(key)).json()
     assert last_month["totals"]["requests"] == 0
     assert client.get("/v1/usage?start=2020-01-01&end=2026-01-01", headers=bearer(key)).status_code == 400
     for bad in ("start=1e15&end=1000000000003600", "start=nan", "end=inf", "start=-5", "start=tomorrow", "start=9&end=3"):
@@ -257,19 +259,50 @@ def test_a_failover_retry_and_a_cancelled_stream_are_counted_once(served) -> Non
     assert answered["completion_tokens"] <= totals["completion_tokens"] < answered["completion_tokens"] + 60
 
 
-def test_the_last_tenant_deleted_does_not_open_the_deployment(tiny_llama, tmp_path) -> None:
-    """No config tenants: open until the operator makes one; deleting it leaves keys required."""
+def test_no_tenants_in_the_config_never_opens_the_deployment(tiny_llama, tmp_path) -> None:
+    """Only `auth: none` opens a deployment: with an operator key and no config tenants, a request
+    without a key is refused before the first tenant is made, after the last is deleted, and after
+    the state store lost every record, on a gateway running then and on one started after."""
+    import redis
     from fastapi.testclient import TestClient
 
     from tests.gateway.gateway_setup import local_serving, tiny_config
 
-    config = tiny_config(tiny_llama, tmp_path, f"loraplex-test-{uuid.uuid4().hex}", tenants=[])
+    prefix = f"loraplex-test-{uuid.uuid4().hex}"
+    config = tiny_config(tiny_llama, tmp_path, prefix, tenants=[], state={"ephemeral": True, "stale_after_s": 1.0})
     with local_serving(config) as (app, _), TestClient(app) as client:
-        assert client.get("/v1/models").status_code == 200  # open: an anonymous tenant
+        assert client.get("/v1/models").status_code == 401
         tenant_id, key, _ = new_tenant(client)
-        assert client.get("/v1/models").status_code == 401 and models(client, key)
+        assert models(client, key)
         client.delete(f"/v1/tenants/{tenant_id}", headers=OPERATOR)
         assert client.get("/v1/models").status_code == 401
+        kept_id, kept_key, _ = new_tenant(client)
+        assert models(client, kept_key)
+        r = redis.Redis()
+        for stored in r.scan_iter(f"{prefix}:*"):  # the state store lost everything
+            r.delete(stored)
+        time.sleep(1.0 + ACCOUNTS_POLL_S)  # past stale_after_s: the gateway's last good read is too old to serve from
+        assert client.get("/v1/models").status_code == 401
+        r = client.get("/v1/models", headers=bearer(kept_key))
+        assert r.status_code == 503 and r.json()["error"]["code"] == "tenants_unavailable"
+        assert client.get("/health", headers=OPERATOR).json()["state"]["went_back"]
+        new_tenant(client)  # the operator's next change: a version above every earlier one
+        assert client.get("/v1/models", headers=bearer(kept_key)).status_code == 401  # gone, not back
+    with local_serving(config) as (app, _), TestClient(app) as client:  # a gateway started after the loss
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers=bearer(kept_key)).status_code == 401
+
+
+def test_auth_none_is_the_only_open_deployment(tiny_llama, tmp_path) -> None:
+    from fastapi.testclient import TestClient
+
+    from tests.gateway.gateway_setup import local_serving, tiny_config
+
+    config = tiny_config(tiny_llama, tmp_path, f"loraplex-test-{uuid.uuid4().hex}", tenants=[], operator_key_sha256=[],
+                         auth="none")
+    with local_serving(config) as (app, _), TestClient(app) as client:
+        assert client.get("/v1/models").status_code == 200  # anonymous, as the config says
+        assert client.get("/v1/usage").status_code == 200  # no operator key either: operator routes open too
 
 
 def test_a_request_that_runs_out_its_deadline_is_counted(client) -> None:

@@ -1,0 +1,131 @@
+"""Operator keys at run time and the audit log (torch-free): `/v1/operator/keys[/{id}[/rotate]]`
+and `/v1/operator/audit`.
+
+The config's operator keys are the bootstrap: they may do everything and cannot be changed here.
+With one, an operator makes, rotates and revokes operator keys of its own, each with scopes
+(gateway/accounts.py SCOPES: `admin`, `tenants`, `adapters`, `usage`, `observe`), shown once
+when made. Every route here needs the `admin` scope; every change is in the audit log, which
+`GET /v1/operator/audit` reads (newest `limit`, from `since`, a Unix time, on).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from gateway.accounts import MAX_OPERATOR_KEYS, AccountError, OperatorKeyRecord, checked_scopes, operator_keys_of
+from gateway.api.incoming import credentials, gateway_of, read_parsed
+from gateway.api.protocol import APIError
+from gateway.api.tenant_routes import MAX_EXPIRY_S, audited
+from gateway.dispatch import Gateway
+from gateway.tenants import config_key_id
+
+router = APIRouter()
+
+
+async def _admin(request: Request) -> Gateway:
+    gateway = gateway_of(request)
+    await gateway.tenants.refresh_if_stale()
+    request.state.operator = gateway.tenants.authenticate_operator(credentials(request), "admin")
+    if gateway.tenants.accounts is None:
+        raise APIError(503, "this gateway keeps no run-time records", "tenants_unavailable")
+    return gateway
+
+
+def _expires_s(body: dict[str, Any], now_s: float) -> float | None:
+    value = body.get("expires_in_s")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_EXPIRY_S:
+        raise APIError(400, f"expires_in_s: seconds, more than 0 and at most {MAX_EXPIRY_S}", "invalid_value")
+    return now_s + float(value)
+
+
+def _scopes(body: dict[str, Any], required: bool) -> tuple[str, ...]:
+    if "scopes" not in body and not required:
+        return ()
+    try:
+        return checked_scopes(body.get("scopes"))
+    except AccountError as e:
+        raise APIError(e.status, str(e), e.code) from e
+
+
+def _shown(record: OperatorKeyRecord, key: str | None = None, warning: str | None = None) -> dict[str, Any]:
+    out = record.public()
+    if key is not None:
+        out["key"] = key
+    if warning is not None:
+        out["warning"] = warning
+    return out
+
+
+@router.get("/v1/operator/keys")
+async def list_operator_keys(request: Request) -> dict[str, Any]:
+    gateway = await _admin(request)
+    _, records = await gateway.tenants.accounts.load()
+    configured = [{"object": "operator_key", "id": config_key_id(d), "scopes": ["admin"], "source": "config"}
+                  for d in gateway.config.operator_key_sha256]
+    return {"object": "list", "data": configured + [{**k.public(), "source": "api"} for k in operator_keys_of(records)],
+            "max_keys": MAX_OPERATOR_KEYS}
+
+
+@router.post("/v1/operator/keys")
+async def issue_operator_key(request: Request) -> JSONResponse:
+    gateway = await _admin(request)
+    accounts = gateway.tenants.accounts
+    body = await read_parsed(request, gateway, dict[str, Any])
+    scopes = _scopes(body, required=True)
+    try:
+        key, record, warning = await accounts.issue_operator_key(scopes, request.state.operator.id, body.get("name", ""),
+                                                                 _expires_s(body, accounts.clock()))
+    except AccountError as e:
+        raise APIError(e.status, str(e), e.code) from e
+    await gateway.tenants.read_now()
+    warned = await audited(request, gateway, "operator_key.issue", record.id, scopes=list(record.scopes), name=record.name)
+    return JSONResponse({**_shown(record, key, warning), **warned}, status_code=201)
+
+
+@router.post("/v1/operator/keys/{key_id}/rotate")
+async def rotate_operator_key(request: Request, key_id: str) -> JSONResponse:
+    """A new key in the old one's place (its scopes unless others are given); the old one works `grace_s` more."""
+    gateway = await _admin(request)
+    accounts = gateway.tenants.accounts
+    body = await read_parsed(request, gateway, dict[str, Any])
+    grace = body.get("grace_s", 0)
+    if isinstance(grace, bool) or not isinstance(grace, int | float) or not 0 <= grace <= MAX_EXPIRY_S:
+        raise APIError(400, f"grace_s: seconds, from 0 to {MAX_EXPIRY_S}", "invalid_value")
+    now_s = accounts.clock()
+    try:
+        key, record, warning = await accounts.issue_operator_key(
+            _scopes(body, required=False), request.state.operator.id, body.get("name", ""), _expires_s(body, now_s),
+            replacing=key_id, old_expires_s=now_s + float(grace))
+    except AccountError as e:
+        raise APIError(e.status, str(e), e.code) from e
+    await gateway.tenants.read_now()
+    warned = await audited(request, gateway, "operator_key.rotate", key_id, new_key=record.id, grace_s=grace)
+    return JSONResponse({**_shown(record, key, warning), "replaces": key_id, **warned}, status_code=201)
+
+
+@router.delete("/v1/operator/keys/{key_id}")
+async def revoke_operator_key(request: Request, key_id: str) -> dict[str, Any]:
+    gateway = await _admin(request)
+    try:
+        record = await gateway.tenants.accounts.revoke_operator_key(key_id)
+    except AccountError as e:
+        raise APIError(e.status, str(e), e.code) from e
+    await gateway.tenants.read_now()
+    return {**_shown(record), **await audited(request, gateway, "operator_key.revoke", key_id)}
+
+
+@router.get("/v1/operator/audit")
+async def audit_log(request: Request) -> dict[str, Any]:
+    gateway = await _admin(request)
+    try:
+        limit = int(request.query_params.get("limit", "100"))
+        since = request.query_params.get("since")
+        since_s = None if since is None else float(since)
+    except ValueError as e:
+        raise APIError(400, "limit: an integer; since: a Unix time in seconds", "invalid_value") from e
+    return {"object": "list", "data": await gateway.audit.read(limit, since_s)}
