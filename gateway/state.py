@@ -95,12 +95,16 @@ async def check(settings: StateSettings, redis_config: RedisConfig | None, clien
             log.warning("the state store is ephemeral (state.ephemeral: true): tenants, keys, usage and the registry "
                         "are lost with it")
         return
-    client = client if client is not None else connect(redis_config, is_async=True)
+    own = client is None
+    client = connect(redis_config, is_async=True) if own else client
     try:
         infos = await _server_infos(client, redis_config.cluster)
     except client_errors() as e:
         log.warning("the state store %s cannot be checked yet (%s)", redis_config.safe_url, type(e).__name__)
         raise
+    finally:
+        if own:
+            await client.aclose()
     problems = durability_problems(infos)
     if problems:
         raise StateStoreRefused("the state store " + redis_config.safe_url + " would lose state: " + "; ".join(problems)
@@ -110,6 +114,7 @@ async def check(settings: StateSettings, redis_config: RedisConfig | None, clien
 async def _server_infos(client, is_cluster: bool) -> list[dict]:
     if not is_cluster:
         return [{**await client.info("memory"), **await client.info("persistence")}]
+    await client.initialize()  # the slot map: which nodes are masters
     out = []
     for node in client.get_primaries():
         memory = await client.info("memory", target_nodes=node)

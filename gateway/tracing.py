@@ -7,6 +7,8 @@ arrived, and what the request path records under the HTTP request's span (gatewa
       queue     the call sent until the replica's first delta: waiting for the worker
       (worker)  the worker's spans of the call, in its own process: worker.request, .queue, .prefill, .decode
 
+Which requests are traced is the gateway's `sample_ratio` alone: a caller's traceparent names the
+trace they join, but its sampled flag neither forces nor stops a trace (worker/contract/tracing.py).
 Spans are started and ended explicitly, never made current: the request path runs in async
 generators, whose steps may run in other tasks' contexts.
 """

@@ -1,6 +1,7 @@
 """A private Redis Cluster (3 masters, 1 replica each) on free ports, for tests of cluster mode and failover.
 
-Every node runs in its own directory under the test's tmp_path with persistence off and a node timeout of
+Every node runs in its own directory under the test's tmp_path with persistence off (or, `is_durable`, as a
+state store: an append-only file and no eviction) and a node timeout of
 1 s, so a killed master's replica takes over about 2-3 s later. `stop` ends every node this helper started,
 by pid (so does leaving the `with` block, whatever happened in it).
 """
@@ -58,14 +59,17 @@ class Node:
 
 
 class LocalRedisCluster:
-    def __init__(self, directory: Path, num_masters: int = 3, replicas_per_master: int = 1, host: str = "127.0.0.1") -> None:
-        """`host`: the address every node binds and announces (another than loopback for hosts in namespaces)."""
+    def __init__(self, directory: Path, num_masters: int = 3, replicas_per_master: int = 1, host: str = "127.0.0.1",
+                 is_durable: bool = False) -> None:
+        """`host`: the address every node binds and announces (another than loopback for hosts in namespaces);
+        `is_durable`: every node as a state store runs (append-only file, never evicting: gateway/state.py)."""
         for binary in ("redis-server", "redis-cli"):
             if shutil.which(binary) is None:
                 raise RuntimeError(f"{binary} is not installed (apt install redis-server redis-tools)")
         self.directory, self.host = directory, host
         self.num_nodes = num_masters * (1 + replicas_per_master)
         self.replicas_per_master = replicas_per_master
+        self.is_durable = is_durable
         self.nodes: dict[int, Node] = {}  # port -> node; killed ones stay until `stop`
 
     def __enter__(self) -> LocalRedisCluster:
@@ -106,7 +110,8 @@ class LocalRedisCluster:
             home.mkdir(parents=True)
             args = ["redis-server", "--port", str(port), "--bind", self.host, "--dir", str(home),
                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--appendonly", "no", "--save", "",
+                    "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--save", "",
+                    *(("--appendonly", "yes", "--maxmemory-policy", "noeviction") if self.is_durable else ("--appendonly", "no")),
                     "--repl-diskless-sync-delay", "0",  # replicas in sync at once: one that never synced cannot take over
                     "--protected-mode", "yes" if self.host == "127.0.0.1" else "no"]  # else: the test's own private network
             with open(home / "redis.log", "wb") as log:

@@ -1,10 +1,12 @@
 """A request's trace, exported over the wire (OTLP/HTTP) to a receiver started here: the gateway's
 spans under the caller's traceparent, the worker's under the gateway's route span (in-process
-workers, with their own exporter, as a Ray replica has), and failover as a second route span."""
+workers, with their own exporter, as a Ray replica has), and failover as a second route span.
+Sampling is the gateway's own ratio, never a caller's sampled flag."""
 
 from __future__ import annotations
 
 import gzip
+import random
 import threading
 import uuid
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status
 from gateway.pool import WorkerFailed
 from tests.gateway.gateway_setup import PROMPT, auth, local_serving, tiny_config
 from tests.gateway.live_server import live_server, wait_until
-from worker.contract.tracing import TracingSettings, open_tracing
+from worker.contract.tracing import TracingSettings, context_of, open_tracing
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN_ID = "00f067aa0ba902b7"
@@ -90,13 +92,22 @@ def receiver() -> Iterator[Receiver]:
     server.server_close()
 
 
-@pytest.fixture(scope="module")
-def traced(tiny_llama, tmp_path_factory, receiver):
+def serving(tiny_llama, tmp_path_factory, receiver, **tracing):
     prefix = f"loraplex-test-{uuid.uuid4().hex}"
-    tracing = {"otlp_endpoint": receiver.url, "service_name": "lp-test"}
+    tracing = {"otlp_endpoint": receiver.url, "service_name": "lp-test", **tracing}
     config = tiny_config(tiny_llama, tmp_path_factory.mktemp("traced"), prefix, tracing=tracing)
     with local_serving(config) as (app, pool), live_server(app) as url:
         yield url, app.state.gateway, pool
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_llama, tmp_path_factory, receiver):
+    yield from serving(tiny_llama, tmp_path_factory, receiver)
+
+
+@pytest.fixture(scope="module")
+def never_sampled(tiny_llama, tmp_path_factory, receiver):
+    yield from serving(tiny_llama, tmp_path_factory, receiver, sample_ratio=0.0)
 
 
 def exported(receiver: Receiver, gateway, pool, trace_id: str, num_spans: int) -> dict[str, list[ReceivedSpan]]:
@@ -171,3 +182,35 @@ def test_tracing_is_off_unless_configured() -> None:
         TracingSettings(otlp_endpoint="http://collector:4318", sample_ratio=1.5)
     with pytest.raises(ValueError, match="otlp_endpoint"):
         TracingSettings(otlp_endpoint="collector:4318")
+
+
+def test_a_callers_sampled_flag_does_not_force_a_trace(never_sampled, receiver) -> None:
+    url, gateway, pool = never_sampled
+    trace_ids = [uuid.uuid4().hex for _ in range(3)]
+    for trace_id in trace_ids:
+        headers = {**auth(), "traceparent": f"00-{trace_id}-{CALLER_SPAN_ID}-01"}
+        r = httpx.post(f"{url}/v1/completions", headers=headers, json={"model": "a", "prompt": PROMPT[:12], "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200
+    for tracing in (gateway.tracing, *(worker.tracing for worker in pool.workers.values())):
+        assert tracing.flush()
+    assert not [s for s in receiver.spans if s.trace_id in trace_ids]
+
+
+def test_the_gateway_samples_by_its_own_ratio_whatever_the_callers_flag_and_trace_id(receiver) -> None:
+    """A caller chooses its trace id: one whose low 64 bits are 0 passes any trace-id ratio; the gateway
+    draws its own number instead. A worker follows its parent (the gateway's span) either way."""
+    never = open_tracing(TracingSettings(otlp_endpoint=receiver.url, sample_ratio=0.0), "gateway")
+    always = open_tracing(TracingSettings(otlp_endpoint=receiver.url, sample_ratio=1.0), "gateway")
+    rarely = open_tracing(TracingSettings(otlp_endpoint=receiver.url, sample_ratio=0.01), "gateway", random.Random(0))
+    worker = open_tracing(TracingSettings(otlp_endpoint=receiver.url, sample_ratio=0.0), "worker")
+    sampled, unsampled = (context_of(f"00-{'ab' * 8}{'0' * 16}-{CALLER_SPAN_ID}-{flag}") for flag in ("01", "00"))
+    try:
+        assert not never.tracer.start_span("x", sampled).is_recording()
+        assert always.tracer.start_span("x", unsampled).is_recording()
+        assert sum(rarely.tracer.start_span("x", sampled).is_recording() for _ in range(1000)) < 50
+        assert worker.tracer.start_span("x", sampled).is_recording()
+        assert not worker.tracer.start_span("x", unsampled).is_recording()
+    finally:
+        for tracing in (never, always, rarely, worker):
+            tracing.close()

@@ -1,12 +1,15 @@
 """Adapter tiers on a shard replica (worker/engine/residency.py), on a tiny model: a device tier
 smaller than what the replica serves, a host tier, and this node's disk copies of a store
-elsewhere (a file:// store, so its copies can be dropped)."""
+elsewhere (a file:// store, so its copies can be dropped); the device's budget counts the
+copies under way to it, and a DoRA's magnitudes."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
+import time
 
 import pytest
 
@@ -14,9 +17,13 @@ from cache.blobs import BlobStoreConfig
 from cache.prefix import PrefixCacheConfig
 from tests.helpers import TEST_DEVICE, deltas_of
 from tests.tinymodels import random_lora, write_adapter
+from tests.worker.lora.test_dora import ATTN, converted
 from worker.contract.calls import WorkerCall
 from worker.contract.params import SamplingParams
 from worker.contract.spec import DeviceSettings, EngineConfig, ResidencySettings, WorkerSpec
+from worker.engine import residency as residency_module
+from worker.engine.runner import ModelRunner
+from worker.engine.tiers import device_nbytes
 from worker.formats.adapter import load_adapter
 from worker.formats.gguf_file import GGUFFile
 from worker.shard import ShardWorker
@@ -168,13 +175,15 @@ def test_budgets_hold_under_churn(tiny_llama, stored) -> None:
                 while True:
                     seen.append(worker.residency.residents())
                     copies = len(list((directory / "churn").glob("*.gguf")))
-                    assert copies <= 4
+                    assert copies <= 4 + len(worker.residency._loading)  # a copy just fetched, until its promotion trims the tier
                     await asyncio.sleep(0.002)
 
             watcher = asyncio.ensure_future(watch())
             for start in range(0, 36, 3):
                 await asyncio.gather(*(one(i) for i in range(start, start + 3)))
             watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher  # a check it failed fails the test
             for residents in seen:
                 assert residents["device"][0] <= 3 and residents["host"][1] <= host_budget
                 assert residents["disk"][1] <= 4 * file_bytes
@@ -185,6 +194,72 @@ def test_budgets_hold_under_churn(tiny_llama, stored) -> None:
         assert stats.evictions["device"] > 0 and stats.evictions["host"] > 0 and stats.evictions["disk"] > 0
     finally:
         worker.close()
+
+
+def test_concurrent_promotions_never_pass_the_device_budget_with_their_copies(tiny_llama, stored, monkeypatch) -> None:
+    """Room for two adapters, six requests at once, one per adapter, each copy to the device slowed so
+    that they overlap: the bytes on the device and those being copied there never pass the budget."""
+    from worker.lora.attach import host_halves
+
+    directory, fingerprints = stored
+    host = host_halves(load_adapter(directory / "a0.gguf", GGUFFile(tiny_llama.path)))
+    adapter_bytes = sum((a.size + b.size) * TEST_DEVICE.torch_dtype.itemsize for a, b, _ in host.values())
+    budget = 2 * adapter_bytes
+    worker = tiered_worker(tiny_llama, directory, "concurrent", ResidencySettings(device_bytes=budget), num_seq_slots=6)
+    lock, resident, in_copy, totals = threading.Lock(), {}, {}, []  # slot -> bytes; id(its halves) -> bytes
+    copy, add, remove = residency_module.device_halves, worker.runner.add_adapter, worker.runner.remove_adapter
+
+    def counted() -> None:
+        totals.append(sum(resident.values()) + sum(in_copy.values()))
+
+    def slow_copy(host, config):  # a thread
+        token = object()
+        with lock:
+            in_copy[id(token)] = adapter_bytes  # every adapter here has the same shapes
+            counted()
+        time.sleep(0.05)
+        halves = copy(host, config)
+        with lock:
+            in_copy[id(halves)] = in_copy.pop(id(token))
+        return halves
+
+    def counted_add(adapter, host=None, device=None):  # the engine's thread
+        with lock:
+            in_copy.pop(id(device), None)
+            slot = add(adapter, host, device)
+            resident[slot] = worker.runner.lora.nbytes(slot)
+            counted()
+        return slot
+
+    def counted_remove(slot):
+        with lock:
+            resident.pop(slot, None)
+            remove(slot)
+
+    monkeypatch.setattr(residency_module, "device_halves", slow_copy)
+    monkeypatch.setattr(worker.runner, "add_adapter", counted_add)
+    monkeypatch.setattr(worker.runner, "remove_adapter", counted_remove)
+    try:
+        async def scenario() -> None:
+            await worker.sync(1, fingerprints)
+            for _ in range(2):
+                answers = await asyncio.gather(*(deltas_of(worker, call(i, fp, max_tokens=4)) for i, fp in enumerate(fingerprints)))
+                assert all(len(tokens(deltas)) == 4 for deltas in answers)
+
+        asyncio.run(scenario())
+        assert worker.residency.stats.promotions["host"] >= 8 and len(totals) >= 16
+        assert max(totals) <= budget, (max(totals), budget)
+        assert not worker.residency._reserved  # every reservation became a resident adapter or was given back
+    finally:
+        worker.close()
+
+
+def test_a_dora_adapters_device_bytes_count_its_magnitudes(tiny_llama, tmp_path) -> None:
+    _, path = converted(tiny_llama, tmp_path, 1, ATTN)
+    adapter = load_adapter(path, GGUFFile(tiny_llama.path))
+    runner = ModelRunner.from_paths(tiny_llama.path, [path], TEST_DEVICE)
+    assert adapter.is_dora and runner.lora.dora_slots == {0}
+    assert device_nbytes(adapter, TEST_DEVICE.torch_dtype) == runner.lora.nbytes(0)
 
 
 def test_host_halves_kept_as_tensors_reach_the_device_unchanged(tiny_llama, stored) -> None:

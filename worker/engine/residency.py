@@ -22,11 +22,13 @@ adapter served stays on the device, as before tiers):
   directory);
 - the store: the tier below.
 A request for an adapter that is not on the device waits, its deadline counting, while the
-adapter comes up: read and copied to the device off the step loop (worker/lora/attach.py:
-`device_halves`, on a GPU on a side stream), then put in a slot between two steps, which only
-wires it in; no other request's step waits for it. Room on the device is made by evicting the
-least recently used adapters that no running, waiting or arriving request uses; when every one
-there is in use, the request waits for one to be free (`load_timeout_s`, then 503). The
+adapter comes up: read off the step loop, room on the device reserved for it, copied there off
+the step loop (worker/lora/attach.py: `device_halves`, on a GPU on a side stream), then put in a
+slot between two steps, which only wires it in; no other request's step waits for it. The room
+is taken before the copy starts, so the adapters on the device and those being copied there
+never pass the device's budget together, however many come up at once. Room is made by evicting
+the least recently used adapters that no running, waiting or arriving request uses; when every
+one there is in use, the request waits for one to be free (`load_timeout_s`, then 503). The
 deploy-time adapters (the operator's pins) never leave the device. The host and disk tiers
 drop their least recently used copies past their budgets.
 """
@@ -34,6 +36,7 @@ drop their least recently used copies past their budgets.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -84,6 +87,8 @@ class Residency:
         self._guard = threading.Lock()  # the device tier: read and changed by the event loop and the engine's thread
         self._device: ByteLRU[Fingerprint, AdapterSlot] = ByteLRU()
         self._leased: dict[Fingerprint, int] = {}
+        self._reserved: dict[int, int] = {}  # reservation -> the device bytes of a copy under way, counted before it starts
+        self._reservation_ids = itertools.count()
         for slot, adapter in runner.adapters.items():
             self._device.put(Fingerprint(adapter.fingerprint), AdapterSlot(slot), runner.lora.nbytes(slot))
         self.hot = frozenset(self._device)  # never evicted
@@ -262,30 +267,67 @@ class Residency:
         self.stats.promoted(source, self.clock() - started)
 
     async def _install(self, fingerprint: Fingerprint, host: HostHalves, may_evict: bool, until: float | None = None) -> None:
-        """Copy to the device (a thread), then take a slot between steps, evicting as needed (with
-        `may_evict`); while every adapter on the device is in use, wait (Overloaded past `until`)."""
-        halves = await asyncio.to_thread(device_halves, host, self.config)
-        nbytes, adapter = self.nbytes[fingerprint], self.known[fingerprint]
+        """Reserve room on the device (`_reserve`), copy `host` into it (a thread), then take a slot between
+        steps. Shielded: once begun it runs to its end, so no reservation or copy is left behind by a caller
+        that is cancelled."""
+        await asyncio.shield(asyncio.ensure_future(self._reserve_copy_install(fingerprint, host, may_evict, until)))
 
-        def install(engine: Engine) -> bool:  # the engine's thread, between steps
+    async def _reserve_copy_install(self, fingerprint: Fingerprint, host: HostHalves, may_evict: bool, until: float | None) -> None:
+        nbytes, adapter = self.nbytes[fingerprint], self.known[fingerprint]
+        reservation = await self._reserve(fingerprint, nbytes, may_evict, until)
+        if reservation is None:
+            return  # on the device already, or (without `may_evict`) no room: it stays lower down
+        try:
+            halves = await asyncio.to_thread(device_halves, host, self.config)
+
+            def install(engine: Engine) -> None:  # the engine's thread, between steps: the room reserved becomes its own
+                with self._guard:
+                    if self._reserved.pop(reservation, None) is not None and fingerprint not in self._device:
+                        self._device.put(fingerprint, engine.runner.add_adapter(adapter, device=halves), nbytes)
+
+            await asyncio.wrap_future(self.loop.call(install))
+        finally:  # failed: the room is free again (installed: it is already)
+            with self._guard:
+                self._reserved.pop(reservation, None)
+
+    async def _reserve(self, fingerprint: Fingerprint, nbytes: int, may_evict: bool, until: float | None) -> int | None:
+        """Room on the device for `nbytes` more, taken for `fingerprint`'s copy (the reservation): free room
+        at once; else, with `may_evict`, room made between steps by evicting, and while every adapter there
+        is in use, waited for (Overloaded past `until`). None when it is on the device already, or when there
+        is no room and `may_evict` is not set."""
+
+        def evicting(engine: Engine) -> int | None:  # the engine's thread, between steps
+            with self._guard:
+                return None if fingerprint in self._device else self._take_room(nbytes, engine)
+
+        while True:
             with self._guard:
                 if fingerprint in self._device:
-                    return True
-                victims = self._victims(engine, nbytes) if may_evict else ([] if self._fits_now(nbytes) else None)
-                if victims is None:
-                    return False
-                for victim in victims:
-                    engine.runner.remove_adapter(self._device.pop(victim))
-                self._device.put(fingerprint, engine.runner.add_adapter(adapter, device=halves), nbytes)
-            self.stats.evictions["device"] += len(victims)
-            return True
-
-        while not await asyncio.wrap_future(self.loop.call(install)):
-            if not may_evict:
-                return  # no room after all: it stays lower down
-            if self.clock() >= until:
+                    return None
+                reservation = self._take_room(nbytes)
+            if reservation is not None or not may_evict:
+                return reservation
+            reservation = await asyncio.wrap_future(self.loop.call(evicting))
+            if reservation is not None:
+                return reservation
+            if self.clock() >= until and fingerprint not in self._device:
                 raise Overloaded(f"no room on the device for adapter {fingerprint[:16]}: every adapter there is in use")
             await asyncio.sleep(ROOM_POLL_S)
+
+    def _take_room(self, nbytes: int, engine: Engine | None = None) -> int | None:
+        """Reserve `nbytes` on the device (under the guard): the reservation, or None when there is no room.
+        With `engine` (its thread, between steps), room is made by evicting the least recently used adapters
+        no request uses."""
+        if not self._fits_now(nbytes):
+            victims = None if engine is None else self._victims(engine, nbytes)
+            if victims is None:
+                return None
+            for victim in victims:
+                engine.runner.remove_adapter(self._device.pop(victim))
+            self.stats.evictions["device"] += len(victims)
+        reservation = next(self._reservation_ids)
+        self._reserved[reservation] = nbytes
+        return reservation
 
     def _victims(self, engine: Engine, nbytes: int) -> list[Fingerprint] | None:
         """Least recently used adapters to evict so that `nbytes` more fit (under the guard, on the engine's
@@ -304,10 +346,12 @@ class Residency:
         return victims if over_bytes <= 0 and over_count <= 0 else None
 
     def _over(self, nbytes: int) -> tuple[int, int]:
-        """(bytes, adapters) past the device's budget once `nbytes` more are there."""
+        """(bytes, adapters) past the device's budget once `nbytes` more are there, beside those on the device
+        and those being copied there (under the guard)."""
         s = self.settings
-        over_bytes = -1 if s.device_bytes is None else self._device.total + nbytes - s.device_bytes
-        over_count = -1 if s.device_adapters is None else len(self._device) + 1 - s.device_adapters
+        reserved_bytes = sum(self._reserved.values())
+        over_bytes = -1 if s.device_bytes is None else self._device.total + reserved_bytes + nbytes - s.device_bytes
+        over_count = -1 if s.device_adapters is None else len(self._device) + len(self._reserved) + 1 - s.device_adapters
         return over_bytes, over_count
 
     def _fits_now(self, nbytes: int) -> bool:

@@ -14,6 +14,7 @@ from cache.stats import Histogram
 from worker.formats.adapter import LoRAAdapter
 
 TIERS = ("device", "host", "disk", "store")
+MAGNITUDE_ITEM_BYTES = 4  # a DoRA's magnitudes are float32 on the device (worker/lora/attach.py: device_halves)
 LOAD_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 K = TypeVar("K")
 V = TypeVar("V")
@@ -91,7 +92,9 @@ def closed(adapter: LoRAAdapter) -> LoRAAdapter:
 
 
 def device_nbytes(adapter: LoRAAdapter, dtype: torch.dtype) -> int:
-    """Bytes `adapter`'s halves take on the device in `dtype` (what LoRAState.nbytes counts once there, and
-    perhaps a little more: a target that is no matmul here is counted too)."""
+    """Bytes `adapter` takes on the device: its halves in `dtype` and a DoRA's magnitudes in float32 (what
+    LoRAState.nbytes counts once there, and perhaps a little more: a target that is no matmul here is
+    counted too)."""
     item = torch.empty((), dtype=dtype).element_size()
-    return sum((pair.a.num_elements + pair.b.num_elements) * item for pair in adapter.pairs.values())
+    halves = sum((pair.a.num_elements + pair.b.num_elements) * item for pair in adapter.pairs.values())
+    return halves + sum(pair.m.num_elements * MAGNITUDE_ITEM_BYTES for pair in adapter.pairs.values() if pair.m is not None)
