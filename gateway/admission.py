@@ -1,11 +1,25 @@
 """What a tenant's request becomes before it is routed (torch-free): the adapters it names
 resolved through the tenant's ACL, its numbers checked against the model, its cost
-counted against the tenant's rate limits, and the `WorkerCall` a worker will run."""
+counted against the tenant's limits, and the `WorkerCall` a worker will run.
+
+Its cost is the most it may use (prompt + n x its max_tokens bound), held from admission
+until it ends: reserved of the tenant's token quotas (gateway/quota.py) and taken of its
+per-minute token limit (gateway/ratelimit.py). `settle` ends the hold with what it used: the
+usage counted (which settles the reservation) and the unused tokens given back to the limit;
+a request that never ran gives everything back. A `Prepared` collected before it was settled
+(a route refused it after admission, or its stream never started) is settled as never run
+DROPPED_AFTER_S later, unless its end settled it meanwhile (a stream its client left is
+collected before its generator's cleanup counts it); a reservation left by a gateway that
+died expires.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -13,10 +27,11 @@ from gateway.api.protocol import APIError, LoraEntry
 from gateway.catalog import AdapterInfo, Catalog
 from gateway.config import ServeConfig
 from gateway.policy.routing import affinity_key
-from gateway.ratelimit import RateLimiter
+from gateway.quota import RESERVATION_MARGIN_S, QuotaExceeded, QuotaUnavailable, Reservation
+from gateway.ratelimit import RateLimiter, TokenSpend
 from gateway.registry.registry import AdapterRegistry
 from gateway.tenants import Tenant
-from gateway.usage import QuotaExceeded, UsageLedger
+from gateway.usage import UsageEvent, UsageLedger
 from worker.contract.calls import WorkerCall
 from worker.contract.identity import AdapterName, Fingerprint, ScalesByFingerprint, ScalesByName
 from worker.contract.params import SamplingParams
@@ -24,6 +39,18 @@ from worker.formats.tokenizer import TokenizerError, check_ids
 
 
 EXCEEDS_CONTEXT = "exceed_context_size_error"  # llama-server's error type, with n_prompt_tokens and n_ctx
+DROPPED_AFTER_S = 5.0
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Hold:
+    """What a request holds of its tenant's limits from admission until `Admission.settle`."""
+
+    num_tokens: int  # the most it may use: prompt + n x its max_tokens bound
+    reservation: Reservation | None = None  # of its quotas (None: the tenant has none)
+    spend: TokenSpend | None = None  # of its per-minute token limit (None: it has none)
+    is_settled: bool = False
 
 
 @dataclass
@@ -37,6 +64,7 @@ class Prepared:
     affinity: bytes
     num_prompt_tokens: int
     admitted_s: float  # when it was admitted, on the gateway's clock (its deadline counts from here)
+    hold: Hold  # what it holds of the tenant's limits until it ends
     route: dict[str, str] = field(default_factory=dict)  # filled once routed: replica, shard
 
     @property
@@ -50,6 +78,7 @@ class Admission:
                  clock: Callable[[], float] = time.monotonic, usage: UsageLedger | None = None) -> None:
         self.config, self.catalog, self.limiter, self.registry, self.clock = config, catalog, limiter, registry, clock
         self.usage = usage
+        self._tasks: set[asyncio.Task] = set()
 
     def adapters(self, tenant: Tenant) -> dict[str, AdapterInfo]:
         """The adapters this tenant may use, by name: the config's first, in order (the ids of /lora-adapters)."""
@@ -121,28 +150,89 @@ class Admission:
                            f"{len(prompt_ids) + wanted} tokens ({len(prompt_ids)} in the prompt, {wanted} for the completion).",
                            "context_length_exceeded", kind=EXCEEDS_CONTEXT, n_prompt_tokens=len(prompt_ids), n_ctx=limit)
         generated = params.max_tokens if params.max_tokens != -1 else limit - len(prompt_ids)
-        if self.usage is not None and (tenant.tokens_per_day or tenant.tokens_per_month):
+        request_id = uuid.uuid4().hex
+        call_timeout_s = self.timeout_s(timeout_s)
+        hold = Hold(len(prompt_ids) + params.n * generated)  # every choice's
+        hold.reservation = await self._reserve(tenant, request_id, hold.num_tokens, call_timeout_s)
+        try:
+            hold.spend = await self.limiter.spend(tenant, hold.num_tokens)
+            infos = self.adapters(tenant)
+            scales_by_fingerprint: dict[Fingerprint, float] = {}  # by content: two names of one adapter are one adapter
+            for name, scale in scales_by_name.items():
+                fingerprint = Fingerprint(infos[name].fingerprint)
+                scales_by_fingerprint[fingerprint] = scales_by_fingerprint.get(fingerprint, 0.0) + scale
+            scales_by_fingerprint = {fp: s for fp, s in scales_by_fingerprint.items() if s != 0.0}
+            # the affinity key uses the KV-relevant set: an aLoRA shares the base's prefix (SPEC §4)
+            aloras = {infos[name].fingerprint for name in scales_by_name if infos[name].is_alora}
+            kv_scales = {fp: s for fp, s in scales_by_fingerprint.items() if fp not in aloras}
+            key = affinity_key(self.catalog.adapter_set_fingerprint(kv_scales), prompt_ids, self.config.cache.chunk_tokens)
+            call = WorkerCall(
+                request_id=request_id, prompt_ids=tuple(prompt_ids), params=params,
+                scales_by_fingerprint=scales_by_fingerprint, cache_salt=tenant.cache_salt(request_salt),
+                cache_prompt=cache_prompt, tenant=tenant.id,  # the worker shares its compute fairly between tenants
+                timeout_s=call_timeout_s,
+            )
+            names_by_fingerprint = {Fingerprint(infos[name].fingerprint): name for name in scales_by_name}
+        except BaseException:
+            self.settle_soon(hold, None)  # refused after its reservation: nothing ran
+            raise
+        prepared = Prepared(call, tenant, names_by_fingerprint, key, len(prompt_ids), self.clock(), hold)
+        if hold.reservation is not None or hold.spend is not None:
+            finalizer = weakref.finalize(prepared, self._dropped, hold, asyncio.get_running_loop())
+            finalizer.atexit = False
+        return prepared
+
+    async def _reserve(self, tenant: Tenant, request_id: str, num_tokens: int, timeout_s: float) -> Reservation | None:
+        """`num_tokens` reserved of the tenant's quotas until the request ends (at the latest its deadline
+        and the worker's grace, plus a margin); None when it has none. 429 when they do not fit, 503
+        when they cannot be checked."""
+        if self.usage is None or not (tenant.tokens_per_day or tenant.tokens_per_month):
+            return None
+        lifetime_s = timeout_s + self.config.routing.worker_grace_s + RESERVATION_MARGIN_S
+        try:
+            return await self.usage.reserve(tenant.id, request_id, num_tokens,
+                                            {"day": tenant.tokens_per_day, "month": tenant.tokens_per_month}, lifetime_s)
+        except QuotaExceeded as e:
+            raise APIError(429, str(e), "quota_exceeded", {"Retry-After": str(e.retry_after_s)},
+                           tokens_left=e.num_left) from e
+        except QuotaUnavailable as e:
+            log.warning("tenant %s refused: %s", tenant.id, e)
+            raise APIError(503, f"{e}; retry later", "quota_unavailable", {"Retry-After": str(e.retry_after_s)}) from e
+
+    # the end of a request
+
+    async def settle(self, hold: Hold, event: UsageEvent | None) -> None:
+        """The request ended: `event`, what it used, counted (which settles its reservation), or
+        (None: it never ran) its reservation released; the tokens it did not use given back to the
+        per-minute limit. Once per request; it completes even when the caller is cancelled."""
+        if not hold.is_settled:
+            await asyncio.shield(self._settle_task(hold, event))
+
+    def settle_soon(self, hold: Hold, event: UsageEvent | None) -> None:
+        """`settle`, without waiting for it."""
+        if not hold.is_settled:
+            self._settle_task(hold, event)
+
+    def _settle_task(self, hold: Hold, event: UsageEvent | None) -> asyncio.Task:
+        hold.is_settled = True
+        self._tasks.add(task := asyncio.get_running_loop().create_task(self._settle(hold, event)))
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _settle(self, hold: Hold, event: UsageEvent | None) -> None:
+        work = [self.limiter.refund(hold.spend, 0 if event is None else event.tokens)]
+        if self.usage is not None and event is not None:
+            work.append(self.usage.record(event))
+        elif self.usage is not None and hold.reservation is not None:
+            self.usage.release(hold.reservation)
+        await asyncio.gather(*work)
+
+    def _dropped(self, hold: Hold, loop: asyncio.AbstractEventLoop) -> None:
+        """A Prepared collected (from any thread) before it was settled: settled as never run
+        DROPPED_AFTER_S later, unless its end (a generator's cleanup, which runs after the
+        collection) settles it first."""
+        if not hold.is_settled:
             try:
-                await self.usage.check_quota(tenant.id, {"day": tenant.tokens_per_day, "month": tenant.tokens_per_month},
-                                             len(prompt_ids))
-            except QuotaExceeded as e:
-                raise APIError(429, str(e), "quota_exceeded", {"Retry-After": str(e.retry_after_s)}) from e
-        await self.limiter.spend(tenant, len(prompt_ids) + params.n * generated)  # every choice's
-        infos = self.adapters(tenant)
-        scales_by_fingerprint: dict[Fingerprint, float] = {}  # by content: two names of one adapter are one adapter
-        for name, scale in scales_by_name.items():
-            fingerprint = Fingerprint(infos[name].fingerprint)
-            scales_by_fingerprint[fingerprint] = scales_by_fingerprint.get(fingerprint, 0.0) + scale
-        scales_by_fingerprint = {fp: s for fp, s in scales_by_fingerprint.items() if s != 0.0}
-        # the affinity key uses the KV-relevant set: an aLoRA shares the base's prefix (SPEC §4)
-        aloras = {infos[name].fingerprint for name in scales_by_name if infos[name].is_alora}
-        kv_scales = {fp: s for fp, s in scales_by_fingerprint.items() if fp not in aloras}
-        key = affinity_key(self.catalog.adapter_set_fingerprint(kv_scales), prompt_ids, self.config.cache.chunk_tokens)
-        call = WorkerCall(
-            request_id=uuid.uuid4().hex, prompt_ids=tuple(prompt_ids), params=params, scales_by_fingerprint=scales_by_fingerprint,
-            cache_salt=tenant.cache_salt(request_salt), cache_prompt=cache_prompt,
-            tenant=tenant.id,  # the worker shares its compute fairly between tenants
-            timeout_s=self.timeout_s(timeout_s),
-        )
-        names_by_fingerprint = {Fingerprint(infos[name].fingerprint): name for name in scales_by_name}
-        return Prepared(call, tenant, names_by_fingerprint, key, len(prompt_ids), self.clock())
+                loop.call_soon_threadsafe(loop.call_later, DROPPED_AFTER_S, self.settle_soon, hold, None)
+            except RuntimeError:  # its loop is closed: the reservation expires
+                log.info("a request dropped after its event loop closed: its reservation expires")

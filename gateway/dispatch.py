@@ -46,7 +46,7 @@ class Gateway:
         self.tenants = open_tenants(config, clock)
         self.limiter = limiter or RateLimiter()
         self.registry = registry or open_registry(config, catalog, pool, clock)
-        self.usage = open_ledger(config.state_redis())
+        self.usage = open_ledger(config.state_redis(), spool_dir=Path(config.blob_store().cache_dir).expanduser() / "usage-spool")
         self.responses = open_response_store(config)  # the Responses API's stored responses
         self.audit = open_audit(config.state_redis(), Path(config.blob_store().cache_dir).expanduser())
         self.admission = Admission(config, catalog, self.limiter, self.registry, clock, self.usage)
@@ -277,8 +277,10 @@ class Gateway:
         else:
             status = "ok"
         state = self.state_health()
-        if state["status"] != "ok":
-            status = "down" if state["status"] == "refused" else "degraded"
+        if state["status"] == "refused":
+            status = "down"
+        elif state["status"] != "ok" and status == "ok":
+            status = "degraded"
         return {"status": status, "redis": redis, "state": state, "shards": shards, "registry": self.registry.health()}
 
     def state_health(self) -> dict[str, Any]:

@@ -205,11 +205,12 @@ def _rate_limiter(config: ServeConfig) -> RateLimiter:
     from gateway.ratelimit import RateLimiter
 
     redis = config.state_redis()
+    replicas = config.http.gateway_replicas  # while Redis is down, each counts its share of every limit
     if redis is None:
-        return RateLimiter()
+        return RateLimiter(num_replicas=replicas)
     from cache.l2 import connect
 
-    return RateLimiter(connect(redis, is_async=True), redis.key_prefix)
+    return RateLimiter(connect(redis, is_async=True), redis.key_prefix, num_replicas=replicas)
 
 
 def replica_threads(config: ServeConfig) -> int:

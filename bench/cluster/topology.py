@@ -78,6 +78,7 @@ class Topology:
             "registry": {"store_url": f"s3://{self.bucket}/adapters", "store_dir": "~/.cache/loraplex/adapters", "copies": 2,
                          "poll_interval_s": 0.5},
             "fingerprint_dir": None,
+            "state": {"ephemeral": True},  # in the cache's cluster: a test bed, not a bill
             **sections,
         }
 

@@ -1,5 +1,6 @@
 """Every HTTP request as observability sees it (torch-free): its server span, the child of the
-caller's W3C `traceparent` when it sends one (the request path records its own spans under it:
+caller's W3C `traceparent` when it sends one, sampled by the gateway's own ratio whatever the caller's
+flag says (worker/contract/tracing.py; the request path records its own spans under it:
 gateway/tracing.py), and its answer counted once in `loraplex_gateway_requests_total`
 (gateway/metrics.py): respond()'s Timing counts the requests it answers, this the rest, those
 refused before they reached a worker included, under the caller's tenant when its key names one."""

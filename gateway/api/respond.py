@@ -1,6 +1,7 @@
 """A prepared request's answer (torch-free): one JSON body once the worker is done, or server-sent
 events as its deltas come. Either way the tenant's in-flight gauge and the latency metrics are
-kept, and the headers name the shard and replica that ran it."""
+kept, the headers name the shard and replica that ran it, and every way it ends settles what it
+held of the tenant's limits (gateway/admission.py): finished, failed, cancelled, or refused."""
 
 from __future__ import annotations
 
@@ -47,9 +48,9 @@ def route_headers(prepared: Prepared) -> dict[str, str]:
 
 
 class Timing:
-    """A request's latency and time to first token, recorded once it is done, and its usage
-    (gateway/usage.py), counted once: what it used when it finished, or what was sent of it when
-    its stream ended early."""
+    """A request's latency and time to first token, recorded once it is done, and its end settled
+    once (gateway/admission.py `settle`): what it used counted when it finished, or what was sent
+    of it when its stream ended early, or nothing when it never ran."""
 
     def __init__(self, gateway: Gateway, prepared: Prepared, endpoint: str) -> None:
         self.gateway, self.tenant, self.endpoint = gateway, prepared.tenant, endpoint
@@ -62,27 +63,38 @@ class Timing:
     def _event(self, final: Delta | None, finish_reason: str) -> UsageEvent:
         usage = final.usage if final is not None and final.usage is not None else None
         prompt = usage.prompt_tokens if usage else self.prepared.num_prompt_tokens
+        reservation = self.prepared.hold.reservation
         return UsageEvent(self.prepared.call.request_id, self.tenant.id, self.tenant.key_id, self.adapter,
                           self.gateway.catalog.model_name, prompt, usage.cached_tokens if usage else 0,
-                          usage.completion_tokens if usage else self.num_sent_tokens, finish_reason, time.time())
+                          usage.completion_tokens if usage else self.num_sent_tokens, finish_reason, time.time(),
+                          None if reservation is None else reservation.at_s)
 
     async def count(self, final: Delta) -> None:
         """A finished request's usage, written before its answer ends."""
         self.is_counted = True
-        await self.gateway.usage.record(self._event(final, final.finish_reason or "stop"))
+        await self.gateway.admission.settle(self.prepared.hold, self._event(final, final.finish_reason or "stop"))
 
     def failed(self, error: APIError) -> None:
-        """The request's answer is `error`; when it ran before it failed (its deadline), what it used counts."""
+        """The request's answer is `error`; when it ran before it failed (its deadline), what it used
+        counts, else it never ran."""
         if error.num_generated_tokens is not None:
             self.num_sent_tokens = error.num_generated_tokens
             self.count_partial("error")
+        else:
+            self.never_ran()
         self.done(error.status, None)
 
     def count_partial(self, finish_reason: str) -> None:
         """A stream that ended early (`cancelled`, `error`): its prompt and the tokens sent, written soon."""
         if not self.is_counted:
             self.is_counted = True
-            self.gateway.usage.submit(self._event(None, finish_reason))
+            self.gateway.admission.settle_soon(self.prepared.hold, self._event(None, finish_reason))
+
+    def never_ran(self) -> None:
+        """It ended before any of it ran (refused, or cancelled waiting): nothing counted, everything given back."""
+        if not self.is_counted:
+            self.is_counted = True
+            self.gateway.admission.settle_soon(self.prepared.hold, None)
 
     def token(self) -> None:
         if self.first_token_s is None:
@@ -107,6 +119,9 @@ async def respond(gateway: Gateway, prepared: Prepared, endpoint: str, formatter
         except APIError as e:
             timing.failed(e)
             raise
+        except BaseException:
+            timing.never_ran()  # cancelled (a batch's other request failed) or failed: it is not billed
+            raise
         finally:
             in_flight.dec()
         final = summary([d for d in deltas if d.finish_reason is not None])
@@ -121,6 +136,7 @@ async def respond(gateway: Gateway, prepared: Prepared, endpoint: str, formatter
         if isinstance(e, APIError):
             timing.failed(e)
         else:
+            timing.never_ran()
             timing.done(500, None)
         raise
     events = _events(gateway, prepared, first, deltas, formatter, usage_chunk, done_marker, timing, in_flight)

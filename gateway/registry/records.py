@@ -266,12 +266,10 @@ class RedisRecords:
         first = int(self._wall_clock() * 1_000_000)  # a store's first version: above any an earlier store reached
         args = [read_version or b"", first] + [x for key, r in changes.items() for x in (key, "" if r is None else r.to_json())]
         for _ in range(MAX_REDIRECTS):
-            (role,) = await self._on_master([("ROLE",)])
-            if isinstance(role, Exception):
-                raise role
-            num_replicas = len(role[2]) if role[0] == b"master" else 0  # a replica (a stale slot map): the script says MOVED
+            num_replicas = await replicas_of_master(self.client, self.version_key)
             commit = ("EVAL", _COMMIT, 2, self.records_key, self.version_key, *args)
-            replies = await self._on_master([commit, ("WAIT", 1, self.ack_timeout_ms)] if num_replicas else [commit])
+            replies = await on_master(self.client, self.version_key,
+                                      [commit, ("WAIT", 1, self.ack_timeout_ms)] if num_replicas else [commit])
             if not isinstance(replies[0], (AskError, TryAgainError)):  # MovedError is an AskError
                 break
             await self.client.exists(self.version_key)  # through the client, which follows the redirect and learns the new owner
@@ -281,19 +279,29 @@ class RedisRecords:
         version = int(replies[0]) if replies[0] is not None else None
         return version, num_replicas, int(replies[1]) if num_replicas else 0
 
-    async def _on_master(self, commands: list[tuple]) -> list[Any]:
-        """`commands` in order on one connection to the master of the registry's slot; each reply or its error."""
-        if not self.is_cluster:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for command in commands:
-                    pipe.execute_command(*command)
-                return await pipe.execute(raise_on_error=False)
-        await self.client.initialize()  # the slot map (a no-op once known)
-        node = self.client.get_node_from_key(self.version_key)
-        pipe = self.client.pipeline()
-        for command in commands:
-            pipe.execute_command(*command, target_nodes=node)
-        return await pipe.execute(raise_on_error=False, allow_redirections=False)
+async def replicas_of_master(client, key: str) -> int:
+    """How many replicas the master of `key`'s slot has (0 when the node asked is itself a replica: a stale
+    slot map, which a script sent there answers with MOVED)."""
+    (role,) = await on_master(client, key, [("ROLE",)])
+    if isinstance(role, Exception):
+        raise role
+    return len(role[2]) if role[0] == b"master" else 0
+
+
+async def on_master(client, key: str, commands: list[tuple]) -> list[Any]:
+    """`commands` in order on one connection to the master of `key`'s slot (one Redis: that server);
+    each reply or its error. One connection, so a WAIT after a write waits for that write."""
+    if not is_cluster(client):
+        async with client.pipeline(transaction=False) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)
+            return await pipe.execute(raise_on_error=False)
+    await client.initialize()  # the slot map (a no-op once known)
+    node = client.get_node_from_key(key)
+    pipe = client.pipeline()
+    for command in commands:
+        pipe.execute_command(*command, target_nodes=node)
+    return await pipe.execute(raise_on_error=False, allow_redirections=False)
 
 
 class FileRecords:

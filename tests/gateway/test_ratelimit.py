@@ -1,4 +1,5 @@
-"""Rate limits as a token bucket (GCRA), in the machine's Redis (own prefix) and per process."""
+"""Rate limits as a token bucket (GCRA), in the machine's Redis (own prefix) and per process: the
+tokens a request did not use given back, and each gateway's share while it counts alone."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import redis
 import redis.asyncio
 
 from gateway.api.protocol import APIError
-from gateway.ratelimit import RateLimiter
+from gateway.ratelimit import RateLimiter, TokenSpend
 from gateway.tenants import Tenant
 
 
@@ -31,6 +32,12 @@ class Limiter:
 
     def check(self, tenant: Tenant, tokens: int) -> None:
         self.loop.run_until_complete(self.limiter.check(tenant, tokens))
+
+    def spend(self, tenant: Tenant, tokens: int) -> TokenSpend | None:
+        return self.loop.run_until_complete(self.limiter.spend(tenant, tokens))
+
+    def refund(self, spend: TokenSpend | None, num_used: int) -> None:
+        self.loop.run_until_complete(self.limiter.refund(spend, num_used))
 
 
 @pytest.fixture(params=["redis", "local"])
@@ -103,6 +110,68 @@ def test_a_rejected_request_still_counts_as_a_request(limiter) -> None:
     with pytest.raises(APIError):
         rl.check(tenant, 101)  # refused for its tokens, but it was a request
     assert not allowed(rl, tenant, 1)
+
+
+def test_what_a_request_did_not_use_is_given_back(limiter) -> None:
+    rl, clock = limiter
+    tenant = Tenant("t", None, tokens_per_min=1000)
+    spend = rl.spend(tenant, 900)
+    assert not allowed(rl, tenant, 200)
+    rl.refund(spend, 100)  # it used 100 of its 900
+    assert allowed(rl, tenant, 800) and not allowed(rl, tenant, 150)  # 100 + 800 taken: 100 left
+    assert rl.refund(None, 0) is None  # a tenant without a token limit spends nothing
+
+
+def test_a_refund_never_moves_the_limit_before_now(limiter) -> None:
+    rl, clock = limiter
+    tenant = Tenant("t", None, tokens_per_min=1000)
+    spend = rl.spend(tenant, 500)
+    clock.now += 60  # it refilled meanwhile
+    rl.refund(spend, 0)
+    rl.refund(spend, 0)  # given back twice: still never more than a full bucket
+    assert allowed(rl, tenant, 1000) and not allowed(rl, tenant, 1)
+
+
+def test_gateways_counting_alone_each_take_their_share() -> None:
+    """Redis not reachable (nothing listens): each of two gateways counts half of every limit, so
+    the two together hold it; a gateway still lets one request through from idle."""
+    from cache.l2 import RedisConfig, connect
+    from tests.redis_server import RedisServer
+
+    dead = RedisServer().start()
+    dead.stop()
+    clock = Clock()
+    loop = asyncio.new_event_loop()
+    clients = [connect(RedisConfig(url=dead.url, timeout_s=0.2), is_async=True) for _ in range(2)]
+    gateways = [RateLimiter(client, "lp", clock, num_replicas=2) for client in clients]
+
+    def passes(gateway: RateLimiter, tenant: Tenant, tokens: int = 1) -> bool:
+        try:
+            loop.run_until_complete(gateway.check(tenant, tokens))
+            return True
+        except APIError as e:
+            assert e.status == 429
+            return False
+
+    try:
+        burst = Tenant("burst", None, requests_per_min=60)  # a burst of 10
+        assert [sum(passes(g, burst) for _ in range(8)) for g in gateways] == [5, 5]
+        accepted = 0
+        for _ in range(480):  # a minute at 8 requests a second to each
+            clock.now += 0.125
+            accepted += sum(passes(g, burst) for g in gateways)
+        assert 58 <= accepted <= 61  # the configured rate, over both
+        tokens = Tenant("tokens", None, tokens_per_min=1000)
+        assert [passes(g, tokens, 500) for g in gateways] == [True, True]
+        assert not any(passes(g, tokens, 1) for g in gateways)
+        spend = loop.run_until_complete(gateways[0].spend(Tenant("other", None, tokens_per_min=1000), 400))
+        assert spend.is_local and spend.interval_s == 0.12  # a token of its share: twice the rate's
+        small = Tenant("small", None, requests_per_min=6)  # a burst of one request: less than a share
+        assert [passes(g, small) for g in gateways] == [True, True] and not passes(gateways[0], small)
+    finally:
+        for client in clients:
+            loop.run_until_complete(client.aclose())
+        loop.close()
 
 
 def test_a_hung_redis_never_stalls_the_event_loop() -> None:

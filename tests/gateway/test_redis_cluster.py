@@ -143,11 +143,11 @@ def test_on_one_redis_without_replicas_a_commit_does_not_wait() -> None:
     try:
         async def scenario() -> float:
             client = connect(RedisConfig(url=server.url, timeout_s=0.25), is_async=True)
-            records = RedisRecords(client, SCOPE, ack_timeout_s=0.2)
+            records = RedisRecords(client, SCOPE, ack_timeout_s=0.2, wall_clock=lambda: 2.0)
             started = time.monotonic()
-            assert await records.transact(added(RECORD)) == (1, [])
+            assert await records.transact(added(RECORD)) == (2_000_000, [])
             took = time.monotonic() - started
-            assert await records.load() == (1, {RECORD.key: RECORD})
+            assert await records.load() == (2_000_000, {RECORD.key: RECORD})
             await client.aclose()
             return took
 
@@ -290,3 +290,36 @@ def test_after_a_master_is_killed_right_after_a_commit_everything_recovers(tmp_p
         finally:
             writer.close()
             reader.close()
+
+
+def test_usage_no_replica_holds_is_sent_again_and_survives_a_failover_counted_once(tmp_path: Path) -> None:
+    """A usage write the master took but its replica did not (paused) is not done: it waits and is sent
+    again. The master is lost, the replica takes over without it, and the write sent again lands there;
+    the gateway's own retry of the same request counts nothing more."""
+    from gateway.usage import UsageEvent, UsageLedger
+
+    with LocalRedisCluster(tmp_path).start() as cluster:
+        async def scenario() -> list[dict]:
+            client = connect(cluster_config(cluster, timeout_s=0.5), is_async=True)
+            ledger = UsageLedger(client, "lp-usage", ack_timeout_s=0.2)
+            now = time.time()
+            event = UsageEvent(uuid.uuid4().hex, "acme", "key_1", "base", "tiny", 10, 0, 5, "stop", now, now)
+            marker = ledger._keys(event)[0]
+            master = cluster.master_of(marker)
+            replica = cluster.replica_of(master)
+            with cluster.paused(replica):
+                await ledger.record(event)  # the master has it; no replica acknowledged it: it waits
+                assert event.request_id in ledger._pending
+                cluster.kill(master)  # lost with what only it held
+            await asyncio.to_thread(cluster.wait_for_new_master, marker, master, 30.0)
+            deadline = time.monotonic() + 30
+            while event.request_id in ledger._pending:  # sent again, every RETRY_S, until a master holds it
+                assert time.monotonic() < deadline, "the waiting usage was never written"
+                await asyncio.sleep(0.2)
+            await ledger.record(event)  # the gateway sends it again (it never heard back): counted once
+            rows = await ledger.rows(["acme"], now - 3600, now + 3600)
+            await client.aclose()
+            return rows
+
+        rows = asyncio.run(scenario())
+        assert [(r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [(1, 10, 5)]

@@ -36,6 +36,7 @@ def server(gemma3_path, tmp_path_factory):
                   "chunk_tokens": 8},
         "engine": {"num_seq_slots": 4, "max_step_tokens": 64},
         "http": {"listener": "serve-proxy"},
+        "state": {"ephemeral": True},
     }
     with running_serve(config, tmp_path_factory.mktemp("serve-gemma3")) as url:
         yield url
