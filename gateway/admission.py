@@ -156,7 +156,10 @@ class Admission:
         hold.reservation = await self._reserve(tenant, request_id, hold.num_tokens, call_timeout_s)
         try:
             hold.spend = await self.limiter.spend(tenant, hold.num_tokens)
-            infos = self.adapters(tenant)
+            infos = self.adapters(tenant)  # read again: an adapter may have gone (or been hidden) meanwhile
+            gone = [name for name in scales_by_name if name not in infos]
+            if gone:
+                raise APIError(404, f"adapter {gone[0]!r} not found", "adapter_not_found")
             scales_by_fingerprint: dict[Fingerprint, float] = {}  # by content: two names of one adapter are one adapter
             for name, scale in scales_by_name.items():
                 fingerprint = Fingerprint(infos[name].fingerprint)

@@ -242,3 +242,17 @@ def test_a_replica_past_the_deadline_is_marked_down_and_not_retried(tiny_llama, 
             run(gateway, {"b": 1.0}, timeout_s=0.3)
         assert (e.value.status, e.value.code) == (504, "timeout")
     assert len(gateway.pool.calls) == 1 and not {v.replica_id: v.is_healthy for v in gateway.views()}["s2-0"]
+
+
+def test_an_adapter_gone_between_its_resolution_and_admission_is_a_404_not_a_500(gateway) -> None:
+    """The names were resolved, then the adapter went (removed, or hidden from the tenant) while the
+    request waited on its limits: a 404 in the API's shape, and nothing held."""
+    async def scenario() -> None:
+        tenant = gateway.tenants.by_id["t1"]
+        scales = gateway.admission.resolve_scales(tenant, "a", None)
+        gateway.registry._visible[(tenant.id, tenant.allowed)] = {}  # what a refresh that dropped it leaves
+        with pytest.raises(APIError) as refused:
+            await gateway.admission.prepare(tenant, PROMPT, SamplingParams(max_tokens=3), scales)
+        assert refused.value.status == 404 and refused.value.code == "adapter_not_found"
+
+    asyncio.run(scenario())

@@ -44,7 +44,7 @@ RAY = str(Path(sys.executable).with_name("ray"))
 
 def serve_config(port: int, replicas: int = 1) -> dict:
     return {"model": None, "adapters": [], "shards": [{"name": "base", "adapters": [], "replicas": replicas}],
-            "cache": {"redis_url": None}, "http": {"host": "127.0.0.1", "port": port}, "state": {"ephemeral": True},
+            "cache": {"redis_url": None}, "http": {"host": "127.0.0.1", "port": port}, "state": {"ephemeral": True}, "auth": "none",
             "operator_key_sha256": [digest(OPERATOR_KEY)]}
 
 
