@@ -24,6 +24,7 @@ stdlib dataclasses without their own config). The file's shape, old spellings in
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 from collections.abc import Callable
 from dataclasses import replace
@@ -348,13 +349,22 @@ def key_digest(api_key: str) -> str:
 # the keys deploy/serve.yaml and the docs show: anyone can read them
 EXAMPLE_KEYS = ("sk-loraplex-demo", "sk-loraplex-acme", "sk-loraplex-operator")
 EXAMPLE_KEY_DIGESTS = frozenset(key_digest(k) for k in EXAMPLE_KEYS)
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _is_loopback(host: str) -> bool:
+    """`localhost`, or an address (not a name, which could resolve anywhere) in 127.0.0.0/8 or ::1."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def exposure_error(config: ServeConfig) -> str | None:
     """Why `config` may not listen where it says (None: it may): beyond loopback, the public example
     keys or no auth at all would let anyone in, unless http.allow_insecure_bind says the operator means it."""
-    if config.http.host in LOOPBACK_HOSTS or config.http.host.startswith("127.") or config.http.allow_insecure_bind:
+    if _is_loopback(config.http.host) or config.http.allow_insecure_bind:
         return None
     digests = {d for t in config.tenants for d in t.key_sha256} | set(config.operator_key_sha256)
     examples = digests & EXAMPLE_KEY_DIGESTS

@@ -8,7 +8,9 @@ older than `ACCOUNTS_POLL_S` (the request that finds it so waits for the read): 
 through any gateway replica, a revoked key included, holds on every replica within that bound
 (plus one Redis round trip). While the state store cannot be read, a gateway serves run-time keys
 from its last read for at most `state.stale_after_s`, then refuses them (503); the config's keys go
-on. A version older than one read is never taken (a store put back cannot bring a revoked key back).
+on. A version older than one read is never taken, and every change gets a version above all
+earlier ones (gateway/registry/records.py), so a store that lost a commit or was put back from a
+copy cannot hold a gateway to an old view for longer than the next change.
 
 Nobody is let in by inference: anonymous access is `auth: none` in the config, whatever a store
 holds or fails to hold. Operators hold the config's operator keys (every scope) or operator keys
@@ -43,6 +45,7 @@ from worker.contract.identity import AdapterName
 
 log = logging.getLogger(__name__)
 ANONYMOUS = "anonymous"
+OPEN_OPERATOR = "open"  # the operator an open deployment's caller is (auth: none and no operator key)
 SHARED_SALT = "shared"
 ACCOUNTS_POLL_S = 0.5  # the bound on how stale a gateway's view of tenants and keys may be
 
@@ -154,7 +157,7 @@ class Tenants:
                 return
             except client_errors() as e:
                 raise RegistryUnavailable(f"the state store cannot be checked ({type(e).__name__})") from e
-            self._verify = None
+            self._verify, self.refused = None, None
         version = await self.accounts.records.version()
         if version != self.snapshot.version:
             version, records = await self.accounts.load()
@@ -240,7 +243,7 @@ class Tenants:
     def operator(self, authorization: str | None) -> Operator | None:
         """The operator whose key this is: the config's (admin), or a live one made at run time; else None."""
         if self.is_operator_open:
-            return Operator("open", ("admin",))
+            return Operator(OPEN_OPERATOR, ("admin",))
         if not authorization:
             return None
         try:

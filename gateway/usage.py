@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from redis.exceptions import RedisError
+
 from cache.l2 import client_errors, is_cluster
 from gateway.quota import (PERIODS, RELEASE, RELEASE_FUNCTION, RESERVE, MemoryQuotas, QuotaExceeded, QuotaUnavailable,
                            Reservation, period_id)
@@ -101,6 +103,10 @@ class UsageEvent:
 
 def hour_of(at_s: float) -> str:
     return time.strftime("%Y%m%d%H", time.gmtime(at_s))
+
+
+class NotAcknowledged(RedisError):
+    """A usage write the master took and no replica acknowledged in time: it waits and is sent again."""
 
 
 def _field(e: UsageEvent, count: str) -> str:
@@ -235,7 +241,7 @@ class UsageLedger:
 
     async def _write(self, event: UsageEvent) -> None:
         """One request's count, done once a replica of the master holds it (or the master has none)."""
-        from redis.exceptions import AskError, RedisError, TryAgainError
+        from redis.exceptions import AskError, TryAgainError
 
         args: list[object] = [MARKER_TTL_S, RETENTION_S, event.tokens, event.request_id]
         for count, value in event.counts().items():
@@ -252,8 +258,8 @@ class UsageLedger:
                 raise reply
         if num_replicas and not int(replies[1]):
             self._replica_counts.pop(self._tag(event.tenant), None)
-            raise RedisError(f"no replica acknowledged the usage of request {event.request_id} within "
-                             f"{self.ack_timeout_ms} ms: it waits and is sent again")
+            raise NotAcknowledged(f"no replica acknowledged the usage of request {event.request_id} within "
+                                  f"{self.ack_timeout_ms} ms: it waits and is sent again")
         if event.tenant not in self._listed:
             await self.client.sadd(self._tenants_key, event.tenant)
             self._listed.add(event.tenant)
@@ -269,6 +275,9 @@ class UsageLedger:
         return count
 
     def _failed(self, error: Exception) -> None:
+        if isinstance(error, NotAcknowledged):  # a replica lagging: the master answers, quotas can still be checked
+            log.warning("%s", error)
+            return
         self._down_until_s = time.monotonic() + RETRY_S
         log.warning("usage store (Redis) failed (%s): %d request(s) and %d release(s) wait", type(error).__name__,
                     len(self._pending), len(self._releases))

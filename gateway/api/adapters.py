@@ -97,10 +97,21 @@ async def _caller(request: Request) -> tuple[Gateway, str, Tenant | None]:
     gateway = gateway_of(request)
     gateway.registry.ensure_running()
     await gateway.tenants.refresh_if_stale()  # run-time operator keys, as fresh as tenants' keys
-    if gateway.tenants.is_operator(credentials(request), "adapters"):
+    operator = gateway.tenants.operator(credentials(request))
+    if operator is not None and operator.may("adapters"):
+        request.state.operator = operator  # its changes are audited under its key's id
         return gateway, SHARED, None
     gateway, tenant, _ = await begin(request)
     return gateway, tenant.id, tenant
+
+
+async def _audited(request: Request, gateway: Gateway, tenant: Tenant | None, action: str, owner: str, name: str,
+                   **detail: Any) -> dict[str, str]:
+    """An operator's change to the registry, in the audit log (a tenant's own changes are its usage's business)."""
+    if tenant is not None:
+        return {}
+    warning = await gateway.audit.record(request.state.operator.id, action, f"{owner or 'shared'}/{name}", detail)
+    return {} if warning is None else {"audit_warning": warning}
 
 
 def _owner_of(request: Request, owner: str, tenant: Tenant | None) -> str:
@@ -146,6 +157,7 @@ async def upload(request: Request) -> JSONResponse:
         out, replaced = await _register(gateway, owner, tenant, name, adapter_reader(form, gateway.catalog.base))
     finally:
         await form.close()
+    out |= await _audited(request, gateway, tenant, "adapter.upload", owner, name, fingerprint=out["fingerprint"])
     return JSONResponse(out, status_code=200 if replaced is not None else 201)
 
 
@@ -192,8 +204,10 @@ async def _delete(gateway: Gateway, owner: str, tenant: Tenant | None, name: str
 @router.delete("/v1/adapters/{name}")
 async def delete_adapter(name: str, request: Request) -> dict[str, Any]:
     gateway, owner, tenant = await _caller(request)
-    record = await _delete(gateway, _owner_of(request, owner, tenant), tenant, name)
-    return {"object": "adapter.deleted", "name": name, "fingerprint": record.fingerprint, "deleted": True}
+    owner = _owner_of(request, owner, tenant)
+    record = await _delete(gateway, owner, tenant, name)
+    warned = await _audited(request, gateway, tenant, "adapter.delete", owner, name, fingerprint=record.fingerprint)
+    return {"object": "adapter.deleted", "name": name, "fingerprint": record.fingerprint, "deleted": True, **warned}
 
 
 def _own_paths(gateway: Gateway, tenant: Tenant | None) -> list[Path] | None:
@@ -223,11 +237,14 @@ async def load_lora_adapter(request: Request) -> PlainTextResponse:
             raise _Refused(403, str(e), "path_not_allowed") from e
         except FileNotFoundError as e:
             raise _Refused(404, str(e), "adapter_path_not_found") from e
+        except (ValueError, OSError) as e:  # a path no file system can name (a lone surrogate, a NUL, too long)
+            raise _Refused(400, "lora_path: not a usable path", "invalid_value") from e
 
     try:
-        await _register(gateway, owner, tenant, name, read, replace_existing=body.load_inplace)
+        out, _ = await _register(gateway, owner, tenant, name, read, replace_existing=body.load_inplace)
     except _Refused as e:
         raise APIError(e.status, e.message, e.code) from None
+    await _audited(request, gateway, tenant, "adapter.load", owner, name, fingerprint=out["fingerprint"], path=body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -235,7 +252,8 @@ async def load_lora_adapter(request: Request) -> PlainTextResponse:
 async def unload_lora_adapter(request: Request) -> PlainTextResponse:
     gateway, owner, tenant = await _caller(request)
     body = await read_parsed(request, gateway, UnloadLoRARequest)
-    await _delete(gateway, owner, tenant, body.lora_name)
+    record = await _delete(gateway, owner, tenant, body.lora_name)
+    await _audited(request, gateway, tenant, "adapter.unload", owner, body.lora_name, fingerprint=record.fingerprint)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from gateway.accounts import MAX_OPERATOR_KEYS, AccountError, OperatorKeyRecord, checked_scopes, operator_keys_of
 from gateway.api.incoming import credentials, gateway_of, read_parsed
 from gateway.api.protocol import APIError
-from gateway.api.tenant_routes import MAX_EXPIRY_S, audited
+from gateway.api.tenant_routes import MAX_EXPIRY_S, audited, refuse_open
 from gateway.dispatch import Gateway
 from gateway.tenants import config_key_id
 
@@ -29,6 +29,7 @@ async def _admin(request: Request) -> Gateway:
     gateway = gateway_of(request)
     await gateway.tenants.refresh_if_stale()
     request.state.operator = gateway.tenants.authenticate_operator(credentials(request), "admin")
+    refuse_open(request.state.operator)
     if gateway.tenants.accounts is None:
         raise APIError(503, "this gateway keeps no run-time records", "tenants_unavailable")
     return gateway
@@ -128,4 +129,6 @@ async def audit_log(request: Request) -> dict[str, Any]:
         since_s = None if since is None else float(since)
     except ValueError as e:
         raise APIError(400, "limit: an integer; since: a Unix time in seconds", "invalid_value") from e
+    if since_s is not None and not 0 <= since_s < 1e11:  # NaN and infinities fail this too
+        raise APIError(400, "since: a Unix time in seconds", "invalid_value")
     return {"object": "list", "data": await gateway.audit.read(limit, since_s)}

@@ -18,6 +18,7 @@ async def health(request: Request) -> JSONResponse:
     With the operator key: every shard and replica, and the cache's Redis state (503 when a shard
     has no healthy replica)."""
     gateway = gateway_of(request)
+    await gateway.tenants.refresh_if_stale()  # a revoked run-time operator key: refused within the poll bound
     if not gateway.tenants.is_operator(credentials(request), "observe"):
         return JSONResponse({"status": "ok"})
     report = await gateway.full_health()
@@ -27,5 +28,6 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
     gateway = gateway_of(request)
+    await gateway.tenants.refresh_if_stale()
     gateway.tenants.authenticate_operator(credentials(request), "observe")
     return PlainTextResponse(await gateway.full_metrics(), media_type="text/plain; version=0.0.4")

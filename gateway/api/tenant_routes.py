@@ -18,7 +18,7 @@ from gateway.accounts import AccountError, Accounts, KeyRecord, Snapshot, checke
 from gateway.api.incoming import credentials, gateway_of, read_parsed
 from gateway.api.protocol import APIError
 from gateway.dispatch import Gateway
-from gateway.tenants import Tenant, config_key_id
+from gateway.tenants import OPEN_OPERATOR, Operator, Tenant, config_key_id
 
 router = APIRouter()
 MAX_EXPIRY_S = 10 * 365 * 24 * 3600
@@ -28,9 +28,18 @@ async def _operator(request: Request) -> tuple[Gateway, Accounts]:
     gateway = gateway_of(request)
     await gateway.tenants.refresh_if_stale()  # run-time operator keys, as fresh as tenants' keys
     request.state.operator = gateway.tenants.authenticate_operator(credentials(request), "tenants")
+    refuse_open(request.state.operator)
     if gateway.tenants.accounts is None:
         raise APIError(503, "this gateway keeps no run-time tenants", "tenants_unavailable")
     return gateway, gateway.tenants.accounts
+
+
+def refuse_open(operator: Operator) -> None:
+    """Credentials (tenants, keys, operator keys) are made only with an operator key: an open deployment's
+    anonymous caller (auth: none, no operator key) makes none, which would outlive the open mode."""
+    if operator.id == OPEN_OPERATOR:
+        raise APIError(403, "making tenants and keys needs an operator key (operator_key_sha256 or "
+                       "operator_key_file): this deployment is open (auth: none) and has none", "operator_only")
 
 
 async def audited(request: Request, gateway: Gateway, action: str, target: str, **detail: Any) -> dict[str, str]:

@@ -13,10 +13,12 @@ replica. Without Redis, a JSON file beside the adapter files is the registry, ch
 file lock (one machine). Nothing writes an older state back: a store that lost its records
 starts again from none (a revoked key stays revoked: it is gone), never from a copy.
 
-Versions only go forward, across a store that starts again too: the first commit to a store
-with no version sets it to the wall clock in microseconds, and each commit after adds one, so a
-store started again later begins above any version a gateway or worker has seen (the gateways
-and workers ignore a version older than the one they hold).
+Versions only go forward and name one state each, across a store that starts again or loses a
+commit in a failover too: a commit's version is the wall clock in microseconds, or one more than
+the version there when that is later, so a change made after a store lost commits (or was put
+back from a copy) gets a version above every one a gateway or worker has seen, and is read by
+all of them (they ignore a version older than the one they hold). A store put back from a copy
+holds what the copy held: revocations made since must be made again.
 
 A change is optimistic: read the version and the records, compute the change, then one
 script applies it only if the version is still the one read (else: again, on what is
@@ -173,17 +175,19 @@ class RecordStore(Protocol):
 _READ = """
 return {redis.call('GET', KEYS[2]) or false, redis.call('HGETALL', KEYS[1])}
 """
-# ARGV: the version the change was computed on ('' when there was none), the first version of a store
-# with none, then (field, record JSON, or '' to delete) pairs. Applied, and the version bumped, only if
-# it is still the one read. -> the new version, or nil when another gateway committed first.
+# ARGV: the version the change was computed on ('' when there was none), the wall clock in microseconds,
+# then (field, record JSON, or '' to delete) pairs. Applied only if the version is still the one read; the
+# new version is the clock, or one more than the old when that is later.
+# -> the new version, or nil when another gateway committed first.
 _COMMIT = """
 local current = redis.call('GET', KEYS[2])
 if (current or '') ~= ARGV[1] then return false end
 for i = 3, #ARGV, 2 do
   if ARGV[i + 1] == '' then redis.call('HDEL', KEYS[1], ARGV[i]) else redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 end
-if not current then redis.call('SET', KEYS[2], ARGV[2]) return tonumber(ARGV[2]) end
-return redis.call('INCR', KEYS[2])
+local version = math.max(tonumber(current or '0') + 1, tonumber(ARGV[2]))
+redis.call('SET', KEYS[2], string.format('%d', version))
+return version
 """
 MAX_REDIRECTS = 3  # a commit sent to a node that no longer owns the slot (failover, resharding): tries on the new owner
 
@@ -263,8 +267,8 @@ class RedisRecords:
         connection's last write), and only to a master with replicas: without any, it would wait its whole timeout."""
         from redis.exceptions import AskError, TryAgainError
 
-        first = int(self._wall_clock() * 1_000_000)  # a store's first version: above any an earlier store reached
-        args = [read_version or b"", first] + [x for key, r in changes.items() for x in (key, "" if r is None else r.to_json())]
+        clock_us = int(self._wall_clock() * 1_000_000)  # a version above any an earlier state of the store reached
+        args = [read_version or b"", clock_us] + [x for key, r in changes.items() for x in (key, "" if r is None else r.to_json())]
         for _ in range(MAX_REDIRECTS):
             num_replicas = await replicas_of_master(self.client, self.version_key)
             commit = ("EVAL", _COMMIT, 2, self.records_key, self.version_key, *args)

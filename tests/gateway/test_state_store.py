@@ -60,14 +60,22 @@ def test_a_state_store_that_may_lose_state_is_refused_unless_said(state, cache, 
     ({"http": {"host": "0.0.0.0"}, "operator_key_sha256": ["722b9a6d835dc075ce7c237e01e8c9e60f123933347afd5c52662a5c5dbc5ec6"]},
      "listens beyond loopback with 1 of the public example keys"),
     ({"http": {"host": "0.0.0.0"}, "auth": "none", "operator_key_sha256": []}, "listens beyond loopback with auth: none"),
+    ({"http": {"host": "127.example.com"}, "auth": "none", "operator_key_sha256": []}, "listens beyond loopback"),
+    ({"http": {"host": "::"}, "auth": "none", "operator_key_sha256": []}, "listens beyond loopback"),
 ])
 def test_nobody_is_let_in_by_accident(change, message) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_config({**BASE, "state": {"ephemeral": True}, **change}, ".")
     if "http" in change:  # the operator says it means it
         allowed = {**change, "http": {**change["http"], "allow_insecure_bind": True}}
-        assert parse_config({**BASE, "state": {"ephemeral": True}, **allowed}, ".").http.host == "0.0.0.0"
+        assert parse_config({**BASE, "state": {"ephemeral": True}, **allowed}, ".").http.host == change["http"]["host"]
     assert parse_config({**BASE, "state": {"ephemeral": True}, "http": {"host": "0.0.0.0"}}, ".")  # own keys: fine
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_loopback_is_any_loopback_address(host) -> None:
+    assert parse_config({**BASE, "state": {"ephemeral": True}, "auth": "none", "operator_key_sha256": [],
+                         "http": {"host": host}}, ".").http.host == host
 
 
 def test_the_default_config_binds_loopback_only() -> None:
@@ -111,6 +119,13 @@ def test_a_gateway_over_a_refused_state_store_serves_nobody(tiny_llama, tmp_path
             assert "allkeys-lru" in r.json()["error"]["message"]
             health = client.get("/health", headers=OPERATOR).json()
             assert health["status"] == "down" and health["state"]["status"] == "refused"
+            fixed = redis.Redis(port=cache_like.port)
+            fixed.config_set("maxmemory-policy", "noeviction")
+            fixed.config_set("appendonly", "yes")
+            deadline = time.monotonic() + 10
+            while client.get("/v1/models", headers=auth("t1")).status_code != 200:  # checked again: it serves
+                assert time.monotonic() < deadline, "a state store fixed while the gateway ran was never taken"
+                time.sleep(0.2)
     finally:
         cache_like.stop()
 
@@ -274,3 +289,27 @@ def test_operator_keys_made_scoped_rotated_revoked_and_audited(tiny_llama, tmp_p
         assert audit[2]["target"] == tenant_id and all(e["at"] > time.time() - 60 for e in audit)
         assert client.get("/v1/operator/audit", headers=auth("t1")).status_code == 401
         assert KEYS["operator"] not in str(audit)
+        for since in ("nan", "inf", "-5", "1e20", "x"):
+            assert client.get(f"/v1/operator/audit?since={since}", headers=OPERATOR).status_code == 400
+        assert len(client.get(f"/v1/operator/audit?since={time.time() - 60}", headers=OPERATOR).json()["data"]) == 5
+
+
+def test_an_operators_changes_to_shared_adapters_are_audited(tiny_llama, tmp_path: Path) -> None:
+    from tests.gateway.gateway_setup import ATTN
+    from tests.tinymodels import random_lora, write_adapter
+
+    config = tiny_config(tiny_llama, tmp_path, f"loraplex-test-{uuid.uuid4().hex}")
+    write_adapter(tmp_path / "shared.gguf", random_lora(tiny_llama, ATTN, 4, seed=12))
+    with local_serving(config) as (app, _), TestClient(app) as client:
+        r = client.post("/v1/operator/keys", headers=OPERATOR, json={"name": "adapters", "scopes": ["adapters"]})
+        key, key_id = r.json()["key"], r.json()["id"]
+        with open(tmp_path / "shared.gguf", "rb") as f:
+            r = client.post("/v1/adapters", headers=bearer(key), data={"name": "house"}, files={"file": f})
+        assert r.status_code == 201, r.text
+        assert client.delete("/v1/adapters/house", headers=bearer(key)).status_code == 200
+        audit = client.get("/v1/operator/audit", headers=OPERATOR).json()["data"]
+        assert [(e["action"], e["operator"], e["target"]) for e in audit[-2:]] == [
+            ("adapter.upload", key_id, "shared/house"), ("adapter.delete", key_id, "shared/house")]
+        body = '{"lora_name": "odd", "lora_path": "adapters/a\\u0000b.gguf"}'  # valid JSON, no file name
+        r = client.post("/v1/load_lora_adapter", headers={**OPERATOR, "Content-Type": "application/json"}, content=body)
+        assert r.status_code in (400, 403) and r.json()["error"]["code"] in ("invalid_value", "path_not_allowed")

@@ -303,6 +303,10 @@ def test_auth_none_is_the_only_open_deployment(tiny_llama, tmp_path) -> None:
     with local_serving(config) as (app, _), TestClient(app) as client:
         assert client.get("/v1/models").status_code == 200  # anonymous, as the config says
         assert client.get("/v1/usage").status_code == 200  # no operator key either: operator routes open too
+        # but no credentials are minted by an anonymous caller: they would outlive the open mode
+        r = client.post("/v1/tenants", json={"id": "squatter"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "operator_only"
+        assert client.post("/v1/operator/keys", json={"scopes": ["admin"]}).status_code == 403
 
 
 def test_a_request_that_runs_out_its_deadline_is_counted(client) -> None:
