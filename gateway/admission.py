@@ -66,6 +66,7 @@ class Prepared:
     admitted_s: float  # when it was admitted, on the gateway's clock (its deadline counts from here)
     hold: Hold  # what it holds of the tenant's limits until it ends
     route: dict[str, str] = field(default_factory=dict)  # filled once routed: replica, shard
+    num_generated_tokens: int = 0  # what its workers generated so far (what a request cancelled after it ran used)
 
     @property
     def scales_by_fingerprint(self) -> ScalesByFingerprint:

@@ -187,6 +187,7 @@ class Gateway:
             try:
                 async with aclosing(_until(self.pool.stream(replica.replica_id, attempt.call), self._deadline(call))) as deltas:
                     async for delta in deltas:
+                        prepared.num_generated_tokens += len(delta.token_ids)
                         if delta.finish_reason is not None:
                             self.metrics.choice_finished(prepared.tenant.id, adapter, delta)
                         if is_first:

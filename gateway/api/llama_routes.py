@@ -85,15 +85,19 @@ async def _prompt_ids(gateway: Gateway, pieces: list[Piece]) -> list[int]:
 
 
 async def _whole_batch(gateway: Gateway, runs: list[tuple[Prepared, LlamaFormatter]]) -> Response:
-    """A batch's answers as one JSON array; the first failure fails the batch (the others are cancelled)."""
+    """A batch's answers as one JSON array; a failure fails the batch, once every prompt has ended (each
+    is counted as it ran: a prompt cut short would use the worker and bill nothing)."""
     tasks = [asyncio.ensure_future(respond(gateway, prepared, "completion", formatter, False))
              for prepared, formatter in runs]
     try:
-        answers = await asyncio.gather(*tasks)
-    except BaseException:
+        answers = await asyncio.gather(*tasks, return_exceptions=True)
+    except BaseException:  # this request itself cancelled (the client left): so are its prompts
         for task in tasks:
             task.cancel()
         raise
+    failure = next((a for a in answers if isinstance(a, BaseException)), None)
+    if failure is not None:
+        raise failure
     headers = {name: ",".join(dict.fromkeys(a.headers.get(name, "") for a in answers))
                for name in route_headers(runs[0][0])}
     return JSONResponse([json.loads(a.body) for a in answers], headers=headers)

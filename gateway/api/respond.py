@@ -96,6 +96,15 @@ class Timing:
             self.is_counted = True
             self.gateway.admission.settle_soon(self.prepared.hold, None)
 
+    def cancelled(self) -> None:
+        """Cancelled or failed outside the API's errors: once a worker took it (routed), its prompt and what
+        it generated count, as a stream the client left; before that, nothing ran."""
+        if not self.prepared.route:
+            self.never_ran()
+            return
+        self.num_sent_tokens = max(self.num_sent_tokens, self.prepared.num_generated_tokens)
+        self.count_partial("cancelled")
+
     def token(self) -> None:
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter()
@@ -120,7 +129,7 @@ async def respond(gateway: Gateway, prepared: Prepared, endpoint: str, formatter
             timing.failed(e)
             raise
         except BaseException:
-            timing.never_ran()  # cancelled (a batch's other request failed) or failed: it is not billed
+            timing.cancelled()  # cancelled (the client left, a batch's other request failed) or failed
             raise
         finally:
             in_flight.dec()
@@ -136,7 +145,7 @@ async def respond(gateway: Gateway, prepared: Prepared, endpoint: str, formatter
         if isinstance(e, APIError):
             timing.failed(e)
         else:
-            timing.never_ran()
+            timing.cancelled()
             timing.done(500, None)
         raise
     events = _events(gateway, prepared, first, deltas, formatter, usage_chunk, done_marker, timing, in_flight)
