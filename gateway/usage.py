@@ -33,7 +33,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from redis.exceptions import RedisError
@@ -53,14 +53,21 @@ MAX_PENDING = 100_000  # requests waiting for Redis; past it the tenants with a 
 RETRY_S = 1.0
 WRITE_BATCH = 64  # writes of waiting requests sent at once
 REPLICAS_CHECK_S = 5.0  # how long a master's number of replicas is taken as known
+# A tenant's rows in one hour: at most this many fields (256 adapter sets and keys, 9 counts each); the
+# adapter sets past them are counted together under OTHER_ADAPTERS (the tenant picks its sets: the state
+# store never evicts, so what one tenant may make it keep is bounded). Totals stay exact.
+MAX_HOUR_FIELDS = 256 * (len(COUNTS) + len(FINISH_REASONS))
+OTHER_ADAPTERS = "*"  # no adapter's name holds it
 MAX_QUERY_HOURS = 93 * 24
 
 # KEYS: marker, hour hash, day hash, month hash, reservations hash, expiries zset.
-# ARGV: marker ttl, retention, tokens, request id, then field/count pairs.
+# ARGV: marker ttl, retention, tokens, request id, the most fields an hour hash takes, then (field, its
+# overflow field, count) triples: a group not in a full hour hash is counted under its overflow fields.
 _RECORD = RELEASE_FUNCTION + """
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then return 0 end
 release(KEYS[5], KEYS[6], ARGV[4])
-for i = 5, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1]) end
+local full = redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[5]) and redis.call('HEXISTS', KEYS[2], ARGV[6]) == 0
+for i = 6, #ARGV, 3 do redis.call('HINCRBY', KEYS[2], full and ARGV[i + 1] or ARGV[i], ARGV[i + 2]) end
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 for _, key in ipairs({KEYS[3], KEYS[4]}) do
   redis.call('HINCRBY', key, 'tokens', ARGV[3])
@@ -243,9 +250,9 @@ class UsageLedger:
         """One request's count, done once a replica of the master holds it (or the master has none)."""
         from redis.exceptions import AskError, TryAgainError
 
-        args: list[object] = [MARKER_TTL_S, RETENTION_S, event.tokens, event.request_id]
-        for count, value in event.counts().items():
-            args += [_field(event, count), value]
+        args: list[object] = [MARKER_TTL_S, RETENTION_S, event.tokens, event.request_id, MAX_HOUR_FIELDS]
+        for count, value in event.counts().items():  # "requests" first: whether the row's group is there yet
+            args += [_field(event, count), _field(replace(event, adapter=OTHER_ADAPTERS), count), value]
         keys = self._keys(event)
         num_replicas = await self._replicas(keys[0])
         write = ("EVAL", _RECORD, len(keys), *keys, *args)

@@ -391,3 +391,27 @@ def test_usage_spooled_while_redis_is_down_survives_the_gateway(tmp_path, monkey
     finally:
         server.stop()
 
+
+
+def test_a_tenant_cannot_grow_its_hourly_rows_without_bound(prefix, monkeypatch) -> None:
+    """Each new stack of adapters is a new row group in the hour; past the bound they share one (`*`),
+    and the totals stay exact: the state store never evicts, so what a tenant may make it keep is bounded."""
+    import gateway.usage
+
+    monkeypatch.setattr(gateway.usage, "MAX_HOUR_FIELDS", 2 * 5)  # two row groups of 5 counts
+
+    async def scenario() -> list[dict]:
+        client = redis.asyncio.Redis()
+        ledger = UsageLedger(client, prefix)
+        now = time.time()
+        for i in range(5):
+            e = event(uuid.uuid4().hex, "acme", 10, i, None)
+            await ledger.record(UsageEvent(**{**e.__dict__, "adapter": f"a{i}+b{i}"}))
+        rows = await ledger.rows(["acme"], now - 3600, now + 3600)
+        await client.aclose()
+        return rows
+
+    rows = asyncio.run(scenario())
+    assert len(rows) == 3 and {r["adapter"] for r in rows} == {"a0+b0", "a1+b1", "*"}
+    assert sum(r["requests"] for r in rows) == 5 and sum(r["completion_tokens"] for r in rows) == 0 + 1 + 2 + 3 + 4
+    assert next(r for r in rows if r["adapter"] == "*")["requests"] == 3
