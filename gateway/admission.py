@@ -51,6 +51,7 @@ class Hold:
     reservation: Reservation | None = None  # of its quotas (None: the tenant has none)
     spend: TokenSpend | None = None  # of its per-minute token limit (None: it has none)
     is_settled: bool = False
+    keeper: asyncio.Task | None = None  # renews the reservation while the request runs past its lifetime
 
 
 @dataclass
@@ -181,6 +182,9 @@ class Admission:
             self.settle_soon(hold, None)  # refused after its reservation: nothing ran
             raise
         prepared = Prepared(call, tenant, names_by_fingerprint, key, len(prompt_ids), self.clock(), hold)
+        if hold.reservation is not None and self.usage is not None:
+            lifetime_s = hold.reservation.expires_s - hold.reservation.at_s
+            hold.keeper = asyncio.get_running_loop().create_task(self._keep(hold, lifetime_s))
         if hold.reservation is not None or hold.spend is not None:
             finalizer = weakref.finalize(prepared, self._dropped, hold, asyncio.get_running_loop())
             finalizer.atexit = False
@@ -217,8 +221,23 @@ class Admission:
         if not hold.is_settled:
             self._settle_task(hold, event)
 
+    async def _keep(self, hold: Hold, lifetime_s: float) -> None:
+        """While the request runs, renew its reservation before it expires (half a margin before), by its
+        lifetime each time: a request still running (its client reads slowly) keeps what it may use held."""
+        assert hold.reservation is not None and self.usage is not None
+        expires_s = hold.reservation.expires_s
+        while not hold.is_settled:
+            await asyncio.sleep(max(0.0, expires_s - RESERVATION_MARGIN_S / 2 - self.usage.clock()))
+            if hold.is_settled:
+                return
+            expires_s = self.usage.clock() + lifetime_s
+            if not await self.usage.renew(hold.reservation, expires_s):
+                return
+
     def _settle_task(self, hold: Hold, event: UsageEvent | None) -> asyncio.Task:
         hold.is_settled = True
+        if hold.keeper is not None:
+            hold.keeper.cancel()
         self._tasks.add(task := asyncio.get_running_loop().create_task(self._settle(hold, event)))
         task.add_done_callback(self._tasks.discard)
         return task

@@ -22,10 +22,11 @@ tenant's quota for longer than that.
 The bound: for each period, the tokens counted plus those reserved never exceed the quota, so
 concurrent requests, through any number of gateways, never take a tenant past its quota
 (overshoot 0), provided each request is counted before its reservation expires and uses at most
-what it reserved (the worker stops at max_tokens). A request counted after its reservation
-expired (its gateway could not reach Redis for that long, or its client held the stream unread
-past its deadline) is counted all the same, as it is billed: it adds at most its own
-reservation. Expiries are on the gateways' wall clocks: skew between gateways beyond the margin
+what it reserved (the worker stops at max_tokens). A request still running when its reservation
+nears its expiry (a client that holds a stream unread past its deadline) has it renewed by its
+gateway for as long as it runs; one counted after its reservation expired anyway (its gateway
+could not reach Redis for that long) is counted all the same, as it is billed: it adds at most its
+own reservation. Expiries are on the gateways' wall clocks: skew between gateways beyond the margin
 shortens reservations by the skew.
 
 Redis unreachable: nothing can be reserved, so a tenant with a quota is refused (503,
@@ -87,6 +88,17 @@ return {1}
 
 # KEYS: reservations hash, expiries zset; ARGV: request id.
 RELEASE = RELEASE_FUNCTION + "return release(KEYS[1], KEYS[2], ARGV[1])"
+
+# KEYS: reservations hash, expiries zset; ARGV: request id, its new expiry, seconds the keys are kept.
+# -> 1 when the reservation was still held (and now lasts longer), else 0.
+RENEW = """
+if redis.call('HEXISTS', KEYS[1], 'r:' .. ARGV[1]) == 0 then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+for _, key in ipairs(KEYS) do
+  if redis.call('TTL', key) < tonumber(ARGV[3]) then redis.call('EXPIRE', key, ARGV[3]) end
+end
+return 1
+"""
 
 
 @dataclass(frozen=True)

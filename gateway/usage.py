@@ -39,7 +39,7 @@ from pathlib import Path
 from redis.exceptions import RedisError
 
 from cache.l2 import client_errors, is_cluster
-from gateway.quota import (PERIODS, RELEASE, RELEASE_FUNCTION, RESERVE, MemoryQuotas, QuotaExceeded, QuotaUnavailable,
+from gateway.quota import (PERIODS, RELEASE, RELEASE_FUNCTION, RENEW, RESERVE, MemoryQuotas, QuotaExceeded, QuotaUnavailable,
                            Reservation, period_id)
 from gateway.registry.records import on_master, replicas_of_master
 from gateway.usage_spool import Spool
@@ -135,7 +135,8 @@ class UsageLedger:
         self._memory: dict[tuple[str, str], Counter] = {}  # (tenant, hour) -> field -> count (no Redis)
         self._quotas = MemoryQuotas()  # no Redis
         self._scripts = None if client is None else {name: client.register_script(lua) for name, lua in
-                                                     (("record", _RECORD), ("reserve", RESERVE), ("release", RELEASE))}
+                                                     (("record", _RECORD), ("reserve", RESERVE), ("release", RELEASE),
+                                                      ("renew", RENEW))}
         self._drainer: asyncio.Task | None = None
         self._down_until_s = 0.0  # monotonic: Redis failed, not asked again before this
         self._tenants_key = f"{key_prefix}:usage:tenants"  # every tenant that has usage (the operator's listing)
@@ -200,6 +201,19 @@ class UsageLedger:
             period = PERIODS[int(reply[1]) - 1]
             raise QuotaExceeded(period, limits[int(reply[1]) - 1], int(reply[2]), int(reply[3]), num_tokens, now_s)
         return reservation
+
+    async def renew(self, reservation: Reservation, expires_s: float) -> bool:
+        """Make a reservation still held last until `expires_s` (its request runs on); False when it is not
+        held any more (counted, released or expired) or Redis cannot be reached (it expires as it was)."""
+        if self._scripts is None:
+            return True
+        keep_s = max(60, int(expires_s - self.clock()) + 60)
+        try:
+            return bool(await self._scripts["renew"](keys=self._reservation_keys(reservation.tenant),
+                                                     args=[reservation.request_id, repr(expires_s), keep_s]))
+        except client_errors() as e:
+            log.warning("reservation of request %s not renewed (%s)", reservation.request_id, type(e).__name__)
+            return False
 
     def release(self, reservation: Reservation) -> None:
         """Give back a reservation whose request never ran (nothing is counted); sent now, without waiting."""

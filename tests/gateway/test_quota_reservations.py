@@ -415,3 +415,25 @@ def test_a_tenant_cannot_grow_its_hourly_rows_without_bound(prefix, monkeypatch)
     assert len(rows) == 3 and {r["adapter"] for r in rows} == {"a0+b0", "a1+b1", "*"}
     assert sum(r["requests"] for r in rows) == 5 and sum(r["completion_tokens"] for r in rows) == 0 + 1 + 2 + 3 + 4
     assert next(r for r in rows if r["adapter"] == "*")["requests"] == 3
+
+
+def test_a_request_running_past_its_reservations_lifetime_keeps_it_by_renewing(prefix) -> None:
+    """A client that reads its stream slowly keeps the request running past its reservation's lifetime:
+    its gateway renews the reservation, which then holds the quota as long as the request runs."""
+    clock = Clock()
+
+    async def scenario() -> None:
+        client = redis.asyncio.Redis()
+        ledger = UsageLedger(client, prefix, clock)
+        held = await ledger.reserve("acme", "slow", 150, DAY, 10.0)
+        clock.now_s += 9.0
+        assert await ledger.renew(held, clock.now_s + 10.0)
+        clock.now_s += 5.0  # past its first expiry: still held
+        with pytest.raises(QuotaExceeded):
+            await ledger.reserve("acme", "other", 100, DAY, 10.0)
+        await ledger.record(event("slow", "acme", 10, 20, held.at_s))  # it ends: counted, released
+        assert not await ledger.renew(held, clock.now_s + 10.0)  # not held any more: nothing renewed
+        assert await ledger.reserve("acme", "other", 100, DAY, 10.0)
+        await client.aclose()
+
+    asyncio.run(scenario())
