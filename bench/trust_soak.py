@@ -56,11 +56,24 @@ class Tenant:
 class Soak:
     url: str
     tenants: list[Tenant] = field(default_factory=list)
+    quota_tenant: Tenant | None = None
     revoke_s: list[float] = field(default_factory=list)
     anonymous: Counter = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     t0: float = field(default_factory=time.monotonic)
+
+    fail_closed: Counter = field(default_factory=Counter)  # 503s that refused rather than served unchecked, by code
+
+    def note_5xx(self, status: int, path: str, text: str) -> None:
+        try:
+            code = json.loads(text)["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            code = None
+        if status == 503 and code in ("quota_unavailable", "tenants_unavailable"):
+            self.fail_closed[code] += 1
+        else:
+            self.errors.append(f"{status} on {path}: {text[:200]}")
 
     def say(self, what: str) -> None:
         line = f"  {time.monotonic() - self.t0:6.1f} s: {what}"
@@ -101,8 +114,10 @@ async def one(http: httpx.AsyncClient, tenant: Tenant, rng: random.Random, soak:
         if body["stream"]:
             async with http.stream("POST", path, json=body, headers=headers) as response:
                 status = response.status_code
+                text = []
                 async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    text.append(line)
+                    if status != 200 or not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     event = json.loads(line[6:])
                     if "error" in event:
@@ -111,14 +126,14 @@ async def one(http: httpx.AsyncClient, tenant: Tenant, rng: random.Random, soak:
                     elif event.get("usage"):
                         usage = event["usage"]
                 if status >= 500 and status != 599:
-                    await response.aread()
+                    soak.note_5xx(status, path, " ".join(text))
         else:
             response = await http.post(path, json=body, headers=headers)
             status = response.status_code
             if status == 200:
                 usage = response.json()["usage"]
             elif status >= 500:
-                soak.errors.append(f"{status} on {path}: {response.text[:200]}")
+                soak.note_5xx(status, path, response.text)
     except httpx.HTTPError as e:
         soak.errors.append(f"no answer on {path}: {type(e).__name__}")
         return 0
@@ -246,7 +261,7 @@ def main() -> None:
                 async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
                     soak.tenants = [await make_tenant(http, tokens_per_min=20000) for _ in range(3)]
                     soak.tenants.append(await make_tenant(http, tokens_per_day=QUOTA_TOKENS))
-                quota_tenant = soak.tenants[-1]
+                quota_tenant = soak.quota_tenant = soak.tenants[-1]
                 soak.t0 = time.monotonic()
                 until = soak.t0 + args.minutes * 60
                 kills = [(soak.t0 + 0.35 * args.minutes * 60, f"{{{prefix}:tenants}}:version"),
@@ -286,7 +301,8 @@ def report(soak: Soak, ledgers: list[dict], args: argparse.Namespace) -> None:
         print(f"  {tenant.id}: answered {tenant.answered_requests} requests, {tenant.answered_tokens} tokens; "
               f"ledger {totals['requests']} requests, {billed_tokens} tokens {'==' if same else '!='} "
               f"statuses {dict(tenant.statuses)}")
-    quota_tokens = ledgers[-1]["prompt_tokens"] + ledgers[-1]["completion_tokens"]
+    quota = ledgers[soak.tenants.index(soak.quota_tenant)]
+    quota_tokens = quota["prompt_tokens"] + quota["completion_tokens"]
     finite = sorted(s for s in soak.revoke_s if s != float("inf"))
     for line in soak.errors[:10]:
         print(f"  error: {line}")
@@ -296,7 +312,8 @@ def report(soak: Soak, ledgers: list[dict], args: argparse.Namespace) -> None:
           f"p50={finite[len(finite) // 2] if finite else 0:.2f} (bound {REVOKE_BOUND_S})")
     print(f"trust_anonymous_answered={sum(n for s, n in soak.anonymous.items() if s == 200)} "
           f"(asked {sum(soak.anonymous.values())}: {dict(soak.anonymous)})")
-    print(f"trust_5xx={sum(n for t in soak.tenants for s, n in t.statuses.items() if s >= 500)} "
+    all_5xx = sum(n for t in soak.tenants for s, n in t.statuses.items() if s >= 500)
+    print(f"trust_5xx={all_5xx - sum(soak.fail_closed.values())} (besides the fail-closed 503s: {dict(soak.fail_closed)}) "
           f"trust_no_answer={sum(t.statuses.get(0, 0) for t in soak.tenants)}")
 
 

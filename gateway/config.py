@@ -248,7 +248,9 @@ class ServeConfig(_Strict):
         if self.auth == "none" and self.tenants:
             raise ValueError("auth: none serves everyone anonymously, and tenants are configured: "
                              "remove the tenants or use auth: keys")
-        if self.auth == "keys" and not self.tenants and not self.operator_key_sha256:
+        if self.auth == "keys" and not self.tenants and not self.operator_key_sha256 and self.state.ephemeral:
+            # (with a durable state store, operator keys made at run time may be all there is: the bootstrap
+            # key retired once an admin key of its own was made)
             raise ValueError("no tenants and no operator key: nobody could call this deployment; add tenants or an "
                              "operator key (operator_key_sha256, operator_key_file), or set auth: none for an open one")
         for error in (state_config_error(self.state, self.cache.redis), exposure_error(self)):

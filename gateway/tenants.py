@@ -6,7 +6,8 @@ gateway replica). A key maps to its tenant through its SHA-256 digest; a revoked
 one of a disabled tenant, is refused. Each gateway reads the records again when its last look is
 older than `ACCOUNTS_POLL_S` (the request that finds it so waits for the read): a change made
 through any gateway replica, a revoked key included, holds on every replica within that bound
-(plus one Redis round trip). While the state store cannot be read, a gateway serves run-time keys
+(plus one Redis round trip); a key this gateway does not know yet is looked up at once, so a
+key just made works on every replica. While the state store cannot be read, a gateway serves run-time keys
 from its last read for at most `state.stale_after_s`, then refuses them (503); the config's keys go
 on. A version older than one read is never taken, and every change gets a version above all
 earlier ones (gateway/registry/records.py), so a store that lost a commit or was put back from a
@@ -232,6 +233,24 @@ class Tenants:
         if self.snapshot.tenants[key.tenant].is_disabled:
             raise APIError(403, "this tenant is disabled", "tenant_disabled")
         return replace(self._runtime[key.tenant], key_id=key.id)
+
+    async def authenticate_fresh(self, authorization: str | None) -> Tenant:
+        """`authenticate`, after one read of the records begun now when the key is not known here yet (one
+        made a moment ago through another gateway): requests that wait together share that read."""
+        try:
+            return self.authenticate(authorization)
+        except APIError as e:
+            if e.status != 401 or self.accounts is None or not self._is_unknown(authorization):
+                raise
+        await self._reads.since(self._clock())
+        return self.authenticate(authorization)
+
+    def _is_unknown(self, authorization: str | None) -> bool:
+        try:
+            digest = _key_digest(authorization).hex()
+        except APIError:
+            return False
+        return digest not in self._config_keys and digest not in self.snapshot.keys_by_digest
 
     # operators
 

@@ -49,7 +49,7 @@ async def begin(request: Request, body_type: Any = None) -> tuple[Gateway, Tenan
     gateway = gateway_of(request)
     gateway.registry.ensure_running()
     await gateway.tenants.refresh_if_stale()
-    tenant = gateway.tenants.authenticate(credentials(request))
+    tenant = await gateway.tenants.authenticate_fresh(credentials(request))
     request.state.tenant_id = tenant.id  # the metrics' label of whatever this request is answered (gateway/api/observed.py)
     await gateway.limiter.admit(tenant)
     await gateway.registry.refresh_if_stale()

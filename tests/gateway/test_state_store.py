@@ -78,6 +78,12 @@ def test_loopback_is_any_loopback_address(host) -> None:
                          "http": {"host": host}}, ".").http.host == host
 
 
+def test_the_bootstrap_operator_key_may_be_retired_where_run_time_keys_are_kept() -> None:
+    """With a durable state store, operator keys made at run time may be all there is: the config may name none."""
+    config = parse_config({**BASE, "operator_key_sha256": [], "state": {"redis_url": "redis://state:6379/0"}}, ".")
+    assert config.auth == "keys" and not config.operator_key_sha256 and not config.tenants
+
+
 def test_the_default_config_binds_loopback_only() -> None:
     from gateway.config import exposure_error, load_config
 

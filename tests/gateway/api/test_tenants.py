@@ -322,3 +322,20 @@ def test_a_request_that_runs_out_its_deadline_is_counted(client) -> None:
         time.sleep(0.05)
     assert totals["requests"] == 1 and totals["finish_error"] == 1 and totals["prompt_tokens"] > 0
     assert totals["completion_tokens"] < 110  # what it made before its deadline (on a fast machine, some)
+
+
+def test_a_key_made_through_another_gateway_works_here_at_once(client) -> None:
+    """A key this gateway has not read yet is looked up at once, not refused until the next poll: a client
+    that rotates its key and sends the next request to another gateway replica is not refused."""
+    other = open_tenants(client.app.state.gateway.config)
+
+    async def scenario() -> int:
+        await other.refresh_if_stale()  # this gateway's view: read just now
+        _, key, _ = await asyncio.to_thread(new_tenant, client)
+        tenant = await other.authenticate_fresh(f"Bearer {key}")  # within the poll bound, no sleep
+        assert tenant.is_runtime
+        with pytest.raises(Exception) as refused:  # noqa: PT011 - APIError
+            await other.authenticate_fresh("Bearer sk-lp-never-made")
+        return refused.value.status
+
+    assert asyncio.run(scenario()) == 401
