@@ -139,92 +139,91 @@ def test_a_gateway_over_a_refused_state_store_serves_nobody(tiny_llama, tmp_path
 # restarts and losses
 
 
+@pytest.fixture
+def durable(tmp_path: Path):
+    """A private state store as production runs one (AOF in its own directory, no eviction): (server, its dir)."""
+    data = tmp_path / "state"
+    data.mkdir()
+    state = RedisServer.durable(data).start()
+    try:
+        yield state, data
+    finally:
+        state.stop()
+
+
+def kept_and_revoked(client) -> tuple[str, str]:
+    """Two run-time tenants' keys: one live, one revoked."""
+    _, kept, _ = new_tenant(client)
+    tenant_id, revoked, revoked_id = new_tenant(client)
+    assert client.delete(f"/v1/tenants/{tenant_id}/keys/{revoked_id}", headers=OPERATOR).status_code == 200
+    return kept, revoked
+
+
 def _durable_deployment(tiny_llama, tmp_path: Path, state: RedisServer, **state_settings):
     config = tiny_config(tiny_llama, tmp_path, f"loraplex-test-{uuid.uuid4().hex}",
                          state={"redis_url": state.url, "timeout_s": 0.5, **state_settings})
     return config
 
 
-def test_a_state_store_restarted_keeps_every_key_and_revocation(tiny_llama, tmp_path: Path) -> None:
-    data = tmp_path / "state"
-    data.mkdir()
-    state = RedisServer.durable(data).start()
-    try:
-        config = _durable_deployment(tiny_llama, tmp_path, state)
-        with local_serving(config) as (app, _), TestClient(app) as client:
-            _, kept, _ = new_tenant(client)
-            tenant_id, revoked, revoked_id = new_tenant(client)
-            assert client.delete(f"/v1/tenants/{tenant_id}/keys/{revoked_id}", headers=OPERATOR).status_code == 200
-            state.stop()  # killed (SIGKILL): what was acknowledged is in its append-only file
-            state.start()
-            time.sleep(ACCOUNTS_POLL_S + 0.1)
-            assert client.get("/v1/models", headers=bearer(kept)).status_code == 200
-            assert client.get("/v1/models", headers=bearer(revoked)).status_code == 401
-            assert client.get("/v1/models").status_code == 401
-    finally:
+def test_a_state_store_restarted_keeps_every_key_and_revocation(tiny_llama, tmp_path: Path, durable) -> None:
+    state, _ = durable
+    config = _durable_deployment(tiny_llama, tmp_path, state)
+    with local_serving(config) as (app, _), TestClient(app) as client:
+        kept, revoked = kept_and_revoked(client)
+        state.stop()  # killed (SIGKILL): what was acknowledged is in its append-only file
+        state.start()
+        time.sleep(ACCOUNTS_POLL_S + 0.1)
+        assert client.get("/v1/models", headers=bearer(kept)).status_code == 200
+        assert client.get("/v1/models", headers=bearer(revoked)).status_code == 401
+        assert client.get("/v1/models").status_code == 401
+
+
+def test_a_state_store_restarted_empty_opens_nothing_and_brings_no_key_back(tiny_llama, tmp_path: Path, durable) -> None:
+    state, data = durable
+    config = _durable_deployment(tiny_llama, tmp_path, state, stale_after_s=1.0)
+    with local_serving(config) as (app, _), TestClient(app) as client:
+        kept, revoked = kept_and_revoked(client)
         state.stop()
+        shutil.rmtree(data)  # its disk lost too
+        data.mkdir()
+        state.start()
+        time.sleep(1.0 + ACCOUNTS_POLL_S)
+        assert client.get("/v1/models").status_code == 401  # never anonymous
+        assert client.get("/v1/models", headers=bearer(revoked)).status_code == 401
+        assert client.get("/v1/models", headers=bearer(kept)).status_code == 503  # the last good read is too old
+        assert client.get("/v1/models", headers=auth("t1")).status_code == 200  # the config's keys go on
+    with local_serving(config) as (app, _), TestClient(app) as client:  # a gateway started after the loss
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers=bearer(revoked)).status_code == 401
+        assert client.get("/v1/models", headers=bearer(kept)).status_code == 401
 
 
-def test_a_state_store_restarted_empty_opens_nothing_and_brings_no_key_back(tiny_llama, tmp_path: Path) -> None:
-    data = tmp_path / "state"
-    data.mkdir()
-    state = RedisServer.durable(data).start()
-    try:
-        config = _durable_deployment(tiny_llama, tmp_path, state, stale_after_s=1.0)
-        with local_serving(config) as (app, _), TestClient(app) as client:
-            _, kept, _ = new_tenant(client)
-            tenant_id, revoked, revoked_id = new_tenant(client)
-            assert client.delete(f"/v1/tenants/{tenant_id}/keys/{revoked_id}", headers=OPERATOR).status_code == 200
-            state.stop()
-            shutil.rmtree(data)  # its disk lost too
-            data.mkdir()
-            state.start()
-            time.sleep(1.0 + ACCOUNTS_POLL_S)
-            assert client.get("/v1/models").status_code == 401  # never anonymous
-            assert client.get("/v1/models", headers=bearer(revoked)).status_code == 401
-            assert client.get("/v1/models", headers=bearer(kept)).status_code == 503  # the last good read is too old
-            assert client.get("/v1/models", headers=auth("t1")).status_code == 200  # the config's keys go on
-        with local_serving(config) as (app, _), TestClient(app) as client:  # a gateway started after the loss
-            assert client.get("/v1/models").status_code == 401
-            assert client.get("/v1/models", headers=bearer(revoked)).status_code == 401
-            assert client.get("/v1/models", headers=bearer(kept)).status_code == 401
-    finally:
+def test_an_unreachable_state_store_is_served_from_for_the_stated_bound_then_refused(tiny_llama, tmp_path: Path, durable) -> None:
+    state, _ = durable
+    config = _durable_deployment(tiny_llama, tmp_path, state, stale_after_s=2.0)
+    with local_serving(config) as (app, _), TestClient(app) as client:
+        _, key, _ = new_tenant(client)
         state.stop()
+        assert client.get("/v1/models", headers=bearer(key)).status_code == 200  # within the bound: the last read
+        time.sleep(2.2)
+        r = client.get("/v1/models", headers=bearer(key))
+        assert r.status_code == 503 and r.json()["error"]["code"] == "tenants_unavailable", r.text
+        assert client.get("/v1/models", headers=auth("t1")).status_code == 200  # the config's keys need no read
+        assert client.get("/health", headers=OPERATOR).json()["state"]["status"] == "stale"
+        state.start()
+        deadline = time.monotonic() + 15
+        while client.get("/v1/models", headers=bearer(key)).status_code != 200:
+            assert time.monotonic() < deadline, "the key did not come back once the store was reachable"
+            time.sleep(0.2)
 
 
-def test_an_unreachable_state_store_is_served_from_for_the_stated_bound_then_refused(tiny_llama, tmp_path: Path) -> None:
-    data = tmp_path / "state"
-    data.mkdir()
-    state = RedisServer.durable(data).start()
-    try:
-        config = _durable_deployment(tiny_llama, tmp_path, state, stale_after_s=2.0)
-        with local_serving(config) as (app, _), TestClient(app) as client:
-            _, key, _ = new_tenant(client)
-            state.stop()
-            assert client.get("/v1/models", headers=bearer(key)).status_code == 200  # within the bound: the last read
-            time.sleep(2.2)
-            r = client.get("/v1/models", headers=bearer(key))
-            assert r.status_code == 503 and r.json()["error"]["code"] == "tenants_unavailable", r.text
-            assert client.get("/v1/models", headers=auth("t1")).status_code == 200  # the config's keys need no read
-            assert client.get("/health", headers=OPERATOR).json()["state"]["status"] == "stale"
-            state.start()
-            deadline = time.monotonic() + 15
-            while client.get("/v1/models", headers=bearer(key)).status_code != 200:
-                assert time.monotonic() < deadline, "the key did not come back once the store was reachable"
-                time.sleep(0.2)
-    finally:
-        state.stop()
-
-
-def test_a_cache_filled_past_maxmemory_loses_no_usage_key_or_adapter(tiny_llama, tmp_path: Path) -> None:
+def test_a_cache_filled_past_maxmemory_loses_no_usage_key_or_adapter(tiny_llama, tmp_path: Path, durable) -> None:
     """The prefix cache's Redis evicts under load (allkeys-lru, a small maxmemory); the state store is apart."""
     from tests.gateway.gateway_setup import ATTN
     from tests.tinymodels import random_lora, write_adapter
 
     cache = RedisServer(args=("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")).start()
-    data = tmp_path / "state"
-    data.mkdir()
-    state = RedisServer.durable(data).start()
+    state, _ = durable
     prefix = f"loraplex-test-{uuid.uuid4().hex}"
     try:
         config = tiny_config(tiny_llama, tmp_path, prefix, state={"redis_url": state.url},
@@ -254,7 +253,6 @@ def test_a_cache_filled_past_maxmemory_loses_no_usage_key_or_adapter(tiny_llama,
             assert totals["requests"] == 12 and totals["prompt_tokens"] + totals["completion_tokens"] == answered
     finally:
         cache.stop()
-        state.stop()
 
 
 # operators
