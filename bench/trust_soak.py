@@ -194,22 +194,37 @@ async def revoke_one(http: httpx.AsyncClient, soak: Soak, tenant: Tenant) -> Non
     soak.errors.append(f"revoked key {key_id} still served after 30 s")
 
 
-async def operator(soak: Soak, until: float, cluster: LocalRedisCluster, kills: list[tuple[float, str]]) -> None:
+def with_replica(cluster: LocalRedisCluster, keys: list[str]) -> str | None:
+    """The first of `keys` whose slot's master still has a replica (one that can take over)."""
+    for key in keys:
+        if cluster.nodes[cluster.master_of(key)].ask("INFO", "replication").get("connected_slaves", 0):
+            return key
+    return None
+
+
+async def operator(soak: Soak, until: float, cluster: LocalRedisCluster, kills: list[tuple[float, list[str]]]) -> None:
     """Every 15 s one change in turn (a new tenant, a key rotated, a key revoked); the state store's masters
-    killed at the times given (the master of the slot that holds each named key)."""
+    killed at the times given (the master of the slot of the first named key whose master has a replica)."""
     rng = random.Random(7)
     step = 0
     async with httpx.AsyncClient(base_url=soak.url, timeout=60) as http:
         while time.monotonic() < until:
             now = time.monotonic()
-            for i, (at, key) in enumerate(kills):
+            for i, (at, keys) in enumerate(kills):
                 if at <= now:
+                    kills.pop(i)
+                    key = with_replica(cluster, keys)
+                    if key is None:
+                        soak.say("no master with a replica left to kill")
+                        break
                     master = cluster.master_of(key)
                     cluster.kill(master)
                     soak.say(f"killed the state store's master {master} (slot of {key})")
-                    kills.pop(i)
-                    new = await asyncio.to_thread(cluster.wait_for_new_master, key, master, 30.0)
-                    soak.say(f"its replica {new} took over")
+                    try:
+                        new = await asyncio.to_thread(cluster.wait_for_new_master, key, master, 30.0)
+                        soak.say(f"its replica {new} took over")
+                    except RuntimeError as e:
+                        soak.errors.append(str(e))
                     break
             try:
                 kind = step % 3
@@ -264,8 +279,9 @@ def main() -> None:
                 quota_tenant = soak.quota_tenant = soak.tenants[-1]
                 soak.t0 = time.monotonic()
                 until = soak.t0 + args.minutes * 60
-                kills = [(soak.t0 + 0.35 * args.minutes * 60, f"{{{prefix}:tenants}}:version"),
-                         (soak.t0 + 0.7 * args.minutes * 60, f"{{{prefix}:usage:{soak.tenants[0].id}}}:x")]
+                usage_slots = [f"{{{prefix}:usage:{t.id}}}:x" for t in soak.tenants]  # where each one's usage is
+                kills = [(soak.t0 + 0.35 * args.minutes * 60, [f"{{{prefix}:tenants}}:version"]),
+                         (soak.t0 + 0.7 * args.minutes * 60, usage_slots)]
                 tasks = [client(soak, seed, until) for seed in range(args.concurrency)]
                 tasks += [client_of(soak, quota_tenant, until), anonymous(soak, until), operator(soak, until, cluster, kills)]
                 await asyncio.gather(*tasks)

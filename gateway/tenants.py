@@ -129,6 +129,7 @@ class Tenants:
         self.refused: str | None = None  # why the state store was refused (every request then gets 503)
         self.went_back: str | None = None  # the store's version went below one this gateway had read
         self.read_ok_s: float | None = None if records is not None else float("inf")  # the last good read's start
+        self.is_last_read_failed = False  # the store could not be read last time (an unknown key: not known to be bad)
         self.anonymous = Tenant(ANONYMOUS, None)
 
     @property
@@ -148,6 +149,11 @@ class Tenants:
 
     async def refresh(self) -> None:
         assert self.accounts is not None
+        self.is_last_read_failed = True  # until this read gets through
+        await self._refresh()
+        self.is_last_read_failed = False
+
+    async def _refresh(self) -> None:
         began_s = self._clock()
         if self._verify is not None:
             try:
@@ -243,6 +249,9 @@ class Tenants:
             if e.status != 401 or self.accounts is None or not self._is_unknown(authorization):
                 raise
         await self._reads.since(self._clock())
+        if self.is_last_read_failed and self._is_unknown(authorization):  # it may be a key made meanwhile
+            raise APIError(503, "this API key cannot be checked now (the state store is unreachable)", "tenants_unavailable",
+                           {"Retry-After": "1"})
         return self.authenticate(authorization)
 
     def _is_unknown(self, authorization: str | None) -> bool:

@@ -339,3 +339,26 @@ def test_a_key_made_through_another_gateway_works_here_at_once(client) -> None:
         return refused.value.status
 
     assert asyncio.run(scenario()) == 401
+
+
+def test_a_key_not_known_here_while_the_state_store_cannot_be_read_is_a_503_not_a_401(client, monkeypatch) -> None:
+    """A key made a moment ago cannot be told from a bad one while the records cannot be read: the answer
+    says to retry (503), never that the key is invalid."""
+    from gateway.registry.records import RegistryUnavailable
+
+    other = open_tenants(client.app.state.gateway.config)
+
+    async def down() -> int:
+        raise RegistryUnavailable("the tenants records (Redis) is unavailable: ConnectionError")
+
+    async def scenario() -> tuple[int, int]:
+        await other.refresh_if_stale()
+        _, key, _ = await asyncio.to_thread(new_tenant, client)
+        monkeypatch.setattr(other.accounts.records, "version", down)
+        with pytest.raises(Exception) as refused:  # noqa: PT011 - APIError
+            await other.authenticate_fresh(f"Bearer {key}")
+        monkeypatch.undo()
+        other._reads.read_s = float("-inf")  # the store answers again (past its back-off)
+        return refused.value.status, (await other.authenticate_fresh(f"Bearer {key}")).is_runtime
+
+    assert asyncio.run(scenario()) == (503, True)
