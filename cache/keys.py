@@ -1,11 +1,11 @@
-"""Prefix-cache keys (SPEC §5), torch-free.
+"""Prefix-cache keys (README, "Prefix cache"), torch-free.
 
 Chunk `i` of a prompt is keyed by a chain: `h_-1 = H(version, base fp,
 adapter-set fp, tenant salt)`, `h_i = H(h_{i-1}, tokens[iC:(i+1)C])`. A key
 therefore names the whole prefix up to its chunk, under exactly one model,
 adapter set (scales included) and tenant. Only whole chunks are keyed; for an
 aLoRA request only chunks wholly before its activation index, under the set
-without the aLoRA (SPEC §4), so base requests share them.
+without the aLoRA (worker/formats/alora.py), so base requests share them.
 
 `CACHE_KEY_VERSION` belongs to these keys alone (a new adapter fingerprint
 version does not change them by itself); the root also covers the value

@@ -2,48 +2,39 @@
 operator makes to them (create, update, disable, delete a tenant; issue, rotate, revoke a key).
 
 They are kept as the adapter registry's are (gateway/registry/records.py): one versioned set of
-records in the deployment's Redis, every change one optimistic transaction that is acknowledged
-only once a Redis replica holds it (WAIT), a mirror file that brings them back into a Redis that
-restarted empty, and a file under a lock when there is no Redis (one machine). Tenants and keys
-share one set, so deleting a tenant takes its keys in the same transaction.
+records in the state store (gateway/state.py), every change one optimistic transaction that is
+acknowledged only once a Redis replica holds it (WAIT), and a file under a lock when there is no
+Redis (one machine). Tenants, their keys and operator keys (gateway/operators.py) share one set,
+so deleting a tenant takes its keys in the same transaction.
 
-A key is shown once, when it is issued; only its SHA-256 digest is stored, with the key's id
-(what usage, listings and revocation name it by), its first characters (to recognise it), an
-optional name and expiry. Tenants from the config file are the bootstrap: they cannot be
-changed here (ConfigTenant), and no run-time tenant may take their ids.
+A key is kept as gateway/keys.py keeps every key: shown once, its digest stored with an id (what
+usage, listings and revocation name it by), its first characters, an optional name and expiry.
+Tenants from the config file are the bootstrap: they cannot be changed here (ConfigTenant), and no
+run-time tenant may take their ids.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from gateway.keys import AccountError, StoredKey, checked_request, digest, forgotten, known_fields, new_key_changes, revoked
+from gateway.operators import OperatorKeyRecord, operator_keys_of
 from gateway.registry.records import Records, RecordStore, ReplicaDidNotAcknowledge
 
 KEY_PREFIX = "sk-lp-"  # an issued key: this, then 43 URL-safe characters (32 random bytes)
 SHOWN_CHARS = len(KEY_PREFIX) + 4  # how much of a key listings show
 TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_KEYS_PER_TENANT = 64
-MAX_KEY_NAME_CHARS = 128
 MAX_ADAPTER_PATHS = 64  # a tenant's adapter_paths, each an absolute directory of at most MAX_PATH_CHARS
 MAX_PATH_CHARS = 4096
-FORGET_ENDED_KEYS_S = 30 * 24 * 3600  # a revoked or expired key's record is dropped this long after
 RESERVED_IDS = frozenset({"anonymous"})  # the open deployment's tenant (gateway/tenants.py)
-
-
-class AccountError(ValueError):
-    """A change the operator asked for that cannot be made; `status` is its HTTP status."""
-
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
 
 
 @dataclass(frozen=True)
@@ -73,7 +64,7 @@ class TenantRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TenantRecord:
-        data = _known(cls, data)  # a field a newer gateway wrote is ignored here (rolling upgrades)
+        data = known_fields(cls, data)
         if data.get("adapters") is not None:
             data["adapters"] = tuple(data["adapters"])
         data["adapter_paths"] = tuple(data.get("adapter_paths", ()))
@@ -88,7 +79,7 @@ class TenantRecord:
 
 
 @dataclass(frozen=True)
-class KeyRecord:
+class KeyRecord(StoredKey):
     id: str
     tenant: str
     sha256: str  # hex digest of the key
@@ -103,66 +94,9 @@ class KeyRecord:
     def key(self) -> str:
         return f"key/{self.id}"
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KeyRecord:
-        return cls(**_known(cls, data))
-
-    def is_valid(self, now_s: float) -> bool:
-        return self.revoked_s is None and (self.expires_s is None or now_s < self.expires_s)
-
-    def public(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k not in ("kind", "sha256")}
-        out["shown"] = self.shown + "..."
-        return out
-
-
-# what an operator key may do; "admin" may do everything, operator keys and the audit log included
-SCOPES = ("admin", "tenants", "adapters", "usage", "observe")
-SCOPE_HELP = {"admin": "everything, operator keys and the audit log included", "tenants": "tenants and their keys",
-              "adapters": "shared adapters, and any tenant's (?owner=)", "usage": "every tenant's usage, read only",
-              "observe": "/metrics and /health's details"}
-MAX_OPERATOR_KEYS = 64
-OPERATOR_KEY_PREFIX = "sk-lpop-"
-
-
-@dataclass(frozen=True)
-class OperatorKeyRecord:
-    """An operator key made at run time (the config's operator keys are the bootstrap: admin, fixed)."""
-
-    id: str
-    sha256: str
-    shown: str
-    scopes: tuple[str, ...]
-    name: str = ""
-    created_s: float = 0.0
-    created_by: str = ""  # the operator key that made it
-    expires_s: float | None = None
-    revoked_s: float | None = None
-    kind: str = "operator_key"
-
-    @property
-    def key(self) -> str:
-        return f"operator_key/{self.id}"
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> OperatorKeyRecord:
-        data = _known(cls, data)
-        data["scopes"] = tuple(data.get("scopes") or ())
-        return cls(**data)
-
-    def is_valid(self, now_s: float) -> bool:
-        return self.revoked_s is None and (self.expires_s is None or now_s < self.expires_s)
-
-    def public(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k not in ("kind", "sha256")}
-        out.update(shown=self.shown + "...", scopes=list(self.scopes), object="operator_key")
-        return out
+        return cls(**known_fields(cls, data))
 
 
 class AccountRecords:
@@ -180,11 +114,6 @@ class AccountRecords:
         return AccountRecords.from_dict(json.loads(text))
 
 
-def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in data.items() if k in names}
-
-
 def tenants_of(records: Records) -> dict[str, TenantRecord]:
     """The live tenants (not the tombstones of deleted ones)."""
     return {r.id: r for r in records.values() if isinstance(r, TenantRecord) and not r.is_deleted}
@@ -195,28 +124,8 @@ def keys_of(records: Records, tenant: str | None = None) -> list[KeyRecord]:
     return sorted(keys, key=lambda k: (k.created_s, k.id))
 
 
-def operator_keys_of(records: Records) -> list[OperatorKeyRecord]:
-    keys = (r for r in records.values() if isinstance(r, OperatorKeyRecord))
-    return sorted(keys, key=lambda k: (k.created_s, k.id))
-
-
-def checked_scopes(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v in SCOPES for v in value):
-        raise AccountError(400, f"scopes: a non-empty list of {', '.join(SCOPES)}", "invalid_value")
-    return tuple(dict.fromkeys(value))
-
-
-def _ended_s(key: KeyRecord | OperatorKeyRecord) -> float:
-    ended = [t for t in (key.revoked_s, key.expires_s) if t is not None]
-    return min(ended) if ended else float("inf")
-
-
 def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
-
-
-def digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 TENANT_FIELDS = {  # what the operator may set, and its check
@@ -330,31 +239,23 @@ class Accounts:
         A tenant has at most MAX_KEYS_PER_TENANT live keys, the old one of a rotation with a grace period
         included (counted once); a rotation that ends the old key now is always allowed."""
         self._config_tenant(tenant_id)
-        if not isinstance(name, str) or len(name) > MAX_KEY_NAME_CHARS:
-            raise AccountError(400, f"name: at most {MAX_KEY_NAME_CHARS} characters", "invalid_value")
         now_s = self.clock()
-        if expires_s is not None and expires_s <= now_s:
-            raise AccountError(400, "the key's expiry is in the past", "invalid_value")
+        checked_request(name, expires_s, now_s)
         key = new_key()
         record = KeyRecord("key_" + secrets.token_hex(8), tenant_id, digest(key), key[:SHOWN_CHARS], name, now_s, expires_s)
 
         def issue(records: Records):
             self._tenant(records, tenant_id)
-            live = [k for k in keys_of(records, tenant_id) if k.is_valid(now_s)]
-            changes: dict[str, Any] = {record.key: record}
-            # keys revoked or expired long ago are forgotten (the set every gateway reads stays small)
-            changes.update((k.key, None) for k in keys_of(records, tenant_id) if _ended_s(k) < now_s - FORGET_ENDED_KEYS_S)
-            is_ending_old_now = False
+            old = None
             if replacing is not None:
                 old = records.get(f"key/{replacing}")
                 if not isinstance(old, KeyRecord) or old.tenant != tenant_id:
                     raise AccountError(404, f"key {replacing!r} not found", "key_not_found")
-                until_s = now_s if old_expires_s is None else min(old_expires_s, old.expires_s or old_expires_s)
-                changes[old.key] = replace(old, expires_s=until_s)
-                is_ending_old_now = until_s <= now_s  # the new key takes its place; otherwise both are live for a while
-            if not is_ending_old_now and len(live) >= MAX_KEYS_PER_TENANT:
-                hint = "revoke one, or rotate with no grace period (grace_s 0)" if replacing is not None else "revoke one first"
-                raise AccountError(403, f"tenant {tenant_id!r} has {len(live)} keys, the most it may: {hint}", "key_limit")
+            keys = keys_of(records, tenant_id)
+            live = [k for k in keys if k.is_valid(now_s)]
+            changes = {**forgotten(keys, now_s),
+                       **new_key_changes(old, live, MAX_KEYS_PER_TENANT, now_s, old_expires_s, f"tenant {tenant_id!r}"),
+                       record.key: record}
             return changes, record
 
         try:
@@ -370,63 +271,7 @@ class Accounts:
             old = records.get(f"key/{key_id}")
             if not isinstance(old, KeyRecord) or old.tenant != tenant_id:
                 raise AccountError(404, f"key {key_id!r} not found", "key_not_found")
-            record = old if old.revoked_s is not None else replace(old, revoked_s=self.clock())
-            return {record.key: record}, record
-
-        return (await self.records.transact(revoke))[1]
-
-    async def issue_operator_key(self, scopes: tuple[str, ...], by: str, name: str = "", expires_s: float | None = None,
-                                 replacing: str | None = None, old_expires_s: float | None = None,
-                                 ) -> tuple[str, OperatorKeyRecord, str | None]:
-        """A new operator key with `scopes`, made by operator `by`: the key itself (shown once), its record,
-        and a warning when no Redis replica acknowledged it. With `replacing` (rotation): that key ends at
-        `old_expires_s` (now when None) in the same change, and the new one takes its scopes when none are given."""
-        if not isinstance(name, str) or len(name) > MAX_KEY_NAME_CHARS:
-            raise AccountError(400, f"name: at most {MAX_KEY_NAME_CHARS} characters", "invalid_value")
-        now_s = self.clock()
-        if expires_s is not None and expires_s <= now_s:
-            raise AccountError(400, "the key's expiry is in the past", "invalid_value")
-        key = OPERATOR_KEY_PREFIX + secrets.token_urlsafe(32)
-        made: list[OperatorKeyRecord] = []  # the record of the last try (the change may run again)
-
-        def issue(records: Records):
-            record = OperatorKeyRecord("opk_" + secrets.token_hex(8), digest(key), key[:len(OPERATOR_KEY_PREFIX) + 4],
-                                       scopes, name, now_s, by, expires_s)
-            changes: dict[str, Any] = {record.key: record}
-            changes.update((k.key, None) for k in operator_keys_of(records) if _ended_s(k) < now_s - FORGET_ENDED_KEYS_S)
-            live = [k for k in operator_keys_of(records) if k.is_valid(now_s)]
-            if replacing is not None:
-                old = records.get(f"operator_key/{replacing}")
-                if not isinstance(old, OperatorKeyRecord):
-                    raise AccountError(404, f"operator key {replacing!r} not found", "key_not_found")
-                record = replace(record, scopes=scopes or old.scopes)
-                changes[record.key] = record
-                until_s = now_s if old_expires_s is None else min(old_expires_s, old.expires_s or old_expires_s)
-                changes[old.key] = replace(old, expires_s=until_s)
-                is_old_live = until_s > now_s and old.is_valid(now_s)
-                if is_old_live and len(live) + 1 > MAX_OPERATOR_KEYS:
-                    raise AccountError(403, f"{len(live)} operator keys are live, the most there may be: rotate without a "
-                                       "grace period, or revoke one first", "key_limit")
-            elif len(live) >= MAX_OPERATOR_KEYS:
-                raise AccountError(403, f"{len(live)} operator keys are live, the most there may be: revoke one first",
-                                   "key_limit")
-            if not record.scopes:
-                raise AccountError(400, f"scopes: a non-empty list of {', '.join(SCOPES)}", "invalid_value")
-            made.append(record)
-            return changes, record
-
-        try:
-            await self.records.transact(issue)
-        except ReplicaDidNotAcknowledge as e:  # committed on the master: the key works unless a failover loses it
-            return key, made[-1], str(e)
-        return key, made[-1], None
-
-    async def revoke_operator_key(self, key_id: str) -> OperatorKeyRecord:
-        def revoke(records: Records):
-            old = records.get(f"operator_key/{key_id}")
-            if not isinstance(old, OperatorKeyRecord):
-                raise AccountError(404, f"operator key {key_id!r} not found", "key_not_found")
-            record = old if old.revoked_s is not None else replace(old, revoked_s=self.clock())
+            record = revoked(old, self.clock())
             return {record.key: record}, record
 
         return (await self.records.transact(revoke))[1]

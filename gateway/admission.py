@@ -112,7 +112,7 @@ class Admission:
         return self.enabled(tenant, scales)
 
     def enabled(self, tenant: Tenant, scales: dict[AdapterName, float]) -> dict[AdapterName, float]:
-        """The non-zero scales; 400 when they turn on more than one aLoRA (SPEC §4)."""
+        """The non-zero scales; 400 when they turn on more than one aLoRA (llama.cpp's rule)."""
         scales = {n: s for n, s in scales.items() if s != 0.0}
         infos = self.adapters(tenant)
         if len({infos[n].fingerprint for n in scales if infos[n].is_alora}) > 1:
@@ -167,7 +167,7 @@ class Admission:
                 fingerprint = Fingerprint(infos[name].fingerprint)
                 scales_by_fingerprint[fingerprint] = scales_by_fingerprint.get(fingerprint, 0.0) + scale
             scales_by_fingerprint = {fp: s for fp, s in scales_by_fingerprint.items() if s != 0.0}
-            # the affinity key uses the KV-relevant set: an aLoRA shares the base's prefix (SPEC §4)
+            # the affinity key uses the KV-relevant set: an aLoRA shares the base's prefix (worker/formats/alora.py)
             aloras = {infos[name].fingerprint for name in scales_by_name if infos[name].is_alora}
             kv_scales = {fp: s for fp, s in scales_by_fingerprint.items() if fp not in aloras}
             key = affinity_key(self.catalog.adapter_set_fingerprint(kv_scales), prompt_ids, self.config.cache.chunk_tokens)

@@ -225,8 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the default model, example adapters and tenants)")
     p.add_argument("--host", help="override http.host")
     p.add_argument("--port", type=_positive_int, help="override http.port")
-    p.add_argument("--allow-insecure-bind", action="store_true",
-                   help="listen beyond loopback even with the public example keys or auth: none (http.allow_insecure_bind)")
+    p.add_argument("--allow-insecure-bind", action="store_true", help="http.allow_insecure_bind (gateway/exposure.py)")
     p.add_argument("--ray-address", metavar="ADDR",
                    help="join the Ray cluster at ADDR (host:port of its head; default $RAY_ADDRESS) instead of starting a local Ray")
     p.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")

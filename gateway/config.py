@@ -24,7 +24,6 @@ stdlib dataclasses without their own config). The file's shape, old spellings in
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import re
 from collections.abc import Callable
 from dataclasses import replace
@@ -37,11 +36,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from cache.blobs import BlobStoreConfig, parse_store_url
 from cache.l2 import RedisConfig
 from cache.prefix import PrefixCacheConfig
+from gateway.exposure import auth_error, exposure_error
 from gateway.policy.nodes import selector_error
 from gateway.policy.routing import RoutingSettings
-from gateway.state import StateSettings
-from gateway.state import config_error as state_config_error
-from gateway.state import state_redis as _state_redis
+from gateway.state import StateSettings, config_error as state_config_error, state_redis as _state_redis
 from worker.contract.spec import DEFAULT_FINGERPRINT_DIR, DeviceSettings, EngineConfig, ResidencySettings, WorkerSpec
 from worker.contract.tracing import TracingSettings  # gateway/tracing.py's; defined with the workers', who get it too
 
@@ -134,8 +132,7 @@ class HTTPSettings(_Strict):
     node_labels: NodeLabels = Field(default_factory=dict)
     # origins browsers may call the API from (CORS): ["*"] any, llama-server's default; []: none
     cors_origins: list[str] = Field(default_factory=lambda: ["*"])
-    # listen beyond loopback with the public example keys, or with no auth (auth: none): only when said
-    allow_insecure_bind: bool = False
+    allow_insecure_bind: bool = False  # listen beyond loopback with the example keys or auth: none (gateway/exposure.py)
 
 
 class RegistrySettings(_Strict):
@@ -173,9 +170,7 @@ class ServeConfig(_Strict):
     tenants_file: str | None = None  # more tenants, from a YAML list (a mounted Secret on Kubernetes)
     operator_key_sha256: list[str] = Field(default_factory=list)  # keys for /metrics, /health's details (SHA-256)
     operator_key_file: str | None = None  # an operator key itself, from a mounted Secret (hashed when read)
-    # keys: every request needs a tenant's key (the config's or a run-time one); none: no auth, one anonymous
-    # tenant, said here and never inferred from what a store holds (a local deployment)
-    auth: Literal["keys", "none"] = "keys"
+    auth: Literal["keys", "none"] = "keys"  # none: one anonymous tenant, said here, never inferred (gateway/exposure.py)
     state: StateSettings = StateSettings()  # where accounts, usage and the registry are kept (gateway/state.py)
     engine: EngineConfig = EngineConfig()
     device: DeviceSettings = DeviceSettings()
@@ -245,18 +240,16 @@ class ServeConfig(_Strict):
                 for name in tenant.adapters:
                     if name not in known:
                         raise ValueError(f"tenants[{i}] ({tenant.id}): unknown adapter {name!r}")
-        if self.auth == "none" and self.tenants:
-            raise ValueError("auth: none serves everyone anonymously, and tenants are configured: "
-                             "remove the tenants or use auth: keys")
-        if self.auth == "keys" and not self.tenants and not self.operator_key_sha256 and self.state.ephemeral:
-            # (with a durable state store, operator keys made at run time may be all there is: the bootstrap
-            # key retired once an admin key of its own was made)
-            raise ValueError("no tenants and no operator key: nobody could call this deployment; add tenants or an "
-                             "operator key (operator_key_sha256, operator_key_file), or set auth: none for an open one")
-        for error in (state_config_error(self.state, self.cache.redis), exposure_error(self)):
+        auth = auth_error(self.auth, bool(self.tenants), bool(self.operator_key_sha256), self.state.ephemeral)
+        for error in (auth, state_config_error(self.state, self.cache.redis), self.exposure_error()):
             if error is not None:
                 raise ValueError(error)
         return self
+
+    def exposure_error(self) -> str | None:
+        """Why this config may not listen where it says (gateway/exposure.py); None: it may."""
+        digests = {d for t in self.tenants for d in t.key_sha256} | set(self.operator_key_sha256)
+        return exposure_error(self.http.host, self.http.allow_insecure_bind, self.auth, digests)
 
     def state_redis(self) -> RedisConfig | None:
         """The state store's Redis (gateway/state.py): state.redis_url, else the cache's (ephemeral)."""
@@ -346,38 +339,6 @@ def _unique(what: str, names: list[str]) -> None:
 
 def key_digest(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
-
-
-# the keys deploy/serve.yaml and the docs show: anyone can read them
-EXAMPLE_KEYS = ("sk-loraplex-demo", "sk-loraplex-acme", "sk-loraplex-operator")
-EXAMPLE_KEY_DIGESTS = frozenset(key_digest(k) for k in EXAMPLE_KEYS)
-
-
-def _is_loopback(host: str) -> bool:
-    """`localhost`, or an address (not a name, which could resolve anywhere) in 127.0.0.0/8 or ::1."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def exposure_error(config: ServeConfig) -> str | None:
-    """Why `config` may not listen where it says (None: it may): beyond loopback, the public example
-    keys or no auth at all would let anyone in, unless http.allow_insecure_bind says the operator means it."""
-    if _is_loopback(config.http.host) or config.http.allow_insecure_bind:
-        return None
-    digests = {d for t in config.tenants for d in t.key_sha256} | set(config.operator_key_sha256)
-    examples = digests & EXAMPLE_KEY_DIGESTS
-    if config.auth == "none":
-        why = "with auth: none (no keys at all)"
-    elif examples:
-        why = f"with {len(examples)} of the public example keys (deploy/serve.yaml's sk-loraplex-*)"
-    else:
-        return None
-    return (f"http.host {config.http.host} listens beyond loopback {why}: anyone who reaches it gets in; use keys of "
-            "your own, or set http.allow_insecure_bind: true (--allow-insecure-bind) if that is meant")
 
 
 def describe_errors(e: ValidationError) -> str:

@@ -215,3 +215,13 @@ class RateLimiter:
             if wait <= 0:
                 self._local.update(zip(keys, new))
             return wait, which, True
+
+
+def open_rate_limiter(redis_config: RedisConfig | None, num_replicas: int = 1) -> RateLimiter:
+    """Rate limits in the state store's Redis (an asyncio client), or per process without one; an
+    unreachable Redis is found on first use (limits then count per process, `num_replicas` sharing each)."""
+    if redis_config is None:
+        return RateLimiter(num_replicas=num_replicas)
+    from cache.l2 import connect
+
+    return RateLimiter(connect(redis_config, is_async=True), redis_config.key_prefix, num_replicas=num_replicas)

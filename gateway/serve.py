@@ -18,7 +18,6 @@ started, or leaves the cluster it joined running.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import signal
@@ -26,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 from ray import serve
@@ -34,16 +33,12 @@ from ray.serve.exceptions import RayServeException
 
 from gateway.channel import Channels, ReplicaChannel
 from gateway.cluster import JoinError, alive_nodes, call_within, connect, ray_address, this_node
-from gateway.config import ConfigError, ServeConfig, ShardConfig, exposure_error, load_config, parse_config
+from gateway.config import ConfigError, ServeConfig, ShardConfig, load_config, parse_config
 from gateway.policy.nodes import Node, ReplicaDemand, node_options, spread
 from gateway.pool import WorkerFailed, replica_infos
-from gateway.state import StateStoreRefused
-from gateway.state import check as check_state
+from gateway.state import StateStoreRefused, check_now
 from worker.contract.calls import Delta, WorkerCall
 from worker.contract.spec import WorkerSpec
-
-if TYPE_CHECKING:
-    from gateway.ratelimit import RateLimiter
 
 log = logging.getLogger(__name__)
 
@@ -171,12 +166,14 @@ class GatewayIngress:
     def __init__(self, config: dict[str, Any], handles: dict[str, Any]) -> None:
         from gateway.catalog import Catalog
         from gateway.dispatch import Gateway
+        from gateway.ratelimit import open_rate_limiter
 
         parsed = ServeConfig.model_validate(config)
         import gateway.api.app as api
 
         self.pool = ServePool(parsed, handles)
-        api.set_process_gateway(Gateway(parsed, Catalog(parsed), self.pool, _rate_limiter(parsed)))
+        limiter = open_rate_limiter(parsed.state_redis(), parsed.http.gateway_replicas)
+        api.set_process_gateway(Gateway(parsed, Catalog(parsed), self.pool, limiter))
         self.listener = None
         if parsed.http.listener == "gateway":  # this replica serves HTTP itself (Serve's proxies are off)
             from gateway.listener import Listener
@@ -197,20 +194,6 @@ class GatewayIngress:
                 await self.listener.stop()
         finally:
             self.pool.close()
-
-
-def _rate_limiter(config: ServeConfig) -> RateLimiter:
-    """Rate limits in the deployment's state store (an asyncio client), or per process without one.
-    An unreachable Redis is found on first use: limits then count per process for a while."""
-    from gateway.ratelimit import RateLimiter
-
-    redis = config.state_redis()
-    replicas = config.http.gateway_replicas  # while Redis is down, each counts its share of every limit
-    if redis is None:
-        return RateLimiter(num_replicas=replicas)
-    from cache.l2 import connect
-
-    return RateLimiter(connect(redis, is_async=True), redis.key_prefix, num_replicas=replicas)
 
 
 def replica_threads(config: ServeConfig) -> int:
@@ -323,18 +306,6 @@ def _stop(*, is_deployed: bool, is_joined: bool, was_serve_idle: bool) -> None:
         ray.shutdown()  # a local Ray: every process of it; a joined cluster: this driver's connection only
 
 
-def _check_state_store(config: ServeConfig) -> None:
-    """StateStoreRefused for a state store that may lose state (gateway/state.py); one that cannot be
-    reached yet is said and left to the gateways, which check it before they first read it."""
-    from cache.l2 import client_errors
-
-    try:
-        asyncio.run(check_state(config.state, config.state_redis()))
-    except client_errors() as e:
-        print(f"loraplex: the state store cannot be reached yet ({type(e).__name__}); requests that need it wait for it",
-              file=sys.stderr, flush=True)
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
@@ -343,10 +314,12 @@ def run(args: argparse.Namespace) -> int:
             updates["allow_insecure_bind"] = True
         if updates:
             config = config.model_copy(update={"http": config.http.model_copy(update=updates)})
-        exposed = exposure_error(config)  # the config was checked as written; --host may move it
+        exposed = config.exposure_error()  # the config was checked as written; --host may move it
         if exposed is not None:
             raise ConfigError(exposed)
-        _check_state_store(config)
+        unreachable = check_now(config.state, config.state_redis())  # a store that may lose state: refused here
+        if unreachable is not None:
+            print(f"loraplex: {unreachable}", file=sys.stderr, flush=True)
         from gateway.catalog import Catalog
 
         print(f"loraplex: checking {config.model or 'the default model'} and {len(config.adapters)} adapter(s)...",

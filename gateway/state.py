@@ -14,6 +14,7 @@ one Redis, one URL, state lost with it), and is the only way the state may share
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -109,6 +110,16 @@ async def check(settings: StateSettings, redis_config: RedisConfig | None, clien
     if problems:
         raise StateStoreRefused("the state store " + redis_config.safe_url + " would lose state: " + "; ".join(problems)
                                 + " (or set state.ephemeral: true to accept that)")
+
+
+def check_now(settings: StateSettings, redis_config: RedisConfig | None) -> str | None:
+    """`check`, from outside an event loop (`loraplex serve` before it deploys): StateStoreRefused, or
+    what to say when the store cannot be reached yet (the gateways check it before they first read it)."""
+    try:
+        asyncio.run(check(settings, redis_config))
+    except client_errors() as e:
+        return f"the state store cannot be reached yet ({type(e).__name__}); requests that need it wait for it"
+    return None
 
 
 async def _server_infos(client, is_cluster: bool) -> list[dict]:

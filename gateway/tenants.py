@@ -15,7 +15,7 @@ copy cannot hold a gateway to an old view for longer than the next change.
 
 Nobody is let in by inference: anonymous access is `auth: none` in the config, whatever a store
 holds or fails to hold. Operators hold the config's operator keys (every scope) or operator keys
-made at run time with scopes (gateway/accounts.py SCOPES); a state store refused by its check
+made at run time with scopes (gateway/operators.py SCOPES); a state store refused by its check
 (gateway/state.py) refuses every request with the reason.
 
 A tenant sees only the adapters its policy allows, and an adapter it may not use answers exactly
@@ -97,7 +97,7 @@ def config_key_id(sha256_hex: str) -> str:
 
 @dataclass(frozen=True)
 class Operator:
-    """Who holds an operator key, and what it may do (gateway/accounts.py SCOPES)."""
+    """Who holds an operator key, and what it may do (gateway/operators.py SCOPES)."""
 
     id: str  # the key's id: cfg-... for the config's, opk_... for one made at run time
     scopes: tuple[str, ...]
@@ -129,7 +129,6 @@ class Tenants:
         self.refused: str | None = None  # why the state store was refused (every request then gets 503)
         self.went_back: str | None = None  # the store's version went below one this gateway had read
         self.read_ok_s: float | None = None if records is not None else float("inf")  # the last good read's start
-        self.is_last_read_failed = False  # the store could not be read last time (an unknown key: not known to be bad)
         self.anonymous = Tenant(ANONYMOUS, None)
 
     @property
@@ -149,11 +148,6 @@ class Tenants:
 
     async def refresh(self) -> None:
         assert self.accounts is not None
-        self.is_last_read_failed = True  # until this read gets through
-        await self._refresh()
-        self.is_last_read_failed = False
-
-    async def _refresh(self) -> None:
         began_s = self._clock()
         if self._verify is not None:
             try:
@@ -249,7 +243,7 @@ class Tenants:
             if e.status != 401 or self.accounts is None or not self._is_unknown(authorization):
                 raise
         await self._reads.since(self._clock())
-        if self.is_last_read_failed and self._is_unknown(authorization):  # it may be a key made meanwhile
+        if self._reads.has_failed and self._is_unknown(authorization):  # it may be a key made meanwhile
             raise APIError(503, "this API key cannot be checked now (the state store is unreachable)", "tenants_unavailable",
                            {"Retry-After": "1"})
         return self.authenticate(authorization)

@@ -268,7 +268,7 @@ class UsageLedger:
         for count, value in event.counts().items():  # "requests" first: whether the row's group is there yet
             args += [_field(event, count), _field(replace(event, adapter=OTHER_ADAPTERS), count), value]
         keys = self._keys(event)
-        num_replicas = await self._replicas(keys[0])
+        num_replicas = await self._replicas(event.tenant, keys[0])
         write = ("EVAL", _RECORD, len(keys), *keys, *args)
         replies = await on_master(self.client, keys[0], [write, ("WAIT", 1, self.ack_timeout_ms)] if num_replicas else [write])
         if isinstance(replies[0], (AskError, TryAgainError)):  # the slot moved (a failover): learn where, send it again
@@ -285,9 +285,9 @@ class UsageLedger:
             await self.client.sadd(self._tenants_key, event.tenant)
             self._listed.add(event.tenant)
 
-    async def _replicas(self, key: str) -> int:
-        """The replicas of the master of `key`'s slot, asked at most every REPLICAS_CHECK_S per tenant."""
-        tag = key.split(":req:")[0]
+    async def _replicas(self, tenant: str, key: str) -> int:
+        """The replicas of the master of `tenant`'s slot (which holds `key`), asked at most every REPLICAS_CHECK_S."""
+        tag = self._tag(tenant)
         known = self._replica_counts.get(tag)
         if known is not None and time.monotonic() - known[0] < REPLICAS_CHECK_S:
             return known[1]

@@ -1,4 +1,4 @@
-"""Adapters at run time over HTTP (SPEC §6; issue 18), torch-free: `POST/GET/DELETE
+"""Adapters at run time over HTTP (README, "Adapters at run time"), torch-free: `POST/GET/DELETE
 /v1/adapters[/{name}]`, and vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
 over the same registry (gateway/registry/).
 
@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.api.incoming import begin, credentials, gateway_of, read_parsed
 from gateway.api.protocol import APIError
+from gateway.api.tenant_routes import audited
 from gateway.api.uploads import ReadAdapter, adapter_reader, read_form
 from gateway.catalog import AdapterInfo
 from gateway.config import NAME
@@ -108,10 +109,7 @@ async def _caller(request: Request) -> tuple[Gateway, str, Tenant | None]:
 async def _audited(request: Request, gateway: Gateway, tenant: Tenant | None, action: str, owner: str, name: str,
                    **detail: Any) -> dict[str, str]:
     """An operator's change to the registry, in the audit log (a tenant's own changes are its usage's business)."""
-    if tenant is not None:
-        return {}
-    warning = await gateway.audit.record(request.state.operator.id, action, f"{owner or 'shared'}/{name}", detail)
-    return {} if warning is None else {"audit_warning": warning}
+    return {} if tenant is not None else await audited(request, gateway, action, f"{owner or 'shared'}/{name}", **detail)
 
 
 def _owner_of(request: Request, owner: str, tenant: Tenant | None) -> str:

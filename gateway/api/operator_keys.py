@@ -3,7 +3,7 @@ and `/v1/operator/audit`.
 
 The config's operator keys are the bootstrap: they may do everything and cannot be changed here.
 With one, an operator makes, rotates and revokes operator keys of its own, each with scopes
-(gateway/accounts.py SCOPES: `admin`, `tenants`, `adapters`, `usage`, `observe`), shown once
+(gateway/operators.py SCOPES: `admin`, `tenants`, `adapters`, `usage`, `observe`), shown once
 when made. Every route here needs the `admin` scope; every change is in the audit log, which
 `GET /v1/operator/audit` reads (newest `limit`, from `since`, a Unix time, on).
 """
@@ -15,33 +15,20 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from gateway.accounts import MAX_OPERATOR_KEYS, AccountError, OperatorKeyRecord, checked_scopes, operator_keys_of
-from gateway.api.incoming import credentials, gateway_of, read_parsed
+from gateway.api.incoming import read_parsed
 from gateway.api.protocol import APIError
-from gateway.api.tenant_routes import MAX_EXPIRY_S, audited, refuse_open
+from gateway.api.tenant_routes import audited, expiry, grace_s, operator_accounts
 from gateway.dispatch import Gateway
+from gateway.keys import AccountError
+from gateway.operators import MAX_OPERATOR_KEYS, OperatorKeyRecord, OperatorKeys, checked_scopes, operator_keys_of
 from gateway.tenants import config_key_id
 
 router = APIRouter()
 
 
-async def _admin(request: Request) -> Gateway:
-    gateway = gateway_of(request)
-    await gateway.tenants.refresh_if_stale()
-    request.state.operator = gateway.tenants.authenticate_operator(credentials(request), "admin")
-    refuse_open(request.state.operator)
-    if gateway.tenants.accounts is None:
-        raise APIError(503, "this gateway keeps no run-time records", "tenants_unavailable")
-    return gateway
-
-
-def _expires_s(body: dict[str, Any], now_s: float) -> float | None:
-    value = body.get("expires_in_s")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_EXPIRY_S:
-        raise APIError(400, f"expires_in_s: seconds, more than 0 and at most {MAX_EXPIRY_S}", "invalid_value")
-    return now_s + float(value)
+async def _admin(request: Request) -> tuple[Gateway, OperatorKeys]:
+    gateway, accounts = await operator_accounts(request, "admin")
+    return gateway, OperatorKeys(accounts.records, accounts.clock)
 
 
 def _scopes(body: dict[str, Any], required: bool) -> tuple[str, ...]:
@@ -64,7 +51,7 @@ def _shown(record: OperatorKeyRecord, key: str | None = None, warning: str | Non
 
 @router.get("/v1/operator/keys")
 async def list_operator_keys(request: Request) -> dict[str, Any]:
-    gateway = await _admin(request)
+    gateway, _ = await _admin(request)
     _, records = await gateway.tenants.accounts.load()
     configured = [{"object": "operator_key", "id": config_key_id(d), "scopes": ["admin"], "source": "config"}
                   for d in gateway.config.operator_key_sha256]
@@ -74,13 +61,12 @@ async def list_operator_keys(request: Request) -> dict[str, Any]:
 
 @router.post("/v1/operator/keys")
 async def issue_operator_key(request: Request) -> JSONResponse:
-    gateway = await _admin(request)
-    accounts = gateway.tenants.accounts
+    gateway, keys = await _admin(request)
     body = await read_parsed(request, gateway, dict[str, Any])
     scopes = _scopes(body, required=True)
     try:
-        key, record, warning = await accounts.issue_operator_key(scopes, request.state.operator.id, body.get("name", ""),
-                                                                 _expires_s(body, accounts.clock()))
+        key, record, warning = await keys.issue(scopes, request.state.operator.id, body.get("name", ""),
+                                                expiry(body, keys.clock()))
     except AccountError as e:
         raise APIError(e.status, str(e), e.code) from e
     await gateway.tenants.read_now()
@@ -91,17 +77,13 @@ async def issue_operator_key(request: Request) -> JSONResponse:
 @router.post("/v1/operator/keys/{key_id}/rotate")
 async def rotate_operator_key(request: Request, key_id: str) -> JSONResponse:
     """A new key in the old one's place (its scopes unless others are given); the old one works `grace_s` more."""
-    gateway = await _admin(request)
-    accounts = gateway.tenants.accounts
+    gateway, keys = await _admin(request)
     body = await read_parsed(request, gateway, dict[str, Any])
-    grace = body.get("grace_s", 0)
-    if isinstance(grace, bool) or not isinstance(grace, int | float) or not 0 <= grace <= MAX_EXPIRY_S:
-        raise APIError(400, f"grace_s: seconds, from 0 to {MAX_EXPIRY_S}", "invalid_value")
-    now_s = accounts.clock()
+    grace, now_s = grace_s(body), keys.clock()
     try:
-        key, record, warning = await accounts.issue_operator_key(
-            _scopes(body, required=False), request.state.operator.id, body.get("name", ""), _expires_s(body, now_s),
-            replacing=key_id, old_expires_s=now_s + float(grace))
+        key, record, warning = await keys.issue(_scopes(body, required=False), request.state.operator.id,
+                                                body.get("name", ""), expiry(body, now_s), replacing=key_id,
+                                                old_expires_s=now_s + float(grace))
     except AccountError as e:
         raise APIError(e.status, str(e), e.code) from e
     await gateway.tenants.read_now()
@@ -111,9 +93,9 @@ async def rotate_operator_key(request: Request, key_id: str) -> JSONResponse:
 
 @router.delete("/v1/operator/keys/{key_id}")
 async def revoke_operator_key(request: Request, key_id: str) -> dict[str, Any]:
-    gateway = await _admin(request)
+    gateway, keys = await _admin(request)
     try:
-        record = await gateway.tenants.accounts.revoke_operator_key(key_id)
+        record = await keys.revoke(key_id)
     except AccountError as e:
         raise APIError(e.status, str(e), e.code) from e
     await gateway.tenants.read_now()
@@ -122,7 +104,7 @@ async def revoke_operator_key(request: Request, key_id: str) -> dict[str, Any]:
 
 @router.get("/v1/operator/audit")
 async def audit_log(request: Request) -> dict[str, Any]:
-    gateway = await _admin(request)
+    gateway, _ = await _admin(request)
     try:
         limit = int(request.query_params.get("limit", "100"))
         since = request.query_params.get("since")

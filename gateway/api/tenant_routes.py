@@ -18,28 +18,25 @@ from gateway.accounts import AccountError, Accounts, KeyRecord, Snapshot, checke
 from gateway.api.incoming import credentials, gateway_of, read_parsed
 from gateway.api.protocol import APIError
 from gateway.dispatch import Gateway
-from gateway.tenants import OPEN_OPERATOR, Operator, Tenant, config_key_id
+from gateway.tenants import OPEN_OPERATOR, Tenant, config_key_id
 
 router = APIRouter()
 MAX_EXPIRY_S = 10 * 365 * 24 * 3600
 
 
-async def _operator(request: Request) -> tuple[Gateway, Accounts]:
+async def operator_accounts(request: Request, scope: str = "tenants") -> tuple[Gateway, Accounts]:
+    """The gateway and its run-time records, for an operator key with `scope` (its operator in
+    `request.state.operator`). Credentials are made only with an operator key: an open deployment's
+    anonymous caller (auth: none, no operator key) makes none, which would outlive the open mode."""
     gateway = gateway_of(request)
     await gateway.tenants.refresh_if_stale()  # run-time operator keys, as fresh as tenants' keys
-    request.state.operator = gateway.tenants.authenticate_operator(credentials(request), "tenants")
-    refuse_open(request.state.operator)
-    if gateway.tenants.accounts is None:
-        raise APIError(503, "this gateway keeps no run-time tenants", "tenants_unavailable")
-    return gateway, gateway.tenants.accounts
-
-
-def refuse_open(operator: Operator) -> None:
-    """Credentials (tenants, keys, operator keys) are made only with an operator key: an open deployment's
-    anonymous caller (auth: none, no operator key) makes none, which would outlive the open mode."""
-    if operator.id == OPEN_OPERATOR:
+    request.state.operator = gateway.tenants.authenticate_operator(credentials(request), scope)
+    if request.state.operator.id == OPEN_OPERATOR:
         raise APIError(403, "making tenants and keys needs an operator key (operator_key_sha256 or "
                        "operator_key_file): this deployment is open (auth: none) and has none", "operator_only")
+    if gateway.tenants.accounts is None:
+        raise APIError(503, "this gateway keeps no run-time records", "tenants_unavailable")
+    return gateway, gateway.tenants.accounts
 
 
 async def audited(request: Request, gateway: Gateway, action: str, target: str, **detail: Any) -> dict[str, str]:
@@ -82,7 +79,7 @@ def _key(record: KeyRecord) -> dict[str, Any]:
     return {**record.public(), "object": "api_key"}
 
 
-def _expiry(body: dict[str, Any], now_s: float, field: str = "expires_in_s") -> float | None:
+def expiry(body: dict[str, Any], now_s: float, field: str = "expires_in_s") -> float | None:
     value = body.get(field)
     if value is None:
         return None
@@ -100,13 +97,21 @@ def _plain(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
 
 
+def grace_s(body: dict[str, Any]) -> float:
+    """A rotation's `grace_s`: how long the old key keeps working (default 0: refused now)."""
+    grace = body.get("grace_s", 0)
+    if isinstance(grace, bool) or not isinstance(grace, int | float) or not 0 <= grace <= MAX_EXPIRY_S:
+        raise APIError(400, f"grace_s: seconds, from 0 to {MAX_EXPIRY_S}", "invalid_value")
+    return grace
+
+
 def _answer(e: AccountError) -> APIError:
     return APIError(e.status, str(e), e.code)
 
 
 @router.get("/v1/tenants")
 async def list_tenants(request: Request) -> dict[str, Any]:
-    gateway, accounts = await _operator(request)
+    gateway, accounts = await operator_accounts(request)
     snapshot = await _changed(gateway, accounts)
     ids = [*gateway.tenants.configured, *sorted(i for i in snapshot.tenants if i not in gateway.tenants.configured)]
     return {"object": "list", "data": [_tenant(gateway, snapshot, i) for i in ids]}
@@ -114,7 +119,7 @@ async def list_tenants(request: Request) -> dict[str, Any]:
 
 @router.post("/v1/tenants")
 async def create_tenant(request: Request) -> JSONResponse:
-    gateway, accounts = await _operator(request)
+    gateway, accounts = await operator_accounts(request)
     body = await _body(request, gateway)
     try:
         settings = checked_fields(body)
@@ -128,13 +133,13 @@ async def create_tenant(request: Request) -> JSONResponse:
 
 @router.get("/v1/tenants/{tenant_id}")
 async def get_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
-    gateway, accounts = await _operator(request)
+    gateway, accounts = await operator_accounts(request)
     return _tenant(gateway, await _changed(gateway, accounts), tenant_id)
 
 
 @router.patch("/v1/tenants/{tenant_id}")
 async def update_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
-    gateway, accounts = await _operator(request)
+    gateway, accounts = await operator_accounts(request)
     body = await _body(request, gateway)
     try:
         settings = checked_fields(body)
@@ -148,7 +153,7 @@ async def update_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
 @router.delete("/v1/tenants/{tenant_id}")
 async def delete_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
     """The tenant, its keys, and the adapters it registered."""
-    gateway, accounts = await _operator(request)
+    gateway, accounts = await operator_accounts(request)
     if tenant_id in gateway.tenants.configured:
         raise APIError(409, f"tenant {tenant_id!r} is defined in the deployment config; change it there", "config_tenant")
     if tenant_id not in (await _changed(gateway, accounts)).tenants:
@@ -167,10 +172,10 @@ async def delete_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
 @router.post("/v1/tenants/{tenant_id}/keys")
 async def issue_key(request: Request, tenant_id: str) -> JSONResponse:
     """A new key, shown this once."""
-    gateway, accounts = await _operator(request)
+    gateway, accounts = await operator_accounts(request)
     body = await _body(request, gateway)
     try:
-        key, record, warning = await accounts.issue_key(tenant_id, body.get("name", ""), _expiry(body, accounts.clock()))
+        key, record, warning = await accounts.issue_key(tenant_id, body.get("name", ""), expiry(body, accounts.clock()))
     except AccountError as e:
         raise _answer(e) from e
     await _changed(gateway, accounts)
@@ -181,14 +186,14 @@ async def issue_key(request: Request, tenant_id: str) -> JSONResponse:
 
 @router.get("/v1/tenants/{tenant_id}/keys")
 async def list_keys(request: Request, tenant_id: str) -> dict[str, Any]:
-    gateway, accounts = await _operator(request)
+    gateway, accounts = await operator_accounts(request)
     return {"object": "list", "data": _tenant(gateway, await _changed(gateway, accounts), tenant_id)["keys"]}
 
 
 @router.delete("/v1/tenants/{tenant_id}/keys/{key_id}")
 async def revoke_key(request: Request, tenant_id: str, key_id: str) -> dict[str, Any]:
     """The key is refused from now on (on every gateway within ACCOUNTS_POLL_S)."""
-    gateway, accounts = await _operator(request)
+    gateway, accounts = await operator_accounts(request)
     try:
         record = await accounts.revoke_key(tenant_id, key_id)
     except AccountError as e:
@@ -200,17 +205,15 @@ async def revoke_key(request: Request, tenant_id: str, key_id: str) -> dict[str,
 @router.post("/v1/tenants/{tenant_id}/keys/{key_id}/rotate")
 async def rotate_key(request: Request, tenant_id: str, key_id: str) -> JSONResponse:
     """A new key in the old one's place; the old one keeps working for `grace_s` (default 0: refused now)."""
-    gateway, accounts = await _operator(request)
+    gateway, accounts = await operator_accounts(request)
     body = await _body(request, gateway)
     now_s = accounts.clock()
-    grace = body.get("grace_s", 0)
-    if isinstance(grace, bool) or not isinstance(grace, int | float) or not 0 <= grace <= MAX_EXPIRY_S:
-        raise APIError(400, f"grace_s: seconds, from 0 to {MAX_EXPIRY_S}", "invalid_value")
+    grace = grace_s(body)
     _, records = await accounts.load()
     old = next((k for k in keys_of(records, tenant_id) if k.id == key_id), None)
     name = body.get("name", old.name if old is not None else "")
     try:
-        key, record, warning = await accounts.issue_key(tenant_id, name, _expiry(body, now_s), replacing=key_id,
+        key, record, warning = await accounts.issue_key(tenant_id, name, expiry(body, now_s), replacing=key_id,
                                                         old_expires_s=now_s + float(grace))
     except AccountError as e:
         raise _answer(e) from e

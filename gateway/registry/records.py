@@ -45,6 +45,7 @@ from cache.l2 import client_errors, is_cluster
 
 log = logging.getLogger(__name__)
 SHARED = ""  # the owner of adapters every tenant allowed "*" may use (the operator's, and the config's)
+PENDING = "pending:"  # key prefix of a staged change
 
 Records = dict[str, "AdapterRecord"]
 # records -> (key -> new record or None to delete, result)
@@ -73,6 +74,7 @@ class SharedReads:
     def __init__(self, read: Callable[[], Awaitable[object]], clock: Callable[[], float], read_s: float = 0.0) -> None:
         self._read, self._clock = read, clock
         self.read_s = read_s  # when the last finished read began (or when the store may be asked again)
+        self.has_failed = False  # the last read found the store unreachable
         self._reading: asyncio.Future | None = None
 
     async def since(self, after_s: float) -> None:
@@ -86,8 +88,10 @@ class SharedReads:
         began_s = self._clock()
         try:
             await self._read()
+            self.has_failed = False
         except RegistryUnavailable as e:
             log.warning("%s; serving what was read last", e)
+            self.has_failed = True
             began_s += UNAVAILABLE_BACKOFF_S
         finally:
             self.read_s = max(self.read_s, began_s)

@@ -1,11 +1,8 @@
 """The adapter registry as one gateway replica sees it (torch-free): which adapters each
 tenant may use by name, which fingerprints each worker pins, and the changes tenants make.
 
-- Names are per tenant (owner). A tenant sees the config's adapters its policy allows,
-  the operator's shared ones likewise, and its own; another tenant's never. A tenant whose
-  policy lists its adapters is checked by content too: an adapter of its own that holds a
-  shared adapter its policy leaves out (by fingerprint: whoever registered it, under any
-  name) is not visible to it, and registering one is refused.
+- Names are per tenant (owner); what a tenant sees, its own and the shared ones its policy
+  allows, checked by content too, is gateway/registry/visibility.py's.
 - A change is staged, made servable, then committed. An added or replacing adapter is
   first recorded as pending: it is pinned (workers load it) while its name still points
   where it did. Once a replica holds it the name moves to it in one transaction; if none
@@ -40,6 +37,7 @@ from gateway.policy.placement import PlacementError, place_new, rebalance
 from gateway.policy.routing import Residents
 from gateway.pool import ReplicaInfo, ShardPool
 from gateway.registry.records import (
+    PENDING,
     SHARED,
     AdapterRecord,
     FileRecords,
@@ -50,12 +48,12 @@ from gateway.registry.records import (
     SharedReads,
     record_key,
 )
+from gateway.registry.visibility import forbidden, visible
 from gateway.tenants import Tenant
 from worker.contract.identity import Fingerprint
 from worker.formats.adapter import LoRAAdapter
 
 log = logging.getLogger(__name__)
-PENDING = "pending:"  # key prefix of a staged change
 Pins = frozenset[Fingerprint]  # what a worker should hold (it has the config's adapters; the others it fetches from the store)
 Sync = Callable[[str, int, list[Fingerprint]], Awaitable[dict[str, Any]]]
 
@@ -98,31 +96,12 @@ class AdapterRegistry:
     # what requests see
 
     def visible(self, tenant: Tenant) -> dict[str, AdapterInfo]:
-        """The adapters `tenant` may use, by its names: the shared ones first (config order, then
-        by age), then its own by age, less those of its own whose content is a shared adapter it
-        may not use (`forbidden`)."""
+        """The adapters `tenant` may use, by its names (gateway/registry/visibility.py), kept per tenant
+        and policy until the records change."""
         cached = self._visible.get((tenant.id, tenant.allowed))  # an operator may change a tenant's ACL
         if cached is None:
-            cached = {n: info for n, info in self.seed.items() if tenant.may_use(n)}
-            committed = sorted((r for k, r in self.current.items() if not k.startswith(PENDING)),
-                               key=lambda r: (r.created_s, r.name))
-            cached.update((r.name, self.info(r)) for r in committed if r.owner == SHARED and tenant.may_use(r.name))
-            forbidden = self.forbidden(tenant)
-            cached.update((r.name, self.info(r)) for r in committed
-                          if r.owner == tenant.id and r.fingerprint not in forbidden)
-            self._visible[(tenant.id, tenant.allowed)] = cached
+            cached = self._visible[(tenant.id, tenant.allowed)] = visible(tenant, self.seed, self.current, self.info)
         return cached
-
-    def forbidden(self, tenant: Tenant) -> frozenset[Fingerprint]:
-        """The content a tenant with a restricted ACL may not be served under any name: that of
-        the shared adapters (the config's, the operator's, staged ones too) it may not use, less
-        what one it may use holds."""
-        if tenant.allowed is None:
-            return frozenset()
-        shared = [(n, info.fingerprint, True) for n, info in self.seed.items()]  # (name, content, is committed)
-        shared += [(r.name, r.fingerprint, not k.startswith(PENDING)) for k, r in self.current.items() if r.owner == SHARED]
-        usable = {fp for n, fp, is_committed in shared if is_committed and tenant.may_use(n)}
-        return frozenset(Fingerprint(fp) for n, fp, _ in shared if not tenant.may_use(n) and fp not in usable)
 
     def info(self, r: AdapterRecord) -> AdapterInfo:
         return AdapterInfo(r.name, self.store.path(r.fingerprint), r.fingerprint, r.task_name, r.prompt_prefix,
@@ -290,7 +269,7 @@ class AdapterRegistry:
         if owner == SHARED and name in self.seed:
             raise APIError(409, f"adapter {name!r} is defined in the deployment config; change it there",
                            "config_adapter")
-        if tenant is not None and adapter.fingerprint in self.forbidden(tenant):
+        if tenant is not None and adapter.fingerprint in forbidden(tenant, self.seed, self.current):
             raise APIError(403, "this adapter is a shared adapter this key may not use (the same content under another "
                            "name is refused too)", "adapter_not_allowed")
         await self._store(staged, adapter.fingerprint)  # the file before any record names it

@@ -85,12 +85,12 @@ def test_the_bootstrap_operator_key_may_be_retired_where_run_time_keys_are_kept(
 
 
 def test_the_default_config_binds_loopback_only() -> None:
-    from gateway.config import exposure_error, load_config
+    from gateway.config import load_config
 
     config = load_config()
-    assert exposure_error(config) is None
+    assert config.exposure_error() is None
     public = config.model_copy(update={"http": config.http.model_copy(update={"host": "0.0.0.0"})})
-    assert "public example keys" in exposure_error(public)  # what `loraplex serve --host 0.0.0.0` checks
+    assert "public example keys" in public.exposure_error()  # what `loraplex serve --host 0.0.0.0` checks
 
 
 # the check at start
