@@ -1,4 +1,4 @@
-"""Prefix-cache values (README, "Prefix cache"), torch-free: K and V of every layer for one chunk.
+"""Prefix-cache values (docs/architecture.md#cache-values), torch-free: K and V of every layer for one chunk.
 
 Layout: magic `LPKV`, a little-endian u32 header length, a JSON header
 (format version, model fingerprint, dtype, shape, first position, payload

@@ -1,4 +1,4 @@
-"""Prefix-cache keys (README, "Prefix cache"), torch-free.
+"""Prefix-cache keys (docs/architecture.md#cache-keys), torch-free.
 
 Chunk `i` of a prompt is keyed by a chain: `h_-1 = H(version, base fp,
 adapter-set fp, tenant salt)`, `h_i = H(h_{i-1}, tokens[iC:(i+1)C])`. A key
@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from worker.formats.hashing import TaggedHasher
+from cache.hashing import TaggedHasher
 
 CACHE_KEY_VERSION = 1
 VALUE_FORMAT_VERSION = 1  # of the values (cache/codec.py)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from cache.codec import ChunkKV, CorruptValue, decode, encode
 from cache.keys import DEFAULT_CHUNK_TOKENS
-from cache.l1 import LRUBytes
+from cache.lru import LRUBytes
 from cache.l2 import RedisConfig, RedisTier
 from cache.stats import CacheStats, prometheus_text
 

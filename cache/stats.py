@@ -1,11 +1,26 @@
-"""Prefix-cache counters and their Prometheus text form (torch-free)."""
+"""Prefix-cache counters, the plain histogram the engine and a replica's adapter tiers keep too,
+and how they show as Prometheus metrics (torch-free).
+
+The counts stay plain data, written by one thread and read from any; a scrape turns them into
+`prometheus_client` metric families and renders those through a registry of its own, never the
+process-wide default one, so several caches or engines in one process never collide.
+"""
 
 from __future__ import annotations
 
 import bisect
+import itertools
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 LOOKUP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+REDIS_STATES = ("ok", "degraded", "off")
+F = TypeVar("F", CounterMetricFamily, GaugeMetricFamily)
 
 
 @dataclass
@@ -24,19 +39,35 @@ class Histogram:
         self.total += value
         self.num += 1
 
-    def prometheus(self, name: str, help_text: str | None, labels: str = "") -> list[str]:
-        """Its lines; `labels` ('tier="disk"') for one series of a labelled histogram, `help_text`
-        None for every series after the first (its HELP and TYPE are written once)."""
-        lines = [] if help_text is None else [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        running = 0
-        others = f"{labels}," if labels else ""
-        for bound, count in zip((*self.buckets, float("inf")), self.counts):
-            running += count
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{name}_bucket{{{others}le="{le}"}} {running}')
-        tail = f"{{{labels}}}" if labels else ""
-        lines += [f"{name}_sum{tail} {self.total!r}", f"{name}_count{tail} {self.num}"]
-        return lines
+    def add_to(self, family: HistogramMetricFamily, labels: Sequence[str] = ()) -> HistogramMetricFamily:
+        """`family` with this histogram as one more series; `labels`: its values of the family's label names."""
+        bounds = (*(floatToGoString(b) for b in self.buckets), "+Inf")
+        family.add_metric(list(labels), list(zip(bounds, itertools.accumulate(self.counts))), self.total)
+        return family
+
+
+def labelled(family: F, values: Mapping[str, float]) -> F:
+    """`family` (with one label name) with a series for each label value in `values`."""
+    for label, value in values.items():
+        family.add_metric([label], value)
+    return family
+
+
+class _Families:
+    """A collector of metric families already built (one scrape's)."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+def exposition(families: Iterable[Metric]) -> str:
+    """`families` in Prometheus' text format, rendered through a registry of their own."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    return generate_latest(registry).decode()
 
 
 @dataclass
@@ -77,27 +108,18 @@ _COUNTERS = (
 
 def prometheus_text(stats: CacheStats, *, l1_bytes: int, redis_state: str, redis_errors: int, redis_round_trips: int) -> str:
     """The `loraplex_cache_*` metrics in Prometheus' text format."""
-    lines = []
-    for name, attr, help_text in _COUNTERS:
-        lines += [f"# HELP loraplex_cache_{name} {help_text}", f"# TYPE loraplex_cache_{name} counter",
-                  f"loraplex_cache_{name} {getattr(stats, attr)}"]
-    lines += [
-        "# HELP loraplex_cache_hit_chunks_total chunks found, by tier",
-        "# TYPE loraplex_cache_hit_chunks_total counter",
-        f'loraplex_cache_hit_chunks_total{{tier="l1"}} {stats.num_chunks_hit_l1}',
-        f'loraplex_cache_hit_chunks_total{{tier="l2"}} {stats.num_chunks_hit_l2}',
-        "# HELP loraplex_cache_redis_errors_total failed Redis calls",
-        "# TYPE loraplex_cache_redis_errors_total counter",
-        f"loraplex_cache_redis_errors_total {redis_errors}",
-        "# HELP loraplex_cache_redis_round_trips_total Redis calls made",
-        "# TYPE loraplex_cache_redis_round_trips_total counter",
-        f"loraplex_cache_redis_round_trips_total {redis_round_trips}",
-        "# HELP loraplex_cache_l1_bytes bytes held by the worker-local tier",
-        "# TYPE loraplex_cache_l1_bytes gauge",
-        f"loraplex_cache_l1_bytes {l1_bytes}",
-        "# HELP loraplex_cache_redis_state 1 for the current state of the shared tier (ok, degraded: breaker open, off)",
-        "# TYPE loraplex_cache_redis_state gauge",
-        *(f'loraplex_cache_redis_state{{state="{s}"}} {int(s == redis_state)}' for s in ("ok", "degraded", "off")),
+    families: list[Metric] = [CounterMetricFamily(f"loraplex_cache_{name}", help_text, getattr(stats, attr))
+                              for name, attr, help_text in _COUNTERS]
+    families += [
+        labelled(CounterMetricFamily("loraplex_cache_hit_chunks_total", "chunks found, by tier", labels=("tier",)),
+                 {"l1": stats.num_chunks_hit_l1, "l2": stats.num_chunks_hit_l2}),
+        CounterMetricFamily("loraplex_cache_redis_errors_total", "failed Redis calls", redis_errors),
+        CounterMetricFamily("loraplex_cache_redis_round_trips_total", "Redis calls made", redis_round_trips),
+        GaugeMetricFamily("loraplex_cache_l1_bytes", "bytes held by the worker-local tier", l1_bytes),
+        labelled(GaugeMetricFamily("loraplex_cache_redis_state", "1 for the current state of the shared tier "
+                                   "(ok, degraded: breaker open, off)", labels=("state",)),
+                 {s: int(s == redis_state) for s in REDIS_STATES}),
+        stats.lookup_s.add_to(HistogramMetricFamily("loraplex_cache_lookup_seconds",
+                                                    "time to look up a prompt's chunks (L1 and Redis)")),
     ]
-    lines += stats.lookup_s.prometheus("loraplex_cache_lookup_seconds", "time to look up a prompt's chunks (L1 and Redis)")
-    return "\n".join(lines) + "\n"
+    return exposition(families)

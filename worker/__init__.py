@@ -1,4 +1,4 @@
-"""loraplex worker: GGUF models and LoRA adapters in torch, by layer (README, "Layout").
+"""loraplex worker: GGUF models and LoRA adapters in torch, by layer (docs/architecture.md#layers).
 
 Imports nothing: `formats` and `contract` are torch-free and the gateway uses them;
 `model`, `lora`, `engine`, `shard` and `cli` build on them, each importing only the

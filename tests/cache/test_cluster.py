@@ -8,11 +8,11 @@ import time
 import numpy as np
 import pytest
 
+from bench.cluster.redis_cluster import LocalRedisCluster, free_node_port
 from cache.codec import ChunkKV
 from cache.keys import chunk_keys, root_key
 from cache.l2 import RedisConfig, RedisTier, connect, is_cluster
 from cache.prefix import ChunkGeometry, PrefixCache, PrefixCacheConfig
-from bench.cluster.redis_cluster import LocalRedisCluster, free_node_port
 
 C = 4
 GEOMETRY = ChunkGeometry("model-x", "float32", (2, 1, C, 3))

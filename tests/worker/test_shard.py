@@ -129,7 +129,7 @@ def test_a_caller_that_falls_behind_gets_the_tokens_so_far_as_one_delta(worker) 
 def test_pins_change_between_steps_by_fingerprint_and_a_dropped_one_waits_for_its_requests(
     worker, tiny_llama, tmp_path, monkeypatch
 ) -> None:
-    import worker.engine.residency as residency_module
+    import worker.residency.residency as residency_module
     from worker.formats.adapter import load_adapter
     from worker.formats.gguf_file import GGUFFile
 

@@ -20,7 +20,7 @@ from worker.contract.identity import ScalesByFingerprint
 from worker.contract.params import SamplingParams
 
 # A replica's channel to a caller (worker/shard/channel.py) with nothing to deliver sends an empty
-# batch this often, so the caller knows the replica is there (gateway/channel.py gives up on one
+# batch this often, so the caller knows the replica is there (gateway/cluster/channel.py gives up on one
 # silent for the routing's `unresponsive_after_s`) without waiting for Ray to find its node gone.
 CHANNEL_HEARTBEAT_S = 1.0
 
@@ -31,7 +31,7 @@ class WorkerCall:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     scales_by_fingerprint: ScalesByFingerprint = field(default_factory=dict)  # the adapters it enables, non-zero scales
-    cache_salt: str = ""  # the tenant's prefix-cache namespace (SPEC §5)
+    cache_salt: str = ""  # the tenant's prefix-cache namespace (docs/architecture.md#cache-keys)
     cache_prompt: bool = True  # False: neither reuse nor store this request's KV
     tenant: str = ""  # the worker shares prompt tokens and free KV slots fairly between tenants
     timeout_s: float | None = None  # from when the worker gets it: past this, the request ends with status 503 or 504

@@ -1,8 +1,8 @@
-"""The identities on a request's path, one type each (torch-free; README, "Layout": glossary).
+"""The identities on a request's path, one type each (torch-free; docs/architecture.md#identities).
 
 - `AdapterName`: what a tenant calls an adapter (the gateway's registry and ACLs). Names
   never cross the wire: a worker knows adapters by content only.
-- `Fingerprint`: an adapter's content hash (SPEC §3), how the gateway routes and how a
+- `Fingerprint`: an adapter's content hash (docs/architecture.md#fingerprints), how the gateway routes and how a
   worker holds it; two names of the same file are one fingerprint.
 - `AdapterSlot`: where a worker holds one adapter's weights (its index in the LoRA stack).
 - `SeqSlot`: one sequence's KV cache slot in a worker's engine.

@@ -86,10 +86,10 @@ class DeviceSettings:
 
 @dataclass(frozen=True)
 class ResidencySettings:
-    """Where a worker keeps the adapters it serves (worker/engine/residency.py): byte budgets of its three
+    """Where a worker keeps the adapters it serves (worker/residency/): byte budgets of its three
     tiers, the device (what a pass uses), the host (read and ready to copy; pinned memory on a GPU) and this
     node's disk copies of the adapter store; the store is the tier below. None: no limit (every adapter
-    served stays on the device, as before tiers). Least recently used adapters no request uses leave first;
+    served stays on the device). Least recently used adapters no request uses leave first;
     the deploy-time adapters (the operator's pins) never leave the device."""
 
     device_bytes: int | None = None

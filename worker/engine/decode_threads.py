@@ -21,7 +21,7 @@ MIN_TRIALS tries, the neighbour becomes the count. Exploring never stops, so the
 can come back when the load goes away; but the comparisons are noisy under a bursty client:
 on an Intel VM where two threads decode ~1.6x faster than one, one guidellm run moved to
 one thread and stayed there (27 output tokens/s against 77-86 on two), which is why the
-README's guidellm config does not ask for it.
+guidellm config (docs/benchmarks.md#guidellm) does not ask for it.
 """
 
 from __future__ import annotations

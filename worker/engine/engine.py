@@ -67,7 +67,7 @@ class Engine:
     def check(self, request: EngineRequest) -> CheckedRequest:
         """Check what only this engine knows (its KV slots, their length, the adapter slots it
         holds), resolve the adapters once, and compile a grammar (the engine loop calls this off
-        its thread, so `add_request` finds it cached). The rest the gateway checked (SPEC §6:
+        its thread, so `add_request` finds it cached). The rest the gateway checked (docs/architecture.md#bounded-work:
         token ids within the vocabulary, the model's context, the number of choices)."""
         prompt, params = request.prompt_ids, request.params
         if not prompt:  # nothing to compute logits from

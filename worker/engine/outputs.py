@@ -4,7 +4,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from cache.stats import Histogram
 from worker.contract.calls import TokenLogprob
@@ -32,11 +36,12 @@ class GenerationResult:
 STEP_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
-@dataclass
+@dataclass(eq=False)  # hashable by identity: a registry keys its collectors by hash
 class EngineCounters:
     """What the engine has computed since it started (read from any thread: plain counts), and
     how long its forward passes took: all of them, and those that only decode (what a streamed
-    token waits between two when no prompt shares the pass)."""
+    token waits between two when no prompt shares the pass). Its own registry reads them at
+    each scrape."""
 
     steps: int = 0
     prompt_tokens: int = 0  # prompt positions run through the model (not those loaded from the prefix cache or forked)
@@ -44,11 +49,16 @@ class EngineCounters:
     forked_prompt_tokens: int = 0  # prompt positions copied to a request's other choices instead of computed
     step_s: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
     decode_step_s: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
+    registry: CollectorRegistry = field(init=False, repr=False, compare=False)
 
     HELP = {"steps": "engine steps (forward passes) run",
             "prompt_tokens": "prompt tokens computed (not loaded from the prefix cache or forked)",
             "generated_tokens": "tokens generated",
             "forked_prompt_tokens": "prompt tokens a request's further choices copied instead of computing"}
+
+    def __post_init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
 
     def step(self, prompt_tokens: int, seconds: float) -> None:
         """One forward pass ran: its prompt tokens and how long it took."""
@@ -58,12 +68,15 @@ class EngineCounters:
         if prompt_tokens == 0:
             self.decode_step_s.observe(seconds)
 
-    def prometheus(self) -> str:
-        """The `loraplex_engine_*_total` counters and the step-time histograms in Prometheus' text format."""
-        lines = []
+    def collect(self) -> Iterator[Metric]:
+        """The `loraplex_engine_*_total` counters and the step-time histograms, as they stand now."""
         for name, help_text in self.HELP.items():
-            metric = f"loraplex_engine_{name}_total"
-            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter", f"{metric} {getattr(self, name)}"]
-        lines += self.step_s.prometheus("loraplex_engine_step_seconds", "time of a forward pass (prefill, decode or both)")
-        lines += self.decode_step_s.prometheus("loraplex_engine_decode_step_seconds", "time of a forward pass that only decodes")
-        return "\n".join(lines) + "\n"
+            yield CounterMetricFamily(f"loraplex_engine_{name}_total", help_text, getattr(self, name))
+        yield self.step_s.add_to(HistogramMetricFamily("loraplex_engine_step_seconds",
+                                                       "time of a forward pass (prefill, decode or both)"))
+        yield self.decode_step_s.add_to(HistogramMetricFamily("loraplex_engine_decode_step_seconds",
+                                                              "time of a forward pass that only decodes"))
+
+    def prometheus(self) -> str:
+        """Its metrics in Prometheus' text format."""
+        return generate_latest(self.registry).decode()

@@ -3,7 +3,7 @@ copied into its KV sequence slot before the step that first runs it, and its new
 completed whole chunks handed to the cache after each step (`PrefixKV`, beside the
 engine's step rather than inside it).
 
-Keys (SPEC §4, §5): the adapter set is the request's non-zero scales without
+Keys (docs/architecture.md#cache-keys): the adapter set is the request's non-zero scales without
 its aLoRA, so base requests and every aLoRA on the same prompt share the
 chunks before the activation index; nothing at or after it is looked up or
 stored. A lookup covers whole chunks of all but the last prompt token (that
@@ -79,7 +79,7 @@ class CacheHit:
 
 
 def request_root(runner: ModelRunner, model_id: str, adapters: RequestAdapters, salt: str) -> bytes:
-    """The root key of a request's chain: its adapter set without the aLoRA (SPEC §4)."""
+    """The root key of a request's chain: its adapter set without the aLoRA (docs/architecture.md#alora)."""
     pairs = [(runner.adapters[slot].fingerprint, scale) for slot, scale in adapters.scales.items()]
     return root_key(model_id, adapter_set_fingerprint(model_id, pairs), salt)
 

@@ -31,7 +31,7 @@ class EngineRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     scales_by_slot: ScalesBySlot = field(default_factory=dict)
-    cache_salt: str = ""  # the tenant's prefix-cache namespace (SPEC §5)
+    cache_salt: str = ""  # the tenant's prefix-cache namespace (docs/architecture.md#cache-keys)
     cache_prompt: bool = True  # False: neither reuse nor store this request's KV
     tenant: str = ""  # whose request: the scheduler shares prompt tokens and free slots fairly between tenants
     timeout_s: float | None = None  # its deadline, from arrival: past it, the request ends (Engine.expire)

@@ -78,6 +78,61 @@ class StepInputs:
     host_logit_rows: np.ndarray | None = None  # logit_rows on the host
 
 
+@dataclass
+class _StepRows:
+    """A step's rows on the host, laid out span by span (ModelRunner.prepare): the flattened tokens, and
+    which of their logits are kept, sampled from and reported on."""
+
+    token_ids: list[int] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    mapped: list[tuple[RequestAdapters, int, int]] = field(default_factory=list)  # (adapters, start, length) per span
+    logit_rows: list[int] = field(default_factory=list)  # token rows whose logits are kept
+    sample_rows: list[int] = field(default_factory=list)  # index into logit_rows
+    sample_specs: list[SampleSpec] = field(default_factory=list)  # how each sample row samples
+    lp_rows: list[int] = field(default_factory=list)  # index into logit_rows
+    lp_targets: list[int] = field(default_factory=list)  # target token (-i - 1: sampling row i's)
+    lp_k: list[int] = field(default_factory=list)  # top-K per lp row
+    post: list[tuple[int, int]] = field(default_factory=list)  # (index into lp_rows, sampling row) reporting post-sampling
+    last_rows: dict[int, int] = field(default_factory=dict)  # span -> index into logit_rows of its last token's logits
+    ends: dict[int, int] = field(default_factory=dict)  # span -> row of its last token
+
+    def add(self, s: int, span: SpanInput) -> None:
+        """Span `s`: its tokens, or (a fork) another sample from an earlier span's logits."""
+        if span.logits_of is not None:
+            if span.sample is not None:
+                if span.logits_of not in self.last_rows:
+                    self.last_rows[span.logits_of] = len(self.logit_rows)
+                    self.logit_rows.append(self.ends[span.logits_of])
+                self._sampled_at(self.last_rows[span.logits_of], span)
+            return
+        row, length = len(self.token_ids), len(span.token_ids)
+        self.ends[s] = row + length - 1
+        self.token_ids += span.token_ids
+        self.segments.append(Segment(span.seq_slot, row, length, span.start))
+        self.mapped.append((span.adapters, span.start, length))
+        for i, target in enumerate(span.prompt_targets):
+            self.lp_rows.append(len(self.logit_rows))
+            self.lp_targets.append(target)
+            self.lp_k.append(span.logprobs or 0)
+            self.logit_rows.append(row + i)
+        if span.sample is not None:
+            if not span.prompt_targets or self.logit_rows[-1] != row + length - 1:
+                self.logit_rows.append(row + length - 1)
+            self.last_rows[s] = len(self.logit_rows) - 1
+            self._sampled_at(len(self.logit_rows) - 1, span)
+
+    def _sampled_at(self, logit_row: int, span: SpanInput) -> None:
+        """The span picks its token from that row's logits."""
+        self.sample_rows.append(logit_row)
+        self.sample_specs.append(span.sample)
+        if span.logprobs is not None:
+            if span.sample.params.post_sampling_probs:
+                self.post.append((len(self.lp_rows), len(self.sample_rows) - 1))
+            self.lp_rows.append(logit_row)
+            self.lp_targets.append(-len(self.sample_rows))
+            self.lp_k.append(span.logprobs)
+
+
 class ModelRunner:
     def __init__(self, base: GGUFFile, adapters: Sequence[LoRAAdapter], config: DeviceConfig, backend: LoRABackend | None = None) -> None:
         self.config = config
@@ -164,64 +219,33 @@ class ModelRunner:
         """Everything the step needs on the device, made before the pass is queued (so no copy
         to the device waits for it): token ids and the attention plan, per-token adapter
         scales, the logit rows wanted, sampling parameters, log-probability targets."""
-        device = self.config.torch_device
-        token_ids: list[int] = []
-        segments, mapped, logit_rows = [], [], []
-        sample_rows, sample_specs = [], []  # index into logit_rows, and how that row samples
-        lp_rows, lp_targets, lp_k = [], [], []  # index into logit_rows, target token (-i - 1: sampling row i's), top-K
-        post = []  # (index into lp_rows, sampling row) of rows reporting post-sampling log-probabilities
-        last_rows: dict[int, int] = {}  # span -> index into logit_rows of its last token's logits
-        ends: dict[int, int] = {}  # span -> row of its last token
-
-        def sampled_at(logit_row: int, span: SpanInput) -> None:  # the span picks its token from that row's logits
-            sample_rows.append(logit_row)
-            sample_specs.append(span.sample)
-            if span.logprobs is not None:
-                if span.sample.params.post_sampling_probs:
-                    post.append((len(lp_rows), len(sample_rows) - 1))
-                lp_rows.append(logit_row)
-                lp_targets.append(-len(sample_rows))
-                lp_k.append(span.logprobs)
-
+        rows = _StepRows()
         for s, span in enumerate(spans):
-            row, length = len(token_ids), len(span.token_ids)
-            if span.logits_of is not None:  # a fork: another sample from an earlier span's logits
-                if span.sample is not None:
-                    if span.logits_of not in last_rows:
-                        last_rows[span.logits_of] = len(logit_rows)
-                        logit_rows.append(ends[span.logits_of])
-                    sampled_at(last_rows[span.logits_of], span)
-                continue
-            ends[s] = row + length - 1
-            token_ids += span.token_ids
-            segments.append(Segment(span.seq_slot, row, length, span.start))
-            mapped.append((span.adapters, span.start, length))
-            for i, target in enumerate(span.prompt_targets):
-                lp_rows.append(len(logit_rows))
-                lp_targets.append(target)
-                lp_k.append(span.logprobs or 0)
-                logit_rows.append(row + i)
-            if span.sample is not None:
-                if not span.prompt_targets or logit_rows[-1] != row + length - 1:
-                    logit_rows.append(row + length - 1)
-                last_rows[s] = len(logit_rows) - 1
-                sampled_at(len(logit_rows) - 1, span)
-        scales, active = mapping.token_scales(mapped)
+            rows.add(s, span)
+        return self._to_device(rows)
+
+    def _to_device(self, rows: _StepRows) -> StepInputs:
+        device = self.config.torch_device
+        scales, active = mapping.token_scales(rows.mapped)
+
+        def index(values: list[int]) -> torch.Tensor | None:
+            return torch.tensor(values, dtype=torch.long, device=device) if values else None
+
         return StepInputs(
-            ids=torch.tensor(token_ids, dtype=torch.long, device=device),
-            plan=AttentionPlan.build(segments, device, self.hparams.sliding_window),
+            ids=torch.tensor(rows.token_ids, dtype=torch.long, device=device),
+            plan=AttentionPlan.build(rows.segments, device, self.hparams.sliding_window),
             token_scales=torch.from_numpy(scales).to(device),
             active_slots=active,
-            logit_rows=_row_index(logit_rows, len(token_ids), device),
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device) if sample_rows else None,
-            sampling=SamplingBatch.build(sample_specs, self.hparams.vocab_size, device) if sample_specs else None,
-            lp_rows=torch.tensor(lp_rows, dtype=torch.long, device=device) if lp_rows else None,
-            lp_targets=torch.tensor(lp_targets, dtype=torch.long, device=device) if lp_rows else None,
-            lp_k_max=max(lp_k, default=0),
-            post_lp=tuple(torch.tensor(column, dtype=torch.long, device=device) for column in zip(*post)) if post else None,
+            logit_rows=_row_index(rows.logit_rows, len(rows.token_ids), device),
+            sample_rows=index(rows.sample_rows),
+            sampling=SamplingBatch.build(rows.sample_specs, self.hparams.vocab_size, device) if rows.sample_specs else None,
+            lp_rows=index(rows.lp_rows),
+            lp_targets=index(rows.lp_targets) if rows.lp_rows else None,
+            lp_k_max=max(rows.lp_k, default=0),
+            post_lp=tuple(torch.tensor(column, dtype=torch.long, device=device) for column in zip(*rows.post)) if rows.post else None,
             empty=torch.empty(0, device=device),
             host_scales=scales,
-            host_logit_rows=np.asarray(logit_rows, dtype=np.int64),
+            host_logit_rows=np.asarray(rows.logit_rows, dtype=np.int64),
         )
 
     def _forward(self, step: StepInputs, kv: KVCache) -> torch.Tensor:

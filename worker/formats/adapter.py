@@ -1,9 +1,9 @@
-"""LoRA adapters in llama.cpp's GGUF format: parse, validate (SPEC §2), fingerprint.
+"""LoRA adapters in llama.cpp's GGUF format: parse, validate (docs/architecture.md#adapters-we-read), fingerprint.
 
 Torch-free: the gateway uses this to resolve and fingerprint adapters. Checks
 run in llama.cpp's order and fail with its messages, as `AdapterError`.
 
-DoRA (an extension of SPEC §2; the formulas are in `worker/formats/dora.py`):
+DoRA (an extension of the LoRA format; the formulas are in `worker/formats/dora.py`):
 - `adapter.lora.dora`: optional BOOL; true makes the file a DoRA adapter. Any
   other type: `invalid gguf type for adapter.lora.dora`.
 - `NAME.lora_m`: the magnitude of target `NAME` (PEFT's `lora_magnitude_vector`),
@@ -41,7 +41,7 @@ _NUMERIC_TYPES = {
 
 
 class AdapterError(ValueError):
-    """The adapter is rejected; `message` is the SPEC's exact text."""
+    """The adapter is rejected; `message` is llama.cpp's exact text."""
 
     def __init__(self, message: str, path: Path | None = None) -> None:
         super().__init__(message)
@@ -188,7 +188,7 @@ def _check_shape(target: str, a: TensorInfo, b: TensorInfo, base: TensorInfo | N
 def load_adapter(path: str | os.PathLike[str], base: GGUFFile | None = None) -> LoRAAdapter:
     """Parse and validate an adapter; with `base`, also against that base model.
 
-    Raises AdapterError (a rule of SPEC §2) or GGUFFormatError (not GGUF at all).
+    Raises AdapterError (a rule of docs/architecture.md#adapters-we-read) or GGUFFormatError (not GGUF at all).
     """
     path = Path(path)
     gguf = GGUFFile(path)

@@ -1,4 +1,4 @@
-"""aLoRA activation (SPEC §4): where in a prompt an activated LoRA turns on. Torch-free."""
+"""aLoRA activation (docs/architecture.md#alora): where in a prompt an activated LoRA turns on. Torch-free."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """DoRA (weight-decomposed LoRA) in the GGUF adapter format: the contract's names and the
 row norms it is computed from. Torch-free (numpy); the gateway may import it.
 
-A DoRA adapter is a LoRA adapter (SPEC §2) with `adapter.lora.dora = true` and, beside
+A DoRA adapter is a LoRA adapter (docs/architecture.md#adapters-we-read) with `adapter.lora.dora = true` and, beside
 each pair, `NAME.lora_m`: the magnitude, one value per output channel (`ne = [d]`,
 PEFT's `lora_magnitude_vector`). For a linear `W` (d x k, bias `b`) at scale `s`
 (llama.cpp's `adapter_scale * alpha / rank`):

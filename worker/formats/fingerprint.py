@@ -1,6 +1,8 @@
-"""Content fingerprints (SPEC §3): base model, adapter, adapter set. Torch-free.
+"""Content fingerprints: base model, adapter, adapter set. Torch-free.
 
-Digests are BLAKE2b-256 over tagged, length-prefixed fields (`hashing`),
+A fingerprint names content, not a path or a name: two files with the same
+tensors and facts are one fingerprint, and a changed file is a new one. Digests
+are BLAKE2b-256 over tagged, length-prefixed fields (cache/hashing.py),
 stable across processes and machines. `FINGERPRINT_VERSION` is theirs alone:
 the prefix cache's keys carry their own version (cache/keys.py).
 """
@@ -8,18 +10,36 @@ the prefix cache's keys carry their own version (cache/keys.py).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from worker.formats.gguf_file import GGUFFile
-from worker.formats.hashing import TaggedHasher
+import numpy as np
+
+from cache.hashing import TaggedHasher
+from worker.formats.gguf_file import GGUFFile, MetadataValue
 
 log = logging.getLogger(__name__)
 
 FINGERPRINT_VERSION = 1
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, np.ndarray):  # arrays nested in arrays
+        return value.tolist()
+    raise TypeError(f"cannot hash metadata value of type {type(value).__name__}")
+
+
+def _hash_metadata(h: TaggedHasher, tag: str, value: MetadataValue) -> None:
+    """A GGUF metadata value: its type codes in the tag, an array's bytes or the JSON of anything else."""
+    if isinstance(value.value, np.ndarray):
+        payload = value.value.tobytes()
+    else:
+        payload = json.dumps(value.value, ensure_ascii=False, default=_jsonable).encode("utf-8")
+    h.field(f"{tag}:{int(value.type)}:{value.element_type}", b"m", payload)
 
 
 def _hash_tensors(h: TaggedHasher, gguf: GGUFFile, names: Iterable[str]) -> None:
@@ -36,7 +56,7 @@ def base_fingerprint_uncached(gguf: GGUFFile) -> str:
     h = TaggedHasher("loraplex.base", FINGERPRINT_VERSION)
     h.text("arch", arch)
     for key in sorted(k for k in gguf.metadata if k.startswith(f"{arch}.")):
-        h.metadata(key, gguf.metadata[key])
+        _hash_metadata(h, key, gguf.metadata[key])
     _hash_tensors(h, gguf, sorted(gguf.tensors))
     return h.hexdigest()
 

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,14 +183,46 @@ def convert_peft_to_gguf(
     alpha = float(options.alpha if options.alpha is not None else config.get("lora_alpha", 8))
     if alpha <= 0:
         raise ConversionError(f"lora_alpha must be positive, got {alpha}")
+    invocation = _checked_invocation(options, config, base, hp)
+    pairs = _collect_pairs(read_safetensors(weights_path))
+    is_dora = bool(config.get("use_dora"))
+    _check_dora(pairs, is_dora)
+
+    def scale_of(module: str, rank: int) -> float:  # PEFT's scale of `module`
+        return _peft_scale(config, options, alpha, module, rank)
+
+    def fold_of(module: str, rank: int) -> float:  # what B takes in of that scale beyond llama.cpp's alpha / rank
+        return scale_of(module, rank) / (alpha / rank)
+
+    pairs, experts = _split_experts(pairs, hp, scale_of, alpha)
+    writer = _open_writer(out_path, hp.arch, alpha, is_dora, options, invocation)
+    targets = [_write_module(writer, module, pairs[module], hp, fold_of, options.outtype, is_dora)
+               for module in sorted(pairs, key=gguf_target)]
+    for target, (a_values, b_values) in sorted(experts.items()):  # already scaled: written as F32 unless told otherwise
+        _write_tensor(writer, f"{target}.lora_a", StoredTensor("F32", a_values), None, options.outtype)
+        _write_tensor(writer, f"{target}.lora_b", StoredTensor("F32", b_values), None, options.outtype)
+        targets.append(target)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return targets
+
+
+def _checked_invocation(options: ConvertOptions, config: dict, base: GGUFFile, hp: ModelHParams) -> tuple[int, ...] | None:
+    """The aLoRA invocation tokens (`_invocation_tokens`), each checked to be in the base's vocabulary."""
     invocation = _invocation_tokens(options, config, base)
     bad = [t for t in invocation or () if not 0 <= t < hp.vocab_size]
     if bad:
         raise ConversionError(f"invocation token {bad[0]} is out of range (vocabulary size {hp.vocab_size})")
+    return invocation
 
-    pairs = _collect_pairs(read_safetensors(weights_path))
-    is_dora = bool(config.get("use_dora"))
-    _check_dora(pairs, is_dora)
+
+def _split_experts(
+    pairs: dict[str, dict[str, StoredTensor]], hp: ModelHParams, scale_of: Callable[[str, int], float], alpha: float
+) -> tuple[dict[str, dict[str, StoredTensor]], dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """(the modules other than MoE experts, each checked to have a GGUF target; the experts' merged,
+    scaled (A, B) by target)."""
     expert_modules = {m: halves for m, halves in pairs.items() if is_expert_module(m)}
     pairs = {m: halves for m, halves in pairs.items() if m not in expert_modules}
     unsupported = sorted(m for m in pairs if gguf_target(m) is None)
@@ -199,10 +232,16 @@ def convert_peft_to_gguf(
             "(supported: q/k/v/o_proj, gate/up/down_proj, embed_tokens, lm_head, an MoE router and its experts)"
         )
     try:
-        experts = expert_pairs(expert_modules, hp, lambda m, r: _peft_scale(config, options, alpha, m, r), alpha) if expert_modules else {}
+        experts = expert_pairs(expert_modules, hp, scale_of, alpha) if expert_modules else {}
     except ExpertConversionError as e:
         raise ConversionError(str(e)) from e
-    writer = GGUFWriter(str(out_path), hp.arch)
+    return pairs, experts
+
+
+def _open_writer(out_path: str | os.PathLike[str], arch: str, alpha: float, is_dora: bool, options: ConvertOptions,
+                 invocation: tuple[int, ...] | None) -> GGUFWriter:
+    """A writer of the adapter file with its metadata set."""
+    writer = GGUFWriter(str(out_path), arch)
     writer.add_string("general.type", "adapter")
     writer.add_string("adapter.type", "lora")
     writer.add_float32("adapter.lora.alpha", alpha)
@@ -214,44 +253,42 @@ def convert_peft_to_gguf(
         writer.add_string("adapter.lora.prompt_prefix", options.prompt_prefix)
     if invocation:
         writer.add_key_value(INVOCATION_KEY, list(invocation), GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
+    return writer
 
-    targets = []
-    for module in sorted(pairs, key=gguf_target):
-        halves = pairs[module]
-        target = gguf_target(module)
-        is_embedding = target == "token_embd.weight"
-        a_key, b_key = ("lora_embedding_A", "lora_embedding_B") if is_embedding else ("lora_A", "lora_B")
-        if a_key not in halves or b_key not in halves:
-            raise ConversionError(f"module {module} lacks {a_key} or {b_key}")
-        a, b = halves[a_key], halves[b_key]
-        rank = a.data.shape[0]
-        fold = _peft_scale(config, options, alpha, module, rank) / (alpha / rank)
-        b_values = None
-        is_rescaled = not math.isclose(fold, 1.0, rel_tol=1e-6)
-        if is_rescaled:
-            b_values = b.to_float32() * fold
-        if hp.rope_style == RopeStyle.ADJACENT_PAIRS and target.endswith((".attn_q.weight", ".attn_k.weight")):
-            heads = hp.num_heads if ".attn_q." in target else hp.num_kv_heads
-            b_values = permute_rows_for_adjacent_rope(b.to_float32() if b_values is None else b_values, heads)
-        if is_embedding:  # A is stored [V, r] for ggml's get_rows
-            a = StoredTensor(a.dtype, np.ascontiguousarray(a.data.T))
-        _write_tensor(writer, f"{target}.lora_a", a, None, options.outtype)
-        _write_tensor(writer, f"{target}.lora_b", b, b_values, options.outtype, is_rescaled)
-        if is_dora:  # one value per output channel: permuted as B's rows; F32 whatever the outtype (it is small)
-            m = halves["lora_magnitude_vector"].to_float32().reshape(-1)
-            if hp.rope_style == RopeStyle.ADJACENT_PAIRS and target.endswith((".attn_q.weight", ".attn_k.weight")):
-                m = permute_rows_for_adjacent_rope(m, hp.num_heads if ".attn_q." in target else hp.num_kv_heads)
-            writer.add_tensor(f"{target}{MAGNITUDE_SUFFIX}", np.ascontiguousarray(m, dtype=np.float32))
-        targets.append(target)
-    for target, (a_values, b_values) in sorted(experts.items()):  # already scaled: written as F32 unless told otherwise
-        _write_tensor(writer, f"{target}.lora_a", StoredTensor("F32", a_values), None, options.outtype)
-        _write_tensor(writer, f"{target}.lora_b", StoredTensor("F32", b_values), None, options.outtype)
-        targets.append(target)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return targets
+
+def _rope_heads(hp: ModelHParams, target: str) -> int | None:
+    """The heads whose rows llama.cpp permutes for its adjacent-pair rope: q's or k's; None for any other target."""
+    if hp.rope_style != RopeStyle.ADJACENT_PAIRS or not target.endswith((".attn_q.weight", ".attn_k.weight")):
+        return None
+    return hp.num_heads if ".attn_q." in target else hp.num_kv_heads
+
+
+def _write_module(writer: GGUFWriter, module: str, halves: dict[str, StoredTensor], hp: ModelHParams,
+                  fold_of: Callable[[str, int], float], outtype: str, is_dora: bool) -> str:
+    """Write one module's A and B (B times `fold_of` it and its rank, rows permuted for the rope) and a DoRA's
+    magnitudes, under the name of the base tensor it targets, which it returns."""
+    target = gguf_target(module)
+    is_embedding = target == "token_embd.weight"
+    a_key, b_key = ("lora_embedding_A", "lora_embedding_B") if is_embedding else ("lora_A", "lora_B")
+    if a_key not in halves or b_key not in halves:
+        raise ConversionError(f"module {module} lacks {a_key} or {b_key}")
+    a, b = halves[a_key], halves[b_key]
+    scale = fold_of(module, a.data.shape[0])
+    is_rescaled = not math.isclose(scale, 1.0, rel_tol=1e-6)
+    b_values = b.to_float32() * scale if is_rescaled else None
+    heads = _rope_heads(hp, target)
+    if heads is not None:
+        b_values = permute_rows_for_adjacent_rope(b.to_float32() if b_values is None else b_values, heads)
+    if is_embedding:  # A is stored [V, r] for ggml's get_rows
+        a = StoredTensor(a.dtype, np.ascontiguousarray(a.data.T))
+    _write_tensor(writer, f"{target}.lora_a", a, None, outtype)
+    _write_tensor(writer, f"{target}.lora_b", b, b_values, outtype, is_rescaled)
+    if is_dora:  # one value per output channel: permuted as B's rows; F32 whatever the outtype (it is small)
+        m = halves["lora_magnitude_vector"].to_float32().reshape(-1)
+        if heads is not None:
+            m = permute_rows_for_adjacent_rope(m, heads)
+        writer.add_tensor(f"{target}{MAGNITUDE_SUFFIX}", np.ascontiguousarray(m, dtype=np.float32))
+    return target
 
 
 def _check_dora(pairs: dict[str, dict[str, StoredTensor]], is_dora: bool) -> None:

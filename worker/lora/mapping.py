@@ -3,7 +3,7 @@ each token of a forward pass. Pure and torch-free (numpy).
 
 A worker holds a changing set of adapters, each in an integer adapter slot. A request
 enables some slots with runtime scales; scale 0 is not applied at all. An aLoRA
-among them applies only from its activation index on (SPEC §4), and not at all
+among them applies only from its activation index on (docs/architecture.md#alora), and not at all
 when the prompt lacks its invocation sequence. Per-token scales make stacked
 adapters, per-request adapter sets and aLoRA activation one mechanism. A pass's scales
 have one column per adapter slot active in it, never one per adapter held: a step's

@@ -1,4 +1,4 @@
-"""The replica's end of a caller's channel (the gateway's end is gateway/channel.py): the
+"""The replica's end of a caller's channel (the gateway's end is gateway/cluster/channel.py): the
 deltas of every request a caller started on this replica, handed over as one batch per read,
 and the mailbox that brings them from the engine's thread to the replica's event loop.
 

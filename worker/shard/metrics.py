@@ -3,10 +3,12 @@ memory (`/health`), its decode threads and the adapters it holds (`/metrics`, Pr
 
 from __future__ import annotations
 
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from cache.stats import exposition, labelled
 from worker.engine.engine import Engine
-from worker.engine.residency import Residency
-from worker.engine.tiers import TIERS
 from worker.engine.runner import ModelRunner
+from worker.residency.residency import Residency
 
 
 def memory_report(runner: ModelRunner, base_bytes: int) -> dict[str, int]:
@@ -20,44 +22,41 @@ def memory_report(runner: ModelRunner, base_bytes: int) -> dict[str, int]:
 
 
 def thread_metrics(engine: Engine) -> str:
-    if engine.threads is None:  # not on a CPU
+    """The decode thread count and its changes, in Prometheus' text format (nothing off a CPU)."""
+    if engine.threads is None:
         return ""
-    help_text = "CPU threads a pass that only decodes runs on now (configured, or measured with device.decode_threads auto)"
-    lines = [f"# HELP loraplex_worker_decode_threads {help_text}",
-             "# TYPE loraplex_worker_decode_threads gauge",
-             f"loraplex_worker_decode_threads {engine.threads.current}",
-             "# HELP loraplex_worker_decode_thread_switches_total times the measured decode thread count changed (auto)",
-             "# TYPE loraplex_worker_decode_thread_switches_total counter",
-             f"loraplex_worker_decode_thread_switches_total {engine.threads.num_switches}"]
-    return "\n".join(lines) + "\n"
+    return exposition([
+        GaugeMetricFamily("loraplex_worker_decode_threads", "CPU threads a pass that only decodes runs on now "
+                          "(configured, or measured with device.decode_threads auto)", engine.threads.current),
+        CounterMetricFamily("loraplex_worker_decode_thread_switches_total",
+                            "times the measured decode thread count changed (auto)", engine.threads.num_switches),
+    ])
 
 
 def adapter_metrics(residency: Residency) -> str:
+    """The adapters this replica holds, on which tier, and how they moved, in Prometheus' text format."""
     stats, residents = residency.stats, residency.residents()
-    lines = ["# HELP loraplex_worker_adapters adapters this replica serves (taking requests, or draining)",
-             "# TYPE loraplex_worker_adapters gauge",
-             f'loraplex_worker_adapters{{state="held"}} {len(residency.held)}',
-             f'loraplex_worker_adapters{{state="draining"}} {len(residency.draining)}',
-             "# HELP loraplex_worker_adapter_bytes device bytes of the adapters' weights on this replica's device",
-             "# TYPE loraplex_worker_adapter_bytes gauge",
-             f"loraplex_worker_adapter_bytes {residents['device'][1]}",
-             "# HELP loraplex_worker_resident_adapters adapters kept on each tier (device, host, this node's disk)",
-             "# TYPE loraplex_worker_resident_adapters gauge",
-             *(f'loraplex_worker_resident_adapters{{tier="{t}"}} {n}' for t, (n, _) in residents.items()),
-             "# HELP loraplex_worker_resident_bytes bytes of the adapters kept on each tier",
-             "# TYPE loraplex_worker_resident_bytes gauge",
-             *(f'loraplex_worker_resident_bytes{{tier="{t}"}} {b}' for t, (_, b) in residents.items()),
-             "# HELP loraplex_worker_adapter_promotions_total adapters brought onto the device, by the tier they came from",
-             "# TYPE loraplex_worker_adapter_promotions_total counter",
-             *(f'loraplex_worker_adapter_promotions_total{{tier="{t}"}} {n}' for t, n in stats.promotions.items()),
-             "# HELP loraplex_worker_adapter_evictions_total adapters dropped from a tier to make room (least recently used)",
-             "# TYPE loraplex_worker_adapter_evictions_total counter",
-             *(f'loraplex_worker_adapter_evictions_total{{tier="{t}"}} {n}' for t, n in stats.evictions.items()),
-             "# HELP loraplex_worker_requests_waited_on_load_total requests that waited for an adapter to come onto the device",
-             "# TYPE loraplex_worker_requests_waited_on_load_total counter",
-             f"loraplex_worker_requests_waited_on_load_total {stats.waited}"]
-    for i, tier in enumerate(TIERS[1:]):
-        lines += stats.load_s[tier].prometheus(
-            "loraplex_worker_adapter_load_seconds",
-            "time to bring an adapter onto the device, by the tier it came from" if i == 0 else None, f'tier="{tier}"')
-    return "\n".join(lines) + "\n"
+    load_s = HistogramMetricFamily("loraplex_worker_adapter_load_seconds",
+                                   "time to bring an adapter onto the device, by the tier it came from", labels=("tier",))
+    for tier, histogram in stats.load_s.items():
+        histogram.add_to(load_s, [tier])
+    return exposition([
+        labelled(GaugeMetricFamily("loraplex_worker_adapters", "adapters this replica serves (taking requests, or draining)",
+                                   labels=("state",)), {"held": len(residency.held), "draining": len(residency.draining)}),
+        GaugeMetricFamily("loraplex_worker_adapter_bytes", "device bytes of the adapters' weights on this replica's device",
+                          residents["device"][1]),
+        labelled(GaugeMetricFamily("loraplex_worker_resident_adapters",
+                                   "adapters kept on each tier (device, host, this node's disk)", labels=("tier",)),
+                 {tier: n for tier, (n, _) in residents.items()}),
+        labelled(GaugeMetricFamily("loraplex_worker_resident_bytes", "bytes of the adapters kept on each tier", labels=("tier",)),
+                 {tier: nbytes for tier, (_, nbytes) in residents.items()}),
+        labelled(CounterMetricFamily("loraplex_worker_adapter_promotions_total",
+                                     "adapters brought onto the device, by the tier they came from", labels=("tier",)),
+                 stats.promotions),
+        labelled(CounterMetricFamily("loraplex_worker_adapter_evictions_total",
+                                     "adapters dropped from a tier to make room (least recently used)", labels=("tier",)),
+                 stats.evictions),
+        CounterMetricFamily("loraplex_worker_requests_waited_on_load_total",
+                            "requests that waited for an adapter to come onto the device", stats.waited),
+        load_s,
+    ])

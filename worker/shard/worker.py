@@ -6,7 +6,7 @@ worker refuses gets one `Delta.refused`.
 A caller (a gateway process) opens one channel per replica with `channel(id)`, starts
 requests on it with `start(id, call)`, and gets every request's deltas of an engine step as
 one batch (worker/shard/channel.py). The worker knows adapters by fingerprint only: a call
-names them so, and `Residency` brings each onto the device (worker/engine/residency.py) and
+names them so, and `Residency` brings each onto the device (worker/residency/) and
 gives the adapter slot that holds it.
 """
 
@@ -29,11 +29,12 @@ from worker.contract.spec import WorkerSpec
 from worker.contract.tracing import context_of, open_tracing
 from worker.engine.engine import Engine, EngineRequest
 from worker.engine.loop import EngineLoop, Overloaded, Subscription
-from worker.engine.residency import Lease, NotHeld, Residency
 from worker.engine.prefix_kv import open_prefix_cache
 from worker.engine.runner import ModelRunner
 from worker.formats.tokenizer import GGUFTokenizer
 from worker.model.device import DeviceConfig
+from worker.residency.device import Lease
+from worker.residency.residency import NotHeld, Residency
 from worker.shard.channel import CallerChannel, Mailbox
 from worker.shard.metrics import adapter_metrics, memory_report, thread_metrics
 
@@ -150,7 +151,7 @@ class ShardWorker:
         return mailbox
 
     async def sync(self, version: int, pins: Iterable[Fingerprint]) -> dict[str, Any]:
-        """Serve exactly `pins` from now on, fetching new ones from the adapter store (worker/engine/residency.py)."""
+        """Serve exactly `pins` from now on, fetching new ones from the adapter store (worker/residency/residency.py)."""
         return await self.residency.sync(version, pins)
 
     def health(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Every SPEC §2 rule, in order, with its exact message; metadata; what loads."""
+"""Every rule of docs/architecture.md#adapters-we-read, in order, with its exact message; metadata; what loads."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_alpha_missing_means_zero_and_scale_is_the_runtime_scale(tmp_path, base,
             {"metadata": {"adapter.alora.invocation_tokens": (GGUFValueType.ARRAY, [1, 2], GGUFValueType.INT32)}},
             "invalid gguf element type for adapter.alora.invocation_tokens",
         ),
-        # several faults: the first rule in SPEC order wins
+        # several faults: the first rule in order wins
         ({"general_type": "model", "arch": "qwen2", "adapter_type": "ia3"}, "expect general.type to be 'adapter', but got: model"),
         ({"arch": "qwen2", "adapter_type": "ia3"}, "model arch and LoRA arch mismatch"),
     ],

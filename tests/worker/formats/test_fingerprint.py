@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType
 
+from cache.hashing import TaggedHasher
 from tests.tinymodels import invocation_metadata, random_lora, write_adapter
 from worker.formats import fingerprint as fp_module
 from worker.formats.adapter import load_adapter
 from worker.formats.fingerprint import adapter_set_fingerprint, base_fingerprint, base_fingerprint_uncached
 from worker.formats.gguf_file import GGUFFile
-from worker.formats.hashing import TaggedHasher
 
 TARGETS = ["blk.0.attn_q.weight", "blk.1.ffn_down.weight"]
 

@@ -1,4 +1,4 @@
-"""LoRA on MoE experts (SPEC §2, llama.cpp's build_lora_mm_id): each (token, expert) pair gets the
+"""LoRA on MoE experts (llama.cpp's build_lora_mm_id): each (token, expert) pair gets the
 delta of the expert the router chose, equal to the merged weights W_e + s * B_e A_e."""
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The worker-local LRU tier."""
+"""The byte-bounded LRU (cache/lru.py): the worker-local tier of the prefix cache, and the adapter tiers."""
 
 from __future__ import annotations
 
 import pytest
 
-from cache.l1 import LRUBytes
+from cache.lru import LRUBytes
 
 
 def test_least_recently_used_goes_first_within_the_byte_budget() -> None:
@@ -34,3 +34,16 @@ def test_a_value_larger_than_the_budget_is_not_stored() -> None:
     assert LRUBytes(0).put(b"k", b"v") is False
     with pytest.raises(ValueError):
         LRUBytes(-1)
+
+
+def test_without_a_bound_the_owner_trims_keeping_what_it_names() -> None:
+    lru: LRUBytes[str, int] = LRUBytes()
+    for i, key in enumerate("abcd"):
+        assert lru.put(key, i, nbytes=10)
+    assert lru.num_bytes == 40 and list(lru) == ["a", "b", "c", "d"]
+    assert lru.peek("a") == 0 and list(lru) == ["a", "b", "c", "d"]  # peek leaves the order
+    assert lru.get("a") == 0 and list(lru) == ["b", "c", "d", "a"]
+    assert lru.trim(20, keep={"b"}) == ["c", "d"]  # b is kept: the next least recent go
+    assert list(lru.items()) == [("b", 1, 10), ("a", 0, 10)] and lru.num_evictions == 2
+    assert lru.trim(0, keep={"b", "a"}) == [] and lru.num_bytes == 20  # only kept ones left: over the budget
+    assert lru.pop("b") == 1 and lru.pop("b") is None and lru.num_bytes == 10

@@ -1,4 +1,4 @@
-"""Adapter tiers on a shard replica (worker/engine/residency.py), on a tiny model: a device tier
+"""Adapter tiers on a shard replica (worker/residency/), on a tiny model: a device tier
 smaller than what the replica serves, a host tier, and this node's disk copies of a store
 elsewhere (a file:// store, so its copies can be dropped); the device's budget counts the
 copies under way to it, and a DoRA's magnitudes."""
@@ -17,15 +17,12 @@ from cache.blobs import BlobStoreConfig
 from cache.prefix import PrefixCacheConfig
 from tests.helpers import TEST_DEVICE, deltas_of
 from tests.tinymodels import random_lora, write_adapter
-from tests.worker.lora.test_dora import ATTN, converted
 from worker.contract.calls import WorkerCall
 from worker.contract.params import SamplingParams
 from worker.contract.spec import DeviceSettings, EngineConfig, ResidencySettings, WorkerSpec
-from worker.engine import residency as residency_module
-from worker.engine.runner import ModelRunner
-from worker.engine.tiers import device_nbytes
 from worker.formats.adapter import load_adapter
 from worker.formats.gguf_file import GGUFFile
+from worker.residency import promotion
 from worker.shard import ShardWorker
 
 TARGETS = ["blk.0.attn_q.weight", "blk.1.attn_v.weight", "blk.0.ffn_up.weight"]
@@ -134,7 +131,7 @@ def test_a_promotion_does_not_hold_up_other_requests_steps(tiny_llama, stored, m
 
         async def scenario() -> None:
             await worker.sync(1, fingerprints[4:6])
-            worker.residency._device.pop(fingerprints[5])  # as if evicted: only on disk
+            worker.residency.device.slots.pop(fingerprints[5])  # as if evicted: only on disk
             slot = next(s for s, a in worker.runner.adapters.items() if a.fingerprint == fingerprints[5])
             await asyncio.wrap_future(worker.loop.call(lambda engine: engine.runner.remove_adapter(slot)))
             monkeypatch.setattr(worker.residency, "_read", slow_read)
@@ -175,7 +172,7 @@ def test_budgets_hold_under_churn(tiny_llama, stored) -> None:
                 while True:
                     seen.append(worker.residency.residents())
                     copies = len(list((directory / "churn").glob("*.gguf")))
-                    assert copies <= 4 + len(worker.residency._loading)  # a copy just fetched, until its promotion trims the tier
+                    assert copies <= 4 + len(worker.residency.promotions.loading)  # a copy just fetched, until its promotion trims the tier
                     await asyncio.sleep(0.002)
 
             watcher = asyncio.ensure_future(watch())
@@ -207,7 +204,7 @@ def test_concurrent_promotions_never_pass_the_device_budget_with_their_copies(ti
     budget = 2 * adapter_bytes
     worker = tiered_worker(tiny_llama, directory, "concurrent", ResidencySettings(device_bytes=budget), num_seq_slots=6)
     lock, resident, in_copy, totals = threading.Lock(), {}, {}, []  # slot -> bytes; id(its halves) -> bytes
-    copy, add, remove = residency_module.device_halves, worker.runner.add_adapter, worker.runner.remove_adapter
+    copy, add, remove = promotion.device_halves, worker.runner.add_adapter, worker.runner.remove_adapter
 
     def counted() -> None:
         totals.append(sum(resident.values()) + sum(in_copy.values()))
@@ -236,7 +233,7 @@ def test_concurrent_promotions_never_pass_the_device_budget_with_their_copies(ti
             resident.pop(slot, None)
             remove(slot)
 
-    monkeypatch.setattr(residency_module, "device_halves", slow_copy)
+    monkeypatch.setattr(promotion, "device_halves", slow_copy)
     monkeypatch.setattr(worker.runner, "add_adapter", counted_add)
     monkeypatch.setattr(worker.runner, "remove_adapter", counted_remove)
     try:
@@ -249,17 +246,9 @@ def test_concurrent_promotions_never_pass_the_device_budget_with_their_copies(ti
         asyncio.run(scenario())
         assert worker.residency.stats.promotions["host"] >= 8 and len(totals) >= 16
         assert max(totals) <= budget, (max(totals), budget)
-        assert not worker.residency._reserved  # every reservation became a resident adapter or was given back
+        assert not worker.residency.device.reserved  # every reservation became a resident adapter or was given back
     finally:
         worker.close()
-
-
-def test_a_dora_adapters_device_bytes_count_its_magnitudes(tiny_llama, tmp_path) -> None:
-    _, path = converted(tiny_llama, tmp_path, 1, ATTN)
-    adapter = load_adapter(path, GGUFFile(tiny_llama.path))
-    runner = ModelRunner.from_paths(tiny_llama.path, [path], TEST_DEVICE)
-    assert adapter.is_dora and runner.lora.dora_slots == {0}
-    assert device_nbytes(adapter, TEST_DEVICE.torch_dtype) == runner.lora.nbytes(0)
 
 
 def test_host_halves_kept_as_tensors_reach_the_device_unchanged(tiny_llama, stored) -> None:
