@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_engine import make_requests, run_policy, write_random_adapters
+from bench.engine_common import make_requests, run_policy, write_random_adapters
 from worker.engine.runner import ModelRunner
 from worker.formats.adapter import load_adapter
 from worker.formats.default_model import resolve_model_path

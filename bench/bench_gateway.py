@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 
+from gateway.cluster.pool import replica_infos
 from gateway.config import load_config, parse_config
-from gateway.pool import replica_infos
 from worker.contract.calls import Delta, Usage, WorkerCall
 
 KEY = "sk-bench"
@@ -65,7 +65,7 @@ def serve_stub(port: int) -> None:
 
     from gateway.api.app import create_app
     from gateway.catalog import Catalog
-    from gateway.dispatch import Gateway
+    from gateway.compose import Gateway
 
     logging.disable(logging.WARNING)
     config = bench_config()

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.bench_engine import make_requests, run_policy, write_random_adapters
+from bench.engine_common import make_requests, run_policy, write_random_adapters
 from worker.engine.runner import ModelRunner
 from worker.formats.adapter import LoRAAdapter, load_adapter
 from worker.formats.default_model import resolve_model_path
@@ -29,6 +29,7 @@ class HeldAdapter:
 
     def __init__(self, template: LoRAAdapter, index: int, rng: np.random.Generator) -> None:
         self.pairs, self.alpha, self.invocation_tokens = template.pairs, template.alpha, None
+        self.is_dora = False  # its own random A and B, no magnitudes
         self.fingerprint = f"held-{index}"
         self._template = template
         self._arrays = {}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_engine import timed_step, write_random_adapters
+from bench.engine_common import timed_step, write_random_adapters
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig
 from worker.engine.engine import Engine, EngineRequest

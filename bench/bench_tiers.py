@@ -1,5 +1,5 @@
 """`loraplex bench-engine --registered 4096 --device-adapters 64`: serving many adapters from a
-small device tier (worker/engine/residency.py) against holding them all on the device.
+small device tier (worker/residency/) against holding them all on the device.
 
 Two shard replicas of the same base run in one process, each serving the same N random adapters
 from a local adapter store: one keeps at most M of them on its device (the others on disk, or on
@@ -19,14 +19,15 @@ import sys
 import tempfile
 import time
 from contextlib import aclosing
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from bench.bench_engine import write_random_adapters
+from bench.engine_common import write_random_adapters
 from cache.blobs import BlobStoreConfig, open_blob_store
 from cache.prefix import PrefixCacheConfig
-from gateway.channel import ReplicaChannel
+from gateway.cluster.channel import ReplicaChannel
 from worker.contract.calls import WorkerCall
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig, ResidencySettings, WorkerSpec
@@ -79,6 +80,106 @@ def make_calls(fingerprints: list[str], adapters: list[int], args: argparse.Name
             for i, a in enumerate(adapters)]
 
 
+def store_random_adapters(base: GGUFFile, directory: Path, store_dir: Path, args: argparse.Namespace, num: int) -> list[str]:
+    """`num` random adapters put in a local adapter store at `store_dir`: their fingerprints."""
+    store = open_blob_store(BlobStoreConfig(cache_dir=str(store_dir)))
+    print(f"writing {num} random rank-{args.rank} adapters ({args.targets})...", file=sys.stderr)
+    started = time.perf_counter()
+    fingerprints = []
+    for path in write_random_adapters(base, directory, num, args.rank, args.targets, args.seed):
+        fingerprint = load_adapter(path, base).fingerprint
+        store.put(path, fingerprint)
+        path.unlink()
+        fingerprints.append(fingerprint)
+    print(f"  {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    return fingerprints
+
+
+def open_replica(args: argparse.Namespace, model_path: Path, store_dir: Path, residency: ResidencySettings) -> ShardWorker:
+    engine = EngineConfig(num_seq_slots=args.requests, max_step_tokens=args.step_tokens, max_waiting=args.requests)
+    return ShardWorker(WorkerSpec("bench", str(model_path), (), engine, args.device_settings,
+                                  PrefixCacheConfig(redis=None), fingerprint_dir=None,
+                                  blob_store=BlobStoreConfig(cache_dir=str(store_dir)), residency=residency))
+
+
+async def take_adapters(workers: dict[str, ShardWorker], fingerprints: list[str]) -> None:
+    """Each worker takes every adapter (those past its device tier stay below it)."""
+    for name, worker in workers.items():
+        started = time.perf_counter()
+        state = await worker.sync(1, fingerprints)
+        if state["failed"]:
+            raise RuntimeError(f"{len(state['failed'])} adapters failed to load: {next(iter(state['failed'].values()))}")
+        print(f"{name}: {len(fingerprints)} adapters taken in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+
+
+@dataclass
+class Measured:
+    totals: dict[str, list[float]]  # "tiered", "whole" -> [seconds, tokens]
+    waited: int = 0  # the tiered replica's requests that waited for an adapter to load
+    promotions: int = 0  # its adapters brought up onto the device
+
+
+async def measure(args: argparse.Namespace, tiered: ShardWorker, whole: ShardWorker, fingerprints: list[str], vocab: int,
+                  rng: np.random.Generator) -> Measured:
+    """`args.rounds` rounds of the same Zipf requests on each replica, the two taking turns first."""
+    measured = Measured({"tiered": [0.0, 0], "whole": [0.0, 0]})
+    for round_index in range(args.rounds):
+        adapters = zipf_choices(len(fingerprints), args.total_requests, args.zipf, rng)
+        calls = make_calls(fingerprints, adapters, args, vocab, f"r{round_index}", rng)
+        for name, worker in (("tiered", tiered), ("whole", whole)) if round_index % 2 == 0 else \
+                (("whole", whole), ("tiered", tiered)):
+            before = (worker.residency.stats.waited, sum(worker.residency.stats.promotions.values()))
+            seconds, tokens = await run_requests(worker, calls, args.requests)
+            measured.totals[name][0] += seconds
+            measured.totals[name][1] += tokens
+            if name == "tiered":
+                measured.waited += worker.residency.stats.waited - before[0]
+                measured.promotions += sum(worker.residency.stats.promotions.values()) - before[1]
+            print(f"round {round_index + 1} {name:7s} {tokens / seconds:7.1f} tokens/s", file=sys.stderr)
+    return measured
+
+
+def print_results(args: argparse.Namespace, model_path: Path, num_adapters: int, tiered: ShardWorker, whole: ShardWorker,
+                  measured: Measured) -> None:
+    rate = {name: tokens / seconds for name, (seconds, tokens) in measured.totals.items()}
+    waited, promotions = measured.waited, measured.promotions
+    loads = np.array(tiered.residency.stats.recent_load_s)[-max(promotions, 1):] * 1e3
+    num_measured = args.rounds * args.total_requests
+    held = {name: w.residency.residents() for name, w in (("tiered", tiered), ("whole", whole))}
+    print(f"model {model_path.name}; {num_adapters} random rank-{args.rank} adapters ({args.targets}); "
+          f"Zipf {args.zipf} over them; {num_measured} requests measured ({args.requests} at a time, "
+          f"{args.prompt_tokens} prompt + {args.max_tokens} new tokens) after {args.warmup} to warm up")
+    print(f"all {num_adapters} on the device: {rate['whole']:.1f} tokens/s; device tier of {args.device_adapters}: "
+          f"{rate['tiered']:.1f} tokens/s; ratio {rate['tiered'] / rate['whole']:.3f}")
+    print(f"device-tier hit rate {1 - waited / num_measured:.3f} ({waited} of {num_measured} requests waited for a load; "
+          f"{promotions} promotions, from {'host' if args.host_bytes else 'disk'})")
+    if promotions:
+        print(f"promotion p50 {np.percentile(loads, 50):.1f} ms, p99 {np.percentile(loads, 99):.1f} ms")
+    for name, tiers in held.items():
+        print(f"{name}: device {tiers['device'][0]} adapters, {tiers['device'][1] / 2**20:.0f} MiB; "
+              f"host {tiers['host'][0]} adapters, {tiers['host'][1] / 2**20:.0f} MiB")
+
+
+async def compare(args: argparse.Namespace, model_path: Path, store_dir: Path, fingerprints: list[str],
+                  rng: np.random.Generator) -> int:
+    """The tiered replica against the one holding every adapter on its device."""
+    tiered = open_replica(args, model_path, store_dir, ResidencySettings(device_adapters=args.device_adapters,
+                                                                         host_bytes=args.host_bytes))
+    whole = open_replica(args, model_path, store_dir, ResidencySettings())
+    try:
+        await take_adapters({"tiered": tiered, "all on the device": whole}, fingerprints)
+        vocab = tiered.runner.hparams.vocab_size
+        warm = make_calls(fingerprints, zipf_choices(len(fingerprints), args.warmup, args.zipf, rng), args, vocab, "warm", rng)
+        await run_requests(tiered, warm, args.requests)
+        await run_requests(whole, warm[: args.requests], args.requests)
+        measured = await measure(args, tiered, whole, fingerprints, vocab, rng)
+        print_results(args, model_path, len(fingerprints), tiered, whole, measured)
+        return 0
+    finally:
+        tiered.close()
+        whole.close()
+
+
 def run(args: argparse.Namespace) -> int:
     (registered,) = args.registered if len(args.registered) == 1 else (None,)
     if registered is None or args.device_adapters >= registered:
@@ -89,71 +190,5 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         store_dir = Path(tmp) / "store"
-        store = open_blob_store(BlobStoreConfig(cache_dir=str(store_dir)))
-        print(f"writing {registered} random rank-{args.rank} adapters ({args.targets})...", file=sys.stderr)
-        started = time.perf_counter()
-        fingerprints = []
-        for path in write_random_adapters(base, Path(tmp), registered, args.rank, args.targets, args.seed):
-            fingerprint = load_adapter(path, base).fingerprint
-            store.put(path, fingerprint)
-            path.unlink()
-            fingerprints.append(fingerprint)
-        print(f"  {time.perf_counter() - started:.0f} s", file=sys.stderr)
-
-        def replica(residency: ResidencySettings) -> ShardWorker:
-            engine = EngineConfig(num_seq_slots=args.requests, max_step_tokens=args.step_tokens, max_waiting=args.requests)
-            return ShardWorker(WorkerSpec("bench", str(model_path), (), engine, args.device_settings,
-                                          PrefixCacheConfig(redis=None), fingerprint_dir=None,
-                                          blob_store=BlobStoreConfig(cache_dir=str(store_dir)), residency=residency))
-
-        async def scenario() -> int:
-            tiered = replica(ResidencySettings(device_adapters=args.device_adapters, host_bytes=args.host_bytes))
-            whole = replica(ResidencySettings())
-            try:
-                for name, worker in (("tiered", tiered), ("all on the device", whole)):
-                    started = time.perf_counter()
-                    state = await worker.sync(1, fingerprints)
-                    if state["failed"]:
-                        raise RuntimeError(f"{len(state['failed'])} adapters failed to load: {next(iter(state['failed'].values()))}")
-                    print(f"{name}: {registered} adapters taken in {time.perf_counter() - started:.0f} s", file=sys.stderr)
-                vocab = tiered.runner.hparams.vocab_size
-                warm = make_calls(fingerprints, zipf_choices(registered, args.warmup, args.zipf, rng), args, vocab, "warm", rng)
-                await run_requests(tiered, warm, args.requests)
-                await run_requests(whole, warm[: args.requests], args.requests)
-                totals = {"tiered": [0.0, 0], "whole": [0.0, 0]}
-                waited = promotions = 0
-                for round_index in range(args.rounds):
-                    adapters = zipf_choices(registered, args.total_requests, args.zipf, rng)
-                    calls = make_calls(fingerprints, adapters, args, vocab, f"r{round_index}", rng)
-                    for name, worker in (("tiered", tiered), ("whole", whole)) if round_index % 2 == 0 else \
-                            (("whole", whole), ("tiered", tiered)):
-                        before = (worker.residency.stats.waited, sum(worker.residency.stats.promotions.values()))
-                        seconds, tokens = await run_requests(worker, calls, args.requests)
-                        totals[name][0] += seconds
-                        totals[name][1] += tokens
-                        if name == "tiered":
-                            waited += worker.residency.stats.waited - before[0]
-                            promotions += sum(worker.residency.stats.promotions.values()) - before[1]
-                        print(f"round {round_index + 1} {name:7s} {tokens / seconds:7.1f} tokens/s", file=sys.stderr)
-                rate = {name: tokens / seconds for name, (seconds, tokens) in totals.items()}
-                loads = np.array(tiered.residency.stats.recent_load_s)[-max(promotions, 1):] * 1e3
-                measured = args.rounds * args.total_requests
-                held = {name: w.residency.residents() for name, w in (("tiered", tiered), ("whole", whole))}
-                print(f"model {Path(model_path).name}; {registered} random rank-{args.rank} adapters ({args.targets}); "
-                      f"Zipf {args.zipf} over them; {measured} requests measured ({args.requests} at a time, "
-                      f"{args.prompt_tokens} prompt + {args.max_tokens} new tokens) after {args.warmup} to warm up")
-                print(f"all {registered} on the device: {rate['whole']:.1f} tokens/s; device tier of {args.device_adapters}: "
-                      f"{rate['tiered']:.1f} tokens/s; ratio {rate['tiered'] / rate['whole']:.3f}")
-                print(f"device-tier hit rate {1 - waited / measured:.3f} ({waited} of {measured} requests waited for a load; "
-                      f"{promotions} promotions, from {'host' if args.host_bytes else 'disk'})")
-                if promotions:
-                    print(f"promotion p50 {np.percentile(loads, 50):.1f} ms, p99 {np.percentile(loads, 99):.1f} ms")
-                for name, tiers in held.items():
-                    print(f"{name}: device {tiers['device'][0]} adapters, {tiers['device'][1] / 2**20:.0f} MiB; "
-                          f"host {tiers['host'][0]} adapters, {tiers['host'][1] / 2**20:.0f} MiB")
-                return 0
-            finally:
-                tiered.close()
-                whole.close()
-
-        return asyncio.run(scenario())
+        fingerprints = store_random_adapters(base, Path(tmp), store_dir, args, registered)
+        return asyncio.run(compare(args, model_path, store_dir, fingerprints, rng))

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from bench.bench_engine import runner_with_random_adapters, timed_step
+from bench.engine_common import runner_with_random_adapters, timed_step
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig
 from worker.engine.engine import Engine, EngineRequest

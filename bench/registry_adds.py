@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.bench_engine import write_random_adapters
+from bench.engine_common import write_random_adapters
 from bench.server import Server, base_config
 from worker.formats.default_model import resolve_model_path
 from worker.formats.gguf_file import GGUFFile

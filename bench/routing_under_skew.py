@@ -7,7 +7,7 @@ that policy (a fresh cache namespace each, so every run starts cold), run the zi
 scenario (another seed each round), stop. Then, under affinity, rounds of the quiet
 tenant alone (unloaded) and with the noisy tenant (loaded), interleaved. Each figure
 pools the measured requests of its rounds: a p99 over one short run is its slowest
-request or two. Prints the table of the README's load-testing section.
+request or two. Prints the table of docs/benchmarks.md#routing-under-skew.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def plot_cache_hits(zipf: dict[str, list[Path]], path: Path, window_s: float = 1
     plt.close(fig)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "deploy" / "bench-4.yaml"))
     parser.add_argument("--duration", type=float, help="override the scenarios' duration_s")
@@ -139,9 +139,11 @@ def main() -> None:
     parser.add_argument("--policies", default="affinity,random,least_loaded")
     parser.add_argument("--no-redis", action="store_true", help="worker-local caches only: what routing alone does for cache locality")
     parser.add_argument("--no-noisy", action="store_true", help="skip the noisy-tenant runs")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return parser.parse_args()
+
+
+def read_config(args: argparse.Namespace) -> dict:
+    """The config to serve: its adapters' paths made absolute, with the flags' replicas and Redis."""
     base = yaml.safe_load(Path(args.config).read_text())
     for adapter in base["adapters"]:
         adapter["path"] = str((Path(args.config).parent / adapter["path"]).resolve())
@@ -149,16 +151,22 @@ def main() -> None:
         base["shards"] = [{**shard, "replicas": args.replicas} for shard in base["shards"]]
     if args.no_redis:
         base["cache"] = {**base.get("cache", {}), "redis_url": None}
+    return base
 
-    def fresh(policy: str) -> dict:  # a new cache namespace, so every run starts cold
-        return {**base, "routing": policy, "cache": {**base.get("cache", {}), "key_prefix": f"loraplex-bench-{uuid.uuid4().hex[:8]}"}}
 
-    policies = [p for p in args.policies.split(",") if p]
+def fresh(base: dict, policy: str) -> dict:
+    """`base` routing by `policy` with a new cache namespace, so every run starts cold."""
+    cache = {**base.get("cache", {}), "key_prefix": f"loraplex-bench-{uuid.uuid4().hex[:8]}"}
+    return {**base, "routing": {**base.get("routing", {}), "policy": policy}, "cache": cache}
+
+
+def zipf_rounds(args: argparse.Namespace, base: dict, out: Path, policies: list[str]) -> tuple[dict[str, list[Path]], dict[str, Counter]]:
+    """Each round, the zipf scenario under each policy: its reports and cache-tier counters per policy."""
     zipf: dict[str, list[Path]] = {p: [] for p in policies}
     tiers: dict[str, Counter] = {p: Counter() for p in policies}
     for round_ in range(args.rounds):
         for policy in policies:
-            server = serve(fresh(policy), out, args.port)
+            server = serve(fresh(base, policy), out, args.port)
             try:
                 warm_up(args.port, out)
                 before = cache_counters(args.port)
@@ -169,8 +177,10 @@ def main() -> None:
             finally:
                 stop(server)
             print(f"round {round_ + 1}: {policy:13s} {zipf_row(zipf[policy][-1:])}", flush=True)
-    if policies:
-        plot_cache_hits(zipf, out / "cache_hit_by_policy.png")
+    return zipf, tiers
+
+
+def print_zipf(policies: list[str], zipf: dict[str, list[Path]], tiers: dict[str, Counter]) -> None:
     for policy in policies:
         t, runs = tiers[policy], zipf[policy]
         requests = sum(len(json.loads(p.read_text())["requests"]) for p in runs)
@@ -178,9 +188,11 @@ def main() -> None:
               f"{t['l1'] / max(t['l1'] + t['l2'], 1):.0%}, "
               f"from Redis {t['l2'] / max(t['l1'] + t['l2'], 1):.0%}; "
               f"{t['l2_bytes'] / requests / 1e6:.2f} MB read from Redis per request", flush=True)
-    if args.no_noisy:
-        return
-    server = serve(fresh("affinity"), out, args.port)
+
+
+def noisy_rounds(args: argparse.Namespace, base: dict, out: Path) -> tuple[list[Path], list[Path]]:
+    """Under affinity, the quiet tenant's rounds alone and beside the noisy tenant: their reports."""
+    server = serve(fresh(base, "affinity"), out, args.port)
     alone, loaded = [], []
     try:
         warm_up(args.port, out)
@@ -195,12 +207,31 @@ def main() -> None:
             )
     finally:
         stop(server)
+    return alone, loaded
+
+
+def print_noisy(alone: list[Path], loaded: list[Path]) -> None:
     quiet_alone, quiet_loaded, noisy_rows = measured(alone, "demo"), measured(loaded, "demo"), measured(loaded, "acme")
     for q in (50, 90, 99):
         print(f"quiet tenant p{q} TTFT: alone {ttft_ms(quiet_alone, q):.0f} ms, beside the noisy one {ttft_ms(quiet_loaded, q):.0f} ms "
               f"(x{ttft_ms(quiet_loaded, q) / ttft_ms(quiet_alone, q):.2f}; {len(quiet_alone)} and {len(quiet_loaded)} requests)")
     statuses = Counter(r["status"] for r in noisy_rows)
     print(f"noisy tenant answers by status: {dict(sorted(statuses.items()))}")
+
+
+def main() -> None:
+    args = parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = read_config(args)
+    policies = [p for p in args.policies.split(",") if p]
+    zipf, tiers = zipf_rounds(args, base, out, policies)
+    if policies:
+        plot_cache_hits(zipf, out / "cache_hit_by_policy.png")
+    print_zipf(policies, zipf, tiers)
+    if args.no_noisy:
+        return
+    print_noisy(*noisy_rounds(args, base, out))
 
 
 if __name__ == "__main__":

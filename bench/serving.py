@@ -29,7 +29,7 @@ import numpy as np
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.bench_engine import write_random_adapters
+from bench.engine_common import write_random_adapters
 from bench.server import Server, delete_keys
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig
@@ -127,8 +127,8 @@ def serve_config(model_path: Path, adapters: list[Path], args: argparse.Namespac
         "adapters": [{"name": f"a{i}", "path": str(p)} for i, p in enumerate(adapters)],
         "shards": [{"name": "all", "adapters": [f"a{i}" for i in range(len(adapters))], "replicas": 1}],
         "cache": {"redis_url": REDIS_URL, "key_prefix": f"loraplex-bench-{uuid.uuid4().hex[:8]}", "chunk_tokens": 32},
-        "engine": {"num_slots": args.requests, "max_step_tokens": args.step_tokens, "threads": args.device_settings.threads,
-                   "decode_threads": args.device_settings.decode_threads},
+        "engine": {"num_seq_slots": args.requests, "max_step_tokens": args.step_tokens},
+        "device": {"threads": args.device_settings.threads, "decode_threads": args.device_settings.decode_threads},
         "http": {"max_tokens_default": args.max_tokens, "listener": args.listener},
         "auth": "none", "state": {"ephemeral": True},  # a benchmark on this machine: no keys, state in its Redis
     }

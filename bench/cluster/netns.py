@@ -76,9 +76,6 @@ class Network:
         """The environment of a process on `host`: its own HOME and TMPDIR."""
         return {**os.environ, "HOME": str(host.home), "TMPDIR": str(host.home / "tmp"), **(extra or {})}
 
-    def popen(self, host: Host, argv: Sequence[str], extra_env: Mapping[str, str] | None = None, **kwargs) -> subprocess.Popen:
-        return subprocess.Popen(["ip", "netns", "exec", host.name, *argv], env=self.env(host, extra_env), **kwargs)
-
     def run(self, host: Host, argv: Sequence[str], extra_env: Mapping[str, str] | None = None, timeout_s: float = 120,
             **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(["ip", "netns", "exec", host.name, *argv], env=self.env(host, extra_env), timeout=timeout_s,

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-
 from bench.cluster import free_port, netns
 from bench.cluster.ray_nodes import RayNodes
 from bench.cluster.redis_cluster import LocalRedisCluster

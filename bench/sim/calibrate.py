@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import yaml
 
-from bench.bench_engine import runner_with_random_adapters, timed_step
+from bench.engine_common import runner_with_random_adapters, timed_step
 from bench.sim.profile import CostProfile, load_profile
 from gateway.config import load_config
 from worker.contract.params import SamplingParams

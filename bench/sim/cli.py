@@ -12,13 +12,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.sim.fleet import Fleet, RunRecord, place
+from bench.sim.fleet import Fleet, place
+from bench.sim.record import RunRecord
 from bench.sim.plots import write_report
-from bench.sim.profile import DEFAULT_PROFILE, load_profile
+from bench.sim.profile import DEFAULT_PROFILE, CostProfile, load_profile
 from bench.sim.report import SLO, figures, table, tenant_table
 from bench.sim.routers import ROUTERS
 from bench.sim.workload import FleetScenario, load_fleet_scenario, scaled
 from gateway.config import ConfigError
+from gateway.loadtest.scenario import Scenario
 from gateway.policy.routing import RoutingSettings
 
 GOOD_SHARE = 0.99  # --capacity: the share of requests the rate limits admit that must meet the SLO
@@ -67,6 +69,37 @@ def capacity(fleet: FleetScenario, max_replicas: int, router: str, **kwargs) -> 
     return high
 
 
+def describe(scenario: Scenario, profile: CostProfile, slo: SLO) -> str:
+    """The line that says what was simulated."""
+    return (f"{scenario.name}: {len(scenario.adapters.names)} adapters, {scenario.load.rate_rps:g} req/s, "
+            f"{scenario.duration_s:g} s (warm-up {scenario.warmup_s:g} s), profile {profile.name} "
+            f"({'measured' if profile.is_measured else 'ASSUMED'}), SLO TTFT {slo.ttft_s:g} s ITL {slo.itl_s:g} s")
+
+
+def print_capacity(args: argparse.Namespace, what: str, result: dict[str, int | None], wall_s: float) -> None:
+    if args.json:
+        print(json.dumps({"capacity": result, "good_share": GOOD_SHARE, "wall_s": wall_s}))
+        return
+    print(what)
+    for router, n in result.items():
+        print(f"{router:28} {n if n is not None else f'> {args.replicas}'} replicas")
+
+
+def print_rows(args: argparse.Namespace, what: str, scenario: Scenario, profile: CostProfile, rows: list[dict[str, Any]],
+               records: list[RunRecord], wall_s: float) -> None:
+    if args.out:
+        written = write_report(Path(args.out), f"{what}; {args.replicas} replicas", rows, records)
+        print(f"loraplex simulate: report in {args.out}/ ({', '.join(written)})", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"scenario": scenario.name, "replicas": args.replicas, "profile": profile.name,
+                          "is_measured": profile.is_measured, "rows": rows, "wall_s": wall_s}))
+    else:
+        print(f"{what}; {args.replicas} replicas")
+        print(table(rows))
+        print(tenant_table(rows))
+        print(f"({wall_s:.1f} s of wall time)")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         fleet = load_fleet_scenario(args.scenario)
@@ -106,26 +139,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     wall_s = time.perf_counter() - started
     profile = load_profile(args.profile or fleet.sim.profile or DEFAULT_PROFILE)
-    what = (f"{scenario.name}: {len(scenario.adapters.names)} adapters, {scenario.load.rate_rps:g} req/s, "
-            f"{scenario.duration_s:g} s (warm-up {scenario.warmup_s:g} s), profile {profile.name} "
-            f"({'measured' if profile.is_measured else 'ASSUMED'}), SLO TTFT {slo.ttft_s:g} s ITL {slo.itl_s:g} s")
     if args.capacity:
-        if args.json:
-            print(json.dumps({"capacity": result, "good_share": GOOD_SHARE, "wall_s": wall_s}))
-        else:
-            print(what)
-            for router, n in result.items():
-                print(f"{router:28} {n if n is not None else f'> {args.replicas}'} replicas")
-        return 0
-    if args.out:
-        written = write_report(Path(args.out), f"{what}; {args.replicas} replicas", rows, records)
-        print(f"loraplex simulate: report in {args.out}/ ({', '.join(written)})", file=sys.stderr)
-    if args.json:
-        print(json.dumps({"scenario": scenario.name, "replicas": args.replicas, "profile": profile.name,
-                          "is_measured": profile.is_measured, "rows": rows, "wall_s": wall_s}))
+        print_capacity(args, describe(scenario, profile, slo), result, wall_s)
     else:
-        print(f"{what}; {args.replicas} replicas")
-        print(table(rows))
-        print(tenant_table(rows))
-        print(f"({wall_s:.1f} s of wall time)")
+        print_rows(args, describe(scenario, profile, slo), scenario, profile, rows, records, wall_s)
     return 0

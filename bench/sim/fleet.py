@@ -3,7 +3,7 @@ wall clock). The gateway side is the production code: placement's plan and zipf_
 the adapters, the RateLimiter (per process, on the simulation's clock) admits, a router
 (bench/sim/routers.py; `ours` is gateway.policy.routing) picks a replica, and a replica that
 refuses (its queue full: 503) sends the request to the next, `max_attempts` in all, as
-gateway/dispatch.py does.
+gateway/requests/dispatch.py does.
 
 Faults (the scenario's `sim.faults`): a replica lost takes what it ran and queued with it: a
 stream that had begun fails, any other request is sent to another replica (`max_attempts` in
@@ -24,22 +24,22 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.sim.churn import Churn
 from bench.sim.profile import CostProfile
+from bench.sim.record import OUTCOMES, RunRecord
 from bench.sim.replica import PrefixCache, ReplicaModel, Seq
 from bench.sim.routers import Router, make_router, request_key
 from bench.sim.workload import BASE, Fault, FleetScenario, SimRequest, requests
-from gateway.api.protocol import APIError
+from gateway.errors import GatewayError
 from gateway.loadtest.scenario import Scenario
 from gateway.policy.placement import AdapterSpec, plan, zipf_shares
 from gateway.policy.routing import NoCandidateError, ReplicasBusy, RoutingSettings
-from gateway.ratelimit import RateLimiter
-from gateway.tenants import Tenant
+from gateway.tenancy.ratelimit import RateLimiter
+from gateway.tenancy.tenants import Tenant
 
-OUTCOMES = ("completed", "refused_rate", "refused_busy", "failed_no_replica", "failed_too_long", "failed_replica_lost")
 _STEP, _LOADED, _FAULT, _FETCHED, _ARRIVE, _CALL = range(6)
 
 
@@ -90,41 +90,6 @@ def place(fleet: FleetScenario, num_replicas: int) -> Placement:
     return Placement(tuple(pins), holders, tuple(shards))
 
 
-@dataclass
-class RunRecord:
-    """What a run measured; requests arriving before warmup_s count in `outcomes` only."""
-
-    router: str
-    num_replicas: int
-    outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
-    num_measured: int = 0
-    measured: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> outcome -> measured requests
-    tenants: list[str] = field(default_factory=list)  # per completed measured request, aligned with ttft_s
-    arrivals: list[float] = field(default_factory=list)  # per completed measured request: when it arrived
-    ttft_s: list[float] = field(default_factory=list)  # per completed measured request
-    itl_s: list[float] = field(default_factory=list)  # its mean gap between tokens (none for one token)
-    queue_s: list[float] = field(default_factory=list)  # arrival at its replica to a KV slot
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    busy_s: list[float] = field(default_factory=list)  # per replica: time stepping
-    slot_s: list[float] = field(default_factory=list)  # per replica: KV slots held x time
-    num_seq_slots: int = 1
-    gaps: dict[int, int] = field(default_factory=dict)  # every inter-token gap: 0.1 ms bucket -> count
-    num_adapter_loads: int = 0
-    load_times_s: list[float] = field(default_factory=list)  # when each adapter load began
-    num_adapter_evictions: int = 0
-    num_lower_loads: int = 0  # of the loads, from disk or the store (not on the host: profile.host_adapters)
-    num_lost: int = 0  # requests a lost replica had (running, queued or loading an adapter for)
-    num_lost_retried: int = 0  # of those, sent to another replica
-    end_s: float = 0.0
-    num_events: int = 0
-    num_replans: int = 0
-    num_pins_moved: int = 0  # adapters whose shards a re-plan changed
-    num_new_versions: int = 0  # adapters replaced by a new version (registered, then served)
-    num_unplaced: int = 0  # new versions place_new found no room for
-    fetched_tokens: int = 0  # prompt tokens fetched from the shared tier (with its costs: the rest were in L1)
-
-
 class Fleet:
     def __init__(self, fleet: FleetScenario, scenario: Scenario, profile: CostProfile, placement: Placement, router: str,
                  routing: RoutingSettings = RoutingSettings(), shared_cache: bool | None = None) -> None:
@@ -155,7 +120,8 @@ class Fleet:
         self._tried: dict[int, list[int]] = {}  # requests routed and not ended -> the replicas tried
         self._parked: dict[int, SimRequest] = {}  # a request's index -> the one sent once it ends
         self.down: set[int] = set()  # replicas lost, not back yet
-        self.churn = Churn(self)
+        self.churn = Churn(fleet.sim, scenario, placement.shards, self.replicas, self.holders, self.router.pins_changed,
+                           self.record, clock, self.call_at, profile.adapter_load_s)
         for fault in fleet.sim.faults:
             self._push(fault.at_s, _FAULT, 0, (fault, True))
             if fault.at_s + fault.for_s < scenario.duration_s:
@@ -238,7 +204,7 @@ class Fleet:
         try:
             run_sync(self.limiter.admit(tenant))
             run_sync(self.limiter.spend(tenant, request.num_prompt_tokens + request.max_tokens))
-        except APIError as e:
+        except GatewayError as e:
             self._end(request, "refused_rate" if e.status == 429 else "failed_too_long")
             return
         self.churn.count(request.adapter)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.sim.fleet import RunRecord
+from bench.sim.record import RunRecord
 from bench.sim.report import table, tenant_table
 from gateway.loadtest.report import PNGs
 

@@ -27,7 +27,7 @@ class CostProfile:
     kv_bytes_per_token: int = 0
     adapter_load_s: float = 0.0  # loading an adapter a replica does not pin (routers that ignore residency)
     max_loaded_adapters: int = 8  # adapters held beyond the pins, least recently used evicted
-    # workers with adapter tiers (worker/engine/residency.py): at most this many adapters on the device, those it
+    # workers with adapter tiers (worker/residency/): at most this many adapters on the device, those it
     # serves among them (least recently used evicted); the others it serves come up in adapter_load_s. None: all on it
     device_adapters: int | None = None
     # with tiers: at most this many adapters in host memory (the device's among them); one that is not there comes up
@@ -65,11 +65,6 @@ class CostProfile:
     @property
     def slot_len(self) -> int:
         return self.engine.slot_len or 2048
-
-    @property
-    def kv_bytes(self) -> int:
-        """KV memory of a replica's sequence slots."""
-        return self.engine.num_seq_slots * self.slot_len * self.kv_bytes_per_token
 
 
 def load_profile(name_or_path: str) -> CostProfile:

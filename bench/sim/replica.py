@@ -223,56 +223,14 @@ class ReplicaModel:
 
     def start(self, now_s: float) -> float | None:
         """Plan the next step (or run of identical decode steps) from `now_s`: its end, None when idle."""
-        config, served, queues = self.config, self._served, self.queues
         decoding = [seq for seq in self.running if not seq.is_prefilling]
         prefilling = [seq for seq in self.running if seq.is_prefilling]
         spans = [(seq, 1) for seq in decoding]
         for seq in decoding:
-            served[seq.request.tenant] += 1
-        budget = config.max_step_tokens - len(decoding)
-        free = config.num_seq_slots - len(self.running)
-        prompt_floor = self.costs.prompt_budget(config.prefill_while_decoding, config.decode_stall)
-        if decoding and prompt_floor is not None:
-            starting_tenants = {seq.request.tenant for seq in prefilling} | (queues.keys() if free else set())
-            if any(seq.request.tenant not in starting_tenants for seq in decoding):
-                budget = min(budget, prompt_floor)  # another tenant's streams: the bound, no more
-            else:
-                starting = len(prefilling) + min(self.num_waiting, free)
-                budget = min(budget, int(prompt_floor * max(1.0, starting / len(decoding))))
-        num_prompt_tokens = 0
-        while budget > 0:  # prompts, fairly between tenants: running ones, and each tenant's first waiting one
-            best, best_turn = None, None
-            for seq in prefilling:
-                turn = (served[seq.request.tenant], seq.arrival)
-                if best_turn is None or turn < best_turn:
-                    best, best_turn = seq, turn
-            for tenant, queue in queues.items():
-                turn = (served[tenant], queue[0].arrival)
-                if (best_turn is None or turn < best_turn) and self._may_take_slot(tenant, free):
-                    best, best_turn = queue[0], turn
-            if best is None:
-                break
-            tenant = best.request.tenant
-            if best.admitted_s < 0:
-                queue = queues[tenant]
-                queue.popleft()
-                if not queue:
-                    del queues[tenant]
-                self.num_waiting -= 1
-                free -= 1
-                best.admitted_s = now_s
-                if not best.looked_up:
-                    best.num_cached = min(self.cache.lookup(best.request), best.num_prompt - 1)
-                best.num_computed = best.num_cached
-                self.running.append(best)
-                self._running_tenants[tenant] = self._running_tenants.get(tenant, 0) + 1
-            else:
-                prefilling.remove(best)
-            length = min(best.num_prompt - best.num_computed, budget)
-            spans.append((best, length))
-            budget -= length
-            served[tenant] += length
-            num_prompt_tokens += length
+            self._served[seq.request.tenant] += 1
+        free = self.config.num_seq_slots - len(self.running)
+        budget = self._prompt_budget(decoding, prefilling, free)
+        num_prompt_tokens, free = self._take_prompts(now_s, budget, prefilling, free, spans)
         self._level()
         if not spans:
             self.num_steps = 0
@@ -281,11 +239,80 @@ class ReplicaModel:
         self.step_s = self.profile.step_s(num_prompt_tokens, len(decoding))
         self.step_start_s = now_s
         self.num_steps = 1
-        if num_prompt_tokens == 0 and not (free and any(self._may_take_slot(t, free) for t in queues)):
+        if num_prompt_tokens == 0 and not (free and any(self._may_take_slot(t, free) for t in self.queues)):
             # nothing can start until one finishes
             self.num_steps = min(seq.request.max_tokens - seq.num_generated for seq in decoding)
         self.version += 1
         return now_s + self.num_steps * self.step_s
+
+    def _prompt_budget(self, decoding: list[Seq], prefilling: list[Seq], free: int) -> int:
+        """Prompt tokens the step may take beside `decoding`: what `max_step_tokens` leaves, at most the
+        engine's floor beside decoding, scaled by the sequences starting per decoding one while every
+        decoding sequence's tenant has one of those."""
+        config = self.config
+        budget = config.max_step_tokens - len(decoding)
+        prompt_floor = self.costs.prompt_budget(config.prefill_while_decoding, config.decode_stall)
+        if decoding and prompt_floor is not None:
+            starting_tenants = {seq.request.tenant for seq in prefilling} | (self.queues.keys() if free else set())
+            if any(seq.request.tenant not in starting_tenants for seq in decoding):
+                budget = min(budget, prompt_floor)  # another tenant's streams: the bound, no more
+            else:
+                starting = len(prefilling) + min(self.num_waiting, free)
+                budget = min(budget, int(prompt_floor * max(1.0, starting / len(decoding))))
+        return budget
+
+    def _take_prompts(self, now_s: float, budget: int, prefilling: list[Seq], free: int,
+                      spans: list[tuple[Seq, int]]) -> tuple[int, int]:
+        """Prompt tokens up to `budget`, fairly between tenants, appended to `spans` (`prefilling`
+        loses those it continues): (prompt tokens taken, KV slots still free)."""
+        served = self._served
+        num_prompt_tokens = 0
+        while budget > 0:
+            best = self._next_prompt(prefilling, free)
+            if best is None:
+                break
+            tenant = best.request.tenant
+            if best.admitted_s < 0:
+                self._admit(best, now_s)
+                free -= 1
+            else:
+                prefilling.remove(best)
+            length = min(best.num_prompt - best.num_computed, budget)
+            spans.append((best, length))
+            budget -= length
+            served[tenant] += length
+            num_prompt_tokens += length
+        return num_prompt_tokens, free
+
+    def _next_prompt(self, prefilling: list[Seq], free: int) -> Seq | None:
+        """The sequence whose prompt goes next: of the running ones and each tenant's first waiting
+        one (if it may take a slot), the least served tenant's, then the earliest to arrive."""
+        served = self._served
+        best, best_turn = None, None
+        for seq in prefilling:
+            turn = (served[seq.request.tenant], seq.arrival)
+            if best_turn is None or turn < best_turn:
+                best, best_turn = seq, turn
+        for tenant, queue in self.queues.items():
+            turn = (served[tenant], queue[0].arrival)
+            if (best_turn is None or turn < best_turn) and self._may_take_slot(tenant, free):
+                best, best_turn = queue[0], turn
+        return best
+
+    def _admit(self, seq: Seq, now_s: float) -> None:
+        """`seq` leaves its tenant's queue for a KV slot, its cached prefix looked up unless it was on arrival."""
+        tenant = seq.request.tenant
+        queue = self.queues[tenant]
+        queue.popleft()
+        if not queue:
+            del self.queues[tenant]
+        self.num_waiting -= 1
+        seq.admitted_s = now_s
+        if not seq.looked_up:
+            seq.num_cached = min(self.cache.lookup(seq.request), seq.num_prompt - 1)
+        seq.num_computed = seq.num_cached
+        self.running.append(seq)
+        self._running_tenants[tenant] = self._running_tenants.get(tenant, 0) + 1
 
     def _may_take_slot(self, tenant: str, free: int) -> bool:
         """Whether `tenant`'s next waiting request may take one of the `free` KV slots (the scheduler's reserve)."""

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.sim.fleet import RunRecord
+from bench.sim.record import RunRecord
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from unittest import mock
 
@@ -37,7 +37,8 @@ from prometheus_client.parser import text_string_to_metric_families
 import bench.sim.fleet as fleet_module
 from bench.cluster import free_port
 from bench.server import ROOT, Server, base_config, loadtest
-from bench.sim.fleet import Fleet, RunRecord, place
+from bench.sim.fleet import Fleet, place
+from bench.sim.record import RunRecord
 from bench.sim.machine import OTHERS_SHARE, CPUShare, PrivateRedis
 from bench.sim.profile import CostProfile, load_profile
 from bench.sim.replica import Seq
@@ -247,7 +248,7 @@ def table(real: dict[str, float | None], sim: dict[str, float | None]) -> tuple[
     return "\n".join(lines), off
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", default=str(SCENARIO), help="a fleet scenario (the load tester's format plus sim:)")
     parser.add_argument("--rate-rps", type=float, help="override the scenario's rate")
@@ -256,80 +257,141 @@ def main() -> int:
     parser.add_argument("--no-redis", action="store_true", help="no Redis tier: each replica's own prefix cache (simulated alike)")
     parser.add_argument("--calibrate-rounds", type=int, default=5)
     parser.add_argument("--out", metavar="DIR", help="where the config, profile and reports go (default: a new temporary directory)")
-    args = parser.parse_args()
-    out = Path(args.out or tempfile.mkdtemp(prefix="loraplex-validate-"))
-    out.mkdir(parents=True, exist_ok=True)
-    loaded = load_fleet_scenario(args.scenario)
-    fleet = FleetScenario(scaled(loaded.scenario, args.rate_rps, args.duration_s), loaded.sim)
-    scenario = fleet.scenario
-    scenario_path = out / "scenario.yaml"  # the load tester's part
-    scenario_path.write_text(yaml.safe_dump(scenario.model_dump(mode="json")))
+    return parser.parse_args()
+
+
+@dataclass
+class Served:
+    """The served config and its profile: given, or calibrated on this machine before serving."""
+
+    config: ServeConfig
+    threads: int  # per replica
+    profile_path: Path
+    cpu_calibrate: tuple[str, bool]  # CPUShare.done() while calibrating
+
+
+@dataclass
+class RealRun:
+    """What serving the scenario for real measured."""
+
+    report: Path  # the load tester's report of the measured run
+    wall_s: float
+    cpu: tuple[str, bool]  # CPUShare.done() during the measured run
+    warm_up_passes: Counter  # the replicas' engine counters over the warm-up's load
+    lone_passes: Counter  # over the requests sent one at a time
+    passes: Counter  # over the measured run
+    lone: tuple[float | None, float | None]  # one at a time: median TTFT and median mean gap
+
+
+def run_server(raw: dict, out: Path, threads: int, scenario: Scenario, scenario_path: Path, redis_pids: list[int]) -> RealRun:
+    """`loraplex serve` of `raw`: the warm-up, requests one at a time, then the measured run; stopped by pid."""
+    port = free_port()
+    print(f"serving {NUM_REPLICAS} replicas ({threads} thread(s) each) on port {port}...", flush=True)
+    server = Server(raw, out, port)
+    try:
+        first = engine_totals(server.url)
+        loadtest(scenario_path, server.url, out / "warm-up", seed=scenario.seed + 1000, duration_s=WARM_UP_S)
+        warmed = engine_totals(server.url)
+        lone_path = out / "one-at-a-time.yaml"
+        lone_path.write_text(yaml.safe_dump({**LONE, "tenants": [t.model_dump() for t in scenario.tenants[:1]]}))
+        lone = lone_figures(loadtest(lone_path, server.url, out / "one-at-a-time"))
+        before = engine_totals(server.url)
+        cpu, started = CPUShare([server.process.pid, *redis_pids]), time.perf_counter()
+        report = loadtest(scenario_path, server.url, out / "real")
+        wall_s, cpu_real = time.perf_counter() - started, cpu.done()
+        passes = engine_totals(server.url) - before
+    finally:
+        stopped = server.stop()
+    if not stopped:
+        print("loraplex serve did not stop within its timeout: killed with everything it started", file=sys.stderr)
+    return RealRun(report, wall_s, cpu_real, warmed - first, before - warmed, passes, lone)
+
+
+def serve_for_real(args: argparse.Namespace, out: Path, scenario: Scenario, scenario_path: Path) -> tuple[Served, RealRun]:
+    """The served config written to `out`, its profile calibrated (unless given), then served under the load tester."""
     redis_server = None if args.no_redis else PrivateRedis()
     try:
         raw = served_config(redis_server.url if redis_server else None, out)
         config_path = out / "serve.yaml"
         config_path.write_text(yaml.safe_dump(raw))
         config = parse_config(raw, out, str(config_path))
-        threads = max(1, (os.cpu_count() or 1) // NUM_REPLICAS)  # what gateway/serve.py gives each CPU replica
+        threads = max(1, (os.cpu_count() or 1) // NUM_REPLICAS)  # what gateway/cluster/serve.py gives each CPU replica
         adapter_paths = [a["path"] for a in raw["adapters"]]
         cpu = CPUShare([])
         profile_path = Path(args.profile) if args.profile else calibrate(config_path, adapter_paths, threads, out / "profile.yaml",
                                                                          args.calibrate_rounds)
         cpu_calibrate = cpu.done() if not args.profile else ("not run (--profile)", False)
-        port = free_port()
-        print(f"serving {NUM_REPLICAS} replicas ({threads} thread(s) each) on port {port}...", flush=True)
-        server = Server(raw, out, port)
-        try:
-            first = engine_totals(server.url)
-            loadtest(scenario_path, server.url, out / "warm-up", seed=scenario.seed + 1000, duration_s=WARM_UP_S)
-            warmed = engine_totals(server.url)
-            lone_path = out / "one-at-a-time.yaml"
-            lone_path.write_text(yaml.safe_dump({**LONE, "tenants": [t.model_dump() for t in scenario.tenants[:1]]}))
-            lone = lone_figures(loadtest(lone_path, server.url, out / "one-at-a-time"))
-            before = engine_totals(server.url)
-            warm_up_passes, lone_passes = warmed - first, before - warmed
-            pids = [server.process.pid] + ([redis_server.process.pid] if redis_server else [])
-            cpu, started = CPUShare(pids), time.perf_counter()
-            report = loadtest(scenario_path, server.url, out / "real")
-            real_wall_s, cpu_real = time.perf_counter() - started, cpu.done()
-            passes = engine_totals(server.url) - before
-        finally:
-            stopped = server.stop()
-        if not stopped:
-            print("loraplex serve did not stop within its timeout: killed with everything it started", file=sys.stderr)
+        real_run = run_server(raw, out, threads, scenario, scenario_path, [redis_server.process.pid] if redis_server else [])
     finally:
         if redis_server is not None:
             redis_server.stop()
-    profile = replace(load_profile(str(profile_path)), engine=config.engine)  # the served engine, whatever the file says
+    return Served(config, threads, profile_path, cpu_calibrate), real_run
+
+
+@dataclass
+class Comparison:
+    """The simulation of the load tester's requests beside the real run: with the profile as
+    calibrated, and with it scaled to the served replicas' load (`loaded_*`)."""
+
+    profile: CostProfile
+    loaded_profile: CostProfile
+    factor: float  # the loaded profile's costs over the calibrated one's
+    requests: list[SimRequest]
+    record: RunRecord
+    run: TracedFleet
+    sim_wall_s: float
+    real: dict[str, float | None]  # real_figures
+    sim: dict[str, float | None]  # sim_figures with the calibrated profile
+    text: str  # the table of those two
+    off: list[str]  # its target figures outside TOLERANCE
+    loaded_text: str  # the table with the loaded profile
+    loaded_off: list[str]
+
+
+def compare(fleet: FleetScenario, served: Served, real_run: RealRun) -> Comparison:
+    scenario = fleet.scenario
+    profile = replace(load_profile(str(served.profile_path)), engine=served.config.engine)  # the served engine, whatever the file says
     planned = plan_workload(scenario).requests  # the load tester's requests, as it planned them
     requests = sim_requests(planned, scenario)
     started = time.perf_counter()
-    record, run = simulated(fleet, profile, config, requests)
+    record, run = simulated(fleet, profile, served.config, requests)
     sim_wall_s = time.perf_counter() - started
-    real, sim = real_figures(report, scenario), sim_figures(record, requests, scenario)
+    real, sim = real_figures(real_run.report, scenario), sim_figures(record, requests, scenario)
     text, off = table(real, sim)
-    loaded_profile, factor = under_load(profile, warm_up_passes, lone[0])
-    loaded_record, _ = simulated(fleet, loaded_profile, config, requests)
+    loaded_profile, factor = under_load(profile, real_run.warm_up_passes, real_run.lone[0])
+    loaded_record, _ = simulated(fleet, loaded_profile, served.config, requests)
     loaded_text, loaded_off = table(real, sim_figures(loaded_record, requests, scenario))
-    print(f"\n{scenario.name}: {len(planned)} requests at {scenario.load.rate_rps:g} req/s over {scenario.duration_s:g} s "
-          f"(the first {scenario.warmup_s:g} s not measured); {NUM_REPLICAS} replicas of one shard, {threads} thread(s) each; "
-          f"profile {profile_path} (step_overhead_s {profile.step_overhead_s}, prompt_token_s {profile.prompt_token_s}, "
-          f"decode_seq_s {profile.decode_seq_s}); real {real_wall_s:.0f} s, simulated in {sim_wall_s:.2f} s; "
-          f"CPU during calibration: {cpu_calibrate[0]}; during the real run: {cpu_real[0]}; measured requests that failed: "
-          f"{real['failed']} real, {sim['failed']} simulated\n")
-    for what, (_, is_shared) in (("calibration", cpu_calibrate), ("the real run", cpu_real)):
+    return Comparison(profile, loaded_profile, factor, requests, record, run, sim_wall_s, real, sim, text, off, loaded_text,
+                      loaded_off)
+
+
+def print_tables(scenario: Scenario, served: Served, real_run: RealRun, c: Comparison) -> None:
+    """What was run, warnings about a busy machine, and the two tables (the calibrated profile, then under load)."""
+    profile = c.profile
+    print(f"\n{scenario.name}: {len(c.requests)} requests at {scenario.load.rate_rps:g} req/s over {scenario.duration_s:g} s "
+          f"(the first {scenario.warmup_s:g} s not measured); {NUM_REPLICAS} replicas of one shard, {served.threads} thread(s) each; "
+          f"profile {served.profile_path} (step_overhead_s {profile.step_overhead_s}, prompt_token_s {profile.prompt_token_s}, "
+          f"decode_seq_s {profile.decode_seq_s}); real {real_run.wall_s:.0f} s, simulated in {c.sim_wall_s:.2f} s; "
+          f"CPU during calibration: {served.cpu_calibrate[0]}; during the real run: {real_run.cpu[0]}; measured requests that failed: "
+          f"{c.real['failed']} real, {c.sim['failed']} simulated\n")
+    for what, (_, is_shared) in (("calibration", served.cpu_calibrate), ("the real run", real_run.cpu)):
         if is_shared:
             print(f"WARNING: other processes took more than {OTHERS_SHARE:.0%} of the busy CPU during {what}: "
                   "these figures are not this code's alone; run it again on a quiet machine")
-    print(text)
-    print(f"\nunder load: the profile's costs x{factor:.2f}, the served passes' time under the warm-up's load over the "
-          f"profile's prediction for them (one request at a time: x{pass_ratio(profile, lone_passes) or 0:.2f}), and "
-          f"{1e3 * loaded_profile.hop_s:.1f} ms of hops added to each TTFT (the idle server's TTFT over the profile's pass); "
+    print(c.text)
+    print(f"\nunder load: the profile's costs x{c.factor:.2f}, the served passes' time under the warm-up's load over the "
+          f"profile's prediction for them (one request at a time: x{pass_ratio(profile, real_run.lone_passes) or 0:.2f}), and "
+          f"{1e3 * c.loaded_profile.hop_s:.1f} ms of hops added to each TTFT (the idle server's TTFT over the profile's pass); "
           f"both measured before the measured run, not fitted to it\n")
-    print(loaded_text)
+    print(c.loaded_text)
+
+
+def print_passes(real_run: RealRun, c: Comparison) -> None:
+    """The passes, real against simulated; request by request; one request at a time."""
+    passes, lone, profile = real_run.passes, real_run.lone, c.profile
     real_busy_s = passes["loraplex_engine_step_seconds_sum"]
-    sim_busy_s = sum(record.busy_s)
-    sim_steps = sum(r.stats.num_steps for r in run.replicas)
+    sim_busy_s = sum(c.record.busy_s)
+    sim_steps = sum(r.stats.num_steps for r in c.run.replicas)
     print(f"\npasses, both replicas, the whole run: real {passes['loraplex_engine_steps_total']:.0f} passes, "
           f"{real_busy_s:.1f} s in the model runner (from /metrics; the engine's schedule and postprocess not counted), "
           f"{passes['loraplex_engine_prompt_tokens_total']:.0f} prompt tokens computed; simulated {sim_steps} steps, "
@@ -339,17 +401,20 @@ def main() -> int:
         slots = profile.engine.num_seq_slots
         print(f"a real pass that only decodes: {1e3 * decode_s:.1f} ms on average; the profile's at 1 sequence "
               f"{1e3 * profile.step_s(0, 1):.1f} ms, at {slots} {1e3 * profile.step_s(0, slots):.1f} ms")
-    print(twins(report, requests, run))
+    print(twins(real_run.report, c.requests, c.run))
     if lone[0] is not None and lone[1] is not None:
         print(f"one request at a time on the idle server ({LONE_PROMPT_TOKENS} prompt tokens, {LONE_NEW_TOKENS} new; median): "
               f"TTFT real {1e3 * lone[0]:.1f} ms, the profile's pass {1e3 * profile.step_s(LONE_PROMPT_TOKENS, 0):.1f} ms; "
               f"gap real {1e3 * lone[1]:.1f} ms, the profile's decode pass {1e3 * profile.step_s(0, 1):.1f} ms")
-    if loaded_off:
-        print(f"\nunder load, outside {TOLERANCE:.0%}: {', '.join(loaded_off)}")
+
+
+def print_verdict(c: Comparison, out: Path) -> None:
+    if c.loaded_off:
+        print(f"\nunder load, outside {TOLERANCE:.0%}: {', '.join(c.loaded_off)}")
     else:
         print(f"\nunder load, every target figure within {TOLERANCE:.0%}")
-    if off:
-        print(f"\nthe bare engine's profile, outside {TOLERANCE:.0%}: {', '.join(off)}. What the simulator leaves out: "
+    if c.off:
+        print(f"\nthe bare engine's profile, outside {TOLERANCE:.0%}: {', '.join(c.off)}. What the simulator leaves out: "
               "the HTTP, gateway and Ray hops (in every real TTFT and gap, not in a simulated one); the load tester, "
               "gateway, Ray and Redis (every new prefix chunk's KV is written to it) on the replicas' cores (calibration "
               "had only the other replica's engine beside it); loading cached prefixes from Redis (free in the model); "
@@ -358,6 +423,21 @@ def main() -> int:
     else:
         print(f"\nthe bare engine's profile: every target figure within {TOLERANCE:.0%}")
     print(f"(config, profile and reports in {out})")
+
+
+def main() -> int:
+    args = parse_args()
+    out = Path(args.out or tempfile.mkdtemp(prefix="loraplex-validate-"))
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = load_fleet_scenario(args.scenario)
+    fleet = FleetScenario(scaled(loaded.scenario, args.rate_rps, args.duration_s), loaded.sim)
+    scenario_path = out / "scenario.yaml"  # the load tester's part
+    scenario_path.write_text(yaml.safe_dump(fleet.scenario.model_dump(mode="json")))
+    served, real_run = serve_for_real(args, out, fleet.scenario, scenario_path)
+    comparison = compare(fleet, served, real_run)
+    print_tables(fleet.scenario, served, real_run, comparison)
+    print_passes(real_run, comparison)
+    print_verdict(comparison, out)
     return 0
 
 

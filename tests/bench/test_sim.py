@@ -15,7 +15,7 @@ import bench.sim.replica as replica_module
 import bench.sim.routers as routers_module
 import gateway.policy.placement as placement
 import gateway.policy.routing as routing
-import gateway.ratelimit as ratelimit
+import gateway.tenancy.ratelimit as ratelimit
 import worker.engine.step_costs as step_costs
 from bench.sim.cli import simulate
 from bench.sim.fleet import OUTCOMES, Fleet, Placement
