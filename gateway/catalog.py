@@ -9,8 +9,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.api.tools import template_style
 from gateway.config import ServeConfig
+from gateway.tool_calls import template_style
 from worker.contract.spec import slot_length
 from worker.formats.adapter import load_adapter
 from worker.formats.fingerprint import adapter_set_fingerprint, base_fingerprint
@@ -43,7 +43,7 @@ class Catalog:
         self.model_name = config.model_name or self.model_path.name.removesuffix(".gguf")
         self.hparams = ModelHParams.from_gguf(self.base)
         self.tokenizer = GGUFTokenizer(self.base)
-        self.tool_style = template_style(self.tokenizer.chat_template)  # how chat tools reach this model (gateway/api/tools.py)
+        self.tool_style = template_style(self.tokenizer.chat_template)  # how chat tools reach this model (gateway/tool_calls.py)
         self.max_positions = slot_length(config.engine.slot_len, self.hparams.context_length)
         # a text longer than this cannot fit the context whatever it says: refused before tokenizing
         self.longest_token_chars = max(1, max((len(self.tokenizer.token_text(i)) for i in range(self.tokenizer.vocab_size)), default=1))

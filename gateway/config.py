@@ -7,15 +7,15 @@ and what is wrong with it. Relative paths are relative to the config file.
 Each subsystem's section is that subsystem's own settings type, validated as it is: every
 field and default is declared once, in its dataclass, whose `__post_init__` checks become
 config errors (the dataclasses take this model's `extra="forbid"`: pydantic's rule for
-stdlib dataclasses without their own config). The file's shape, old spellings included:
+stdlib dataclasses without their own config). The file's shape:
 
-    engine:   EngineConfig (worker/contract/spec.py); `num_slots` is the old name of `num_seq_slots`
-    device:   DeviceSettings (same file): dtype, weights, threads, decode_threads, also taken
-              under `engine:`, where they were; the device itself is chosen per shard (worker_spec)
+    engine:   EngineConfig (worker/contract/spec.py)
+    device:   DeviceSettings (same file): dtype, weights, threads, decode_threads; the device itself
+              is chosen per shard (worker_spec)
     residency: ResidencySettings (same file): device_bytes, device_adapters, host_bytes, disk_bytes
     cache:    PrefixCacheConfig (cache/prefix.py) with its Redis flat: redis_url, key_prefix, ttl_s,
               timeout_s, redis_password_file, redis_cluster are RedisConfig's (cache/l2.py) url, ..., cluster
-    routing:  RoutingSettings (gateway/policy/routing.py); `routing: affinity` is `{policy: affinity}`
+    routing:  RoutingSettings (gateway/policy/routing/registry.py): policy, eps, max_attempts, ...
     tracing:  TracingSettings (worker/contract/tracing.py): otlp_endpoint, service_name, sample_ratio
     state:    StateSettings (gateway/state.py): the state store's redis_url, cluster, ephemeral, stale_after_s
     auth:     keys (every request needs a key) or none (one anonymous tenant: said, never inferred)
@@ -39,15 +39,16 @@ from cache.prefix import PrefixCacheConfig
 from gateway.exposure import auth_error, exposure_error
 from gateway.policy.nodes import selector_error
 from gateway.policy.routing import RoutingSettings
-from gateway.state import StateSettings, config_error as state_config_error, state_redis as _state_redis
+from gateway.state import StateSettings
+from gateway.state import config_error as state_config_error
+from gateway.state import state_redis as _state_redis
 from worker.contract.spec import DEFAULT_FINGERPRINT_DIR, DeviceSettings, EngineConfig, ResidencySettings, WorkerSpec
-from worker.contract.tracing import TracingSettings  # gateway/tracing.py's; defined with the workers', who get it too
+from worker.contract.tracing import TracingSettings  # gateway/requests/tracing.py's; defined with the workers', who get it too
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.yaml"
 
 # the file's spellings (the module's docstring) of the settings types' fields
-_DEVICE_KEYS_IN_ENGINE = ("dtype", "weights", "threads", "decode_threads")  # DeviceSettings' keys, also under engine:
 _REDIS_KEYS = {"redis_url": "url", "key_prefix": "key_prefix", "ttl_s": "ttl_s", "timeout_s": "timeout_s",
                "redis_password_file": "password_file", "redis_cluster": "cluster"}  # cache: key -> RedisConfig field
 _FILE_NAMES = {"cache.redis": "cache"} | {f"cache.redis.{field}": f"cache.{key}" for key, field in _REDIS_KEYS.items()}
@@ -94,7 +95,7 @@ class TenantConfig(_Strict):
     adapters: list[str] | Literal["*"] = "*"  # the adapters it may use
     requests_per_min: int | None = Field(None, ge=1)
     tokens_per_min: int | None = Field(None, ge=1)  # prompt + max completion tokens
-    tokens_per_day: int | None = Field(None, ge=1)  # quotas: prompt + generated tokens per UTC day, month (gateway/usage.py)
+    tokens_per_day: int | None = Field(None, ge=1)  # quotas: prompt + generated tokens per UTC day, month (gateway/tenancy/usage.py)
     tokens_per_month: int | None = Field(None, ge=1)
     shared_cache: bool = False  # opt in to the shared cache salt (default: its own)
     max_adapters: int = Field(32, ge=0)  # adapters it may register at run time (POST /v1/adapters)
@@ -124,7 +125,7 @@ class HTTPSettings(_Strict):
     max_tokens_default: int = Field(256, ge=1)  # requests without max_tokens (n_predict), at most what fits the context
     request_timeout_s: float = Field(300.0, gt=0, le=24 * 3600)  # each request's deadline (a client may ask less)
     gateway_replicas: int = Field(1, ge=1, le=64)  # ingress replicas, sharing the registry and rate limits
-    # who listens on the port: each gateway replica itself (gateway/listener.py), or Ray Serve's proxies, which
+    # who listens on the port: each gateway replica itself (gateway/cluster/listener.py), or Ray Serve's proxies, which
     # pass every request to a gateway replica over Ray (one hop more; what a KubeRay RayService's Service expects)
     listener: Literal["gateway", "serve-proxy"] = "gateway"
     # the Ray node labels of the nodes that take traffic: the gateway replicas run there, at most one a node
@@ -193,10 +194,6 @@ class ServeConfig(_Strict):
         for (section, key), why in _SET_BY_WORKER_SPEC.items():
             if isinstance(data.get(section), dict) and key in data[section]:
                 raise ValueError(f"{section}.{key}: {why}")
-        if isinstance(data.get("routing"), str):
-            data["routing"] = {"policy": data["routing"]}
-        if isinstance(data.get("engine"), dict) and isinstance(data.get("device", {}), dict):
-            data["engine"], data["device"] = _split_engine(data["engine"], data.get("device", {}))
         if isinstance(data.get("cache"), dict):
             data["cache"] = _nest_redis(data["cache"])
         return data
@@ -278,7 +275,7 @@ class ServeConfig(_Strict):
             shard=shard,
             model_path=str(self.model_path()),
             adapter_paths=tuple(str(self.adapter_path(name)) for name in spec.adapters),
-            # an operator key may make more tenants at run time (gateway/accounts.py)
+            # an operator key may make more tenants at run time (gateway/tenancy/accounts.py)
             engine=replace(self.engine, is_multi_tenant=len(self.tenants) > 1 or bool(self.operator_key_sha256)),
             device=replace(self.device, device=device, threads=self.device.threads or threads),
             cache=self.cache,
@@ -287,9 +284,6 @@ class ServeConfig(_Strict):
             residency=self.residency,
             tracing=self.tracing,
         )
-
-    def store_path(self) -> Path:
-        return self.resolve(self.registry.store_dir)
 
     def blob_store(self) -> BlobStoreConfig:
         """The adapter store, with this node's cache in store_dir (the gateway's and each worker's): a
@@ -302,21 +296,6 @@ class ServeConfig(_Strict):
 
     def fingerprint_path(self) -> Path | None:
         return None if self.fingerprint_dir is None else self.resolve(self.fingerprint_dir)
-
-
-def _split_engine(engine: dict, device: dict) -> tuple[dict, dict]:
-    """engine: with its old spelling and the device keys it used to hold -> engine:, device:."""
-    engine, device = dict(engine), dict(device)
-    if "num_slots" in engine:  # the old name
-        if "num_seq_slots" in engine:
-            raise ValueError("engine: num_slots is the old name of num_seq_slots; give one of them")
-        engine["num_seq_slots"] = engine.pop("num_slots")
-    for key in _DEVICE_KEYS_IN_ENGINE:
-        if key in engine:
-            if key in device:
-                raise ValueError(f"{key} is given under both engine: and device:")
-            device[key] = engine.pop(key)
-    return engine, device
 
 
 def _nest_redis(cache: dict) -> dict:

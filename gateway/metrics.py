@@ -4,21 +4,27 @@ Each gateway keeps its own registry, so several in one process (tests) do not
 collide; `/metrics` renders it with the workers' cache metrics appended.
 
 `loraplex_gateway_requests_total` counts every HTTP answer once: respond()'s Timing counts the
-requests it answers (`finished`), the HTTP edge (gateway/api/observed.py) the rest (`answered`:
+requests it answers (`finished`), the HTTP edge (gateway/http/observed.py) the rest (`answered`:
 refused before they reached a worker, and every other route), each within its request's
 `answering()`, whichever comes first (a llama-server batch of prompts is one answer).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
+from cache.stats import exposition
 from worker.contract.calls import Delta
+
+log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS_S = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -32,7 +38,7 @@ class _Answer:
 _ANSWER: ContextVar[_Answer | None] = ContextVar("loraplex_answer", default=None)  # the HTTP request being answered
 
 
-RESIDENCY_TIERS = ("device", "host", "lower")  # gateway/policy/routing.py: ReplicaView.tier
+RESIDENCY_TIERS = ("device", "host", "lower")  # gateway/policy/routing/view.py: ReplicaView.tier
 
 
 def adapter_label(names: Iterable[str]) -> str:
@@ -115,21 +121,17 @@ class GatewayMetrics:
 
 
 def merge_worker_metrics(texts: dict[str, str]) -> str:
-    """Workers' Prometheus text as one exposition: each family's HELP/TYPE once, then
-    every replica's samples of it, each with a `replica` label."""
-    families: dict[str, tuple[list[str], list[str]]] = {}
+    """Workers' Prometheus text as one exposition: each family once, with every replica's samples
+    of it, each with a `replica` label. A replica whose text does not parse is left out (logged)."""
+    families: dict[str, Metric] = {}
     for replica, text in sorted(texts.items()):
-        family = None
-        for line in text.splitlines():
-            if line.startswith("# HELP ") or line.startswith("# TYPE "):
-                family = line.split()[2]
-                comments, _ = families.setdefault(family, ([], []))
-                if line not in comments:
-                    comments.append(line)
-            elif line.strip() and not line.startswith("#") and family is not None:
-                name, _, value = line.rpartition(" ")
-                label = f'replica="{replica}"'
-                name = f"{name[:-1]},{label}}}" if name.endswith("}") else f"{name}{{{label}}}"
-                families[family][1].append(f"{name} {value}")
-    lines = [line for comments, samples in families.values() for line in (*comments, *samples)]
-    return "\n".join(lines) + ("\n" if lines else "")
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except ValueError as e:
+            log.warning("metrics: replica %s sent text that does not parse (%s)", replica, e)
+            continue
+        for family in parsed:
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
+            for sample in family.samples:
+                merged.add_sample(sample.name, {**sample.labels, "replica": replica}, sample.value, sample.timestamp)
+    return exposition(families.values())

@@ -2,10 +2,10 @@
 
 Every replica of every shard is its own Serve deployment (`shard-<shard>-<i>`,
 one replica each, one device each) so that the gateway, not Serve's router,
-chooses the replica a request goes to (SPEC §7); Serve restarts a replica that
+chooses the replica a request goes to (docs/architecture.md#routing-and-placement); Serve restarts a replica that
 dies. The gateway is the ingress deployment: the FastAPI app of gateway/api/app.py
 holding a handle to every shard replica; responses stream through the handles. Each
-gateway replica listens on the HTTP port itself (gateway/listener.py), or, with
+gateway replica listens on the HTTP port itself (gateway/cluster/listener.py), or, with
 `http.listener: serve-proxy`, Serve's proxies take HTTP and call the gateway replicas.
 
 `loraplex serve` joins the Ray cluster at `--ray-address` or `RAY_ADDRESS`, or starts a local
@@ -25,20 +25,23 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from gateway.channel import Channels, ReplicaChannel
-from gateway.cluster import JoinError, alive_nodes, call_within, connect, ray_address, this_node
+from gateway.cluster.channel import Channels, ReplicaChannel
+from gateway.cluster.pool import WorkerFailed, replica_infos
+from gateway.cluster.ray_nodes import JoinError, alive_nodes, call_within, connect, ray_address, this_node
 from gateway.config import ConfigError, ServeConfig, ShardConfig, load_config, parse_config
 from gateway.policy.nodes import Node, ReplicaDemand, node_options, spread
-from gateway.pool import WorkerFailed, replica_infos
 from gateway.state import StateStoreRefused, check_now
 from worker.contract.calls import Delta, WorkerCall
 from worker.contract.spec import WorkerSpec
+
+if TYPE_CHECKING:
+    from gateway.catalog import Catalog
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ SIGNAL_CHECK_S = 0.2  # how often the main thread looks for a Ctrl-C or SIGTERM
 DEPLOY_POLL_S = 1.0  # how often deploying shows the deployments' states
 # Stopping. A stopping replica looks this often whether its requests are done (Serve's default: 2 s,
 # which made each step of a stop wait whole seconds); Serve kills a replica not stopped in its timeout:
-# a gateway's covers its listener's grace for HTTP requests in flight (gateway/listener.py, 5 s); a shard
+# a gateway's covers its listener's grace for HTTP requests in flight (gateway/cluster/listener.py, 5 s); a shard
 # replica's requests end with the gateways' channels, so its own timeout only matters when a gateway died.
 STOP_POLL_S = 0.2
 GATEWAY_STOP_TIMEOUT_S = 15.0
@@ -114,7 +117,7 @@ class ShardReplica:
 
 class ServePool:
     """The shard replicas behind their Serve handles: requests go over one channel per replica
-    (gateway/channel.py), opened on first use and again after the replica failed."""
+    (gateway/cluster/channel.py), opened on first use and again after the replica failed."""
 
     def __init__(self, config: ServeConfig, handles: dict[str, Any]) -> None:
         self.handles = handles
@@ -165,8 +168,8 @@ class ServePool:
 class GatewayIngress:
     def __init__(self, config: dict[str, Any], handles: dict[str, Any]) -> None:
         from gateway.catalog import Catalog
-        from gateway.dispatch import Gateway
-        from gateway.ratelimit import open_rate_limiter
+        from gateway.compose import Gateway
+        from gateway.tenancy.ratelimit import open_rate_limiter
 
         parsed = ServeConfig.model_validate(config)
         import gateway.api.app as api
@@ -176,7 +179,7 @@ class GatewayIngress:
         api.set_process_gateway(Gateway(parsed, Catalog(parsed), self.pool, limiter))
         self.listener = None
         if parsed.http.listener == "gateway":  # this replica serves HTTP itself (Serve's proxies are off)
-            from gateway.listener import Listener
+            from gateway.cluster.listener import Listener
 
             self.listener = Listener(api.create_app(api.process_gateway), parsed.http.host, parsed.http.port)
 
@@ -307,6 +310,44 @@ def _stop(*, is_deployed: bool, is_joined: bool, was_serve_idle: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`loraplex serve`: check the config and the model, join or start Ray, deploy, and serve until
+    Ctrl-C or SIGTERM; the exit code says how it ended."""
+    checked = _checked(args)
+    if isinstance(checked, int):
+        return checked
+    config, catalog = checked
+    for name, value in SERVE_ENV.items():  # a local Ray's processes inherit them (a cluster's nodes set their own)
+        os.environ.setdefault(name, value)
+    address = ray_address(args.ray_address, os.environ)
+    print(f"loraplex: joining the Ray cluster at {address}..." if address else "loraplex: starting a local Ray...",
+          file=sys.stderr, flush=True)
+    try:
+        connect(address, is_verbose=args.verbose)
+    except JoinError as e:
+        print(f"loraplex serve: {e}", file=sys.stderr)
+        return 1
+    # Ctrl-C or SIGTERM from here on, while deploying too, stops Serve and Ray, whatever the process
+    # inherited (a script that starts it in the background leaves SIGINT ignored)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    running_apps: set[str] = set()
+    is_deployed = False
+    try:
+        running_apps = set(serve.status().applications)  # on a cluster joined: another's apps are left alone
+        if APP_NAME in running_apps:
+            print(f"loraplex serve: the cluster already runs an application named {APP_NAME!r} (another loraplex serve?): "
+                  "deploying would replace it", file=sys.stderr)
+            return 1
+        is_deployed = True
+        return _deploy_and_wait(config, catalog, stop)
+    finally:
+        _stop(is_deployed=is_deployed, is_joined=address is not None, was_serve_idle=not running_apps)
+
+
+def _checked(args: argparse.Namespace) -> tuple[ServeConfig, Catalog] | int:
+    """The config with the command line's overrides, checked, and its model and adapters read (a bad
+    file stops here, before Ray starts); or the exit code of a refusal."""
     try:
         config = load_config(args.config)
         updates = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
@@ -324,66 +365,46 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"loraplex: checking {config.model or 'the default model'} and {len(config.adapters)} adapter(s)...",
               file=sys.stderr, flush=True)
-        catalog = Catalog(config)  # a bad model or adapter file stops here, before Ray starts
+        return config, Catalog(config)
     except (ConfigError, ValueError, OSError, StateStoreRefused) as e:
         print(f"loraplex serve: {e}", file=sys.stderr)
         return 2
-    for name, value in SERVE_ENV.items():  # a local Ray's processes inherit them (a cluster's nodes set their own)
-        os.environ.setdefault(name, value)
-    address = ray_address(args.ray_address, os.environ)
-    print(f"loraplex: joining the Ray cluster at {address}..." if address else "loraplex: starting a local Ray...",
-          file=sys.stderr, flush=True)
-    try:
-        connect(address, is_verbose=args.verbose)
-    except JoinError as e:
-        print(f"loraplex serve: {e}", file=sys.stderr)
+
+
+def _deploy_and_wait(config: ServeConfig, catalog: Catalog, stop: threading.Event) -> int:
+    """Start Serve, deploy the shards and the gateway, say how to reach them, and wait for `stop`."""
+    if config.http.listener == "gateway":  # the gateway replicas listen on the port themselves
+        serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
+    else:
+        serve.start(http_options={"host": config.http.host, "port": config.http.port},
+                    logging_config={"log_level": "WARNING"})
+    total = sum(s.replicas for s in config.shards)
+    print(f"loraplex: deploying {catalog.model_name} on {total} shard replica(s): "
+          + ", ".join(f"{s.name} [{', '.join(s.adapters) or 'base'}] x{s.replicas}" for s in config.shards)
+          + " (each loads the model)...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    failure = _deploy(config, stop)
+    if failure == "stopped":
+        print("loraplex: stopped while deploying; shutting down...", file=sys.stderr, flush=True)
+        return 130
+    if failure is not None:
+        print(f"loraplex serve: deployment failed: {failure}", file=sys.stderr)
         return 1
-    # Ctrl-C or SIGTERM from here on, while deploying too, stops Serve and Ray; handled the same whatever
-    # the process inherited (started in the background by a script, SIGINT came ignored and a stop
-    # sent while the replicas loaded was lost; SIGTERM killed the driver and left Ray running).
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    running_apps: set[str] = set()
-    is_deployed = False
-    try:
-        running_apps = set(serve.status().applications)  # on a cluster joined: another's apps are left alone
-        if APP_NAME in running_apps:
-            print(f"loraplex serve: the cluster already runs an application named {APP_NAME!r} (another loraplex serve?): "
-                  "deploying would replace it", file=sys.stderr)
-            return 1
-        if config.http.listener == "gateway":  # the gateway replicas listen on the port themselves
-            serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
-        else:
-            serve.start(http_options={"host": config.http.host, "port": config.http.port},
-                        logging_config={"log_level": "WARNING"})
-        total = sum(s.replicas for s in config.shards)
-        print(f"loraplex: deploying {catalog.model_name} on {total} shard replica(s): "
-              + ", ".join(f"{s.name} [{', '.join(s.adapters) or 'base'}] x{s.replicas}" for s in config.shards)
-              + " (each loads the model)...", file=sys.stderr, flush=True)
-        started = time.perf_counter()
-        is_deployed = True
-        failure = _deploy(config, stop)
-        if failure == "stopped":
-            print("loraplex: stopped while deploying; shutting down...", file=sys.stderr, flush=True)
-            return 130
-        if failure is not None:
-            print(f"loraplex serve: deployment failed: {failure}", file=sys.stderr)
-            return 1
-        url = f"http://{config.http.host}:{config.http.port}"
-        print(f"loraplex: ready in {time.perf_counter() - started:.0f} s at {url}  (Ctrl-C stops)",
-              file=sys.stderr, flush=True)
-        key = " -H 'Authorization: Bearer YOUR_KEY'" if config.tenants else ""
-        example_model = config.adapters[0].name if config.adapters else catalog.model_name
-        print(f"  curl {url}/v1/chat/completions{key} -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"{example_model}\", "
-              f"\"messages\": [{{\"role\": \"user\", \"content\": \"What is copper?\"}}]}}'",
-              file=sys.stderr, flush=True)
-        # a timed wait: Python runs a handler in the main thread, when it next runs bytecode; a signal
-        # the kernel hands to one of Ray's threads does not wake an untimed wait
-        while not stop.wait(SIGNAL_CHECK_S):
-            pass
-        print("loraplex: shutting down...", file=sys.stderr, flush=True)
-    finally:
-        _stop(is_deployed=is_deployed, is_joined=address is not None, was_serve_idle=not running_apps)
+    _say_ready(config, catalog, time.perf_counter() - started)
+    # a timed wait: Python runs a handler in the main thread, when it next runs bytecode; a signal
+    # the kernel hands to one of Ray's threads does not wake an untimed wait
+    while not stop.wait(SIGNAL_CHECK_S):
+        pass
+    print("loraplex: shutting down...", file=sys.stderr, flush=True)
     return 0
+
+
+def _say_ready(config: ServeConfig, catalog: Catalog, took_s: float) -> None:
+    url = f"http://{config.http.host}:{config.http.port}"
+    print(f"loraplex: ready in {took_s:.0f} s at {url}  (Ctrl-C stops)", file=sys.stderr, flush=True)
+    key = " -H 'Authorization: Bearer YOUR_KEY'" if config.tenants else ""
+    example_model = config.adapters[0].name if config.adapters else catalog.model_name
+    print(f"  curl {url}/v1/chat/completions{key} -H 'Content-Type: application/json' \\\n"
+          f"    -d '{{\"model\": \"{example_model}\", "
+          f"\"messages\": [{{\"role\": \"user\", \"content\": \"What is copper?\"}}]}}'",
+          file=sys.stderr, flush=True)

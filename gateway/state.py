@@ -90,7 +90,7 @@ def durability_problems(infos: list[dict]) -> list[str]:
 async def check(settings: StateSettings, redis_config: RedisConfig | None, client=None) -> None:
     """StateStoreRefused unless the state store keeps what it is given (nothing to check when the
     config accepts an ephemeral store). An unreachable store is not refused here: requests that
-    need it wait for it, bounded (gateway/tenants.py)."""
+    need it wait for it, bounded (gateway/tenancy/tenants.py)."""
     if settings.ephemeral or redis_config is None:
         if redis_config is not None or settings.ephemeral:
             log.warning("the state store is ephemeral (state.ephemeral: true): tenants, keys, usage and the registry "

@@ -49,11 +49,11 @@ def teacher_forced_against_llama_cpp(runner: ModelRunner, tokenizer, reference: 
 
 
 def channel_to(worker, break_after: int | None = None):
-    """A gateway's channel (gateway/channel.py) to an in-process ShardWorker, as production
+    """A gateway's channel (gateway/cluster/channel.py) to an in-process ShardWorker, as production
     reaches a replica over Ray; with `break_after`, the transport dies after that many batches."""
     from contextlib import aclosing
 
-    from gateway.channel import ReplicaChannel
+    from gateway.cluster.channel import ReplicaChannel
 
     async def batches(channel_id: str):
         n = 0
@@ -69,7 +69,7 @@ def channel_to(worker, break_after: int | None = None):
 
 async def deltas_of(worker, call) -> list:
     """Every delta of `call` on an in-process ShardWorker, through a channel of its own."""
-    from gateway.pool import WorkerFailed
+    from gateway.cluster.pool import WorkerFailed
 
     channel = channel_to(worker)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
 import time
 
 import redis
@@ -20,6 +21,7 @@ class RedisServer:
             raise RuntimeError("redis-server is not installed (apt install redis-server)")
         self.binary, self.port, self.args = binary, port or free_port(), tuple(args)
         self.process: subprocess.Popen | None = None
+        self._cwd: str | None = None  # redis-server's own files (a CONFIG SET appendonly writes there), never the repo's
 
     @classmethod
     def durable(cls, directory, port: int | None = None) -> RedisServer:
@@ -33,7 +35,8 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *self.args]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._cwd = self._cwd or tempfile.mkdtemp(prefix="redis-test-")
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self._cwd)
         client = redis.Redis(port=self.port, socket_timeout=0.5)
         deadline = time.monotonic() + 10
         while True:
@@ -50,3 +53,6 @@ class RedisServer:
             self.process.kill()
             self.process.wait(10)
             self.process = None
+        if self._cwd is not None:
+            shutil.rmtree(self._cwd, ignore_errors=True)
+            self._cwd = None

@@ -230,7 +230,7 @@ def make_tiny_model(directory: Path, spec: TinySpec | None = None, name: str | N
 
 
 def random_lora(model: TinyModel, targets: list[str], rank: int, seed: int, std: float = 0.3) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """target -> (A, B) in the SPEC's numpy layouts: linear A (r, k), B (d, r);
+    """target -> (A, B) in the numpy layouts of docs/architecture.md#adapters-we-read: linear A (r, k), B (d, r);
     token_embd A (V, r), B (d, r); experts A (E, r, k), B (E, d, r)."""
     rng = np.random.default_rng(seed)
     out = {}

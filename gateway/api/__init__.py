@@ -1,5 +1,5 @@
-"""The HTTP edge (torch-free): request bodies (`protocol`, `llama_protocol`, read by `json_body`;
-adapter uploads by `uploads`), what they ask of the sampler (`sampling`) and of tools (`tools`),
-response bodies (`formats`, `llama_formats`), one router per API (`openai_routes`, `llama_routes`,
-`adapters`, `operator_routes`) over the steps every request shares (`incoming`) and its answer
-(`respond`), all put together in `app`."""
+"""One package per API the gateway serves, each with its routes, request bodies (`protocol`) and
+answers (`formats`), and an `API` that hands them to the app: OpenAI's (`openai`), llama-server's
+(`llama`), Anthropic's (`anthropic`), the Responses API (`responses`), and administration
+(`admin`). `app` builds the FastAPI app from the one list of them; what every API shares is in
+gateway/http/."""

@@ -1,6 +1,6 @@
-"""The HTTP API (SPEC §6) as a FastAPI app over a `Gateway` (torch-free): one router per API
-(openai_routes, llama_routes, adapters, operator_routes), the errors they answer, and the
-OpenAPI document.
+"""The HTTP app over a `Gateway` (torch-free): every API package in `APIS` (its routers, bodies and
+error shape), the errors they answer, CORS, and the OpenAPI document. Adding an API is a package
+under gateway/api/ and a line in `APIS`.
 
 The app is built once per process; `app.state.gateway` is set by whoever runs it (the Ray
 Serve ingress, or a test). Every error is the OpenAI error shape with its status; a bad request
@@ -20,32 +20,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from gateway.api import (
-    adapters,
-    anthropic_routes,
-    llama_routes,
-    openai_routes,
-    operator_keys,
-    operator_routes,
-    responses_routes,
-    tenant_routes,
-    usage_routes,
-)
-from gateway.api.adapters import LoadLoRARequest, UnloadLoRARequest, registry_unavailable
-from gateway.api.anthropic_protocol import CountTokensRequest, MessagesRequest
-from gateway.api.llama_protocol import (
-    ApplyTemplateRequest,
-    DetokenizeRequest,
-    LlamaCompletionRequest,
-    LoraScale,
-    TokenizeRequest,
-)
-from gateway.api.observed import ObservedRequests
-from gateway.api.protocol import APIError, ChatRequest, CompletionRequest
-from gateway.api.responses_protocol import ResponsesRequest
-from gateway.api.uploads import UPLOAD_BODY
-from gateway.dispatch import Gateway
+from gateway.api import admin, anthropic, llama, openai, responses
+from gateway.errors import GatewayError
+from gateway.http.api import Api
+from gateway.http.errors import openai_error
+from gateway.http.observed import ObservedRequests
+from gateway.http.uploads import UPLOAD_BODY
 from gateway.registry.records import RegistryUnavailable
+from gateway.compose import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -58,53 +40,44 @@ def set_process_gateway(gateway: Gateway) -> None:
 
 def process_gateway() -> Gateway:
     if not _process_gateway:
-        raise APIError(503, "the gateway is still starting", "starting")
+        raise GatewayError(503, "the gateway is still starting", "starting")
     return _process_gateway[0]
 
 
-BODIES: dict[str, Any] = {  # what each POST takes, for the OpenAPI document (parsed by hand, with our error shape)
-    "/v1/completions": CompletionRequest,
-    "/v1/chat/completions": ChatRequest,
-    "/completion": LlamaCompletionRequest,
-    "/lora-adapters": list[LoraScale],
-    "/tokenize": TokenizeRequest,
-    "/detokenize": DetokenizeRequest,
-    "/apply-template": ApplyTemplateRequest,
-    "/v1/load_lora_adapter": LoadLoRARequest,
-    "/v1/unload_lora_adapter": UnloadLoRARequest,
-    "/v1/messages": MessagesRequest,
-    "/v1/messages/count_tokens": CountTokensRequest,
-    "/v1/responses": ResponsesRequest,
-}
+APIS: tuple[Api, ...] = (openai.API, llama.API, admin.API, anthropic.API, responses.API)  # every API the app serves
 
 
-ANTHROPIC_PATHS = ("/v1/messages",)  # answered in the Anthropic API's error shape
+def error_response(request: Request, e: GatewayError) -> JSONResponse:
+    """`e` in the shape of the API the request was for (OpenAI's, unless an API claims the path)."""
+    shape = next((api.error_shape for api in APIS if api.answers(request.url.path)), openai_error)
+    return JSONResponse(shape(e), status_code=e.status, headers=e.headers)
 
 
-def error_response(request: Request, e: APIError) -> JSONResponse:
-    """`e` in the shape of the API the request was for (OpenAI's, the default; Anthropic's)."""
-    is_anthropic = request.url.path.startswith(ANTHROPIC_PATHS)
-    return JSONResponse(e.anthropic_body() if is_anthropic else e.body(), status_code=e.status, headers=e.headers)
-
-
-async def _api_error(request: Request, e: APIError) -> JSONResponse:
+async def _api_error(request: Request, e: GatewayError) -> JSONResponse:
     return error_response(request, e)
 
 
 async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
     """Starlette's own answers (no such route, a method the route does not take) in the API's shape."""
     if e.status_code == 404:
-        error = APIError(404, f"no route {request.method} {request.url.path}", "not_found")
+        error = GatewayError(404, f"no route {request.method} {request.url.path}", "not_found")
     elif e.status_code == 405:
-        error = APIError(405, f"{request.url.path} does not take {request.method}", "method_not_allowed")
+        error = GatewayError(405, f"{request.url.path} does not take {request.method}", "method_not_allowed")
     else:
-        error = APIError(e.status_code, str(e.detail), None)
-    return error_response(request, APIError(error.status, error.message, error.code, dict(e.headers or {})))
+        error = GatewayError(e.status_code, str(e.detail), None)
+    return error_response(request, GatewayError(error.status, error.message, error.code, dict(e.headers or {})))
+
+
+async def _registry_unavailable(request: Request, e: RegistryUnavailable) -> JSONResponse:
+    """While the registry's Redis is down, changes wait for it (serving goes on)."""
+    return error_response(request, GatewayError(
+        503, "the adapter registry is unavailable (its Redis cannot be reached): try again shortly",
+        "registry_unavailable", {"Retry-After": "5"}))
 
 
 async def _internal(request: Request, e: Exception) -> JSONResponse:  # never a stack trace to a client
     log.error("internal error on %s %s", request.method, request.url.path, exc_info=e)
-    return error_response(request, APIError(500, "internal error", "internal_error"))
+    return error_response(request, GatewayError(500, "internal error", "internal_error"))
 
 
 class ConfiguredCORS:
@@ -119,7 +92,7 @@ class ConfiguredCORS:
         if self._inner is None and scope["type"] == "http":
             try:
                 origins = scope["app"].state.find_gateway().config.http.cors_origins
-            except (APIError, AttributeError):  # still starting: no CORS yet
+            except (GatewayError, AttributeError):  # still starting: no CORS yet
                 return await self.app(scope, receive, send)
             self._inner = self.app if not origins else CORSMiddleware(
                 self.app, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
@@ -132,13 +105,13 @@ def create_app(current: Callable[[], Gateway] | None = None) -> FastAPI:
     before serving). Ray Serve builds it in the replica and sets the gateway there."""
     app = FastAPI(title="loraplex", docs_url=None, redoc_url=None)
     app.state.find_gateway = current if current is not None else lambda: app.state.gateway  # read per request
-    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(GatewayError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal)
-    app.add_exception_handler(RegistryUnavailable, registry_unavailable)
-    for routes in (openai_routes, llama_routes, operator_routes, operator_keys, adapters, anthropic_routes, responses_routes, tenant_routes,
-                   usage_routes):
-        app.include_router(routes.router)
+    app.add_exception_handler(RegistryUnavailable, _registry_unavailable)
+    for api in APIS:
+        for router in api.routers:
+            app.include_router(router)
     app.add_middleware(ConfiguredCORS)
     app.add_middleware(ObservedRequests)  # outermost: every answer traced and counted, CORS' too
     _document_bodies(app)
@@ -154,7 +127,7 @@ def _document_bodies(app: FastAPI) -> None:
             schema = get_openapi(title=app.title, version="1", routes=app.routes)
             components = schema.setdefault("components", {})
             schemas = components.setdefault("schemas", {})
-            for path, body in BODIES.items():
+            for path, body in (item for api in APIS for item in api.bodies.items()):
                 is_list = getattr(body, "__origin__", None) is list
                 model: type[BaseModel] = body.__args__[0] if is_list else body
                 definition = model.model_json_schema(ref_template="#/components/schemas/{model}")

@@ -116,56 +116,79 @@ def plan_workload(scenario: Scenario, invocation_tokens: Sequence[int] = ()) -> 
     )
     shared = [t for t in scenario.tenants if t.rate_rps is None]
     tenants = WeightedSampler([t.name for t in shared], [t.weight for t in shared]) if shared else None
-    events: list[tuple[float, str | None]] = [(t, None) for t in arrival_times(scenario, rng)] if tenants else []
-    for own in (t for t in scenario.tenants if t.rate_rps is not None):  # tenants with their own rate (noisy ones)
-        events += [(t, own.name) for t in arrival_times(scenario, rng, own.rate_rps, tenant=own.name)]
-    if scenario.load.mode == "closed":  # arrival times do not matter; enough requests for the run
-        events = [(0.0, None) for _ in range(scenario.max_requests)] if tenants else events
-    events.sort(key=lambda e: e[0])
+    events = _arrivals(scenario, rng, tenants is not None)
     shifts = sorted((p.at_s, p.shift) for p in scenario.phases if p.shift)
-    p, vocab = scenario.prompts, scenario.vocab_size
-    prefixes = [_tokens(random.Random(f"{scenario.seed}-prefix-{i}"), p.prefix_tokens, vocab) for i in range(p.num_prefixes)]
-    prefix_pick = WeightedSampler.zipf([str(i) for i in range(p.num_prefixes)], 1.0)
-    conversations: list[_Conversation] = []
-    out: list[PlannedRequest] = []
+    planner = _Planner(scenario, rng, invocation_tokens)
+    out = planner.requests
     for at, fixed_tenant in events:
         if len(out) >= scenario.max_requests:
             break
         while shifts and shifts[0][0] <= at:
             adapters.rotate(shifts.pop(0)[1])
         tenant = fixed_tenant or tenants.sample(rng)
-        adapter = adapters.sample(rng)
-        own = _tokens(rng, rng.randint(p.length.min, p.length.max), vocab)
-        max_tokens = rng.randint(scenario.output_tokens.min, scenario.output_tokens.max)
-        if p.kind == "random":
-            prompt = own
-        elif p.kind in ("shared_prefix", "rag"):
-            use = p.kind == "rag" or rng.random() < p.sharing
-            prompt = (prefixes[int(prefix_pick.sample(rng))] if use else []) + own
-        elif p.kind == "chat":
-            live = [c for c in conversations if c.tenant == tenant and c.turns_left > 0]
-            if live and rng.random() < 0.7:
-                conv = rng.choice(live)
-                conv.tokens += _tokens(rng, scenario.output_tokens.max, vocab) + own  # the reply, then the next user turn
-                conv.turns_left -= 1
-                adapter = conv.adapter
-            else:
-                conv = _Conversation(tenant, adapter, own, rng.randint(p.turns.min, p.turns.max) - 1)
-                conversations.append(conv)
-            prompt = list(conv.tokens)
-        else:  # alora_pipeline: a base call, then the aLoRA on the same prompt plus its invocation
-            prompt = own
-            out.append(PlannedRequest(at, tenant, "base", prompt, max_tokens))
-            prompt = prompt + list(invocation_tokens)
-            activation = max(len(own) - 1, 0)
-            out.append(PlannedRequest(at, tenant, p.alora_adapter, prompt, max_tokens, "alora", activation, after=len(out) - 1))
-            continue
-        out.append(PlannedRequest(at, tenant, adapter, prompt, max_tokens))
+        planner.add(at, tenant, adapters.sample(rng))
     out = out[: scenario.max_requests]
     if out and out[-1].after is not None and out[-1].after >= len(out):
         out.pop()
     mark_ideal_cache(out, scenario.chunk_tokens)
     return Workload(out)
+
+
+def _arrivals(scenario: Scenario, rng: random.Random, has_shared_tenants: bool) -> list[tuple[float, str | None]]:
+    """Each arrival's time and, for a tenant with a rate of its own, its name (None: one of the
+    tenants that share the scenario's rate, drawn by weight), in order of time."""
+    events: list[tuple[float, str | None]] = [(t, None) for t in arrival_times(scenario, rng)] if has_shared_tenants else []
+    for own in (t for t in scenario.tenants if t.rate_rps is not None):  # tenants with their own rate (noisy ones)
+        events += [(t, own.name) for t in arrival_times(scenario, rng, own.rate_rps, tenant=own.name)]
+    if scenario.load.mode == "closed":  # arrival times do not matter; enough requests for the run
+        events = [(0.0, None) for _ in range(scenario.max_requests)] if has_shared_tenants else events
+    events.sort(key=lambda e: e[0])
+    return events
+
+
+class _Planner:
+    """The requests of a run, one arrival at a time, each with its prompt as the scenario's kind
+    makes it (the run's `rng` draws, in arrival order, so a seed makes one workload)."""
+
+    def __init__(self, scenario: Scenario, rng: random.Random, invocation_tokens: Sequence[int]) -> None:
+        self.scenario, self.rng, self.invocation_tokens = scenario, rng, invocation_tokens
+        p, vocab = scenario.prompts, scenario.vocab_size
+        self.prefixes = [_tokens(random.Random(f"{scenario.seed}-prefix-{i}"), p.prefix_tokens, vocab) for i in range(p.num_prefixes)]
+        self.prefix_pick = WeightedSampler.zipf([str(i) for i in range(p.num_prefixes)], 1.0)
+        self.conversations: list[_Conversation] = []
+        self.requests: list[PlannedRequest] = []
+
+    def add(self, at: float, tenant: str, adapter: str) -> None:
+        rng, p, scenario = self.rng, self.scenario.prompts, self.scenario
+        own = _tokens(rng, rng.randint(p.length.min, p.length.max), scenario.vocab_size)
+        max_tokens = rng.randint(scenario.output_tokens.min, scenario.output_tokens.max)
+        if p.kind == "random":
+            prompt = own
+        elif p.kind in ("shared_prefix", "rag"):
+            use = p.kind == "rag" or rng.random() < p.sharing
+            prompt = (self.prefixes[int(self.prefix_pick.sample(rng))] if use else []) + own
+        elif p.kind == "chat":
+            adapter, prompt = self._chat_turn(tenant, adapter, own)
+        else:  # alora_pipeline: a base call, then the aLoRA on the same prompt plus its invocation
+            self.requests.append(PlannedRequest(at, tenant, "base", own, max_tokens))
+            activation = max(len(own) - 1, 0)
+            self.requests.append(PlannedRequest(at, tenant, p.alora_adapter, own + list(self.invocation_tokens), max_tokens,
+                                                "alora", activation, after=len(self.requests) - 1))
+            return
+        self.requests.append(PlannedRequest(at, tenant, adapter, prompt, max_tokens))
+
+    def _chat_turn(self, tenant: str, adapter: str, own: list[int]) -> tuple[str, list[int]]:
+        """The next turn of one of the tenant's live conversations (its adapter stays), or a new one's first."""
+        rng, scenario = self.rng, self.scenario
+        live = [c for c in self.conversations if c.tenant == tenant and c.turns_left > 0]
+        if live and rng.random() < 0.7:
+            conv = rng.choice(live)
+            conv.tokens += _tokens(rng, scenario.output_tokens.max, scenario.vocab_size) + own  # the reply, then the next user turn
+            conv.turns_left -= 1
+        else:
+            conv = _Conversation(tenant, adapter, own, rng.randint(scenario.prompts.turns.min, scenario.prompts.turns.max) - 1)
+            self.conversations.append(conv)
+        return conv.adapter, list(conv.tokens)
 
 
 def mark_ideal_cache(requests: Sequence[PlannedRequest], chunk_tokens: int) -> None:

@@ -1,4 +1,4 @@
-"""Which adapters each worker pins (SPEC §7): a pure function from adapters, expected
+"""Which adapters each worker pins (docs/architecture.md#routing-and-placement): a pure function from adapters, expected
 traffic shares, worker count and per-worker capacity to shards and replicas (torch-free).
 
 1. Copies: every adapter gets `redundancy` copies (2 when there are two workers or
@@ -76,6 +76,25 @@ def normalize(shares: Mapping[str, float], names: Sequence[str]) -> dict[str, fl
 def plan(adapters: Sequence[AdapterSpec], shares: Mapping[str, float], num_workers: int,
          max_adapters: int | None = None, max_bytes: int | None = None, redundancy: int = 2) -> Plan:
     """Place every adapter on workers of at most `max_adapters` adapters and `max_bytes` bytes."""
+    _check_fits(adapters, num_workers, max_adapters, max_bytes)
+    names = [a.name for a in adapters]
+    size = {a.name: a.size_bytes for a in adapters}
+    share = normalize(shares, names)
+    order = sorted(names, key=lambda n: (-share[n], n))  # hottest first; ties by name
+    target = min(redundancy, num_workers)
+    copies = _count_copies(names, order, share, size, num_workers, max_adapters, max_bytes, target)  # 1.
+    workers = _Workers(num_workers, size, share, copies, max_adapters, max_bytes)
+    workers.place_copies(names)  # 2.
+    held = workers.held
+    load = [sum(share[n] / copies[n] for n in held[w]) for w in range(num_workers)]  # with the final copy counts
+    warnings = _single_copy_warnings(names, share, copies, target)
+    per_copy = {n: share[n] / copies[n] for n in names}
+    _separate_identical_sets(held, workers.held_bytes, load, per_copy, size, max_bytes)
+    return Plan(_shards(held, order, load), copies, tuple(load), tuple(warnings))  # 3.
+
+
+def _check_fits(adapters: Sequence[AdapterSpec], num_workers: int, max_adapters: int | None, max_bytes: int | None) -> None:
+    """PlacementError unless the adapters are named once each and fit on the workers at all."""
     names = [a.name for a in adapters]
     if len(set(names)) != len(names):
         raise PlacementError("adapter names must be unique")
@@ -85,30 +104,29 @@ def plan(adapters: Sequence[AdapterSpec], shares: Mapping[str, float], num_worke
         raise PlacementError("no adapters to place")
     if max_adapters is None and max_bytes is None:
         raise PlacementError("give a capacity: adapters per worker or bytes per worker")
-    size = {a.name: a.size_bytes for a in adapters}
-    slots = max_adapters if max_adapters is not None else len(adapters)
     if max_adapters is not None and max_adapters < 1:
         raise PlacementError(f"capacity must be at least 1 adapter per worker, got {max_adapters}")
-    too_big = [a.name for a in adapters if max_bytes is not None and a.size_bytes > max_bytes]
+    too_big = [a for a in adapters if max_bytes is not None and a.size_bytes > max_bytes]
     if too_big:
-        raise PlacementError(f"adapter {too_big[0]!r} ({size[too_big[0]]} bytes) is larger than a worker's capacity "
+        raise PlacementError(f"adapter {too_big[0].name!r} ({too_big[0].size_bytes} bytes) is larger than a worker's capacity "
                              f"({max_bytes} bytes)")
     if max_adapters is not None and len(adapters) > num_workers * max_adapters:
         raise PlacementError(f"{len(adapters)} adapters do not fit on {num_workers} workers of {max_adapters}: "
                              f"{num_workers * max_adapters} slots (need {-(-len(adapters) // max_adapters)} workers)")
-    if max_bytes is not None and sum(size.values()) > num_workers * max_bytes:
-        raise PlacementError(f"the adapters ({sum(size.values())} bytes) do not fit on {num_workers} workers "
-                             f"of {max_bytes} bytes")
-    share = normalize(shares, names)
-    order = sorted(names, key=lambda n: (-share[n], n))  # hottest first; ties by name
+    total_bytes = sum(a.size_bytes for a in adapters)
+    if max_bytes is not None and total_bytes > num_workers * max_bytes:
+        raise PlacementError(f"the adapters ({total_bytes} bytes) do not fit on {num_workers} workers of {max_bytes} bytes")
 
-    # 1. copies per adapter
-    target = min(redundancy, num_workers)
-    budget_slots = num_workers * slots if max_adapters is not None else None
+
+def _count_copies(names: Sequence[str], order: Sequence[str], share: Mapping[str, float], size: Mapping[str, int],
+                  num_workers: int, max_adapters: int | None, max_bytes: int | None, target: int) -> dict[str, int]:
+    """Copies per adapter (`order`: `names` hottest first): `target` each, hottest first, as far as
+    room allows; then the spare room, one copy at a time, to the adapter with the most traffic per
+    copy. Never more than the workers."""
+    budget_slots = num_workers * max_adapters if max_adapters is not None else None
     budget_bytes = num_workers * max_bytes if max_bytes is not None else None
-    copies = {n: 1 for n in names}
+    copies = dict.fromkeys(names, 1)
     used_slots, used_bytes = len(names), sum(size.values())
-    warnings = []
 
     def fits(name: str) -> bool:
         return (copies[name] < num_workers and (budget_slots is None or used_slots + 1 <= budget_slots)
@@ -127,90 +145,107 @@ def plan(adapters: Sequence[AdapterSpec], shares: Mapping[str, float], num_worke
         copies[name] += 1
         used_slots, used_bytes = used_slots + 1, used_bytes + size[name]
         heapq.heappush(heap, (-share[name] / copies[name], name))
+    return copies
 
-    # 2. place copies, longest first, on the least-loaded worker that can take them
-    load = [0.0] * num_workers
-    held: list[list[str]] = [[] for _ in range(num_workers)]
-    held_sets: list[set[str]] = [set() for _ in range(num_workers)]  # the same, for membership (fleets hold thousands)
-    held_bytes = [0] * num_workers
-    pieces = sorted(((share[n] / copies[n], n) for n in names for _ in range(copies[n])), key=lambda p: (-p[0], p[1]))
 
-    def room(w: int, name: str, freed: str | None = None) -> bool:
-        used_bytes = held_bytes[w] - (size[freed] if freed else 0)
-        return (name not in held_sets[w] and (max_adapters is None or len(held[w]) - (freed is not None) < max_adapters)
-                and (max_bytes is None or used_bytes + size[name] <= max_bytes))
+class _Workers:
+    """The workers while copies are placed on them: what each holds, its bytes and its expected
+    load. `copies` is the plan's count, which loses a spare copy that fits nowhere."""
 
-    def put(w: int, name: str, per_copy: float) -> None:
-        held[w].append(name)
-        held_sets[w].add(name)
-        held_bytes[w] += size[name]
-        load[w] += per_copy
+    def __init__(self, num_workers: int, size: Mapping[str, int], share: Mapping[str, float], copies: dict[str, int],
+                 max_adapters: int | None, max_bytes: int | None) -> None:
+        self.num_workers, self.size, self.share, self.copies = num_workers, size, share, copies
+        self.max_adapters, self.max_bytes = max_adapters, max_bytes
+        self.load = [0.0] * num_workers
+        self.held: list[list[str]] = [[] for _ in range(num_workers)]
+        self.held_sets: list[set[str]] = [set() for _ in range(num_workers)]  # the same, for membership (fleets hold thousands)
+        self.held_bytes = [0] * num_workers
+        # the workers by (load, adapters, index), one current entry each: the least loaded with room is the first popped
+        # that has room (a fleet's plan places ~10^5 copies on hundreds of workers); one full by count is dropped
+        self.by_load = [(0.0, 0, w) for w in range(num_workers)]
 
-    def make_room(name: str) -> int | None:
-        """A worker lacking `name` that can take it once one of its adapters moves to a worker with room."""
-        for w in sorted((w for w in range(num_workers) if name not in held_sets[w]), key=lambda i: (load[i], i)):
-            for other in sorted(held[w], key=lambda n: (share[n] / copies[n], n)):
-                for v in range(num_workers):
-                    if v != w and room(v, other) and room(w, name, freed=other):
-                        held[w].remove(other)
-                        held_sets[w].discard(other)
-                        held_bytes[w] -= size[other]
-                        load[w] -= share[other] / copies[other]
-                        put(v, other, share[other] / copies[other])
-                        return w
-        return None
+    def place_copies(self, names: Sequence[str]) -> None:
+        """Every copy, longest first (traffic per copy; ties by name), on the least-loaded worker
+        that can take it, or one that can once it moves an adapter to another with room."""
+        share, copies, by_load = self.share, self.copies, self.by_load
+        pieces = sorted(((share[n] / copies[n], n) for n in names for _ in range(copies[n])), key=lambda p: (-p[0], p[1]))
+        for per_copy, name in pieces:
+            w = self.least_loaded_with_room(name)
+            if w is None:
+                w = self.make_room(name)
+                by_load[:] = [(self.load[v], len(self.held[v]), v) for v in range(self.num_workers) if v != w]  # it moved adapters
+                heapq.heapify(by_load)
+            if w is None:
+                if any(name in h for h in self.held_sets):
+                    copies[name] -= 1  # a spare copy that fits nowhere: drop it
+                    continue
+                raise PlacementError(f"could not place {name!r}: every worker is full or already holds it "
+                                     "(try more workers or capacity)")
+            self.put(w, name, per_copy)
+            heapq.heappush(by_load, (self.load[w], len(self.held[w]), w))
 
-    # the workers by (load, adapters, index), one current entry each: the least loaded with room is the first popped
-    # that has room (a fleet's plan places ~10^5 copies on hundreds of workers); one full by count is dropped
-    by_load = [(0.0, 0, w) for w in range(num_workers)]
+    def room(self, w: int, name: str, freed: str | None = None) -> bool:
+        """Worker `w` can take `name` (once `freed` leaves it)."""
+        used_bytes = self.held_bytes[w] - (self.size[freed] if freed else 0)
+        return (name not in self.held_sets[w]
+                and (self.max_adapters is None or len(self.held[w]) - (freed is not None) < self.max_adapters)
+                and (self.max_bytes is None or used_bytes + self.size[name] <= self.max_bytes))
 
-    def least_loaded_with_room(name: str) -> int | None:
-        aside, found = [], None
+    def put(self, w: int, name: str, per_copy: float) -> None:
+        self.held[w].append(name)
+        self.held_sets[w].add(name)
+        self.held_bytes[w] += self.size[name]
+        self.load[w] += per_copy
+
+    def least_loaded_with_room(self, name: str) -> int | None:
+        by_load, aside, found = self.by_load, [], None
         while by_load:
             entry = heapq.heappop(by_load)
-            if room(entry[2], name):
+            if self.room(entry[2], name):
                 found = entry[2]
                 break
-            if max_adapters is None or len(held[entry[2]]) < max_adapters:
+            if self.max_adapters is None or len(self.held[entry[2]]) < self.max_adapters:
                 aside.append(entry)
         for entry in aside:
             heapq.heappush(by_load, entry)
         return found
 
-    for per_copy, name in pieces:
-        w = least_loaded_with_room(name)
-        if w is None:
-            w = make_room(name)
-            by_load[:] = [(load[v], len(held[v]), v) for v in range(num_workers) if v != w]  # it moved adapters
-            heapq.heapify(by_load)
-        if w is None:
-            if any(name in h for h in held_sets):
-                copies[name] -= 1  # a spare copy that fits nowhere: drop it
-                continue
-            raise PlacementError(f"could not place {name!r}: every worker is full or already holds it "
-                                 "(try more workers or capacity)")
-        put(w, name, per_copy)
-        heapq.heappush(by_load, (load[w], len(held[w]), w))
-    load = [sum(share[n] / copies[n] for n in held[w]) for w in range(num_workers)]  # with the final copy counts
+    def make_room(self, name: str) -> int | None:
+        """A worker lacking `name` that can take it once one of its adapters moves to a worker with room."""
+        share, copies, held, held_sets = self.share, self.copies, self.held, self.held_sets
+        for w in sorted((w for w in range(self.num_workers) if name not in held_sets[w]), key=lambda i: (self.load[i], i)):
+            for other in sorted(held[w], key=lambda n: (share[n] / copies[n], n)):
+                for v in range(self.num_workers):
+                    if v != w and self.room(v, other) and self.room(w, name, freed=other):
+                        held[w].remove(other)
+                        held_sets[w].discard(other)
+                        self.held_bytes[w] -= self.size[other]
+                        self.load[w] -= share[other] / copies[other]
+                        self.put(v, other, share[other] / copies[other])
+                        return w
+        return None
+
+
+def _single_copy_warnings(names: Sequence[str], share: Mapping[str, float], copies: Mapping[str, int], target: int) -> list[str]:
     single = [n for n in names if copies[n] < target]
-    if single:
-        coldest = ", ".join(sorted(single, key=lambda n: (share[n], n))[:5])
-        warnings.append(f"no room for a second copy of {len(single)} adapter(s) (coldest: {coldest}): "
-                        "one replica's failure makes them unavailable")
+    if not single:
+        return []
+    coldest = ", ".join(sorted(single, key=lambda n: (share[n], n))[:5])
+    return [f"no room for a second copy of {len(single)} adapter(s) (coldest: {coldest}): "
+            "one replica's failure makes them unavailable"]
 
-    per_copy = {n: share[n] / copies[n] for n in names}
-    _separate_identical_sets(held, held_bytes, load, per_copy, size, max_bytes)
 
-    # 3. workers with the same set are one shard (after the swaps, only when nothing could differ)
+def _shards(held: Sequence[Sequence[str]], order: Sequence[str], load: Sequence[float]) -> tuple[Shard, ...]:
+    """Workers with the same set are one shard (after the swaps, only when nothing could differ),
+    numbered by their first worker; each shard's adapters hottest first."""
     groups: dict[tuple[str, ...], list[int]] = {}
     rank = {n: i for i, n in enumerate(order)}
-    for w in range(num_workers):
-        groups.setdefault(tuple(sorted(held[w], key=rank.__getitem__)), []).append(w)
-    shards = tuple(
+    for w, names in enumerate(held):
+        groups.setdefault(tuple(sorted(names, key=rank.__getitem__)), []).append(w)
+    return tuple(
         Shard(f"shard-{i}", adapters_, len(workers), load[workers[0]])
         for i, (adapters_, workers) in enumerate(sorted(groups.items(), key=lambda g: g[1][0]))
     )
-    return Plan(shards, copies, tuple(load), tuple(warnings))
 
 
 def _separate_identical_sets(held: list[list[str]], held_bytes: list[int], load: list[float],

@@ -1,5 +1,5 @@
 """The registry's records and where they are kept (torch-free). The same stores keep the run-time
-tenants and keys (gateway/accounts.py), under their own `name` and record type.
+tenants and keys (gateway/tenancy/accounts.py), under their own `name` and record type.
 
 A record is one tenant's name for one adapter content (its fingerprint) and where it is
 placed. Every change is one transaction over the whole set, so a quota is checked

@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from cache.blobs import BlobStore, BlobStoreError, open_blob_store
-from gateway.api.protocol import APIError
 from gateway.catalog import AdapterInfo, Catalog
+from gateway.cluster.pool import ReplicaInfo, ShardPool
 from gateway.config import ServeConfig
+from gateway.errors import GatewayError
 from gateway.policy.placement import PlacementError, place_new, rebalance
 from gateway.policy.routing import Residents
-from gateway.pool import ReplicaInfo, ShardPool
 from gateway.registry.records import (
     PENDING,
     SHARED,
@@ -48,8 +48,7 @@ from gateway.registry.records import (
     SharedReads,
     record_key,
 )
-from gateway.registry.visibility import forbidden, visible
-from gateway.tenants import Tenant
+from gateway.registry.visibility import Caller, forbidden, visible
 from worker.contract.identity import Fingerprint
 from worker.formats.adapter import LoRAAdapter
 
@@ -75,7 +74,7 @@ class AdapterRegistry:
         self.replicas = replicas
         self.sync = sync
         self._clock = clock
-        self.seed = dict(catalog.adapters)  # the config's adapters, shared (SPEC: the registry's seed)
+        self.seed = dict(catalog.adapters)  # the config's adapters, shared: the registry's seed
         self.seed_pins: dict[str, Pins] = {  # shard -> its config adapters
             s.name: frozenset(Fingerprint(catalog.adapters[n].fingerprint) for n in s.adapters) for s in config.shards
         }
@@ -95,7 +94,7 @@ class AdapterRegistry:
 
     # what requests see
 
-    def visible(self, tenant: Tenant) -> dict[str, AdapterInfo]:
+    def visible(self, tenant: Caller) -> dict[str, AdapterInfo]:
         """The adapters `tenant` may use, by its names (gateway/registry/visibility.py), kept per tenant
         and policy until the records change."""
         cached = self._visible.get((tenant.id, tenant.allowed))  # an operator may change a tenant's ACL
@@ -254,23 +253,23 @@ class AdapterRegistry:
 
     def _taken(self, name: str, shared_names: frozenset[str]) -> None:
         if name == self.catalog.model_name:
-            raise APIError(409, f"{name!r} is the base model's name", "name_taken")
+            raise GatewayError(409, f"{name!r} is the base model's name", "name_taken")
         if name in shared_names:
-            raise APIError(409, f"the name {name!r} is taken by a shared adapter this key uses", "name_taken")
+            raise GatewayError(409, f"the name {name!r} is taken by a shared adapter this key uses", "name_taken")
 
     async def register(self, owner: str, name: str, adapter: LoRAAdapter, staged: Path, limits: tuple[int, int] | None,
                        replace_existing: bool = True,
-                       tenant: Tenant | None = None) -> tuple[AdapterRecord, AdapterRecord | None, float]:
+                       tenant: Caller | None = None) -> tuple[AdapterRecord, AdapterRecord | None, float]:
         """Add or replace `owner`'s `name` with the checked adapter in `staged`; (the record, the
         one it replaced, seconds until it was servable). A tenant's name may not hide a shared
         adapter it uses (one it cannot see, it may), and a tenant may not register the content of
-        a shared adapter its ACL leaves out. Raises APIError for a refusal."""
+        a shared adapter its ACL leaves out. Raises GatewayError for a refusal."""
         started_s = self._clock()
         if owner == SHARED and name in self.seed:
-            raise APIError(409, f"adapter {name!r} is defined in the deployment config; change it there",
+            raise GatewayError(409, f"adapter {name!r} is defined in the deployment config; change it there",
                            "config_adapter")
         if tenant is not None and adapter.fingerprint in forbidden(tenant, self.seed, self.current):
-            raise APIError(403, "this adapter is a shared adapter this key may not use (the same content under another "
+            raise GatewayError(403, "this adapter is a shared adapter this key may not use (the same content under another "
                            "name is refused too)", "adapter_not_allowed")
         await self._store(staged, adapter.fingerprint)  # the file before any record names it
         fresh = describe(adapter, owner, name, staged.stat().st_size)
@@ -283,39 +282,19 @@ class AdapterRegistry:
             self._taken(name, shared)
             old = records.get(key)
             if old is not None and not replace_existing:
-                raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "adapter_exists")
+                raise GatewayError(400, f"The lora adapter '{name}' has already been loaded.", "adapter_exists")
             if limits is not None and owner != SHARED:
-                # the owner's other names, staged versions counted at their new size
-                mine: dict[str, AdapterRecord] = {}
-                for k, r in records.items():
-                    if r.owner == owner and r.name != name and (r.name not in mine or k.startswith(PENDING)):
-                        mine[r.name] = r
-                count, size = limits
-                if len(mine) + 1 > count:
-                    raise APIError(403, f"this key already has {len(mine)} adapters, its limit is {count}: "
-                                   "delete one first", "adapter_quota_exceeded")
-                used = sum(r.size_bytes for r in mine.values())
-                if used + fresh.size_bytes > size:
-                    raise APIError(403, f"this adapter ({fresh.size_bytes} bytes) would take this key's adapters to "
-                                   f"{used + fresh.size_bytes} bytes, over its limit of {size}",
-                                   "adapter_quota_exceeded")
+                _check_limits(records, fresh, limits)
             return {pending_key: replace(fresh, shards=self._place(fresh.fingerprint, old, records))}, old
 
         await self.records.transact(stage)
         await self.refresh(force=True)
-        placed = self.current.get(pending_key, fresh)
-        targets = [r for r in self.replicas if r.shard in placed.shards]
-        deadline_s = self._clock() + self.settings.load_timeout_s
-        # the push above waited for the loads; this is for workers that did not answer in time (a failed load is final)
-        while (not self.is_held(fresh.fingerprint, placed.shards) and self._clock() < deadline_s
-               and not all(fresh.fingerprint in self.failed.get(r.replica_id, {}) for r in targets)):
-            await asyncio.sleep(0.25)
-            await self.push(replicas=targets)
+        await self._until_loaded(fresh.fingerprint, self.current.get(pending_key, fresh).shards)
 
         def commit(records: Records):
             staged_record = records.get(pending_key)
             if staged_record is None or staged_record.fingerprint != fresh.fingerprint:
-                raise APIError(409, f"adapter {name!r} was changed by another request meanwhile", "conflict")
+                raise GatewayError(409, f"adapter {name!r} was changed by another request meanwhile", "conflict")
             if not self.is_held(fresh.fingerprint, staged_record.shards):
                 return {pending_key: None}, (None, None)
             return {pending_key: None, key: staged_record}, (staged_record, records.get(key))
@@ -324,9 +303,21 @@ class AdapterRegistry:
         await self.refresh(force=True)
         if committed is None:
             reasons = {why for failed in self.failed.values() for fp, why in failed.items() if fp == fresh.fingerprint}
-            raise APIError(503, "no worker could load the adapter" + (f": {min(reasons)}" if reasons else " in time"),
+            raise GatewayError(503, "no worker could load the adapter" + (f": {min(reasons)}" if reasons else " in time"),
                            "adapter_not_loaded", {"Retry-After": "5"})
         return committed, replaced, self._clock() - started_s
+
+    async def _until_loaded(self, fingerprint: Fingerprint, shards: Iterable[str]) -> None:
+        """Until the workers of `shards` hold the adapter, every one of them failed to load it (a failed
+        load is final), or `load_timeout_s` passed. The registry's push already waited for the loads;
+        this is for workers that did not answer in time."""
+        shards = tuple(shards)
+        targets = [r for r in self.replicas if r.shard in shards]
+        deadline_s = self._clock() + self.settings.load_timeout_s
+        while (not self.is_held(fingerprint, shards) and self._clock() < deadline_s
+               and not all(fingerprint in self.failed.get(r.replica_id, {}) for r in targets)):
+            await asyncio.sleep(0.25)
+            await self.push(replicas=targets)
 
     async def _store(self, staged: Path, fingerprint: Fingerprint) -> None:
         """`staged` in the adapter store, or a 503 that says so (what failed is in the log, not the answer)."""
@@ -334,7 +325,7 @@ class AdapterRegistry:
             await asyncio.to_thread(self.store.put, staged, fingerprint)
         except BlobStoreError as e:
             log.warning("adapter %s could not be stored in %s: %s", fingerprint[:16], self.store.url, e)
-            raise APIError(503, "the adapter store could not keep the file; nothing was changed", "adapter_store_unavailable",
+            raise GatewayError(503, "the adapter store could not keep the file; nothing was changed", "adapter_store_unavailable",
                            {"Retry-After": "5"}) from e
 
     def _place(self, fingerprint: Fingerprint, old: AdapterRecord | None, records: Records) -> tuple[str, ...]:
@@ -353,18 +344,18 @@ class AdapterRegistry:
             replicas = {s.name: s.replicas for s in self.config.shards}
             return place_new(pinned, replicas, self.settings.copies, self.settings.max_adapters_per_worker)
         except PlacementError as e:
-            raise APIError(507, str(e), "no_worker_room") from e
+            raise GatewayError(507, str(e), "no_worker_room") from e
 
     async def unregister(self, owner: str, name: str) -> AdapterRecord:
         if owner == SHARED and name in self.seed:
-            raise APIError(409, f"adapter {name!r} is defined in the deployment config; change it there",
+            raise GatewayError(409, f"adapter {name!r} is defined in the deployment config; change it there",
                            "config_adapter")
         key = record_key(owner, name)
 
         def drop(records: Records):
             old = records.get(key)
             if old is None:
-                raise APIError(404, f"adapter {name!r} not found", "adapter_not_found")
+                raise GatewayError(404, f"adapter {name!r} not found", "adapter_not_found")
             return {key: None}, old
 
         _, old = await self.records.transact(drop)
@@ -388,3 +379,20 @@ def open_registry(config: ServeConfig, catalog: Catalog, pool: ShardPool,
     else:
         records = FileRecords(store.directory, scope)
     return AdapterRegistry(config, catalog, records, store, pool.replicas, getattr(pool, "sync", None), clock)
+
+
+def _check_limits(records: Records, fresh: AdapterRecord, limits: tuple[int, int]) -> None:
+    """A 403 when `fresh` takes its owner past `limits` (count, bytes): the owner's other names count,
+    their staged versions at their new size."""
+    mine: dict[str, AdapterRecord] = {}
+    for k, r in records.items():
+        if r.owner == fresh.owner and r.name != fresh.name and (r.name not in mine or k.startswith(PENDING)):
+            mine[r.name] = r
+    count, size = limits
+    if len(mine) + 1 > count:
+        raise GatewayError(403, f"this key already has {len(mine)} adapters, its limit is {count}: delete one first",
+                           "adapter_quota_exceeded")
+    used = sum(r.size_bytes for r in mine.values())
+    if used + fresh.size_bytes > size:
+        raise GatewayError(403, f"this adapter ({fresh.size_bytes} bytes) would take this key's adapters to "
+                           f"{used + fresh.size_bytes} bytes, over its limit of {size}", "adapter_quota_exceeded")

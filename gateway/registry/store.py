@@ -1,5 +1,5 @@
 """Adapter files as they come in (torch-free): what a tenant sends is checked against the
-base with llama.cpp's rules (SPEC §2, the same messages) and converted when it is PEFT; the
+base with llama.cpp's rules (docs/architecture.md#adapters-we-read, the same messages) and converted when it is PEFT; the
 registry then keeps it under its fingerprint in the adapter store (cache/blobs.py), where
 every worker can fetch it. A server-side path (vLLM's `lora_path`) is read only under the
 directories the operator allows (`registry.allowed_paths`) and, for a tenant's key, under its
@@ -25,7 +25,7 @@ INVALID = (AdapterError, GGUFFormatError, ConversionError, SafetensorsError, Uns
 
 
 class InvalidAdapter(ValueError):
-    """The file is no adapter for this base; the message says why (llama.cpp's words for SPEC §2)."""
+    """The file is no adapter for this base; the message says why (llama.cpp's words)."""
 
 
 class PathNotAllowed(PermissionError):

@@ -9,14 +9,25 @@ name) is not visible to it, and registering one is refused (gateway/registry/reg
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from gateway.catalog import AdapterInfo
 from gateway.registry.records import PENDING, SHARED, AdapterRecord, Records
-from gateway.tenants import Tenant
 from worker.contract.identity import Fingerprint
 
 
-def forbidden(tenant: Tenant, seed: Mapping[str, AdapterInfo], records: Records) -> frozenset[Fingerprint]:
+
+class Caller(Protocol):
+    """Who asks (a tenant, gateway/tenancy/tenants.py): its id, and the shared adapters its policy
+    allows (None: every one)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def allowed(self) -> frozenset[str] | None: ...
+    def may_use(self, name: str) -> bool: ...
+
+def forbidden(tenant: Caller, seed: Mapping[str, AdapterInfo], records: Records) -> frozenset[Fingerprint]:
     """The content a tenant with a restricted policy may not be served under any name: that of the shared
     adapters (the config's, the operator's, staged ones too) it may not use, less what one it may use holds."""
     if tenant.allowed is None:
@@ -27,7 +38,7 @@ def forbidden(tenant: Tenant, seed: Mapping[str, AdapterInfo], records: Records)
     return frozenset(Fingerprint(fp) for n, fp, _ in shared if not tenant.may_use(n) and fp not in usable)
 
 
-def visible(tenant: Tenant, seed: Mapping[str, AdapterInfo], records: Records,
+def visible(tenant: Caller, seed: Mapping[str, AdapterInfo], records: Records,
             info: Callable[[AdapterRecord], AdapterInfo]) -> dict[str, AdapterInfo]:
     """The adapters `tenant` may use, by its names: the shared ones first (config order, then by age),
     then its own by age, less those of its own whose content is `forbidden`."""

@@ -36,7 +36,6 @@ from bench.cluster.topology import Topology
 from bench.server import ServeFailed, Server
 from tests.tinymodels import random_lora, write_adapter
 
-
 KEYS = {"t1": "sk-multi-one", "t2": "sk-multi-two", "operator": "sk-multi-operator"}
 ATTN = ["blk.0.attn_q.weight", "blk.1.attn_v.weight"]
 PROMPT = list(range(40, 120))  # > 2 cache chunks of 32

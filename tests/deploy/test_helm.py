@@ -17,8 +17,8 @@ import yaml
 
 from cache.l2 import connect
 from gateway.config import RegistrySettings, load_config, parse_config
+from gateway.requests.tracing import TracingSettings
 from gateway.state import StateSettings, StateStoreRefused, check, state_redis
-from gateway.tracing import TracingSettings
 from tests.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +93,7 @@ def multi_shard_values() -> dict:
             "adapters": [{"name": f"a{i}", "path": f"adapters/a{i}.gguf"} for i in range(6)],
             "shards": [{"name": f"shard-{i}", "adapters": [f"a{(i + j) % 6}" for j in range(3)], "replicas": 2,
                         "num_gpus": 1} for i in range(3)],
-            "routing": "affinity",
+            "routing": {"policy": "affinity"},
         },
         "tenants": {"items": [{"id": "acme", "key_sha256": ["a" * 64], "adapters": ["a0", "a1"],
                                "requests_per_min": 100}]},
@@ -329,11 +329,8 @@ def test_the_chart_decides_where_http_listens_and_keeps_the_rest_of_the_users_ht
     assert config["http"] == {"host": "0.0.0.0", "port": 8000, "listener": "serve-proxy", **users}
 
 
-@pytest.mark.parametrize("settings", [
-    {"engine": {"num_slots": 4, "dtype": "bfloat16"}, "routing": "random"},  # the older spellings
-    {"engine": {"num_seq_slots": 4}, "device": {"dtype": "bfloat16"}, "routing": {"policy": "random", "eps": 0.5}},
-], ids=["old", "new"])
-def test_the_chart_takes_either_spelling_of_the_engine_device_and_routing(settings, tmp_path) -> None:
+def test_the_chart_passes_the_engine_device_and_routing_sections_on(tmp_path) -> None:
+    settings = {"engine": {"num_seq_slots": 4}, "device": {"dtype": "bfloat16"}, "routing": {"policy": "random", "eps": 0.5}}
     lint({"loraplex": settings})
     parsed = parse_config(config_in_pod(render({"loraplex": settings, **KEYED}), tmp_path), ".", "serveConfigV2")
     assert (parsed.engine.num_seq_slots, parsed.device.dtype, parsed.routing.policy) == (4, "bfloat16", "random")

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from gateway.cluster.pool import WorkerFailed, replica_infos
 from gateway.config import ServeConfig
-from gateway.pool import WorkerFailed, replica_infos
 from worker.contract.calls import Delta, Usage, WorkerCall
 
 
@@ -20,7 +20,7 @@ class FakePool:
         self.killed: set[str] = set()  # fail at once, and in health checks
         self.fail_after: dict[str, int] = {}  # die after this many deltas (once)
         self.refusal: str | None = None  # every replica refuses every call with this message
-        self.unreachable: set[str] = set()  # known gone, as a silent channel shows one (gateway/channel.py)
+        self.unreachable: set[str] = set()  # known gone, as a silent channel shows one (gateway/cluster/channel.py)
 
     async def stream(self, replica_id: str, call: WorkerCall) -> AsyncIterator[Delta]:
         self.calls.append((replica_id, call))

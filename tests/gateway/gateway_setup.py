@@ -14,8 +14,8 @@ import redis.asyncio
 from gateway.api.app import create_app
 from gateway.catalog import Catalog
 from gateway.config import parse_config
-from gateway.dispatch import Gateway
-from gateway.ratelimit import RateLimiter
+from gateway.compose import Gateway
+from gateway.tenancy.ratelimit import RateLimiter
 from tests.tinymodels import TinyModel, invocation_metadata, random_lora, write_adapter
 
 ATTN = ["blk.0.attn_q.weight", "blk.0.attn_v.weight", "blk.1.attn_output.weight"]

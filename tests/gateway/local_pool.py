@@ -1,5 +1,5 @@
 """Every replica of every shard as an in-process ShardWorker (torch), reached through the
-gateway's channel as production reaches a replica over Ray (gateway/channel.py): the gateway
+gateway's channel as production reaches a replica over Ray (gateway/cluster/channel.py): the gateway
 end to end without Ray. A replica in `killed` fails like a dead one (and is unreachable, as its
 silent channel would show); one in `fail_after` dies after that many deltas of its next request."""
 
@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from gateway.channel import ReplicaChannel
+from gateway.cluster.channel import ReplicaChannel
+from gateway.cluster.pool import WorkerFailed, replica_infos
 from gateway.config import ServeConfig
-from gateway.pool import WorkerFailed, replica_infos
 from tests.helpers import channel_to
 from worker.contract.calls import Delta, WorkerCall
 from worker.shard import ShardWorker
@@ -46,7 +46,7 @@ class LocalShardPool:
                 sent += 1
                 yield delta
 
-    def is_reachable(self, replica_id: str) -> bool:  # a dead replica's channel goes silent (gateway/channel.py)
+    def is_reachable(self, replica_id: str) -> bool:  # a dead replica's channel goes silent (gateway/cluster/channel.py)
         return replica_id not in self.killed
 
     async def health(self, replica_id: str) -> dict[str, Any]:

@@ -16,8 +16,8 @@ import redis
 from botocore.config import Config
 from fastapi.testclient import TestClient
 
-import worker.engine.residency
-from tests.gateway.api.test_adapters import adapter_file, assert_same_output, greedy, upload
+import worker.residency.residency
+from tests.gateway.api.admin.test_adapters import adapter_file, assert_same_output, greedy, upload
 from tests.gateway.gateway_setup import auth, local_app, tiny_config
 from tests.redis_server import free_port
 from tests.s3_server import bucket_name, running_s3
@@ -31,8 +31,8 @@ def setup(tiny_llama, tmp_path_factory):
     allowed = directory / "allowed"
     allowed.mkdir()
     prefix = f"loraplex-test-{uuid.uuid4().hex}"
-    saved = worker.engine.residency.DRAIN_GRACE_S
-    worker.engine.residency.DRAIN_GRACE_S = 0.2
+    saved = worker.residency.residency.DRAIN_GRACE_S
+    worker.residency.residency.DRAIN_GRACE_S = 0.2
     with running_s3():
         bucket = bucket_name()
         s3 = boto3.client("s3")
@@ -47,7 +47,7 @@ def setup(tiny_llama, tmp_path_factory):
         with TestClient(app) as client:
             yield client, pool, directory, allowed, app.state.gateway, s3, bucket
         pool.close()
-    worker.engine.residency.DRAIN_GRACE_S = saved
+    worker.residency.residency.DRAIN_GRACE_S = saved
     r = redis.Redis()
     for key in r.scan_iter(f"{prefix}:*"):
         r.delete(key)

@@ -38,27 +38,27 @@ def test_the_default_config_loads_and_its_files_exist() -> None:
     ({"colour": "blue"}, "colour: Extra inputs are not permitted"),
     # the subsystems' own dataclasses: their fields' types, unknown keys, their __post_init__ checks
     ({"engine": {"num_seq_slots": "many"}}, "engine.num_seq_slots: Input should be a valid integer"),
-    ({"engine": {"num_slots": 0}}, "engine: num_seq_slots must be >= 1, got 0"),
+    ({"engine": {"num_seq_slots": 0}}, "engine: num_seq_slots must be >= 1, got 0"),
     ({"engine": {"num_seq_slots": 8, "max_step_tokens": 4}},
      "engine: max_step_tokens (4) must be at least num_seq_slots"),
     ({"engine": {"decode_stall": 0}}, "engine: decode_stall must be > 0"),
     ({"engine": {"colour": "blue"}}, "engine.colour: Extra inputs are not permitted"),
-    ({"engine": {"dtype": "int8"}}, "device: dtype must be one of float32, float16, bfloat16, got 'int8'"),
+    ({"device": {"dtype": "int8"}}, "device: dtype must be one of float32, float16, bfloat16, got 'int8'"),
     ({"device": {"weights": "q8"}}, "device: weights must be one of"),
-    ({"engine": {"threads": 2, "decode_threads": 4}}, "decode_threads must be between 1 and threads (2), got 4"),
+    ({"device": {"threads": 2, "decode_threads": 4}}, "decode_threads must be between 1 and threads (2), got 4"),
     ({"device": {"colour": "blue"}}, "device.colour: Extra inputs are not permitted"),
     ({"cache": {"chunk_tokens": 0}}, "cache: chunk_tokens must be >= 1, got 0"),
     ({"cache": {"ttl_s": "long"}}, "cache.ttl_s: Input should be a valid integer"),
     ({"cache": {"ttl_s": 0}}, "cache: ttl_s must be >= 1, got 0"),
     ({"cache": {"redis_url": "http://cache:6379"}}, "cache: redis url must start with redis://"),
     ({"cache": {"colour": "blue"}}, "cache.colour: Extra inputs are not permitted"),
-    ({"routing": "fastest"}, "routing: unknown routing policy 'fastest' (known: affinity, random, least_loaded)"),
+    ({"routing": {"policy": "fastest"}}, "routing: unknown routing policy 'fastest' (known: affinity, random, least_loaded)"),
     ({"routing": {"policy": "affinity", "eps": 0}}, "routing: eps and half_life_s must be > 0"),
     ({"routing": {"colour": "blue"}}, "routing.colour: Extra inputs are not permitted"),
-    # a key given twice over, in both spellings; what worker_spec sets
-    ({"engine": {"num_slots": 4, "num_seq_slots": 8}}, "engine: num_slots is the old name of num_seq_slots"),
-    ({"engine": {"dtype": "float16"}, "device": {"dtype": "bfloat16"}},
-     "dtype is given under both engine: and device:"),
+    # spellings of another day, refused by name; what worker_spec sets
+    ({"engine": {"num_slots": 4}}, "engine.num_slots: Extra inputs are not permitted"),
+    ({"engine": {"dtype": "float16"}}, "engine.dtype: Extra inputs are not permitted"),
+    ({"routing": "affinity"}, "routing: Input should be a dictionary"),
     ({"cache": {"redis": {"url": "redis://cache:6379/0"}}}, "cache.redis: give redis_url, key_prefix"),
     ({"device": {"device": "cuda:1"}}, "device.device: chosen per shard"),
     ({"engine": {"is_multi_tenant": True}}, "engine.is_multi_tenant: follows from the tenants"),
@@ -80,14 +80,10 @@ def test_each_section_is_its_subsystems_settings_with_their_defaults() -> None:
     assert config.cache == PrefixCacheConfig(redis=RedisConfig())  # Redis on by default
 
 
-def test_the_old_spellings_mean_what_they_did() -> None:
-    old = parse_config({**BASE, "routing": "least_loaded",
-                        "engine": {"num_slots": 4, "max_step_tokens": 64, "dtype": "bfloat16", "threads": 2,
-                                   "decode_threads": "auto"}}, ".")
+def test_each_section_takes_its_own_settings() -> None:
     new = parse_config({**BASE, "routing": {"policy": "least_loaded"},
                         "engine": {"num_seq_slots": 4, "max_step_tokens": 64},
                         "device": {"dtype": "bfloat16", "threads": 2, "decode_threads": "auto"}}, ".")
-    assert old == new
     assert (new.engine.num_seq_slots, new.device.dtype, new.routing.policy) == (4, "bfloat16", "least_loaded")
     assert new.device == DeviceSettings(dtype="bfloat16", threads=2, decode_threads="auto")
 
@@ -107,7 +103,7 @@ def test_the_flat_cache_keys_become_the_prefix_cache_and_its_redis() -> None:
 
 
 @pytest.mark.parametrize("change", [{}, {"cache": {"redis_url": None}},
-                                    {"routing": "random", "engine": {"num_slots": 2, "threads": 1},
+                                    {"routing": {"policy": "random"}, "engine": {"num_seq_slots": 2}, "device": {"threads": 1},
                                      "cache": {"redis_url": "redis://cache:6379/0", "redis_password_file": "/p"}}])
 def test_a_dump_has_the_files_shape_and_validates_again(change) -> None:
     """What the Serve ingress gets (gateway/serve.py: build)."""
@@ -126,9 +122,9 @@ def test_the_prompt_budget_of_decoding_steps_reaches_the_engine() -> None:
 
 def test_decode_threads_reach_the_worker_unset_unless_given() -> None:
     assert parse_config(BASE, ".").worker_spec("s", threads=2).device.decode_threads is None  # all threads
-    auto = parse_config({**BASE, "engine": {"decode_threads": "auto"}}, ".")
+    auto = parse_config({**BASE, "device": {"decode_threads": "auto"}}, ".")
     assert auto.worker_spec("s").device.decode_threads == "auto"
-    given = parse_config({**BASE, "engine": {"decode_threads": 1}}, ".").worker_spec("s", threads=2).device
+    given = parse_config({**BASE, "device": {"decode_threads": 1}}, ".").worker_spec("s", threads=2).device
     assert (given.threads, given.decode_threads) == (2, 1)
 
 

@@ -16,21 +16,21 @@ import redis
 import redis.asyncio
 from redis.cluster import key_slot
 
+from bench.cluster.redis_cluster import LocalRedisCluster
 from cache.codec import ChunkKV
 from cache.keys import chunk_keys, root_key
 from cache.l2 import RedisConfig, connect
 from cache.prefix import ChunkGeometry, PrefixCache, PrefixCacheConfig
-from gateway.api.protocol import APIError
 from gateway.config import ServeConfig, parse_config
-from gateway.ratelimit import REDIS_RETRY_S, RateLimiter
+from gateway.errors import GatewayError
 from gateway.registry.records import (
     AdapterRecord,
     RedisRecords,
     RegistryUnavailable,
     ReplicaDidNotAcknowledge,
 )
-from gateway.tenants import Tenant
-from bench.cluster.redis_cluster import LocalRedisCluster
+from gateway.tenancy.ratelimit import REDIS_RETRY_S, RateLimiter
+from gateway.tenancy.tenants import Tenant
 from tests.redis_server import RedisServer
 
 SCOPE = "lp:0123456789abcdef:"  # open_registry's key prefix: the deployment's, then the base model's
@@ -164,10 +164,10 @@ def test_the_rate_limiter_keeps_a_tenants_keys_in_one_slot_and_shares_them(clust
         tenant = Tenant("acme", None, requests_per_min=6, tokens_per_min=100)  # a burst of one request
         assert one._key("acme", "requests") == "lp-rl:rl:{acme}:requests"
         await one.check(tenant, 60)
-        with pytest.raises(APIError) as refused:
+        with pytest.raises(GatewayError) as refused:
             await other.admit(tenant)  # the first one's request counted in the cluster
         assert refused.value.status == 429
-        with pytest.raises(APIError, match="tokens per minute"):
+        with pytest.raises(GatewayError, match="tokens per minute"):
             await other.spend(tenant, 60)
         assert await client.exists("lp-rl:rl:{acme}:requests", "lp-rl:rl:{acme}:tokens") == 2
         await client.aclose()
@@ -248,7 +248,7 @@ def test_after_a_master_is_killed_right_after_a_commit_everything_recovers(tmp_p
                 await bounded(one.admit(tenant))
                 try:
                     await bounded(other.admit(tenant))
-                except APIError:
+                except GatewayError:
                     return True  # refused: the two limiters counted in Redis again
                 clock.skew_s += REDIS_RETRY_S  # they counted per process: let their retry period pass
                 return False
@@ -296,7 +296,7 @@ def test_usage_no_replica_holds_is_sent_again_and_survives_a_failover_counted_on
     """A usage write the master took but its replica did not (paused) is not done: it waits and is sent
     again. The master is lost, the replica takes over without it, and the write sent again lands there;
     the gateway's own retry of the same request counts nothing more."""
-    from gateway.usage import UsageEvent, UsageLedger
+    from gateway.tenancy.usage import UsageEvent, UsageLedger
 
     with LocalRedisCluster(tmp_path).start() as cluster:
         async def scenario() -> list[dict]:

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from cache.l2 import RedisConfig
 from gateway.config import ConfigError, parse_config
 from gateway.state import StateSettings, StateStoreRefused, check
-from gateway.tenants import ACCOUNTS_POLL_S
+from gateway.tenancy.tenants import ACCOUNTS_POLL_S
 from tests.gateway.gateway_setup import KEYS, auth, local_serving, tiny_config
 from tests.redis_server import RedisServer
 

@@ -10,7 +10,7 @@ import uuid
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.gateway.api.test_adapters import adapter_file, assert_same_output, greedy, upload
+from tests.gateway.api.admin.test_adapters import adapter_file, assert_same_output, greedy, upload
 from tests.gateway.gateway_setup import KEYS, auth, digest, local_serving, tiny_config
 
 

@@ -13,7 +13,7 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from tests.gateway.api.test_adapters import adapter_file, assert_same_output, greedy, upload
+from tests.gateway.api.admin.test_adapters import adapter_file, assert_same_output, greedy, upload
 from tests.gateway.gateway_setup import KEYS, PROMPT, auth, digest, local_app, tiny_config
 
 T3_KEY = "key-three"  # a tenant whose adapter_paths lie outside registry.allowed_paths

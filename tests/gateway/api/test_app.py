@@ -268,7 +268,7 @@ def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event(served) 
         assert "no healthy replica for adapters b" in whole.json()["error"]["message"]
     finally:
         pool.fail_after.clear()
-        client.app.state.gateway._failed_until_s.clear()
+        client.app.state.gateway.dispatcher._failed_until_s.clear()
 
 
 
@@ -298,7 +298,7 @@ def test_a_stream_closed_early_frees_the_workers_slot(served) -> None:
     async def read_one_delta_and_leave() -> None:
         params = SamplingParams(max_tokens=90, ignore_eos=True)
         prepared = await gateway.admission.prepare(gateway.tenants.by_id["t1"], PROMPT, params, {"b": 1.0})
-        deltas = gateway.stream(prepared)
+        deltas = gateway.dispatcher.stream(prepared)
         await anext(deltas)
         assert engine.has_work()
         await deltas.aclose()
@@ -307,7 +307,7 @@ def test_a_stream_closed_early_frees_the_workers_slot(served) -> None:
     deadline = time.monotonic() + 10
     while engine.has_work() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not engine.has_work() and gateway.views()[-1].in_flight == 0
+    assert not engine.has_work() and gateway.dispatcher.views()[-1].in_flight == 0
 
 
 def test_the_worker_schedules_each_request_as_its_tenants(served, monkeypatch) -> None:

@@ -72,7 +72,7 @@ def test_an_adapter_whose_output_overflows_fails_its_own_request_only(served) ->
     assert r.status_code == 400 and "not finite" in r.json()["error"]["message"]
     streamed = post(url, "/v1/completions", {"model": "hot", "prompt": PROMPT, "max_tokens": 4, "stream": True})
     assert streamed.status_code == 400  # refused before the first token: still an HTTP error
-    assert all(v.is_healthy for v in gateway.views())  # the replica is not blamed
+    assert all(v.is_healthy for v in gateway.dispatcher.views())  # the replica is not blamed
     assert post(url, "/v1/completions", {"model": "b", "prompt": PROMPT, "max_tokens": 2}, key="t2").status_code == 200
 
 
@@ -183,7 +183,7 @@ def test_a_mid_stream_failure_carries_nothing_internal(served) -> None:
         assert error["message"] == "the worker failed mid-stream" and error["code"] == "worker_failed"
     finally:
         pool.fail_after.clear()
-        gateway._failed_until_s.clear()
+        gateway.dispatcher._failed_until_s.clear()
 
 
 def test_a_prompt_too_long_to_fit_is_refused_before_tokenizing(served, monkeypatch) -> None:
@@ -212,7 +212,7 @@ def test_clients_that_leave_mid_stream_leak_no_slots(served) -> None:
 
     asyncio.run(crowd())
     assert no_work_left(pool)
-    assert wait_until(lambda: all(v.in_flight == 0 for v in gateway.views()))
+    assert wait_until(lambda: all(v.in_flight == 0 for v in gateway.dispatcher.views()))
     assert all(w.loop.engine.scheduler.num_free_slots == 4 for w in pool.workers.values())
 
 

@@ -1,4 +1,4 @@
-"""Every HTTP answer in `loraplex_gateway_requests_total`, once (gateway/api/observed.py): those
+"""Every HTTP answer in `loraplex_gateway_requests_total`, once (gateway/http/observed.py): those
 refused before they reached a worker (a bad key, a bad body, a limit, no such route) as well as
 those respond() answered, each under the labels known by then."""
 

@@ -11,7 +11,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.plan import parse_capacity
+from gateway.cli.plan import parse_capacity
 from gateway.policy.placement import AdapterSpec, PlacementError, plan, zipf_shares
 
 

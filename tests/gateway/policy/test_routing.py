@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-
 from dataclasses import replace
 
 import pytest
@@ -122,7 +121,7 @@ def test_recent_load_decays_by_its_half_life_over_a_long_run() -> None:
 
 def test_ranks_are_the_same_for_large_pools() -> None:
     """Pools of _VECTOR_FROM replicas or more are ranked with numpy: the same choice as one by one."""
-    from gateway.policy import routing
+    from gateway.policy.routing import rendezvous as routing
 
     pool = [ReplicaView(f"replica-{i}", "a", frozenset()) for i in range(routing._VECTOR_FROM + 7)]
     rng = random.Random(3)
