@@ -1,6 +1,7 @@
 """The composition root (torch-free): the one place a gateway's parts are built from its config and
 tied together. Ray Serve's ingress (gateway/serve.py) builds one per gateway replica; tests
-build one over a fake pool. The routes read the part they use from it (gateway/http/incoming.py).
+build one over a fake pool. A route receives the parts it uses from it as FastAPI dependencies
+(gateway/http/parts.py), never the whole.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gateway.requests.response_store import open_response_store
 from gateway.catalog import Catalog
 from gateway.cluster.pool import ShardPool
 from gateway.config import ServeConfig
@@ -18,6 +18,7 @@ from gateway.registry.registry import AdapterRegistry, open_registry
 from gateway.requests.admission import Admission
 from gateway.requests.dispatch import Dispatcher
 from gateway.requests.health import Health
+from gateway.requests.response_store import open_response_store
 from gateway.requests.tracing import open_tracing
 from gateway.tenancy.audit import open_audit
 from gateway.tenancy.ratelimit import RateLimiter

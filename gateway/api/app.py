@@ -21,13 +21,13 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from gateway.api import admin, anthropic, llama, openai, responses
+from gateway.compose import Gateway
 from gateway.errors import GatewayError
 from gateway.http.api import Api
 from gateway.http.errors import openai_error
 from gateway.http.observed import ObservedRequests
 from gateway.http.uploads import UPLOAD_BODY
 from gateway.registry.records import RegistryUnavailable
-from gateway.compose import Gateway
 
 log = logging.getLogger(__name__)
 

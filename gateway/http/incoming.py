@@ -11,10 +11,11 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from gateway.catalog import Catalog
+from gateway.compose import Gateway
 from gateway.errors import GatewayError
 from gateway.http.json_body import load_json, parse, read_body
 from gateway.requests.admission import EXCEEDS_CONTEXT
-from gateway.compose import Gateway
 from gateway.tenancy.tenants import Tenant
 from gateway.tool_calls import ToolPlan, chat_input, rendered_size
 from worker.formats.chat_template import ChatTemplateError, encode_chat
@@ -38,14 +39,14 @@ def gateway_of(request: Request) -> Gateway:
     return request.app.state.find_gateway()
 
 
-async def read_parsed(request: Request, gateway: Gateway, body_type: Any) -> Any:
+async def read_parsed(request: Request, body_type: Any) -> Any:
     """The JSON body, read to at most the configured size and validated against `body_type`."""
-    return parse(body_type, load_json(await read_body(request, gateway.config.http.max_body_bytes)))
+    return parse(body_type, load_json(await read_body(request, gateway_of(request).config.http.max_body_bytes)))
 
 
-async def begin(request: Request, body_type: Any = None) -> tuple[Gateway, Tenant, Any]:
-    """The gateway, the calling tenant (its request counted against its rate), and the parsed body
-    (None without `body_type`)."""
+async def begin(request: Request, body_type: Any = None) -> tuple[Tenant, Any]:
+    """The calling tenant (its request counted against its rate) and the parsed body (None without
+    `body_type`): every route's first step, whose parts (tenants, limiter, registry) it finds itself."""
     gateway = gateway_of(request)
     gateway.registry.ensure_running()
     await gateway.tenants.refresh_if_stale()
@@ -53,45 +54,44 @@ async def begin(request: Request, body_type: Any = None) -> tuple[Gateway, Tenan
     request.state.tenant_id = tenant.id  # the metrics' label of whatever this request is answered (gateway/http/observed.py)
     await gateway.limiter.admit(tenant)
     await gateway.registry.refresh_if_stale()
-    body = None if body_type is None else await read_parsed(request, gateway, body_type)
-    return gateway, tenant, body
+    body = None if body_type is None else await read_parsed(request, body_type)
+    return tenant, body
 
 
-async def off_loop(gateway: Gateway, num_chars: int, work: Callable[[], T]) -> T:
+async def off_loop(catalog: Catalog, num_chars: int, work: Callable[[], T]) -> T:
     """Tokenizing or rendering `num_chars` of text: refused when it cannot fit the context; off the
     event loop when large."""
-    if num_chars > gateway.catalog.max_prompt_chars:
+    if num_chars > catalog.max_prompt_chars:
         raise GatewayError(400, f"the prompt ({num_chars} characters) cannot fit the model's context of "
-                       f"{gateway.catalog.max_positions} tokens", "context_length_exceeded", kind=EXCEEDS_CONTEXT,
-                       n_prompt_tokens=num_chars // gateway.catalog.longest_token_chars,  # at least that many
-                       n_ctx=gateway.catalog.max_positions)
+                           f"{catalog.max_positions} tokens", "context_length_exceeded", kind=EXCEEDS_CONTEXT,
+                           n_prompt_tokens=num_chars // catalog.longest_token_chars,  # at least that many
+                           n_ctx=catalog.max_positions)
     try:
         return await asyncio.to_thread(work) if num_chars > OFF_LOOP_CHARS else work()
     except (TokenizerError, ChatTemplateError) as e:
         raise GatewayError(400, str(e), "invalid_prompt") from e
 
 
-async def tokenized(gateway: Gateway, prompt: str | list[int]) -> list[int]:
+async def tokenized(catalog: Catalog, prompt: str | list[int]) -> list[int]:
     """A prompt's token ids (a list of ids is taken as it is)."""
     if isinstance(prompt, list):
         return prompt
-    tokenizer = gateway.catalog.tokenizer  # raw prompts parse special tokens, as llama.cpp does
-    return await off_loop(gateway, len(prompt), lambda: tokenizer.encode(prompt, add_special=True, parse_special=True))
+    tokenizer = catalog.tokenizer  # raw prompts parse special tokens, as llama.cpp does
+    return await off_loop(catalog, len(prompt), lambda: tokenizer.encode(prompt, add_special=True, parse_special=True))
 
 
-def checked_chat_input(gateway: Gateway, body: Any) -> tuple[ToolPlan | None, list[dict[str, Any]], dict[str, Any]]:
+def checked_chat_input(catalog: Catalog, body: Any) -> tuple[ToolPlan | None, list[dict[str, Any]], dict[str, Any]]:
     """A chat body's tool plan, messages and template arguments (a 400 for duplicate or unknown tools,
     or an earlier call's arguments that are not JSON)."""
     try:
-        return chat_input(body, gateway.catalog.tool_style)
+        return chat_input(body, catalog.tool_style)
     except ValueError as e:
         raise GatewayError(400, str(e), "invalid_value") from e
 
 
-async def chat_prompt(gateway: Gateway, body: Any) -> tuple[ToolPlan | None, list[int]]:
+async def chat_prompt(catalog: Catalog, body: Any) -> tuple[ToolPlan | None, list[int]]:
     """A chat body's tool plan and its prompt: its messages rendered with the model's template (a last
     assistant message as a prefill) and tokenized (the chat, Anthropic and Responses routes')."""
-    tools, messages, extra = checked_chat_input(gateway, body)
-    prompt_ids = await off_loop(gateway, rendered_size(messages, extra),
-                                lambda: encode_chat(gateway.catalog.tokenizer, messages, **extra))
+    tools, messages, extra = checked_chat_input(catalog, body)
+    prompt_ids = await off_loop(catalog, rendered_size(messages, extra), lambda: encode_chat(catalog.tokenizer, messages, **extra))
     return tools, prompt_ids

@@ -15,9 +15,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from gateway.compose import Gateway
 from gateway.errors import GatewayError
 from gateway.http.incoming import credentials
-from gateway.compose import Gateway
 from gateway.requests.tracing import arrived, context_of, reset_arrived
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/completion": "completion",  # respond()'s names

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Gauge
 
-from gateway.http.formatting import named_sse, sse, summary
 from gateway.errors import GatewayError
 from gateway.http.errors import openai_error
-from gateway.metrics import adapter_label
-from gateway.requests.admission import Prepared
-from gateway.compose import Gateway
+from gateway.http.formatting import named_sse, sse, summary
+from gateway.metrics import GatewayMetrics, adapter_label
+from gateway.requests.admission import Admission, Prepared
+from gateway.requests.dispatch import Dispatcher
 from gateway.tenancy.usage import UsageEvent
 from worker.contract.calls import Delta
 
@@ -48,13 +49,24 @@ def route_headers(prepared: Prepared) -> dict[str, str]:
             "x-loraplex-replica": prepared.route.get("replica", "")}
 
 
+@dataclass(frozen=True)
+class Responder:
+    """What answering a prepared request takes: the dispatcher runs it, admission settles what it
+    held, the metrics count it, and usage names the model it ran on."""
+
+    dispatcher: Dispatcher
+    admission: Admission
+    metrics: GatewayMetrics
+    model_name: str
+
+
 class Timing:
     """A request's latency and time to first token, recorded once it is done, and its end settled
     once (gateway/requests/admission.py `settle`): what it used counted when it finished, or what was sent
     of it when its stream ended early, or nothing when it never ran."""
 
-    def __init__(self, gateway: Gateway, prepared: Prepared, endpoint: str) -> None:
-        self.gateway, self.tenant, self.endpoint = gateway, prepared.tenant, endpoint
+    def __init__(self, responder: Responder, prepared: Prepared, endpoint: str) -> None:
+        self.responder, self.tenant, self.endpoint = responder, prepared.tenant, endpoint
         self.prepared = prepared
         self.adapter = adapter_label(prepared.names_by_fingerprint.values())
         self.started_s, self.first_token_s = time.perf_counter(), None
@@ -66,14 +78,14 @@ class Timing:
         prompt = usage.prompt_tokens if usage else self.prepared.num_prompt_tokens
         reservation = self.prepared.hold.reservation
         return UsageEvent(self.prepared.call.request_id, self.tenant.id, self.tenant.key_id, self.adapter,
-                          self.gateway.catalog.model_name, prompt, usage.cached_tokens if usage else 0,
+                          self.responder.model_name, prompt, usage.cached_tokens if usage else 0,
                           usage.completion_tokens if usage else self.num_sent_tokens, finish_reason, time.time(),
                           None if reservation is None else reservation.at_s)
 
     async def count(self, final: Delta) -> None:
         """A finished request's usage, written before its answer ends."""
         self.is_counted = True
-        await self.gateway.admission.settle(self.prepared.hold, self._event(final, final.finish_reason or "stop"))
+        await self.responder.admission.settle(self.prepared.hold, self._event(final, final.finish_reason or "stop"))
 
     def failed(self, error: GatewayError) -> None:
         """The request's answer is `error`; when it ran before it failed (its deadline), what it used
@@ -89,13 +101,13 @@ class Timing:
         """A stream that ended early (`cancelled`, `error`): its prompt and the tokens sent, written soon."""
         if not self.is_counted:
             self.is_counted = True
-            self.gateway.admission.settle_soon(self.prepared.hold, self._event(None, finish_reason))
+            self.responder.admission.settle_soon(self.prepared.hold, self._event(None, finish_reason))
 
     def never_ran(self) -> None:
         """It ended before any of it ran (refused, or cancelled waiting): nothing counted, everything given back."""
         if not self.is_counted:
             self.is_counted = True
-            self.gateway.admission.settle_soon(self.prepared.hold, None)
+            self.responder.admission.settle_soon(self.prepared.hold, None)
 
     def cancelled(self) -> None:
         """Cancelled or failed outside the API's errors: once a worker took it (routed), its prompt and what
@@ -112,20 +124,20 @@ class Timing:
 
     def done(self, status: int, final: Delta | None) -> None:
         to_first_token_s = None if self.first_token_s is None else self.first_token_s - self.started_s
-        self.gateway.metrics.finished(self.tenant.id, self.adapter, self.endpoint, status,
+        self.responder.metrics.finished(self.tenant.id, self.adapter, self.endpoint, status,
                                       time.perf_counter() - self.started_s, to_first_token_s, final)
 
 
-async def respond(gateway: Gateway, prepared: Prepared, endpoint: str, formatter: Formatter, is_streamed: bool,
+async def respond(responder: Responder, prepared: Prepared, endpoint: str, formatter: Formatter, is_streamed: bool,
                   usage_chunk: UsageChunk | None = None, done_marker: bool = True) -> Response:
     """The answer: `formatter.whole` of every delta, or an event per `formatter.chunk`, then
     `usage_chunk` of each choice's last delta (when given) and `[DONE]` (with `done_marker`)."""
-    timing = Timing(gateway, prepared, endpoint)
-    in_flight = gateway.metrics.in_flight.labels(prepared.tenant.id)
+    timing = Timing(responder, prepared, endpoint)
+    in_flight = responder.metrics.in_flight.labels(prepared.tenant.id)
     in_flight.inc()
     if not is_streamed:
         try:
-            deltas = await gateway.dispatcher.collect(prepared, on_first=timing.token)
+            deltas = await responder.dispatcher.collect(prepared, on_first=timing.token)
         except GatewayError as e:
             timing.failed(e)
             raise
@@ -138,7 +150,7 @@ async def respond(gateway: Gateway, prepared: Prepared, endpoint: str, formatter
         await timing.count(final)
         timing.done(200, final)
         return JSONResponse(formatter.whole(deltas), headers=route_headers(prepared))
-    deltas = gateway.dispatcher.stream(prepared)
+    deltas = responder.dispatcher.stream(prepared)
     try:
         first = await anext(deltas)  # errors before the first token are still HTTP errors
     except BaseException as e:
@@ -149,11 +161,11 @@ async def respond(gateway: Gateway, prepared: Prepared, endpoint: str, formatter
             timing.cancelled()
             timing.done(500, None)
         raise
-    events = _events(gateway, prepared, first, deltas, formatter, usage_chunk, done_marker, timing, in_flight)
+    events = _events(responder.dispatcher, prepared, first, deltas, formatter, usage_chunk, done_marker, timing, in_flight)
     return StreamingResponse(events, media_type="text/event-stream", headers=route_headers(prepared))
 
 
-async def _events(gateway: Gateway, prepared: Prepared, first: Delta, deltas: AsyncGenerator[Delta, None],
+async def _events(dispatcher: Dispatcher, prepared: Prepared, first: Delta, deltas: AsyncGenerator[Delta, None],
                   formatter: Formatter, usage_chunk: UsageChunk | None, done_marker: bool, timing: Timing,
                   in_flight: Gauge) -> AsyncIterator[bytes]:
     """The events of a streamed answer, from its `first` delta on. A worker's error delta ends it
@@ -166,7 +178,7 @@ async def _events(gateway: Gateway, prepared: Prepared, first: Delta, deltas: As
         while True:
             timing.token()
             if delta.finish_reason == "error":
-                error = gateway.dispatcher.error_of(delta, prepared)
+                error = dispatcher.error_of(delta, prepared)
                 status = error.status
                 yield frame(error_event(error))
                 break

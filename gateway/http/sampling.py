@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 
+from gateway.catalog import Catalog
 from gateway.errors import GatewayError
-from gateway.compose import Gateway
+from gateway.requests.admission import Admission
 from gateway.tool_calls import ToolPlan
 from worker.contract.params import SamplingParams
 from worker.formats.grammar import GrammarError, gbnf_grammar, json_object_grammar, json_schema_grammar
+
 
 def checked_params(make) -> SamplingParams:
     try:
@@ -20,14 +22,14 @@ def checked_params(make) -> SamplingParams:
         raise GatewayError(400, str(e), "invalid_value") from e
 
 
-def openai_params(gateway: Gateway, num_prompt_tokens: int, max_tokens: int | None, body, logprobs: int | None = None,
+def openai_params(admission: Admission, num_prompt_tokens: int, max_tokens: int | None, body, logprobs: int | None = None,
                   echo: bool = False, grammar: str | None = None, n: int = 1) -> SamplingParams:
     """Completions and chat: penalties over the generated tokens, as OpenAI counts them, and
     temperature before top-k, top-p and min-p, as vLLM applies them; `n`
     choices from one prefill (each takes a KV slot, so at most a worker's slots)."""
     if max_tokens is None:
-        max_tokens = gateway.admission.default_max_tokens(num_prompt_tokens)
-    num_seq_slots = gateway.config.engine.num_seq_slots
+        max_tokens = admission.default_max_tokens(num_prompt_tokens)
+    num_seq_slots = admission.config.engine.num_seq_slots
     if n > num_seq_slots:
         raise GatewayError(400, f"n ({n}) is more than this server runs at once per worker ({num_seq_slots})",
                        "invalid_value")
@@ -40,25 +42,25 @@ def openai_params(gateway: Gateway, num_prompt_tokens: int, max_tokens: int | No
     ))
 
 
-async def compiled_grammar(gateway: Gateway, body, field: str, tools: ToolPlan | None = None) -> str | None:
+async def compiled_grammar(catalog: Catalog, body, field: str, tools: ToolPlan | None = None) -> str | None:
     """The body's grammar (response_format, json_schema or grammar, or what its tools enforce),
     compiled and checked off the event loop: checking builds a parser (and, the first time, the
     tokenizer's llguidance form)."""
     if tools is not None:
-        return await asyncio.to_thread(_checked_grammar, gateway, "tools", tools.grammar)
+        return await asyncio.to_thread(_checked_grammar, catalog, "tools", tools.grammar)
     if body.grammar_source() is None:
         return None
     kind, spec = body.grammar_source()
     make = {"json_object": json_object_grammar, "json_schema": lambda: json_schema_grammar(spec),
             "gbnf": lambda: gbnf_grammar(spec)}[kind]
-    return await asyncio.to_thread(_checked_grammar, gateway, field, make)
+    return await asyncio.to_thread(_checked_grammar, catalog, field, make)
 
 
-def _checked_grammar(gateway: Gateway, field: str, make) -> str | None:
+def _checked_grammar(catalog: Catalog, field: str, make) -> str | None:
     try:
         grammar = make()
         if grammar is not None:
-            gateway.catalog.check_grammar(grammar)
+            catalog.check_grammar(grammar)
     except GrammarError as e:
         raise GatewayError(400, f"{field}: {e}", "invalid_grammar") from e
     return grammar

@@ -16,7 +16,6 @@ from gateway.registry.records import PENDING, SHARED, AdapterRecord, Records
 from worker.contract.identity import Fingerprint
 
 
-
 class Caller(Protocol):
     """Who asks (a tenant, gateway/tenancy/tenants.py): its id, and the shared adapters its policy
     allows (None: every one)."""

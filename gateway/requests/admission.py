@@ -21,8 +21,8 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Protocol
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.catalog import AdapterInfo, Catalog
 from gateway.config import ServeConfig

@@ -25,7 +25,6 @@ from gateway.policy.routing import NoCandidateError, NoneReachable, RecentLoad, 
 from gateway.registry.registry import AdapterRegistry
 from gateway.requests.admission import Prepared
 from gateway.requests.tracing import Attempt, RequestSpans
-
 from worker.contract.calls import Delta, WorkerCall
 
 log = logging.getLogger(__name__)

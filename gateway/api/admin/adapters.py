@@ -29,15 +29,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.api.admin.tenants import audited
 from gateway.catalog import AdapterInfo
-from gateway.config import NAME
+from gateway.config import NAME, ServeConfig
 from gateway.errors import GatewayError
-from gateway.http.incoming import begin, credentials, gateway_of, read_parsed
+from gateway.http.incoming import begin, credentials, read_parsed
+from gateway.http.parts import AuditPart, CatalogPart, ConfigPart, RegistryPart, TenantsPart
 from gateway.http.uploads import ReadAdapter, adapter_reader, read_form
 from gateway.registry.records import SHARED, AdapterRecord
 from gateway.registry.registry import AdapterRegistry
 from gateway.registry.store import InvalidAdapter, PathNotAllowed, read_server_path
-from gateway.compose import Gateway
-from gateway.tenancy.tenants import Tenant
+from gateway.tenancy.audit import AuditLog
+from gateway.tenancy.tenants import Tenant, Tenants
 from worker.formats.adapter import LoRAAdapter
 
 router = APIRouter()
@@ -86,23 +87,22 @@ def entry(name: str, info: AdapterInfo, record: AdapterRecord | None, registry: 
     return out
 
 
-async def _caller(request: Request) -> tuple[Gateway, str, Tenant | None]:
-    """(gateway, owner, tenant or None for the operator)."""
-    gateway = gateway_of(request)
-    gateway.registry.ensure_running()
-    await gateway.tenants.refresh_if_stale()  # run-time operator keys, as fresh as tenants' keys
-    operator = gateway.tenants.operator(credentials(request))
+async def _caller(request: Request, tenants: Tenants, registry: AdapterRegistry) -> tuple[str, Tenant | None]:
+    """(owner, tenant or None for the operator)."""
+    registry.ensure_running()
+    await tenants.refresh_if_stale()  # run-time operator keys, as fresh as tenants' keys
+    operator = tenants.operator(credentials(request))
     if operator is not None and operator.may("adapters"):
         request.state.operator = operator  # its changes are audited under its key's id
-        return gateway, SHARED, None
-    gateway, tenant, _ = await begin(request)
-    return gateway, tenant.id, tenant
+        return SHARED, None
+    tenant, _ = await begin(request)
+    return tenant.id, tenant
 
 
-async def _audited(request: Request, gateway: Gateway, tenant: Tenant | None, action: str, owner: str, name: str,
+async def _audited(request: Request, audit: AuditLog, tenant: Tenant | None, action: str, owner: str, name: str,
                    **detail: Any) -> dict[str, str]:
     """An operator's change to the registry, in the audit log (a tenant's own changes are its usage's business)."""
-    return {} if tenant is not None else await audited(request, gateway, action, f"{owner or 'shared'}/{name}", **detail)
+    return {} if tenant is not None else await audited(request, audit, action, f"{owner or 'shared'}/{name}", **detail)
 
 
 def _owner_of(request: Request, owner: str, tenant: Tenant | None) -> str:
@@ -114,47 +114,47 @@ def _owner_of(request: Request, owner: str, tenant: Tenant | None) -> str:
     return asked
 
 
-async def _register(gateway: Gateway, owner: str, tenant: Tenant | None, name: str, read: ReadAdapter,
+async def _register(registry: AdapterRegistry, owner: str, tenant: Tenant | None, name: str, read: ReadAdapter,
                     replace_existing: bool = True) -> tuple[dict[str, Any], AdapterRecord | None]:
     """Check the adapter `read(scratch)` reads (in a thread), then register it; (the response entry,
     the record it replaced)."""
-    scratch = Path(tempfile.mkdtemp(prefix=".staging-", dir=gateway.registry.store.directory))
+    scratch = Path(tempfile.mkdtemp(prefix=".staging-", dir=registry.store.directory))
     try:
         try:
             adapter = await asyncio.to_thread(read, scratch)
         except InvalidAdapter as e:
             raise GatewayError(400, str(e), "invalid_adapter") from e
         limits = None if tenant is None else (tenant.max_adapters, tenant.max_adapter_bytes)
-        record, replaced, ready_s = await gateway.registry.register(owner, name, adapter, Path(adapter.path), limits,
-                                                                    replace_existing, tenant)
+        record, replaced, ready_s = await registry.register(owner, name, adapter, Path(adapter.path), limits,
+                                                            replace_existing, tenant)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    out = entry(name, gateway.registry.info(record), record, gateway.registry, tenant is None)
+    out = entry(name, registry.info(record), record, registry, tenant is None)
     out.update(replaced=replaced.fingerprint if replaced is not None else None, ready_s=round(ready_s, 3))
     return out, replaced
 
 
 @router.post("/v1/adapters")
-async def upload(request: Request) -> JSONResponse:
-    gateway, owner, tenant = await _caller(request)
+async def upload(request: Request, config: ConfigPart, catalog: CatalogPart, tenants: TenantsPart, registry: RegistryPart,
+                 audit: AuditPart) -> JSONResponse:
+    owner, tenant = await _caller(request, tenants, registry)
     owner = _owner_of(request, owner, tenant)
     if tenant is None and owner != SHARED:
-        await gateway.tenants.refresh_if_stale()
-        if owner not in gateway.tenants.by_id:
+        await tenants.refresh_if_stale()
+        if owner not in tenants.by_id:
             raise GatewayError(404, f"tenant {owner[:80]!r} not found", "tenant_not_found")
-    form = await read_form(request, gateway.config.registry.max_upload_bytes)
+    form = await read_form(request, config.registry.max_upload_bytes)
     try:
         name = _check_name(form.get("name"))
-        out, replaced = await _register(gateway, owner, tenant, name, adapter_reader(form, gateway.catalog.base))
+        out, replaced = await _register(registry, owner, tenant, name, adapter_reader(form, catalog.base))
     finally:
         await form.close()
-    out |= await _audited(request, gateway, tenant, "adapter.upload", owner, name, fingerprint=out["fingerprint"])
+    out |= await _audited(request, audit, tenant, "adapter.upload", owner, name, fingerprint=out["fingerprint"])
     return JSONResponse(out, status_code=200 if replaced is not None else 201)
 
 
-def _visible(gateway: Gateway, tenant: Tenant | None) -> list[tuple[str, AdapterInfo, AdapterRecord | None]]:
+def _visible(registry: AdapterRegistry, tenant: Tenant | None) -> list[tuple[str, AdapterInfo, AdapterRecord | None]]:
     """(name, info, its registry record or None for a config adapter) of what the caller sees."""
-    registry = gateway.registry
     if tenant is not None:  # its own record wins over a shared one of that name (one it cannot see)
         records = {r.name: r for r in registry.owned(SHARED)} | {r.name: r for r in registry.owned(tenant.id)}
         return [(n, info, records.get(n) if records.get(n) and records[n].fingerprint == info.fingerprint else None)
@@ -164,66 +164,68 @@ def _visible(gateway: Gateway, tenant: Tenant | None) -> list[tuple[str, Adapter
 
 
 @router.get("/v1/adapters")
-async def list_adapters(request: Request) -> dict[str, Any]:
-    gateway, _, tenant = await _caller(request)
-    await gateway.registry.refresh_if_stale()
-    rows = _visible(gateway, tenant)
+async def list_adapters(request: Request, tenants: TenantsPart, registry: RegistryPart) -> dict[str, Any]:
+    _, tenant = await _caller(request, tenants, registry)
+    await registry.refresh_if_stale()
+    rows = _visible(registry, tenant)
     return {"object": "list",
-            "data": [entry(n, info, record, gateway.registry, tenant is None) for n, info, record in rows]}
+            "data": [entry(n, info, record, registry, tenant is None) for n, info, record in rows]}
 
 
 @router.get("/v1/adapters/{name}")
-async def get_adapter(name: str, request: Request) -> dict[str, Any]:
-    gateway, owner, tenant = await _caller(request)
+async def get_adapter(name: str, request: Request, tenants: TenantsPart, registry: RegistryPart) -> dict[str, Any]:
+    owner, tenant = await _caller(request, tenants, registry)
     owner = _owner_of(request, owner, tenant)
-    await gateway.registry.refresh_if_stale()
-    for n, info, record in _visible(gateway, tenant):
+    await registry.refresh_if_stale()
+    for n, info, record in _visible(registry, tenant):
         if n == name and (tenant is not None or info.owner == owner):
-            return entry(n, info, record, gateway.registry, tenant is None)
+            return entry(n, info, record, registry, tenant is None)
     raise GatewayError(404, f"adapter {name[:80]!r} not found", "adapter_not_found")
 
 
-async def _delete(gateway: Gateway, owner: str, tenant: Tenant | None, name: str) -> AdapterRecord:
+async def _delete(registry: AdapterRegistry, owner: str, tenant: Tenant | None, name: str) -> AdapterRecord:
     if tenant is not None:
-        visible = gateway.registry.visible(tenant).get(name)
+        visible = registry.visible(tenant).get(name)
         if visible is not None and visible.owner != tenant.id:
             raise GatewayError(403, f"adapter {name!r} is shared with this key by the operator; only the operator can "
                            "remove it", "shared_adapter")
-    return await gateway.registry.unregister(owner, name)
+    return await registry.unregister(owner, name)
 
 
 @router.delete("/v1/adapters/{name}")
-async def delete_adapter(name: str, request: Request) -> dict[str, Any]:
-    gateway, owner, tenant = await _caller(request)
+async def delete_adapter(name: str, request: Request, tenants: TenantsPart, registry: RegistryPart,
+                         audit: AuditPart) -> dict[str, Any]:
+    owner, tenant = await _caller(request, tenants, registry)
     owner = _owner_of(request, owner, tenant)
-    record = await _delete(gateway, owner, tenant, name)
-    warned = await _audited(request, gateway, tenant, "adapter.delete", owner, name, fingerprint=record.fingerprint)
+    record = await _delete(registry, owner, tenant, name)
+    warned = await _audited(request, audit, tenant, "adapter.delete", owner, name, fingerprint=record.fingerprint)
     return {"object": "adapter.deleted", "name": name, "fingerprint": record.fingerprint, "deleted": True, **warned}
 
 
-def _own_paths(gateway: Gateway, tenant: Tenant | None) -> list[Path] | None:
+def _own_paths(tenants: Tenants, config: ServeConfig, tenant: Tenant | None) -> list[Path] | None:
     """The directories a caller's lora_path must lie in besides registry.allowed_paths: None for
     the operator (and an open deployment's caller, who holds its authority); a tenant's own
     adapter_paths (relative: to the config file), a 403 when it has none."""
-    if tenant is None or gateway.tenants.is_operator_open:
+    if tenant is None or tenants.is_operator_open:
         return None
     if not tenant.adapter_paths:
         raise GatewayError(403, "loading an adapter by server path is the operator's: this key may upload adapters "
                        "(POST /v1/adapters), its tenant has no adapter_paths to load from", "path_not_allowed")
-    return [gateway.config.resolve(p) for p in tenant.adapter_paths]
+    return [config.resolve(p) for p in tenant.adapter_paths]
 
 
 @router.post("/v1/load_lora_adapter")
-async def load_lora_adapter(request: Request) -> PlainTextResponse:
-    gateway, owner, tenant = await _caller(request)
-    body = await read_parsed(request, gateway, LoadLoRARequest)
+async def load_lora_adapter(request: Request, config: ConfigPart, catalog: CatalogPart, tenants: TenantsPart, registry: RegistryPart,
+                            audit: AuditPart) -> PlainTextResponse:
+    owner, tenant = await _caller(request, tenants, registry)
+    body = await read_parsed(request, LoadLoRARequest)
     name = _check_name(body.lora_name)
-    roots, base_dir = gateway.config.allowed_paths(), Path(gateway.config.base_dir)
-    within = _own_paths(gateway, tenant)
+    roots, base_dir = config.allowed_paths(), Path(config.base_dir)
+    within = _own_paths(tenants, config, tenant)
 
     def read(scratch: Path) -> LoRAAdapter:
         try:
-            return read_server_path(body.lora_path, roots, base_dir, gateway.catalog.base, scratch, within)
+            return read_server_path(body.lora_path, roots, base_dir, catalog.base, scratch, within)
         except PathNotAllowed as e:
             raise _Refused(403, str(e), "path_not_allowed") from e
         except FileNotFoundError as e:
@@ -232,19 +234,19 @@ async def load_lora_adapter(request: Request) -> PlainTextResponse:
             raise _Refused(400, "lora_path: not a usable path", "invalid_value") from e
 
     try:
-        out, _ = await _register(gateway, owner, tenant, name, read, replace_existing=body.load_inplace)
+        out, _ = await _register(registry, owner, tenant, name, read, replace_existing=body.load_inplace)
     except _Refused as e:
         raise GatewayError(e.status, e.message, e.code) from None
-    await _audited(request, gateway, tenant, "adapter.load", owner, name, fingerprint=out["fingerprint"], path=body.lora_path)
+    await _audited(request, audit, tenant, "adapter.load", owner, name, fingerprint=out["fingerprint"], path=body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
 @router.post("/v1/unload_lora_adapter")
-async def unload_lora_adapter(request: Request) -> PlainTextResponse:
-    gateway, owner, tenant = await _caller(request)
-    body = await read_parsed(request, gateway, UnloadLoRARequest)
-    record = await _delete(gateway, owner, tenant, body.lora_name)
-    await _audited(request, gateway, tenant, "adapter.unload", owner, body.lora_name, fingerprint=record.fingerprint)
+async def unload_lora_adapter(request: Request, tenants: TenantsPart, registry: RegistryPart, audit: AuditPart) -> PlainTextResponse:
+    owner, tenant = await _caller(request, tenants, registry)
+    body = await read_parsed(request, UnloadLoRARequest)
+    record = await _delete(registry, owner, tenant, body.lora_name)
+    await _audited(request, audit, tenant, "adapter.unload", owner, body.lora_name, fingerprint=record.fingerprint)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 

@@ -14,45 +14,45 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from gateway.config import ServeConfig
 from gateway.errors import GatewayError
-from gateway.http.incoming import credentials, gateway_of, read_parsed
-from gateway.compose import Gateway
+from gateway.http.incoming import credentials, read_parsed
+from gateway.http.parts import AuditPart, ConfigPart, RegistryPart, TenantsPart
 from gateway.tenancy.accounts import AccountError, Accounts, KeyRecord, Snapshot, checked_fields, keys_of
-from gateway.tenancy.tenants import OPEN_OPERATOR, Tenant, config_key_id
+from gateway.tenancy.audit import AuditLog
+from gateway.tenancy.tenants import OPEN_OPERATOR, Tenant, Tenants, config_key_id
 
 router = APIRouter()
 MAX_EXPIRY_S = 10 * 365 * 24 * 3600
 
 
-async def operator_accounts(request: Request, scope: str = "tenants") -> tuple[Gateway, Accounts]:
-    """The gateway and its run-time records, for an operator key with `scope` (its operator in
+async def operator_accounts(request: Request, tenants: Tenants, scope: str = "tenants") -> Accounts:
+    """The run-time records, for an operator key with `scope` (its operator in
     `request.state.operator`). Credentials are made only with an operator key: an open deployment's
     anonymous caller (auth: none, no operator key) makes none, which would outlive the open mode."""
-    gateway = gateway_of(request)
-    await gateway.tenants.refresh_if_stale()  # run-time operator keys, as fresh as tenants' keys
-    request.state.operator = gateway.tenants.authenticate_operator(credentials(request), scope)
+    await tenants.refresh_if_stale()  # run-time operator keys, as fresh as tenants' keys
+    request.state.operator = tenants.authenticate_operator(credentials(request), scope)
     if request.state.operator.id == OPEN_OPERATOR:
         raise GatewayError(403, "making tenants and keys needs an operator key (operator_key_sha256 or "
                        "operator_key_file): this deployment is open (auth: none) and has none", "operator_only")
-    if gateway.tenants.accounts is None:
+    if tenants.accounts is None:
         raise GatewayError(503, "this gateway keeps no run-time records", "tenants_unavailable")
-    return gateway, gateway.tenants.accounts
+    return tenants.accounts
 
 
-async def audited(request: Request, gateway: Gateway, action: str, target: str, **detail: Any) -> dict[str, str]:
+async def audited(request: Request, audit: AuditLog, action: str, target: str, **detail: Any) -> dict[str, str]:
     """The change written to the audit log as the calling operator's; a warning for the answer if it could not be."""
-    warning = await gateway.audit.record(request.state.operator.id, action, target, detail)
+    warning = await audit.record(request.state.operator.id, action, target, detail)
     return {} if warning is None else {"audit_warning": warning}
 
 
-async def _body(request: Request, gateway: Gateway) -> dict[str, Any]:
-    body = await read_parsed(request, gateway, dict[str, Any])
-    return body
+async def _body(request: Request) -> dict[str, Any]:
+    return await read_parsed(request, dict[str, Any])
 
 
-async def _changed(gateway: Gateway, accounts: Accounts) -> Snapshot:
+async def _changed(tenants: Tenants) -> Snapshot:
     """The records after a change, applied to this gateway's view at once."""
-    return await gateway.tenants.read_now()
+    return await tenants.read_now()
 
 
 def _config_tenant(tenant: Tenant, digests: list[str]) -> dict[str, Any]:
@@ -64,10 +64,10 @@ def _config_tenant(tenant: Tenant, digests: list[str]) -> dict[str, Any]:
             "keys": [{"id": config_key_id(d), "source": "config"} for d in digests]}
 
 
-def _tenant(gateway: Gateway, snapshot: Snapshot, tenant_id: str) -> dict[str, Any]:
-    if tenant_id in gateway.tenants.configured:
-        digests = [d for t in gateway.config.tenants if t.id == tenant_id for d in t.key_sha256]
-        return _config_tenant(gateway.tenants.configured[tenant_id], digests)
+def _tenant(tenants: Tenants, config: ServeConfig, snapshot: Snapshot, tenant_id: str) -> dict[str, Any]:
+    if tenant_id in tenants.configured:
+        digests = [d for t in config.tenants if t.id == tenant_id for d in t.key_sha256]
+        return _config_tenant(tenants.configured[tenant_id], digests)
     record = snapshot.tenants.get(tenant_id)
     if record is None:
         raise GatewayError(404, f"tenant {tenant_id!r} not found", "tenant_not_found")
@@ -110,103 +110,103 @@ def _answer(e: AccountError) -> GatewayError:
 
 
 @router.get("/v1/tenants")
-async def list_tenants(request: Request) -> dict[str, Any]:
-    gateway, accounts = await operator_accounts(request)
-    snapshot = await _changed(gateway, accounts)
-    ids = [*gateway.tenants.configured, *sorted(i for i in snapshot.tenants if i not in gateway.tenants.configured)]
-    return {"object": "list", "data": [_tenant(gateway, snapshot, i) for i in ids]}
+async def list_tenants(request: Request, config: ConfigPart, tenants: TenantsPart) -> dict[str, Any]:
+    await operator_accounts(request, tenants)
+    snapshot = await _changed(tenants)
+    ids = [*tenants.configured, *sorted(i for i in snapshot.tenants if i not in tenants.configured)]
+    return {"object": "list", "data": [_tenant(tenants, config, snapshot, i) for i in ids]}
 
 
 @router.post("/v1/tenants")
-async def create_tenant(request: Request) -> JSONResponse:
-    gateway, accounts = await operator_accounts(request)
-    body = await _body(request, gateway)
+async def create_tenant(request: Request, config: ConfigPart, tenants: TenantsPart, audit: AuditPart) -> JSONResponse:
+    accounts = await operator_accounts(request, tenants)
+    body = await _body(request)
     try:
         settings = checked_fields(body)
         await accounts.create_tenant(body.get("id"), settings)
     except AccountError as e:
         raise _answer(e) from e
-    snapshot = await _changed(gateway, accounts)
-    warned = await audited(request, gateway, "tenant.create", body["id"], **_plain(settings))
-    return JSONResponse({**_tenant(gateway, snapshot, body["id"]), **warned}, status_code=201)
+    snapshot = await _changed(tenants)
+    warned = await audited(request, audit, "tenant.create", body["id"], **_plain(settings))
+    return JSONResponse({**_tenant(tenants, config, snapshot, body["id"]), **warned}, status_code=201)
 
 
 @router.get("/v1/tenants/{tenant_id}")
-async def get_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
-    gateway, accounts = await operator_accounts(request)
-    return _tenant(gateway, await _changed(gateway, accounts), tenant_id)
+async def get_tenant(request: Request, tenant_id: str, config: ConfigPart, tenants: TenantsPart) -> dict[str, Any]:
+    await operator_accounts(request, tenants)
+    return _tenant(tenants, config, await _changed(tenants), tenant_id)
 
 
 @router.patch("/v1/tenants/{tenant_id}")
-async def update_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
-    gateway, accounts = await operator_accounts(request)
-    body = await _body(request, gateway)
+async def update_tenant(request: Request, tenant_id: str, config: ConfigPart, tenants: TenantsPart, audit: AuditPart) -> dict[str, Any]:
+    accounts = await operator_accounts(request, tenants)
+    body = await _body(request)
     try:
         settings = checked_fields(body)
         await accounts.update_tenant(tenant_id, settings)
     except AccountError as e:
         raise _answer(e) from e
-    warned = await audited(request, gateway, "tenant.update", tenant_id, **_plain(settings))
-    return {**_tenant(gateway, await _changed(gateway, accounts), tenant_id), **warned}
+    warned = await audited(request, audit, "tenant.update", tenant_id, **_plain(settings))
+    return {**_tenant(tenants, config, await _changed(tenants), tenant_id), **warned}
 
 
 @router.delete("/v1/tenants/{tenant_id}")
-async def delete_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
+async def delete_tenant(request: Request, tenant_id: str, tenants: TenantsPart, registry: RegistryPart, audit: AuditPart) -> dict[str, Any]:
     """The tenant, its keys, and the adapters it registered."""
-    gateway, accounts = await operator_accounts(request)
-    if tenant_id in gateway.tenants.configured:
+    accounts = await operator_accounts(request, tenants)
+    if tenant_id in tenants.configured:
         raise GatewayError(409, f"tenant {tenant_id!r} is defined in the deployment config; change it there", "config_tenant")
-    if tenant_id not in (await _changed(gateway, accounts)).tenants:
+    if tenant_id not in (await _changed(tenants)).tenants:
         raise GatewayError(404, f"tenant {tenant_id!r} not found", "tenant_not_found")
-    for adapter in gateway.registry.owned(tenant_id):  # first: a failure here leaves the tenant, to delete again
-        await gateway.registry.unregister(tenant_id, adapter.name)
+    for adapter in registry.owned(tenant_id):  # first: a failure here leaves the tenant, to delete again
+        await registry.unregister(tenant_id, adapter.name)
     try:
         record = await accounts.delete_tenant(tenant_id)
     except AccountError as e:
         raise _answer(e) from e
-    await _changed(gateway, accounts)
-    warned = await audited(request, gateway, "tenant.delete", tenant_id)
+    await _changed(tenants)
+    warned = await audited(request, audit, "tenant.delete", tenant_id)
     return {"id": record.id, "object": "tenant.deleted", "deleted": True, **warned}
 
 
 @router.post("/v1/tenants/{tenant_id}/keys")
-async def issue_key(request: Request, tenant_id: str) -> JSONResponse:
+async def issue_key(request: Request, tenant_id: str, tenants: TenantsPart, audit: AuditPart) -> JSONResponse:
     """A new key, shown this once."""
-    gateway, accounts = await operator_accounts(request)
-    body = await _body(request, gateway)
+    accounts = await operator_accounts(request, tenants)
+    body = await _body(request)
     try:
         key, record, warning = await accounts.issue_key(tenant_id, body.get("name", ""), expiry(body, accounts.clock()))
     except AccountError as e:
         raise _answer(e) from e
-    await _changed(gateway, accounts)
-    warned = await audited(request, gateway, "key.issue", f"{tenant_id}/{record.id}", name=record.name,
+    await _changed(tenants)
+    warned = await audited(request, audit, "key.issue", f"{tenant_id}/{record.id}", name=record.name,
                            expires_s=record.expires_s)
     return JSONResponse({**_key(record), "key": key, **_warned(warning), **warned}, status_code=201)
 
 
 @router.get("/v1/tenants/{tenant_id}/keys")
-async def list_keys(request: Request, tenant_id: str) -> dict[str, Any]:
-    gateway, accounts = await operator_accounts(request)
-    return {"object": "list", "data": _tenant(gateway, await _changed(gateway, accounts), tenant_id)["keys"]}
+async def list_keys(request: Request, tenant_id: str, config: ConfigPart, tenants: TenantsPart) -> dict[str, Any]:
+    await operator_accounts(request, tenants)
+    return {"object": "list", "data": _tenant(tenants, config, await _changed(tenants), tenant_id)["keys"]}
 
 
 @router.delete("/v1/tenants/{tenant_id}/keys/{key_id}")
-async def revoke_key(request: Request, tenant_id: str, key_id: str) -> dict[str, Any]:
+async def revoke_key(request: Request, tenant_id: str, key_id: str, tenants: TenantsPart, audit: AuditPart) -> dict[str, Any]:
     """The key is refused from now on (on every gateway within ACCOUNTS_POLL_S)."""
-    gateway, accounts = await operator_accounts(request)
+    accounts = await operator_accounts(request, tenants)
     try:
         record = await accounts.revoke_key(tenant_id, key_id)
     except AccountError as e:
         raise _answer(e) from e
-    await _changed(gateway, accounts)
-    return {**_key(record), **await audited(request, gateway, "key.revoke", f"{tenant_id}/{key_id}")}
+    await _changed(tenants)
+    return {**_key(record), **await audited(request, audit, "key.revoke", f"{tenant_id}/{key_id}")}
 
 
 @router.post("/v1/tenants/{tenant_id}/keys/{key_id}/rotate")
-async def rotate_key(request: Request, tenant_id: str, key_id: str) -> JSONResponse:
+async def rotate_key(request: Request, tenant_id: str, key_id: str, tenants: TenantsPart, audit: AuditPart) -> JSONResponse:
     """A new key in the old one's place; the old one keeps working for `grace_s` (default 0: refused now)."""
-    gateway, accounts = await operator_accounts(request)
-    body = await _body(request, gateway)
+    accounts = await operator_accounts(request, tenants)
+    body = await _body(request)
     now_s = accounts.clock()
     grace = grace_s(body)
     _, records = await accounts.load()
@@ -217,6 +217,6 @@ async def rotate_key(request: Request, tenant_id: str, key_id: str) -> JSONRespo
                                                         old_expires_s=now_s + float(grace))
     except AccountError as e:
         raise _answer(e) from e
-    await _changed(gateway, accounts)
-    warned = await audited(request, gateway, "key.rotate", f"{tenant_id}/{key_id}", new_key=record.id, grace_s=grace)
+    await _changed(tenants)
+    warned = await audited(request, audit, "key.rotate", f"{tenant_id}/{key_id}", new_key=record.id, grace_s=grace)
     return JSONResponse({**_key(record), "key": key, "replaces": key_id, **_warned(warning), **warned}, status_code=201)

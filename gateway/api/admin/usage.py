@@ -18,7 +18,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.errors import GatewayError
-from gateway.http.incoming import begin, credentials, gateway_of
+from gateway.http.incoming import begin, credentials
+from gateway.http.parts import TenantsPart, UsagePart
 from gateway.tenancy.usage import COUNTS, FINISH_REASONS, MAX_QUERY_HOURS
 
 router = APIRouter()
@@ -57,18 +58,17 @@ def _totals(rows: list[dict[str, Any]]) -> dict[str, int]:
 
 
 @router.get("/v1/usage")
-async def usage(request: Request) -> Response:
-    gateway = gateway_of(request)
+async def usage(request: Request, tenants: TenantsPart, usage: UsagePart) -> Response:
     asked = request.query_params.get("tenant")
-    await gateway.tenants.refresh_if_stale()
-    if gateway.tenants.is_operator(credentials(request), "usage"):
-        known = set(gateway.tenants.by_id) | await gateway.usage.tenants_with_usage()
-        tenants = [asked] if asked else sorted(known)
+    await tenants.refresh_if_stale()
+    if tenants.is_operator(credentials(request), "usage"):
+        known = set(tenants.by_id) | await usage.tenants_with_usage()
+        ids = [asked] if asked else sorted(known)
     else:
-        _, tenant, _ = await begin(request)
+        tenant, _ = await begin(request)
         if asked not in (None, "", tenant.id):
             raise GatewayError(403, "a tenant's key reads its own usage only", "permission_denied")
-        tenants = [tenant.id]
+        ids = [tenant.id]
     now_s = time.time()
     start_s = _time(request.query_params.get("start"), "start", _month_start(now_s))
     end_s = _time(request.query_params.get("end"), "end", now_s + 1)
@@ -77,13 +77,13 @@ async def usage(request: Request) -> Response:
     if end_s - start_s > MAX_QUERY_HOURS * 3600 + 3600:
         raise GatewayError(400, f"a period is at most {MAX_QUERY_HOURS // 24} days: ask for several", "invalid_value")
     num_hours = (end_s - start_s) / 3600 + 1
-    if len(tenants) * num_hours > MAX_ROWS_READ:
-        raise GatewayError(400, f"{len(tenants)} tenants over {int(num_hours)} hours is more than one query reads: ask for a "
+    if len(ids) * num_hours > MAX_ROWS_READ:
+        raise GatewayError(400, f"{len(ids)} tenants over {int(num_hours)} hours is more than one query reads: ask for a "
                        "shorter period or one tenant (?tenant=)", "invalid_value")
     fmt = request.query_params.get("format", "json")
     if fmt not in FORMATS:
         raise GatewayError(400, f"format: one of {', '.join(FORMATS)}", "invalid_value")
-    rows = await gateway.usage.rows(tenants, start_s, end_s)
+    rows = await usage.rows(ids, start_s, end_s)
     if fmt == "jsonl":
         return Response("".join(json.dumps(r) + "\n" for r in rows), media_type=FORMATS[fmt])
     if fmt == "csv":

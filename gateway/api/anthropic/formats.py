@@ -15,8 +15,8 @@ import json
 import uuid
 from typing import Any
 
-from gateway.http.formatting import total_usage
 from gateway.errors import GatewayError
+from gateway.http.formatting import total_usage
 from gateway.tool_calls import ToolCall, ToolPlan
 from worker.contract.calls import Delta
 

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from gateway.api.anthropic.formats import MessageFormatter
 from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest
 from gateway.http.incoming import begin, chat_prompt
+from gateway.http.parts import AdmissionPart, CatalogPart, ResponderPart
 from gateway.http.respond import respond
 from gateway.http.sampling import compiled_grammar, openai_params
 
@@ -20,26 +21,26 @@ router = APIRouter()
 
 
 @router.post("/v1/messages")
-async def messages(request: Request) -> Response:
-    gateway, tenant, body = await begin(request, MessagesRequest)
+async def messages(request: Request, catalog: CatalogPart, admission: AdmissionPart, responder: ResponderPart) -> Response:
+    tenant, body = await begin(request, MessagesRequest)
     chat = body.as_chat()
-    scales_by_name = gateway.admission.resolve_scales(tenant, chat.model, chat.lora)
-    tools, prompt_ids = await chat_prompt(gateway, chat)
-    grammar = await compiled_grammar(gateway, chat, "output_config.format", tools)
+    scales_by_name = admission.resolve_scales(tenant, chat.model, chat.lora)
+    tools, prompt_ids = await chat_prompt(catalog, chat)
+    grammar = await compiled_grammar(catalog, chat, "output_config.format", tools)
     # Anthropic's clients ask for more than a small model's context holds: the answer ends where the context does
-    room = gateway.catalog.max_positions - len(prompt_ids)
+    room = catalog.max_positions - len(prompt_ids)
     is_clamped = chat.token_limit is not None and 0 < room < chat.token_limit
     max_tokens = room if is_clamped else chat.token_limit
-    params = openai_params(gateway, len(prompt_ids), max_tokens, chat, grammar=grammar)
-    prepared = await gateway.admission.prepare(tenant, prompt_ids, params, scales_by_name, chat.cache_salt)
+    params = openai_params(admission, len(prompt_ids), max_tokens, chat, grammar=grammar)
+    prepared = await admission.prepare(tenant, prompt_ids, params, scales_by_name, chat.cache_salt)
     formatter = MessageFormatter(body.model, len(prompt_ids), tools, is_clamped)
-    return await respond(gateway, prepared, "messages", formatter, body.stream, done_marker=False)
+    return await respond(responder, prepared, "messages", formatter, body.stream, done_marker=False)
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(request: Request) -> dict[str, int]:
-    gateway, tenant, body = await begin(request, CountTokensRequest)
+async def count_tokens(request: Request, catalog: CatalogPart, admission: AdmissionPart) -> dict[str, int]:
+    tenant, body = await begin(request, CountTokensRequest)
     chat = body.as_chat()
-    gateway.admission.resolve_scales(tenant, chat.model, chat.lora)  # an unknown model is a 404 here too
-    _, prompt_ids = await chat_prompt(gateway, chat)
+    admission.resolve_scales(tenant, chat.model, chat.lora)  # an unknown model is a 404 here too
+    _, prompt_ids = await chat_prompt(catalog, chat)
     return {"input_tokens": len(prompt_ids)}

@@ -22,14 +22,15 @@ from gateway.api.llama.protocol import (
     Piece,
     TokenizeRequest,
 )
-from gateway.http.formatting import PromptProgress, token_str
-from gateway.errors import GatewayError
-from gateway.http.incoming import begin, checked_chat_input, off_loop
-from gateway.http.respond import respond, route_headers
 from gateway.api.llama.sampling import llama_params, settings_of
+from gateway.catalog import Catalog
+from gateway.errors import GatewayError
+from gateway.http.formatting import PromptProgress, token_str
+from gateway.http.incoming import begin, checked_chat_input, off_loop
+from gateway.http.parts import AdmissionPart, CatalogPart, ConfigPart, DispatcherPart, ResponderPart
+from gateway.http.respond import Responder, respond, route_headers
 from gateway.http.sampling import compiled_grammar
-from gateway.requests.admission import Prepared
-from gateway.compose import Gateway
+from gateway.requests.admission import Admission, Prepared
 from gateway.tenancy.tenants import Tenant
 from gateway.tool_calls import rendered_size
 from worker.formats.chat_template import render_chat
@@ -41,39 +42,39 @@ router = APIRouter()
 
 @router.post("/completion")
 @router.post("/completions")  # llama-server's other name for it: the same body and answer
-async def llama_complete(request: Request) -> Response:
+async def llama_complete(request: Request, catalog: CatalogPart, admission: AdmissionPart, responder: ResponderPart) -> Response:
     """One prompt's answer, or a batch's: a JSON array, one answer a prompt, in order (each prompt a
     request of its own, run at once)."""
-    gateway, tenant, body = await begin(request, LlamaCompletionRequest)
+    tenant, body = await begin(request, LlamaCompletionRequest)
     prompts = body.prompts()
     if body.stream and len(prompts) > 1:
         raise GatewayError(400, f"a batch of {len(prompts)} prompts cannot be streamed: stream one prompt a request, "
                        "or send the batch without stream", "invalid_value")
-    scales_by_name = gateway.admission.resolve_scales(tenant, None, body.lora)
-    grammar = await compiled_grammar(gateway, body, "json_schema" if body.json_schema is not None else "grammar")
+    scales_by_name = admission.resolve_scales(tenant, None, body.lora)
+    grammar = await compiled_grammar(catalog, body, "json_schema" if body.json_schema is not None else "grammar")
     lora = [{"id": i, "scale": scales_by_name[name]}
-            for i, name in enumerate(gateway.admission.adapter_names(tenant)) if name in scales_by_name]
+            for i, name in enumerate(admission.adapter_names(tenant)) if name in scales_by_name]
     runs = []
     for index, pieces in enumerate(prompts):
-        prompt_ids = await _prompt_ids(gateway, pieces)
-        params = llama_params(gateway, len(prompt_ids), body, grammar)
-        prepared = await gateway.admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
+        prompt_ids = await _prompt_ids(catalog, pieces)
+        params = llama_params(admission, catalog, len(prompt_ids), body, grammar)
+        prepared = await admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
                                                    body.cache_prompt, body.timeout_s)
         settings = {**settings_of(params, is_streamed=body.stream), "lora": lora}
         progress = PromptProgress(len(prompt_ids)) if body.return_progress and body.stream else None
-        formatter = LlamaFormatter(gateway.catalog.tokenizer, gateway.catalog.model_name, prompt_ids, settings,
+        formatter = LlamaFormatter(catalog.tokenizer, catalog.model_name, prompt_ids, settings,
                                    body.return_tokens, index, body.response_fields, progress)
         runs.append((prepared, formatter))
     if len(runs) == 1:
         prepared, formatter = runs[0]
-        return await respond(gateway, prepared, "completion", formatter, body.stream, done_marker=False)
-    return await _whole_batch(gateway, runs)
+        return await respond(responder, prepared, "completion", formatter, body.stream, done_marker=False)
+    return await _whole_batch(responder, runs)
 
 
-async def _prompt_ids(gateway: Gateway, pieces: list[Piece]) -> list[int]:
+async def _prompt_ids(catalog: Catalog, pieces: list[Piece]) -> list[int]:
     """A prompt's token ids: its text pieces tokenized (special tokens parsed, as llama.cpp does, and
     the BOS added only when the prompt starts with text), its token ids kept."""
-    tokenizer = gateway.catalog.tokenizer
+    tokenizer = catalog.tokenizer
 
     def work() -> list[int]:
         ids: list[int] = []
@@ -82,13 +83,13 @@ async def _prompt_ids(gateway: Gateway, pieces: list[Piece]) -> list[int]:
             ids += tokenizer.encode(piece, add_special=i == 0, parse_special=True) if is_text else [piece]
         return ids
 
-    return await off_loop(gateway, sum(len(p) for p in pieces if isinstance(p, str)), work)
+    return await off_loop(catalog, sum(len(p) for p in pieces if isinstance(p, str)), work)
 
 
-async def _whole_batch(gateway: Gateway, runs: list[tuple[Prepared, LlamaFormatter]]) -> Response:
+async def _whole_batch(responder: Responder, runs: list[tuple[Prepared, LlamaFormatter]]) -> Response:
     """A batch's answers as one JSON array; a failure fails the batch, once every prompt has ended (each
     is counted as it ran: a prompt cut short would use the worker and bill nothing)."""
-    tasks = [asyncio.ensure_future(respond(gateway, prepared, "completion", formatter, False))
+    tasks = [asyncio.ensure_future(respond(responder, prepared, "completion", formatter, False))
              for prepared, formatter in runs]
     try:
         answers = await asyncio.gather(*tasks, return_exceptions=True)
@@ -105,48 +106,48 @@ async def _whole_batch(gateway: Gateway, runs: list[tuple[Prepared, LlamaFormatt
 
 
 @router.post("/tokenize")
-async def tokenize(request: Request) -> dict[str, Any]:
-    gateway, _, body = await begin(request, TokenizeRequest)
-    tokenizer = gateway.catalog.tokenizer
+async def tokenize(request: Request, catalog: CatalogPart) -> dict[str, Any]:
+    _, body = await begin(request, TokenizeRequest)
+    tokenizer = catalog.tokenizer
 
     def work() -> list:
         ids = tokenizer.encode(body.content, add_special=body.add_special, parse_special=body.parse_special)
         return ids if not body.with_pieces else [tokenize_piece(tokenizer, t) for t in ids]
 
-    return {"tokens": await off_loop(gateway, len(body.content), work)}
+    return {"tokens": await off_loop(catalog, len(body.content), work)}
 
 
 @router.post("/detokenize")
-async def detokenize(request: Request) -> dict[str, Any]:
-    gateway, _, body = await begin(request, DetokenizeRequest)
-    vocab_size = gateway.catalog.tokenizer.vocab_size
+async def detokenize(request: Request, catalog: CatalogPart) -> dict[str, Any]:
+    _, body = await begin(request, DetokenizeRequest)
+    vocab_size = catalog.tokenizer.vocab_size
     out_of_range = [t for t in body.tokens if not 0 <= t < vocab_size]
     if out_of_range:
         raise GatewayError(400, f"token id {out_of_range[0]} is out of range (vocabulary size {vocab_size})",
                        "invalid_value")
-    decode = functools.partial(gateway.catalog.tokenizer.decode, body.tokens, skip_special=False)
+    decode = functools.partial(catalog.tokenizer.decode, body.tokens, skip_special=False)
     return {"content": await asyncio.to_thread(decode) if len(body.tokens) > OFF_LOOP_TOKENS else decode()}
 
 
 @router.post("/apply-template")
-async def apply_template(request: Request) -> dict[str, Any]:
-    gateway, _, body = await begin(request, ApplyTemplateRequest)
-    _, messages, extra = checked_chat_input(gateway, body)
-    prompt = await off_loop(gateway, rendered_size(messages, extra),
-                            lambda: render_chat(gateway.catalog.tokenizer, messages, **extra))
+async def apply_template(request: Request, catalog: CatalogPart) -> dict[str, Any]:
+    _, body = await begin(request, ApplyTemplateRequest)
+    _, messages, extra = checked_chat_input(catalog, body)
+    prompt = await off_loop(catalog, rendered_size(messages, extra),
+                            lambda: render_chat(catalog.tokenizer, messages, **extra))
     return {"prompt": prompt}
 
 
 @router.get("/props")
-async def props(request: Request) -> dict[str, Any]:
+async def props(request: Request, config: ConfigPart, catalog: CatalogPart, admission: AdmissionPart) -> dict[str, Any]:
     """llama-server's server properties, as the calling tenant sees them (no paths, no other tenant)."""
-    gateway, tenant, _ = await begin(request)
-    catalog = gateway.catalog
+    tenant, _ = await begin(request)
+    catalog = catalog
     tokenizer = catalog.tokenizer
-    defaults = llama_params(gateway, 1, LlamaCompletionRequest(prompt=[0]))  # what a /completion that sets nothing gets
+    defaults = llama_params(admission, catalog, 1, LlamaCompletionRequest(prompt=[0]))  # what a /completion that sets nothing gets
     return {
         "default_generation_settings": {"n_ctx": catalog.max_positions, "params": settings_of(defaults)},
-        "total_slots": gateway.config.engine.num_seq_slots,  # per replica
+        "total_slots": config.engine.num_seq_slots,  # per replica
         "model_path": catalog.model_name,
         "model_alias": catalog.model_name,
         "chat_template": tokenizer.chat_template or "",
@@ -154,21 +155,21 @@ async def props(request: Request) -> dict[str, Any]:
         "eos_token": token_str(tokenizer, tokenizer.eos_id) if tokenizer.eos_id is not None else "",
         "modalities": {"vision": False, "audio": False},
         "build_info": "loraplex",
-        "lora_adapters": len(gateway.admission.adapter_names(tenant)),
+        "lora_adapters": len(admission.adapter_names(tenant)),
     }
 
 
 @router.get("/slots")
-async def slots(request: Request) -> list[dict[str, Any]]:
+async def slots(request: Request, config: ConfigPart, catalog: CatalogPart, dispatcher: DispatcherPart) -> list[dict[str, Any]]:
     """llama-server's slot list as a gateway in front of several replicas can tell it: the sequence
     slots of every replica that takes requests now (ids run on from one replica to the next), as
     many of each busy as the gateway has requests in flight there. Which request a slot runs, its
     prompt and its parameters, are not said: it may be another tenant's. `?fail_on_no_slot=1`:
     503 when no slot is idle, as llama-server answers."""
-    gateway, _, _ = await begin(request)
-    n_ctx = gateway.catalog.max_positions
+    _, _ = await begin(request)
+    n_ctx = catalog.max_positions
     listed: list[dict[str, Any]] = []
-    for view in gateway.dispatcher.views():
+    for view in dispatcher.views():
         if not (view.is_healthy and view.is_reachable):
             continue
         num_busy = min(view.in_flight, view.num_seq_slots)
@@ -176,39 +177,39 @@ async def slots(request: Request) -> list[dict[str, Any]]:
                    for i in range(view.num_seq_slots)]
     if request.query_params.get("fail_on_no_slot") and all(slot["is_processing"] for slot in listed):
         raise GatewayError(503, "no slot available", "no_slot_available",
-                       {"Retry-After": str(gateway.config.routing.busy_retry_after_s)})
+                       {"Retry-After": str(config.routing.busy_retry_after_s)})
     return listed
 
 
-def _lora_adapters(gateway: Gateway, tenant: Tenant) -> list[dict[str, Any]]:
+def _lora_adapters(admission: Admission, catalog: Catalog, tenant: Tenant) -> list[dict[str, Any]]:
     """The tenant's adapters with their default scales, as `/lora-adapters` lists them."""
     out = []
-    for i, (name, info) in enumerate(gateway.admission.adapters(tenant).items()):
+    for i, (name, info) in enumerate(admission.adapters(tenant).items()):
         listed = {"id": i, "name": name, "path": info.path.name, "scale": tenant.default_scales.get(name, 0.0),
                   "task_name": info.task_name, "prompt_prefix": info.prompt_prefix}
         if info.is_alora:
             listed["alora_invocation_tokens"] = list(info.invocation_tokens)
-            listed["alora_invocation_string"] = "".join(token_str(gateway.catalog.tokenizer, t)
+            listed["alora_invocation_string"] = "".join(token_str(catalog.tokenizer, t)
                                                         for t in info.invocation_tokens)
         out.append(listed)
     return out
 
 
 @router.get("/lora-adapters")
-async def list_adapters(request: Request) -> list[dict[str, Any]]:
-    gateway, tenant, _ = await begin(request)
-    return _lora_adapters(gateway, tenant)
+async def list_adapters(request: Request, catalog: CatalogPart, admission: AdmissionPart) -> list[dict[str, Any]]:
+    tenant, _ = await begin(request)
+    return _lora_adapters(admission, catalog, tenant)
 
 
 @router.post("/lora-adapters")
-async def set_adapters(request: Request) -> list[dict[str, Any]]:
-    gateway, tenant, lora_scales = await begin(request, list[LoraScale])
-    names = gateway.admission.adapter_names(tenant)
+async def set_adapters(request: Request, admission: AdmissionPart, catalog: CatalogPart) -> list[dict[str, Any]]:
+    tenant, lora_scales = await begin(request, list[LoraScale])
+    names = admission.adapter_names(tenant)
     for lora_scale in lora_scales:
         if lora_scale.id >= len(names):
             raise GatewayError(404, f"adapter id {lora_scale.id} not found (this key has {len(names)} adapters)",
                            "adapter_not_found")
-    scales = gateway.admission.enabled(tenant, {names[s.id]: s.scale for s in lora_scales})
+    scales = admission.enabled(tenant, {names[s.id]: s.scale for s in lora_scales})
     tenant.default_scales.clear()  # the tenant's own (this request's view of it shares the dict)
     tenant.default_scales.update(scales)
-    return _lora_adapters(gateway, tenant)
+    return _lora_adapters(admission, catalog, tenant)

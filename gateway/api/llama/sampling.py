@@ -7,22 +7,23 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.api.llama.protocol import LlamaCompletionRequest
+from gateway.catalog import Catalog
 from gateway.errors import GatewayError
 from gateway.http.sampling import checked_params
-from gateway.compose import Gateway
+from gateway.requests.admission import Admission
 from worker.contract.params import MAX_LOGIT_BIAS, SamplingParams
 
 MAX_BIAS_TEXT_CHARS = 16_384  # of every string in one request's logit_bias together
 
 
-def llama_params(gateway: Gateway, num_prompt_tokens: int, body: LlamaCompletionRequest,
+def llama_params(admission: Admission, catalog: Catalog, num_prompt_tokens: int, body: LlamaCompletionRequest,
                  grammar: str | None = None) -> SamplingParams:
     """/completion: llama.cpp's defaults, its penalties over the last repeat_last_n tokens of prompt and output."""
-    n_predict = gateway.admission.default_max_tokens(num_prompt_tokens) if body.n_predict is None else body.n_predict
+    n_predict = admission.default_max_tokens(num_prompt_tokens) if body.n_predict is None else body.n_predict
     return checked_params(lambda: SamplingParams(
         max_tokens=n_predict, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         seed=None if body.seed in (None, -1) else body.seed, ignore_eos=body.ignore_eos, logprobs=body.n_probs or None,
-        post_sampling_probs=body.post_sampling_probs, stop=tuple(body.stop), logit_bias=_llama_bias(gateway, body),
+        post_sampling_probs=body.post_sampling_probs, stop=tuple(body.stop), logit_bias=_llama_bias(catalog, body),
         min_p=body.min_p, repeat_penalty=body.repeat_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, penalty_last_n=body.repeat_last_n, penalize_prompt=True,
         grammar=grammar,
@@ -57,7 +58,7 @@ def settings_of(params: SamplingParams, is_streamed: bool = False) -> dict[str, 
     }
 
 
-def _llama_bias(gateway: Gateway, body: LlamaCompletionRequest) -> tuple[tuple[int, float], ...]:
+def _llama_bias(catalog: Catalog, body: LlamaCompletionRequest) -> tuple[tuple[int, float], ...]:
     """llama-server's logit_bias: a string entry biases each of its tokens (a later entry for
     the same token replaces an earlier one); the strings and the tokens they give are bounded."""
     entries = body.bias_entries()
@@ -66,7 +67,7 @@ def _llama_bias(gateway: Gateway, body: LlamaCompletionRequest) -> tuple[tuple[i
         raise GatewayError(400, f"logit_bias strings total {chars} characters, over {MAX_BIAS_TEXT_CHARS}", "invalid_value")
     biases: dict[int, float] = {}
     for token, bias in entries:
-        ids = [token] if isinstance(token, int) else gateway.catalog.tokenizer.encode(token, add_special=False)
+        ids = [token] if isinstance(token, int) else catalog.tokenizer.encode(token, add_special=False)
         biases.update((t, bias) for t in ids)
     if len(biases) > MAX_LOGIT_BIAS:
         raise GatewayError(400, f"logit_bias covers {len(biases)} tokens, over {MAX_LOGIT_BIAS}", "invalid_value")

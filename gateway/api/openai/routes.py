@@ -11,9 +11,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from gateway.api.openai.formats import ChatFormatter, CompletionFormatter
-from gateway.http.formatting import PromptProgress
 from gateway.api.openai.protocol import ChatRequest, CompletionRequest
+from gateway.http.formatting import PromptProgress
 from gateway.http.incoming import begin, chat_prompt, tokenized
+from gateway.http.parts import AdmissionPart, CatalogPart, ResponderPart
 from gateway.http.respond import UsageChunk, respond
 from gateway.http.sampling import compiled_grammar, openai_params
 
@@ -27,58 +28,58 @@ def _usage_chunk(body: CompletionRequest | ChatRequest,
 
 
 @router.post("/v1/completions")
-async def completions(request: Request) -> Response:
-    gateway, tenant, body = await begin(request, CompletionRequest)
-    scales_by_name = gateway.admission.resolve_scales(tenant, body.model, body.lora)
-    prompt_ids = await tokenized(gateway, body.prompt)
-    grammar = await compiled_grammar(gateway, body, body.grammar_field)
+async def completions(request: Request, catalog: CatalogPart, admission: AdmissionPart, responder: ResponderPart) -> Response:
+    tenant, body = await begin(request, CompletionRequest)
+    scales_by_name = admission.resolve_scales(tenant, body.model, body.lora)
+    prompt_ids = await tokenized(catalog, body.prompt)
+    grammar = await compiled_grammar(catalog, body, body.grammar_field)
     is_ranked = body.num_samples > body.n  # best_of: every sample's token log-probabilities rank them
     logprobs = body.logprobs if body.logprobs is not None or not is_ranked else 0
     echo = body.echo and body.logprobs is not None  # the worker computes the prompt's log-probabilities only when asked
-    params = openai_params(gateway, len(prompt_ids), body.max_tokens, body, logprobs, echo, grammar, body.num_samples)
-    prepared = await gateway.admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
+    params = openai_params(admission, len(prompt_ids), body.max_tokens, body, logprobs, echo, grammar, body.num_samples)
+    prepared = await admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
                                                timeout_s=body.timeout_s)
-    formatter = CompletionFormatter(gateway.catalog.tokenizer, body.model or gateway.catalog.model_name, prompt_ids,
+    formatter = CompletionFormatter(catalog.tokenizer, body.model or catalog.model_name, prompt_ids,
                                     body.echo, body.logprobs, keep=body.n if is_ranked else None)
-    return await respond(gateway, prepared, "completions", formatter, body.stream, _usage_chunk(body, formatter))
+    return await respond(responder, prepared, "completions", formatter, body.stream, _usage_chunk(body, formatter))
 
 
 @router.post("/v1/chat/completions")
 @router.post("/chat/completions")  # llama-server's alias
-async def chat(request: Request) -> Response:
-    gateway, tenant, body = await begin(request, ChatRequest)
-    scales_by_name = gateway.admission.resolve_scales(tenant, body.model, body.lora)
-    tools, prompt_ids = await chat_prompt(gateway, body)
+async def chat(request: Request, catalog: CatalogPart, admission: AdmissionPart, responder: ResponderPart) -> Response:
+    tenant, body = await begin(request, ChatRequest)
+    scales_by_name = admission.resolve_scales(tenant, body.model, body.lora)
+    tools, prompt_ids = await chat_prompt(catalog, body)
     num_top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    grammar = await compiled_grammar(gateway, body, body.grammar_field, tools)
-    params = openai_params(gateway, len(prompt_ids), body.token_limit, body, num_top_logprobs, grammar=grammar,
+    grammar = await compiled_grammar(catalog, body, body.grammar_field, tools)
+    params = openai_params(admission, len(prompt_ids), body.token_limit, body, num_top_logprobs, grammar=grammar,
                            n=body.n)
-    prepared = await gateway.admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
+    prepared = await admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
                                                timeout_s=body.timeout_s)
     progress = PromptProgress(len(prompt_ids)) if body.return_progress and body.stream else None
-    formatter = ChatFormatter(gateway.catalog.tokenizer, body.model or gateway.catalog.model_name, num_top_logprobs,
+    formatter = ChatFormatter(catalog.tokenizer, body.model or catalog.model_name, num_top_logprobs,
                               tools, progress)
-    return await respond(gateway, prepared, "chat", formatter, body.stream, _usage_chunk(body, formatter))
+    return await respond(responder, prepared, "chat", formatter, body.stream, _usage_chunk(body, formatter))
 
 
 @router.post("/v1/chat/completions/input_tokens")
 @router.post("/chat/completions/input_tokens")
-async def chat_input_tokens(request: Request) -> dict[str, Any]:
+async def chat_input_tokens(request: Request, catalog: CatalogPart, admission: AdmissionPart) -> dict[str, Any]:
     """llama-server's count of the tokens a chat body's prompt takes, generating nothing."""
-    gateway, tenant, body = await begin(request, ChatRequest)
-    gateway.admission.resolve_scales(tenant, body.model, body.lora)  # an unknown model is a 404 here too
-    _, prompt_ids = await chat_prompt(gateway, body)
+    tenant, body = await begin(request, ChatRequest)
+    admission.resolve_scales(tenant, body.model, body.lora)  # an unknown model is a 404 here too
+    _, prompt_ids = await chat_prompt(catalog, body)
     return {"object": "response.input_tokens", "input_tokens": len(prompt_ids)}
 
 
 @router.get("/v1/models")
 @router.get("/models")  # llama-server's alias
-async def models(request: Request) -> dict[str, Any]:
+async def models(request: Request, catalog: CatalogPart, admission: AdmissionPart) -> dict[str, Any]:
     """The base model and the tenant's adapters: OpenAI's `data`, and llama-server's `models` list
     (Ollama's shape), which says what we know (no sizes or digests)."""
-    gateway, tenant, _ = await begin(request)
-    base = gateway.catalog.model_name
-    parents = {base: None} | {name: base for name in gateway.admission.adapter_names(tenant)}
+    tenant, _ = await begin(request)
+    base = catalog.model_name
+    parents = {base: None} | {name: base for name in admission.adapter_names(tenant)}
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "loraplex", **({"parent": p} if p else {})}
             for name, p in parents.items()]
     listed = [{"name": name, "model": name, "modified_at": "", "size": "", "digest": "", "type": "model",

@@ -26,13 +26,13 @@ from fastapi.responses import Response, StreamingResponse
 from gateway.api.openai.protocol import MAX_MESSAGES, ChatRequest
 from gateway.api.responses.formats import ResponsesFormatter
 from gateway.api.responses.protocol import ResponsesRequest
-from gateway.requests.response_store import RecordTooLarge, StoredResponse, StoreUnavailable
 from gateway.errors import GatewayError
 from gateway.http.incoming import begin, chat_prompt
 from gateway.http.json_body import parse
+from gateway.http.parts import AdmissionPart, CatalogPart, ResponderPart, ResponsesPart
 from gateway.http.respond import respond
 from gateway.http.sampling import compiled_grammar, openai_params
-from gateway.compose import Gateway
+from gateway.requests.response_store import RecordTooLarge, ResponseStore, StoredResponse, StoreUnavailable
 from gateway.tenancy.tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -47,11 +47,11 @@ def _unavailable() -> GatewayError:
                     {"Retry-After": str(STORE_RETRY_AFTER_S)})
 
 
-async def _stored(gateway: Gateway, tenant: Tenant, response_id: str) -> StoredResponse:
+async def _stored(responses: ResponseStore, tenant: Tenant, response_id: str) -> StoredResponse:
     """The tenant's stored response; 404 when unknown, expired, deleted or another tenant's (all
     alike), 503 when the store cannot be read."""
     try:
-        record = await gateway.responses.get(tenant.id, response_id) if RESPONSE_ID.match(response_id) else None
+        record = await responses.get(tenant.id, response_id) if RESPONSE_ID.match(response_id) else None
     except StoreUnavailable as e:
         raise _unavailable() from e
     if record is None:
@@ -59,10 +59,10 @@ async def _stored(gateway: Gateway, tenant: Tenant, response_id: str) -> StoredR
     return record
 
 
-async def _keep(gateway: Gateway, tenant: Tenant, formatter: ResponsesFormatter, input_items: list[dict[str, Any]]) -> None:
+async def _keep(responses: ResponseStore, tenant: Tenant, formatter: ResponsesFormatter, input_items: list[dict[str, Any]]) -> None:
     """Store the finished response; a failure is logged, never the client's error."""
     try:
-        await gateway.responses.put(tenant.id, StoredResponse(formatter.final, input_items))
+        await responses.put(tenant.id, StoredResponse(formatter.final, input_items))
     except (StoreUnavailable, RecordTooLarge) as e:
         log.warning("response %s of tenant %s was answered but not stored: %s", formatter.id, tenant.id, e)
 
@@ -81,10 +81,11 @@ async def _kept_before_the_end(events: AsyncIterator[bytes], formatter: Response
 
 
 @router.post("/v1/responses")
-async def create(request: Request) -> Response:
-    gateway, tenant, body = await begin(request, ResponsesRequest)
-    scales_by_name = gateway.admission.resolve_scales(tenant, body.model, body.lora)
-    earlier = None if body.previous_response_id is None else await _stored(gateway, tenant, body.previous_response_id)
+async def create(request: Request, catalog: CatalogPart, admission: AdmissionPart, responses: ResponsesPart,
+                 responder: ResponderPart) -> Response:
+    tenant, body = await begin(request, ResponsesRequest)
+    scales_by_name = admission.resolve_scales(tenant, body.model, body.lora)
+    earlier = None if body.previous_response_id is None else await _stored(responses, tenant, body.previous_response_id)
     input_items = (earlier.conversation() if earlier is not None else []) + body.input_items()
     if not input_items and not body.instructions:
         raise GatewayError(400, "input: nothing to answer (give an item, instructions or previous_response_id)",
@@ -93,15 +94,15 @@ async def create(request: Request) -> Response:
         raise GatewayError(400, f"the conversation holds {len(input_items)} items (previous_response_id's included), "
                        f"more than the {MAX_MESSAGES - 1} a request may have", "invalid_value")
     chat_body = parse(ChatRequest, body.chat_body(input_items))
-    tools, prompt_ids = await chat_prompt(gateway, chat_body)
-    grammar = await compiled_grammar(gateway, chat_body, "text.format", tools)
-    params = openai_params(gateway, len(prompt_ids), body.max_output_tokens, chat_body, grammar=grammar)
-    prepared = await gateway.admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
+    tools, prompt_ids = await chat_prompt(catalog, chat_body)
+    grammar = await compiled_grammar(catalog, chat_body, "text.format", tools)
+    params = openai_params(admission, len(prompt_ids), body.max_output_tokens, chat_body, grammar=grammar)
+    prepared = await admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
                                                timeout_s=body.timeout_s)
-    formatter = ResponsesFormatter(body.model or gateway.catalog.model_name, body.echoed(), tools)
-    answer = await respond(gateway, prepared, "responses", formatter, body.stream, done_marker=False)
+    formatter = ResponsesFormatter(body.model or catalog.model_name, body.echoed(), tools)
+    answer = await respond(responder, prepared, "responses", formatter, body.stream, done_marker=False)
     if body.store:
-        keep = functools.partial(_keep, gateway, tenant, formatter, input_items)
+        keep = functools.partial(_keep, responses, tenant, formatter, input_items)
         if isinstance(answer, StreamingResponse):
             answer.body_iterator = _kept_before_the_end(answer.body_iterator, formatter, keep)
         else:
@@ -110,16 +111,16 @@ async def create(request: Request) -> Response:
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve(request: Request, response_id: str) -> dict[str, Any]:
-    gateway, tenant, _ = await begin(request)
-    return (await _stored(gateway, tenant, response_id)).response
+async def retrieve(request: Request, response_id: str, responses: ResponsesPart) -> dict[str, Any]:
+    tenant, _ = await begin(request)
+    return (await _stored(responses, tenant, response_id)).response
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete(request: Request, response_id: str) -> dict[str, Any]:
-    gateway, tenant, _ = await begin(request)
+async def delete(request: Request, response_id: str, responses: ResponsesPart) -> dict[str, Any]:
+    tenant, _ = await begin(request)
     try:
-        is_deleted = RESPONSE_ID.match(response_id) is not None and await gateway.responses.delete(tenant.id, response_id)
+        is_deleted = RESPONSE_ID.match(response_id) is not None and await responses.delete(tenant.id, response_id)
     except StoreUnavailable as e:
         raise _unavailable() from e
     if not is_deleted:
@@ -128,15 +129,15 @@ async def delete(request: Request, response_id: str) -> dict[str, Any]:
 
 
 @router.get("/v1/responses/{response_id}/input_items")
-async def input_items(request: Request, response_id: str) -> dict[str, Any]:
+async def input_items(request: Request, response_id: str, responses: ResponsesPart) -> dict[str, Any]:
     """A page of the items that led to a response (query: `order`, newest first by default as
     OpenAI's; `after`, an item's id; `limit`)."""
-    gateway, tenant, _ = await begin(request)
+    tenant, _ = await begin(request)
     query = request.query_params
     order, after, limit = query.get("order", "desc"), query.get("after"), query.get("limit", "20")
     if order not in ("asc", "desc") or not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= MAX_LISTED_ITEMS:
         raise GatewayError(400, f"order must be asc or desc, and limit between 1 and {MAX_LISTED_ITEMS}", "invalid_value")
-    items = (await _stored(gateway, tenant, response_id)).input_items
+    items = (await _stored(responses, tenant, response_id)).input_items
     items = items if order == "asc" else items[::-1]
     ids = [item["id"] for item in items]
     if after is not None:
