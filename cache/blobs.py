@@ -247,6 +247,7 @@ class DirectoryBlobStore(BlobStore):
         try:
             digest = sha256_of(source)
             if blob.is_file() and digest_file.is_file() and digest_file.read_text(encoding="ascii").strip() == digest:
+                os.utime(blob)  # stored again: as new as a fresh copy to any gateway's garbage collection
                 return
             fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{fingerprint[:16]}-", suffix=".part")
             os.close(fd)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -84,6 +85,8 @@ class AdapterRegistry:
         }
         self.resident: dict[str, frozenset[Fingerprint]] = dict(self.held)  # held or draining: files still in use
         self.failed: dict[str, dict[Fingerprint, str]] = {}  # replica -> the adapters it could not load, and why
+        self._staging: Counter[Fingerprint] = Counter()  # adapters being registered here: their files are kept
+        self._collecting = asyncio.Lock()
         self.tiers: dict[str, Residents] = {}  # replica -> where it has its adapters (workers with tiers)
         self._visible: dict[tuple[str, frozenset[str] | None], dict[str, AdapterInfo]] = {}  # by tenant and its ACL
         self._task: asyncio.Task | None = None
@@ -234,18 +237,21 @@ class AdapterRegistry:
             tiers.promoted(fingerprints)
 
     async def collect_garbage(self) -> None:
-        """Delete from the store the adapter files no record pins and no worker still holds (old
-        enough that no staging is under way; ages are wall-clock time). A store that cannot be
-        reached is tried again next time."""
+        """Delete from the store the adapter files no record pins, no worker still holds and this
+        gateway is not registering (old enough that no other gateway's staging is under way: storing a
+        file again makes it new; ages are wall-clock time). A store that cannot be reached is tried
+        again next time."""
         wanted = {r.fingerprint for r in self.current.values()}
         wanted.update(fp for pins in self.seed_pins.values() for fp in pins)
         in_use = set().union(*self.resident.values()) if self.resident else set()
         try:
-            stored = await asyncio.to_thread(self.store.list_blobs)
-            now_s = time.time()
-            for fingerprint, stored_at_s in stored.items():
-                if fingerprint not in wanted and fingerprint not in in_use and now_s - stored_at_s > self.settings.garbage_age_s:
-                    await asyncio.to_thread(self.store.delete, fingerprint)
+            async with self._collecting:
+                stored = await asyncio.to_thread(self.store.list_blobs)
+                now_s = time.time()
+                for fingerprint, stored_at_s in stored.items():
+                    is_kept = fingerprint in wanted or fingerprint in in_use or fingerprint in self._staging
+                    if not is_kept and now_s - stored_at_s > self.settings.garbage_age_s:
+                        await asyncio.to_thread(self.store.delete, fingerprint)
         except BlobStoreError as e:
             log.warning("adapter files not collected: %s", e)
 
@@ -260,6 +266,19 @@ class AdapterRegistry:
     async def register(self, owner: str, name: str, adapter: LoRAAdapter, staged: Path, limits: tuple[int, int] | None,
                        replace_existing: bool = True,
                        tenant: Caller | None = None) -> tuple[AdapterRecord, AdapterRecord | None, float]:
+        """`_register`, with the adapter's file kept from this gateway's garbage collection while it is
+        staged (stored, and no record names it yet)."""
+        async with self._collecting:  # a collection under way ends before the file is stored
+            self._staging[adapter.fingerprint] += 1
+        try:
+            return await self._register(owner, name, adapter, staged, limits, replace_existing, tenant)
+        finally:
+            self._staging[adapter.fingerprint] -= 1
+            if not self._staging[adapter.fingerprint]:
+                del self._staging[adapter.fingerprint]
+
+    async def _register(self, owner: str, name: str, adapter: LoRAAdapter, staged: Path, limits: tuple[int, int] | None,
+                        replace_existing: bool, tenant: Caller | None) -> tuple[AdapterRecord, AdapterRecord | None, float]:
         """Add or replace `owner`'s `name` with the checked adapter in `staged`; (the record, the
         one it replaced, seconds until it was servable). A tenant's name may not hide a shared
         adapter it uses (one it cannot see, it may), and a tenant may not register the content of

@@ -321,3 +321,21 @@ def test_changes_wait_for_an_unreachable_registry_and_serving_goes_on(setup, tin
     assert client.delete("/v1/adapters/steady", headers=auth()).status_code == 503
     assert greedy(client, "steady").status_code == 200  # what is known still serves
     assert client.get("/v1/adapters/steady", headers=auth()).status_code == 200
+
+
+def test_a_garbage_collection_while_an_upload_is_staged_keeps_its_file(setup, tiny_llama, monkeypatch) -> None:
+    """The file is stored before any record names it: a collection that runs then (here: at once, and
+    garbage_age_s is 0) must not take it from under the registration."""
+    client, _, directory, _, gateway, _ = setup
+    registry = gateway.registry
+    store = registry._store
+
+    async def store_then_collect(staged, fingerprint) -> None:
+        await store(staged, fingerprint)
+        await registry.collect_garbage()
+
+    monkeypatch.setattr(registry, "_store", store_then_collect)
+    r = upload(client, "staged", adapter_file(tiny_llama, directory / "staged.gguf", 77))
+    assert r.status_code == 201, r.text
+    assert greedy(client, "staged").status_code == 200
+    assert client.delete("/v1/adapters/staged", headers={"Authorization": f"Bearer {KEYS['t1']}"}).status_code == 200
