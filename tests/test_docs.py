@@ -19,7 +19,8 @@ _REF_DEFINITION = re.compile(r"^\s*\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*
 _HTML_ANCHOR = re.compile(r"<a\s+(?:name|id)=\"([^\"]+)\"")
 _REPO_PATH = re.compile(rf"(?<![\w./~-])((?:{'|'.join(TOP_DIRS)})/[\w./-]*)")
 _IMPORT_PATH = re.compile(r"^((?:gateway|worker|cache|bench)(?:\.\w+)+):\w+$")
-_OUTSIDE = (re.compile(r"\bSPEC\b"), re.compile(r"\.\./shared"), re.compile(r"/work/shared"))
+# a numbered section of some document (ours are cited by page and heading), or a path out of the repository
+_OUTSIDE = (re.compile(r"§\s*\d"), re.compile(r"\.\./shared"), re.compile(r"/work/shared"))
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
@@ -197,7 +198,7 @@ def test_the_checks_catch_what_is_wrong(tmp_path: Path) -> None:
         "[gone](docs/missing.md) [bad anchor](docs/page.md#worker-calls) [up](../shared/x.md)\n"
         "```\n[in code](nowhere.md)\n# not a heading\n```\n"
         "See `gateway/config.py`, `gateway/gone.py` and `gateway.config:load`, `gateway.nope:x`.\n"
-        "As SPEC §2 says.\n")
+        "As the design says in §2.\n")
     (tmp_path / "gateway" / "cited.py").write_text("# see docs/page.md#worker-call and docs/page.md#nope, docs/gone.md\n")
     assert unresolved_citations(tmp_path) == ["gateway/cited.py:1: docs/page.md#nope (no such heading)",
                                               "gateway/cited.py:1: docs/gone.md (no such page)"]
@@ -211,4 +212,4 @@ def test_the_checks_catch_what_is_wrong(tmp_path: Path) -> None:
     ]
     assert missing_paths(readme, tmp_path) == ["README.md:10: gateway/gone.py", "README.md:10: gateway.nope:x (no such module)"]
     assert outside_citations(readme, tmp_path) == ["README.md:5: [gone](docs/missing.md) [bad anchor](docs/page.md#worker-calls) "
-                                                   "[up](../shared/x.md)", "README.md:11: As SPEC §2 says."]
+                                                   "[up](../shared/x.md)", "README.md:11: As the design says in §2."]

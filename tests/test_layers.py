@@ -45,7 +45,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "gateway.api": (*GATEWAY_EDGE, "gateway.api.openai", "gateway.api.llama", "gateway.api.anthropic", "gateway.api.responses",
                     "gateway.api.admin"),  # gateway/api/app.py: the one list of APIs
     "gateway.serve": (*GATEWAY_EDGE, "gateway.api", "worker.shard"),  # the deployment wiring: the replica builds a ShardWorker
-    "gateway.cli": (*GATEWAY_EDGE, "gateway.api", "gateway.serve", "gateway.loadtest"),
+    "gateway.launch": (*GATEWAY_EDGE, "gateway.serve"),  # `loraplex serve`: deploys what gateway.serve builds
+    "gateway.cli": (*GATEWAY_EDGE, "gateway.api", "gateway.serve", "gateway.launch", "gateway.loadtest"),
 }
 ALLOWED["bench"] = (*WORKER_BASE, "worker.model", "worker.lora", "worker.engine", "worker.residency", "worker.shard",
                     *(layer for layer in ALLOWED if layer.split(".")[0] == "gateway"))  # drives replicas and gateways

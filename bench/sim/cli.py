@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.sim.fleet import Fleet, place
-from bench.sim.record import RunRecord
 from bench.sim.plots import write_report
 from bench.sim.profile import DEFAULT_PROFILE, CostProfile, load_profile
+from bench.sim.record import RunRecord
 from bench.sim.report import SLO, figures, table, tenant_table
 from bench.sim.routers import ROUTERS
 from bench.sim.workload import FleetScenario, load_fleet_scenario, scaled

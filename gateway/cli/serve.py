@@ -1,4 +1,4 @@
-"""`loraplex serve`: the deployment on Ray Serve (gateway/serve.py runs it)."""
+"""`loraplex serve`: the deployment on Ray Serve (gateway/launch.py runs it)."""
 
 from __future__ import annotations
 
@@ -16,4 +16,4 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--ray-address", metavar="ADDR",
                    help="join the Ray cluster at ADDR (host:port of its head; default $RAY_ADDRESS) instead of starting a local Ray")
     p.add_argument("--verbose", action="store_true", help="show Ray's and the replicas' logs")
-    p.set_defaults(handler="gateway.serve:run")
+    p.set_defaults(handler="gateway.launch:run")

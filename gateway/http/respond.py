@@ -19,7 +19,7 @@ from gateway.http.formatting import named_sse, sse, summary
 from gateway.metrics import GatewayMetrics, adapter_label
 from gateway.requests.admission import Admission, Prepared
 from gateway.requests.dispatch import Dispatcher
-from gateway.tenancy.usage import UsageEvent
+from gateway.tenancy.usage_event import UsageEvent
 from worker.contract.calls import Delta
 
 JSONObject = dict[str, Any]

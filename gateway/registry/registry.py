@@ -37,6 +37,7 @@ from gateway.config import ServeConfig
 from gateway.errors import GatewayError
 from gateway.policy.placement import PlacementError, place_new, rebalance
 from gateway.policy.routing import Residents
+from gateway.registry.limits import check_limits, describe
 from gateway.registry.records import (
     PENDING,
     SHARED,
@@ -56,14 +57,6 @@ from worker.formats.adapter import LoRAAdapter
 log = logging.getLogger(__name__)
 Pins = frozenset[Fingerprint]  # what a worker should hold (it has the config's adapters; the others it fetches from the store)
 Sync = Callable[[str, int, list[Fingerprint]], Awaitable[dict[str, Any]]]
-
-
-def describe(adapter: LoRAAdapter, owner: str, name: str, size: int) -> AdapterRecord:
-    kinds = sorted({t.split(".")[-2] if t.count(".") >= 2 else t.split(".")[0] for t in adapter.pairs})
-    rank = max((p.rank for p in adapter.pairs.values()), default=0)
-    return AdapterRecord(owner, name, adapter.fingerprint, size, rank, tuple(kinds), adapter.alpha,
-                         adapter.invocation_tokens, adapter.task_name, adapter.prompt_prefix, time.time(),
-                         is_dora=adapter.is_dora)
 
 
 class AdapterRegistry:
@@ -303,7 +296,7 @@ class AdapterRegistry:
             if old is not None and not replace_existing:
                 raise GatewayError(400, f"The lora adapter '{name}' has already been loaded.", "adapter_exists")
             if limits is not None and owner != SHARED:
-                _check_limits(records, fresh, limits)
+                check_limits(records, fresh, limits)
             return {pending_key: replace(fresh, shards=self._place(fresh.fingerprint, old, records))}, old
 
         await self.records.transact(stage)
@@ -400,18 +393,3 @@ def open_registry(config: ServeConfig, catalog: Catalog, pool: ShardPool,
     return AdapterRegistry(config, catalog, records, store, pool.replicas, getattr(pool, "sync", None), clock)
 
 
-def _check_limits(records: Records, fresh: AdapterRecord, limits: tuple[int, int]) -> None:
-    """A 403 when `fresh` takes its owner past `limits` (count, bytes): the owner's other names count,
-    their staged versions at their new size."""
-    mine: dict[str, AdapterRecord] = {}
-    for k, r in records.items():
-        if r.owner == fresh.owner and r.name != fresh.name and (r.name not in mine or k.startswith(PENDING)):
-            mine[r.name] = r
-    count, size = limits
-    if len(mine) + 1 > count:
-        raise GatewayError(403, f"this key already has {len(mine)} adapters, its limit is {count}: delete one first",
-                           "adapter_quota_exceeded")
-    used = sum(r.size_bytes for r in mine.values())
-    if used + fresh.size_bytes > size:
-        raise GatewayError(403, f"this adapter ({fresh.size_bytes} bytes) would take this key's adapters to "
-                           f"{used + fresh.size_bytes} bytes, over its limit of {size}", "adapter_quota_exceeded")

@@ -32,7 +32,8 @@ from gateway.registry.registry import AdapterRegistry
 from gateway.tenancy.quota import RESERVATION_MARGIN_S, QuotaExceeded, QuotaUnavailable, Reservation
 from gateway.tenancy.ratelimit import RateLimiter, TokenSpend
 from gateway.tenancy.tenants import Tenant
-from gateway.tenancy.usage import UsageEvent, UsageLedger
+from gateway.tenancy.usage import UsageLedger
+from gateway.tenancy.usage_event import UsageEvent
 from worker.contract.calls import WorkerCall
 from worker.contract.identity import AdapterName, Fingerprint, ScalesByFingerprint, ScalesByName
 from worker.contract.params import SamplingParams

@@ -33,7 +33,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from redis.exceptions import RedisError
@@ -52,11 +52,10 @@ from gateway.tenancy.quota import (
     Reservation,
     period_id,
 )
+from gateway.tenancy.usage_event import COUNTS, FINISH_REASONS, UsageEvent
 from gateway.tenancy.usage_spool import Spool
 
 log = logging.getLogger(__name__)
-COUNTS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
-FINISH_REASONS = ("stop", "length", "tool_calls", "cancelled", "error")
 MARKER_TTL_S = 2 * 24 * 3600
 RETENTION_S = 400 * 24 * 3600  # hourly counts are kept this long (a bill's period, and disputes)
 MAX_PENDING = 100_000  # requests waiting for Redis; past it the tenants with a quota are refused
@@ -86,36 +85,6 @@ for _, key in ipairs({KEYS[3], KEYS[4]}) do
 end
 return 1
 """
-
-
-@dataclass(frozen=True)
-class UsageEvent:
-    """One answered request's usage."""
-
-    request_id: str
-    tenant: str
-    key_id: str
-    adapter: str  # the adapters it used, as its tenant named them ("base": none)
-    model: str
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    finish_reason: str  # stop, length, tool_calls, cancelled, error
-    at_s: float  # wall-clock time it ended (its hour)
-    admitted_s: float | None = None  # when its quota reservation was made: its day and month (None: at_s's)
-
-    @property
-    def tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    @property
-    def quota_at_s(self) -> float:
-        return self.at_s if self.admitted_s is None else self.admitted_s
-
-    def counts(self) -> dict[str, int]:
-        finish = self.finish_reason if self.finish_reason in FINISH_REASONS else "stop"
-        return {"requests": 1, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "completion_tokens": self.completion_tokens, f"finish_{finish}": 1}
 
 
 def hour_of(at_s: float) -> str:

@@ -13,8 +13,8 @@ import redis.asyncio
 
 from gateway.api.app import create_app
 from gateway.catalog import Catalog
-from gateway.config import parse_config
 from gateway.compose import Gateway
+from gateway.config import parse_config
 from gateway.tenancy.ratelimit import RateLimiter
 from tests.tinymodels import TinyModel, invocation_metadata, random_lora, write_adapter
 

@@ -296,7 +296,8 @@ def test_usage_no_replica_holds_is_sent_again_and_survives_a_failover_counted_on
     """A usage write the master took but its replica did not (paused) is not done: it waits and is sent
     again. The master is lost, the replica takes over without it, and the write sent again lands there;
     the gateway's own retry of the same request counts nothing more."""
-    from gateway.tenancy.usage import UsageEvent, UsageLedger
+    from gateway.tenancy.usage import UsageLedger
+    from gateway.tenancy.usage_event import UsageEvent
 
     with LocalRedisCluster(tmp_path).start() as cluster:
         async def scenario() -> list[dict]:

@@ -9,9 +9,9 @@ import asyncio
 import pytest
 
 from gateway.cluster.pool import WorkerFailed
-from gateway.serve import GATEWAY_STOP_TIMEOUT_S, SHARD_STOP_TIMEOUT_S, STOP_POLL_S, ServePool, build
 from gateway.config import ConfigError, parse_config
 from gateway.policy.nodes import Node, node_options
+from gateway.serve import GATEWAY_STOP_TIMEOUT_S, SHARD_STOP_TIMEOUT_S, STOP_POLL_S, ServePool, build
 from worker.contract.calls import WorkerCall
 from worker.contract.params import SamplingParams
 

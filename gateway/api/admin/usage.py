@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, Response
 from gateway.errors import GatewayError
 from gateway.http.incoming import begin, credentials
 from gateway.http.parts import TenantsPart, UsagePart
-from gateway.tenancy.usage import COUNTS, FINISH_REASONS, MAX_QUERY_HOURS
+from gateway.tenancy.usage import MAX_QUERY_HOURS
+from gateway.tenancy.usage_event import COUNTS, FINISH_REASONS
 
 router = APIRouter()
 FORMATS = {"json": "application/json", "jsonl": "application/x-ndjson", "csv": "text/csv"}

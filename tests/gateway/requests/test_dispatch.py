@@ -10,9 +10,9 @@ import uuid
 import pytest
 
 from gateway.catalog import Catalog
+from gateway.compose import Gateway
 from gateway.errors import GatewayError
 from gateway.policy.routing import candidates, choose
-from gateway.compose import Gateway
 from gateway.tenancy.ratelimit import RateLimiter
 from tests.gateway.fake_pool import FakePool
 from tests.gateway.gateway_setup import tiny_config

@@ -24,7 +24,8 @@ from gateway.catalog import Catalog
 from gateway.compose import Gateway
 from gateway.tenancy.quota import QuotaExceeded, QuotaUnavailable, period_id
 from gateway.tenancy.ratelimit import RateLimiter
-from gateway.tenancy.usage import UsageEvent, UsageLedger
+from gateway.tenancy.usage import UsageLedger
+from gateway.tenancy.usage_event import UsageEvent
 from tests.gateway.gateway_setup import digest, local_serving, tiny_config
 from tests.redis_server import RedisServer
 
@@ -338,7 +339,8 @@ import asyncio, os, sys, time
 from pathlib import Path
 import redis
 from cache.l2 import RedisConfig, connect
-from gateway.tenancy.usage import UsageEvent, UsageLedger
+from gateway.tenancy.usage import UsageLedger
+from gateway.tenancy.usage_event import UsageEvent
 
 url, spool = sys.argv[1], sys.argv[2]
 

@@ -124,8 +124,8 @@ def test_fingerprint_covers_the_magnitudes_and_leaves_plain_loras_alone(tiny_lla
     changed[f"{TARGETS[1]}.lora_m"][3] += 0.5
     assert load_adapter(dora_file(tiny_llama, tmp_path / "c.gguf", pairs, changed)).fingerprint != first
     # a plain LoRA hashes as before DoRA existed: the digest of its pairs alone
-    from worker.formats.fingerprint import FINGERPRINT_VERSION, _hash_tensors
     from cache.hashing import TaggedHasher
+    from worker.formats.fingerprint import FINGERPRINT_VERSION, _hash_tensors
 
     plain = load_adapter(write_adapter(tmp_path / "p.gguf", pairs))
     h = TaggedHasher("loraplex.adapter", FINGERPRINT_VERSION)

@@ -14,7 +14,8 @@ import pytest
 
 from cache.l2 import RedisConfig, connect
 from gateway.tenancy.tenants import ACCOUNTS_POLL_S, open_tenants
-from gateway.tenancy.usage import UsageEvent, UsageLedger, open_ledger
+from gateway.tenancy.usage import UsageLedger, open_ledger
+from gateway.tenancy.usage_event import UsageEvent
 from tests.gateway.gateway_setup import KEYS, auth
 from tests.redis_server import RedisServer
 

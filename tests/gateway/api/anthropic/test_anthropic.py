@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 
 from gateway.api.anthropic.formats import MessageFormatter
-from gateway.http.formatting import named_sse
 from gateway.errors import GatewayError
+from gateway.http.formatting import named_sse
 from tests.gateway.gateway_setup import KEYS, SCHEMA, local_serving, tiny_config
 from tests.gateway.live_server import live_server
 from tests.tinymodels import TinySpec, make_tiny_model

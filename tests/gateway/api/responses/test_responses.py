@@ -18,9 +18,9 @@ from bench.cluster import free_port
 from gateway.api.openai.protocol import MAX_MESSAGES
 from gateway.api.responses.formats import ResponsesFormatter
 from gateway.api.responses.protocol import ResponsesRequest
-from gateway.requests.response_store import LocalResponses, RecordTooLarge, RedisResponses, StoredResponse
 from gateway.errors import GatewayError
 from gateway.http.json_body import parse
+from gateway.requests.response_store import LocalResponses, RecordTooLarge, RedisResponses, StoredResponse
 from gateway.tool_calls import HERMES, Function, ToolPlan
 from tests.gateway.gateway_setup import KEYS, SCHEMA, local_serving, tiny_config
 from tests.gateway.live_server import live_server
