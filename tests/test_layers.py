@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("worker", "cache", "gateway", "bench")
+PACKAGES = ("worker", "cache", "gateway", "bench", "deploy")
 
 # layer -> the layers (of ours) it may import besides itself, lowest first
 WORKER_BASE = ("cache", "worker.formats", "worker.contract")
@@ -50,6 +50,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 }
 ALLOWED["bench"] = (*WORKER_BASE, "worker.model", "worker.lora", "worker.engine", "worker.residency", "worker.shard",
                     *(layer for layer in ALLOWED if layer.split(".")[0] == "gateway"))  # drives replicas and gateways
+ALLOWED["deploy"] = (*WORKER_BASE, "worker.model", "worker.lora", "worker.engine")  # the example adapters' training, the pods
 TORCH_FREE = ("worker.formats", "worker.contract", "cache", "gateway")  # and every layer inside them
 
 

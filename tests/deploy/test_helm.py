@@ -101,7 +101,8 @@ def multi_shard_values() -> dict:
                                 "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]}},
         "serviceMonitor": {"enabled": True},
         "operator": {"key": "sk-ops"},
-        "ray": {"worker": {"replicas": 6, "minReplicas": 6, "maxReplicas": 12}},
+        "ray": {"worker": {"replicas": 6, "minReplicas": 6, "maxReplicas": 12},
+                "gcsFaultTolerance": {"redisAddress": "ray-gcs.internal:6379", "passwordSecret": "ray-gcs-auth"}},
         "adapterStore": {"url": "s3://llm-adapters/prod", "credentialsSecret": "adapter-store-aws",
                          "endpointUrl": "http://minio.storage:9000", "region": "eu-central-1"},
     }
@@ -205,7 +206,9 @@ def test_the_chart_decides_where_http_listens_and_keeps_the_rest_of_the_users_ht
     users = {"max_tokens_default": 64, "request_timeout_s": 30}
     values["loraplex"]["http"] = {"port": 1234, "listener": "gateway", **users}
     config = serve_config(next(d for d in render(values) if d["kind"] == "RayService"))
-    assert config["http"] == {"host": "0.0.0.0", "port": 8000, "listener": "serve-proxy", **users}
+    # and its one gateway replica on the head (tests/deploy/test_helm_ray.py)
+    assert config["http"] == {"host": "0.0.0.0", "port": 8000, "listener": "serve-proxy", **users,
+                              "node_labels": {"loraplex.io/ingress": "yes"}}
 
 
 def test_the_chart_passes_the_engine_device_and_routing_sections_on(tmp_path) -> None:

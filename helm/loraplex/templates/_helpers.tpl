@@ -133,7 +133,9 @@ data:
 {{- fail (printf "adapterStore: up to %d worker pods with the default emptyDir adapter store: workers on other pods cannot read the gateway's disk, so an adapter uploaded at run time would not load there; set adapterStore.url (s3://bucket/prefix) or adapterStore.existingClaim (a ReadWriteMany volume)" $workerPods) -}}
 {{- end -}}
 {{- $_ := set $config "registry" $registry -}}
-{{- $_ := set $config "http" (merge (dict "host" "0.0.0.0" "port" 8000 "listener" "serve-proxy") (default (dict) $config.http)) -}}
+{{- $http := merge (dict "host" "0.0.0.0" "port" 8000 "listener" "serve-proxy") (default (dict) $config.http) -}}
+{{- if include "loraplex.gatewayOnHead" . }}{{- $_ := set $http "node_labels" (dict "loraplex.io/ingress" "yes") -}}{{- end -}}
+{{- $_ := set $config "http" $http -}}
 {{- toYaml $config -}}
 {{- end -}}
 
@@ -258,3 +260,38 @@ envFrom:
 - {name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S, value: "0.5"}
 - {name: RAY_SERVE_METRICS_EXPORT_INTERVAL_MS, value: "1000"}
 {{- end }}
+
+{{/* Where the head's GCS keeps its tables (host:port), or "" for no GCS fault tolerance: the values'
+     redisAddress, else the state store when it is one Redis reached without TLS. */}}
+{{- define "loraplex.gcsRedisAddress" -}}
+{{- $ft := default (dict) .Values.ray.gcsFaultTolerance -}}
+{{- if $ft.enabled -}}
+{{- if $ft.redisAddress -}}
+{{- $ft.redisAddress -}}
+{{- else if .Values.state.enabled -}}
+{{- printf "%s-state:6379" (include "loraplex.fullname" .) -}}
+{{- else if .Values.state.external.url -}}
+{{- if or .Values.state.external.cluster (not (hasPrefix "redis://" .Values.state.external.url)) -}}
+{{- fail "ray.gcsFaultTolerance: the state store is a Redis Cluster or is reached over TLS, and this chart sets Ray's GCS up only on one plain Redis; set ray.gcsFaultTolerance.redisAddress (host:port of a plain Redis) or ray.gcsFaultTolerance.enabled: false" -}}
+{{- end -}}
+{{- regexReplaceAll "^redis://(?:[^@/]*@)?([^/]+).*$" .Values.state.external.url "${1}" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "loraplex.gcsRedisPasswordSecret" -}}
+{{- $ft := default (dict) .Values.ray.gcsFaultTolerance -}}
+{{- if $ft.redisAddress -}}
+{{- $ft.passwordSecret -}}
+{{- else -}}
+{{- include "loraplex.statePasswordSecret" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The gateway replicas go on the head (a label on its `ray start`) when there is one of them and the
+     config names no nodes for them: a worker pod that dies then takes no gateway and none of the
+     requests it holds; the head has no CPUs for replicas (rayStartParams num-cpus 0). */}}
+{{- define "loraplex.gatewayOnHead" -}}
+{{- $http := default (dict) .Values.loraplex.http -}}
+{{- if and (le (int (default 1 $http.gateway_replicas)) 1) (not $http.node_labels) -}}true{{- end -}}
+{{- end -}}
