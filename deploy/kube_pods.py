@@ -25,15 +25,13 @@ hence our own, kept to what the chart uses.
 
 from __future__ import annotations
 
-import base64
 import copy
 import ipaddress
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import yaml
+from deploy.kube_base import Secrets, Translation, Untranslatable, container_port, quantity_bytes
+from deploy.kuberay import ray_pods
 
 DROPPED_KINDS = {"Service", "NetworkPolicy", "ServiceMonitor", "Ingress"}
 POD_KEYS = {"containers", "initContainers", "volumes", "hostname", "restartPolicy", "securityContext",
@@ -42,55 +40,6 @@ POD_DROPPED = {"nodeSelector", "tolerations", "imagePullSecrets", "affinity"}
 CONTAINER_KEYS = {"name", "image", "imagePullPolicy", "command", "args", "env", "envFrom", "ports", "resources",
                   "volumeMounts", "workingDir", "securityContext"}
 CONTAINER_DROPPED = {"readinessProbe", "livenessProbe", "startupProbe"}
-GCS_RECONNECT_S = "600"  # KubeRay's worker default with GCS fault tolerance
-DASHBOARD_AGENT_PORT = 52365
-RAY_PORT = 6379
-
-
-class Untranslatable(ValueError):
-    """A manifest field that podman cannot run and this translation does not stand in for."""
-
-
-@dataclass
-class Translation:
-    pods: list[dict]                          # in start order: Redis and other StatefulSets, the Ray head, its workers
-    claims: list[dict] = field(default_factory=list)
-    files: dict[str, str] = field(default_factory=dict)   # a Secret's file: its path -> content
-    dirs: dict[str, str | None] = field(default_factory=dict)  # an emptyDir's folder -> its tmpfs size, if in memory
-    addresses: dict[str, str] = field(default_factory=dict)  # pod -> its static address
-    probes: dict[str, str] = field(default_factory=dict)     # pod -> a readiness command to exec in its first container
-    serve_config: str = ""
-    dropped: list[str] = field(default_factory=list)
-
-    def pod_yaml(self, name: str) -> str:
-        """One pod (with the claims it mounts) as `podman kube play` takes it."""
-        pod = next(p for p in self.pods if p["metadata"]["name"] == name)
-        used = {v["persistentVolumeClaim"]["claimName"] for v in pod["spec"].get("volumes", [])
-                if "persistentVolumeClaim" in v}
-        claims = [c for c in self.claims if c["metadata"]["name"] in used]
-        return yaml.safe_dump_all([*claims, pod], sort_keys=False)
-
-
-class _Secrets:
-    def __init__(self, docs: list[dict]) -> None:
-        self.by_name = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
-
-    def _secret(self, name: str) -> dict:
-        if name not in self.by_name:
-            raise Untranslatable(f"Secret {name} is named but not among the manifests (create it with them)")
-        return self.by_name[name]
-
-    def value(self, name: str, key: str) -> str:
-        secret = self._secret(name)
-        if key in secret.get("stringData", {}):
-            return str(secret["stringData"][key])
-        if key not in secret.get("data", {}):
-            raise Untranslatable(f"Secret {name} has no key {key}")
-        return base64.b64decode(secret["data"][key]).decode()
-
-    def keys(self, name: str) -> list[str]:
-        secret = self._secret(name)
-        return [*secret.get("stringData", {}), *secret.get("data", {})]
 
 
 def _expand(text: str, env: dict[str, str]) -> str:
@@ -110,7 +59,7 @@ def _field_ref(path: str, meta: dict, namespace: str) -> str:
     raise Untranslatable(f"fieldRef {path} of pod {meta['name']}")
 
 
-def _resolve_env(container: dict, meta: dict, namespace: str, secrets: _Secrets) -> None:
+def _resolve_env(container: dict, meta: dict, namespace: str, secrets: Secrets) -> None:
     """env and envFrom as plain values, `$(VAR)` expanded in env, command and args, in the kubelet's order."""
     resolved: dict[str, str] = {}
     for source in container.pop("envFrom", []):
@@ -143,7 +92,7 @@ def _check_keys(kind: str, name: str, got: dict, allowed: set[str], dropped: set
         got.pop(key)
 
 
-def _volumes(pod: dict, secrets: _Secrets, root: Path, out: Translation) -> None:
+def _volumes(pod: dict, secrets: Secrets, root: Path, out: Translation) -> None:
     """Secrets as files, emptyDirs as folders the caller makes (mode 0777, as kubelet's; a tmpfs
     of the size asked for `medium: Memory`): podman's own emptyDir ignores `medium`, silently."""
     name = pod["metadata"]["name"]
@@ -160,130 +109,15 @@ def _volumes(pod: dict, secrets: _Secrets, root: Path, out: Translation) -> None
             memory = empty.get("medium") == "Memory"
             if memory and not empty.get("sizeLimit"):
                 raise Untranslatable(f"pod {name}: emptyDir {volume['name']} in memory with no sizeLimit")
-            out.dirs[str(folder)] = _bytes(empty["sizeLimit"]) if memory else None
+            out.dirs[str(folder)] = quantity_bytes(empty["sizeLimit"]) if memory else None
             volume["hostPath"] = {"path": str(folder), "type": "Directory"}
         elif "persistentVolumeClaim" not in volume:
             raise Untranslatable(f"pod {name}: volume {volume}")
 
 
-def _bytes(quantity: str) -> str:
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9}
-    match = re.fullmatch(r"(\d+)([A-Za-z]*)", str(quantity))
-    if not match or (match.group(2) and match.group(2) not in units):
-        raise Untranslatable(f"memory quantity {quantity}")
-    return str(int(match.group(1)) * units.get(match.group(2), 1))
-
-
-def _cpus(quantity: Any) -> int:
-    text = str(quantity)
-    return int(text[:-1]) // 1000 if text.endswith("m") else int(float(text))
-
-
-def _ray_start(params: dict[str, Any]) -> str:
-    """KubeRay's flags: sorted, `true` a bare switch, `false` left out."""
-    flags = []
-    for key in sorted(params):
-        value = str(params[key])
-        if value.lower() == "true":
-            flags.append(f"--{key}")
-        elif value.lower() != "false":
-            flags.append(f"--{key}={value}")
-    return " ".join(flags)
-
-
-@dataclass
-class _RayCluster:
-    name: str
-    namespace: str
-    head_fqdn: str
-    ft: dict | None
-    secrets: _Secrets
-
-    def pod(self, template: dict, pod_name: str, group: str, params: dict, head: bool) -> dict:
-        """A Ray pod as KubeRay builds it (ray-operator/controllers/ray/common/pod.go: BuildPod)."""
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": copy.deepcopy(template.get("metadata", {})),
-               "spec": copy.deepcopy(template["spec"])}
-        pod["metadata"]["name"] = pod_name
-        pod["metadata"].setdefault("labels", {}).update(
-            {"ray.io/cluster": self.name, "ray.io/node-type": "head" if head else "worker",
-             "ray.io/group": "headgroup" if head else group, "ray.io/is-ray-node": "yes"})
-        container = pod["spec"]["containers"][0]
-        params = {str(k): str(v) for k, v in params.items()}
-        resources = container.get("resources", {})
-        limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
-        if "nvidia.com/gpu" in limits:
-            raise Untranslatable(f"{pod_name}: nvidia.com/gpu (no GPU here: set ray.worker.gpusPerPod to 0)")
-        cpu = limits.get("cpu", requests.get("cpu"))
-        if cpu is not None:
-            params.setdefault("num-cpus", str(_cpus(cpu)))
-        if "memory" in limits:
-            params.setdefault("memory", _bytes(limits["memory"]))
-        if head:
-            params.setdefault("dashboard-host", "0.0.0.0")
-        else:
-            params.setdefault("address", f"{self.head_fqdn}:{RAY_PORT}")
-        params.setdefault("metrics-export-port", "8080")
-        params.setdefault("dashboard-agent-listen-port", str(DASHBOARD_AGENT_PORT))
-        params["block"] = "true"
-        env = container.setdefault("env", [])
-        if self.ft is not None:
-            self._fault_tolerance(env, params, head)
-        start = f"ray start {'--head ' if head else ''}{_ray_start(params)}"
-        container["command"] = ["/bin/bash", "-c", "--"]
-        container["args"] = [f"ulimit -n ${{RAY_START_ULIMIT_OPEN_FILES:-65536}}; {start}"]
-        ip = "127.0.0.1" if head else self.head_fqdn
-        kuberay = {"RAY_CLUSTER_NAME": self.name, "RAY_CLUSTER_NAMESPACE": self.namespace,
-                   "RAY_CLOUD_INSTANCE_ID": pod_name, "RAY_NODE_TYPE_NAME": "headgroup" if head else group,
-                   "KUBERAY_GEN_RAY_START_CMD": start, "RAY_PORT": str(RAY_PORT),
-                   "RAY_timeout_ms_task_wait_for_death_info": "0", "RAY_gcs_server_request_timeout_seconds": "5",
-                   "RAY_SERVE_KV_TIMEOUT_S": "5", "RAY_ADDRESS": f"{ip}:{RAY_PORT}",
-                   "RAY_USAGE_STATS_KUBERAY_IN_USE": "1", "RAY_DASHBOARD_ENABLE_K8S_DISK_USAGE": "1"}
-        if not head:
-            kuberay |= {"FQ_RAY_IP": self.head_fqdn, "RAY_IP": self.head_fqdn.split(".")[0]}
-        present = {e["name"] for e in env}
-        env.extend({"name": k, "value": v} for k, v in kuberay.items() if k not in present)
-        container.setdefault("volumeMounts", []).append({"name": "shared-mem", "mountPath": "/dev/shm"})
-        memory = limits.get("memory", requests.get("memory"))
-        pod["spec"].setdefault("volumes", []).append(
-            {"name": "shared-mem", "emptyDir": {"medium": "Memory", **({"sizeLimit": memory} if memory else {})}})
-        return pod
-
-    def _fault_tolerance(self, env: list[dict], params: dict, head: bool) -> None:
-        """GCS fault tolerance on an external Redis (gcsFaultToleranceOptions): the head's GCS keeps
-        its tables there; workers wait up to 600 s for a new head instead of Ray's 60."""
-        if not head:
-            env.append({"name": "RAY_gcs_rpc_server_reconnect_timeout_s", "value": GCS_RECONNECT_S})
-            return
-        unknown = set(self.ft) - {"redisAddress", "redisPassword", "externalStorageNamespace"}
-        if unknown:
-            raise Untranslatable(f"gcsFaultToleranceOptions: {sorted(unknown)}")
-        env.append({"name": "RAY_external_storage_namespace", "value": self.ft.get("externalStorageNamespace", self.name)})
-        env.append({"name": "RAY_REDIS_ADDRESS", "value": self.ft["redisAddress"]})
-        password = self.ft.get("redisPassword")
-        if password is not None:
-            env.append({"name": "REDIS_PASSWORD", **password})
-            params["redis-password"] = "$REDIS_PASSWORD"
-
-
-def _probe(head: bool, serve_port: int) -> str:
-    """KubeRay's readiness probe for Ray 2.53+ (the node's health endpoint), plus the Serve proxy's
-    health on RayService workers, as one command."""
-    checks = [f"wget --tries 1 -T 2 -q -O- http://localhost:{DASHBOARD_AGENT_PORT}/api/healthz"]
-    if not head:
-        checks.append(f"wget --tries 1 -T 2 -q -O- http://localhost:{serve_port}/-/healthz")
-    return " && ".join(f"{c} >/dev/null" for c in checks)
-
-
 def _selects(selector: dict, pod: dict) -> bool:
     labels = pod["metadata"].get("labels", {})
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
-
-def _port(container: dict, target: Any) -> dict:
-    for port in container.get("ports", []):
-        if target in (port.get("name"), port.get("containerPort")):
-            return port
-    raise Untranslatable(f"container {container['name']} has no port {target}")
 
 
 def translate(docs: list[dict], *, subnet: str, root: Path, namespace: str = "default", worker_pods: int | None = None,
@@ -293,7 +127,7 @@ def translate(docs: list[dict], *, subnet: str, root: Path, namespace: str = "de
     address. `root`: the folder under which Secrets' files and emptyDirs go. `worker_pods`: the
     worker group's pods (default: its `replicas`). `publish`: a Service's name -> the host port
     its first port is published on."""
-    secrets, out = _Secrets(docs), Translation(pods=[])
+    secrets, out = Secrets(docs), Translation(pods=[])
     services = [d for d in docs if d["kind"] == "Service"]
     for doc in docs:
         kind, name = doc["kind"], doc["metadata"]["name"]
@@ -308,7 +142,7 @@ def translate(docs: list[dict], *, subnet: str, root: Path, namespace: str = "de
         elif kind == "Pod":
             out.pods.append(copy.deepcopy(doc))
         elif kind == "RayService":
-            out.pods.extend(_ray_pods(doc, namespace, worker_pods, secrets, out))
+            out.pods.extend(ray_pods(doc, namespace, worker_pods, secrets, out))
         elif kind != "Secret":
             raise Untranslatable(f"{kind} {name}: no stand-in for this kind")
     def order(pod: dict) -> tuple[bool, bool]:  # what the Ray pods need first, then the head, then its workers
@@ -340,34 +174,7 @@ def _statefulset_pod(doc: dict, out: Translation) -> dict:
     return pod
 
 
-def _ray_pods(doc: dict, namespace: str, worker_pods: int | None, secrets: _Secrets, out: Translation) -> list[dict]:
-    name, spec = doc["metadata"]["name"], doc["spec"]
-    unknown = set(spec) - {"serveConfigV2", "rayClusterConfig"}
-    if unknown:
-        raise Untranslatable(f"RayService {name}: {sorted(unknown)}")
-    out.serve_config = spec["serveConfigV2"]
-    config = spec["rayClusterConfig"]
-    unknown = set(config) - {"rayVersion", "enableInTreeAutoscaling", "headGroupSpec", "workerGroupSpecs",
-                             "gcsFaultToleranceOptions"}
-    if unknown:
-        raise Untranslatable(f"RayService {name} rayClusterConfig: {sorted(unknown)}")
-    if config.get("enableInTreeAutoscaling"):
-        out.dropped.append(f"RayService {name}: enableInTreeAutoscaling (no autoscaler: the worker pods are fixed)")
-    cluster = _RayCluster(name, namespace, f"{name}-head-svc.{namespace}.svc.cluster.local",
-                          config.get("gcsFaultToleranceOptions"), secrets)
-    head = config["headGroupSpec"]
-    pods = [cluster.pod(head["template"], f"{name}-head", "headgroup", head.get("rayStartParams", {}), head=True)]
-    for group in config.get("workerGroupSpecs", []):
-        count = group.get("replicas", 1) if worker_pods is None else worker_pods
-        pods += [cluster.pod(group["template"], f"{name}-{group['groupName']}-worker-{i}", group["groupName"],
-                             group.get("rayStartParams", {}), head=False) for i in range(count)]
-    for pod in pods:
-        serve = _port(pod["spec"]["containers"][0], "serve")["containerPort"]
-        out.probes[pod["metadata"]["name"]] = _probe(pod["metadata"]["labels"]["ray.io/node-type"] == "head", serve)
-    return pods
-
-
-def _finish_pods(out: Translation, secrets: _Secrets, services: list[dict], namespace: str, publish: dict[str, int],
+def _finish_pods(out: Translation, secrets: Secrets, services: list[dict], namespace: str, publish: dict[str, int],
                  root: Path) -> None:
     aliases: dict[str, list[str]] = {}
     for service in services:
@@ -378,7 +185,7 @@ def _finish_pods(out: Translation, secrets: _Secrets, services: list[dict], name
             if pod is None:
                 raise Untranslatable(f"Service {service['metadata']['name']} selects no pod to publish")
             port = service["spec"]["ports"][0]
-            _port(pod["spec"]["containers"][0], port["targetPort"])["hostPort"] = publish[service["metadata"]["name"]]
+            container_port(pod["spec"]["containers"][0], port["targetPort"])["hostPort"] = publish[service["metadata"]["name"]]
     for pod in out.pods:  # KubeRay's head Service, named for the RayService
         if pod["metadata"]["labels"].get("ray.io/node-type") == "head":
             aliases.setdefault(out.addresses[pod["metadata"]["name"]], []).extend(

