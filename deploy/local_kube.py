@@ -9,7 +9,9 @@
    serveConfigV2 to the head's dashboard.
 4. What a user does: the README's curl through the published port, the openai SDK, an adapter
    uploaded and served (through the S3 store: the pods share no folder), /health, /metrics.
-5. A worker pod killed under a steady load, then started again; the head killed, then started again.
+5. A worker pod killed under a steady load, then started again; the head killed, then started again,
+   under clients that give each request 5 s and try again. A pod is killed as a kubelet kills it:
+   its containers first, then the sandbox that holds its network (deploy/podman_pods.py: Cluster.kill).
 
 Every figure is printed; the last line is `N passed, M failed`. Everything started is removed.
 """
@@ -27,11 +29,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
 import yaml
 
+from deploy.kube_base import container_port
 from deploy.kube_pods import translate
 from deploy.podman_pods import MODELS_VOLUME, SUBNET, Cluster, podman, prepare_models, wait_for
 
@@ -40,6 +44,8 @@ CHART = ROOT / "helm" / "loraplex"
 VALUES = ROOT / "deploy" / "podman" / "values.yaml"
 RELEASE, NAMESPACE = "lp", "serving"
 BUCKET = "loraplex-adapters"
+# the head fault's clients: a request not answered in 5 s is a failed try, and the next one goes
+HEAD_FAULT_TIMEOUT_S = 5.0
 
 
 class Checks:
@@ -80,8 +86,8 @@ def render(keys: dict[str, str]) -> list[dict]:
 
 
 class Gateway:
-    def __init__(self, port: int, keys: dict[str, str]) -> None:
-        self.url, self.keys = f"http://127.0.0.1:{port}", keys
+    def __init__(self, port: int, keys: dict[str, str], host: str = "127.0.0.1") -> None:
+        self.url, self.keys = f"http://{host}:{port}", keys
         self.http = httpx.Client(base_url=self.url, timeout=120)
 
     def chat(self, model: str, text: str, max_tokens: int = 16, timeout: float = 120) -> httpx.Response:
@@ -98,11 +104,12 @@ class Gateway:
 
 
 class Load:
-    """A steady load: `clients` threads each sending one whole (non-streamed) request after another;
-    every request's (start, end, error or None) is kept."""
+    """A steady load: `clients` threads each sending one whole (non-streamed) request after another,
+    each given `timeout_s`, the next sent 0.5 s after a failure; every request's (start, end, error
+    or None) is kept."""
 
-    def __init__(self, gateway: Gateway, clients: int = 2) -> None:
-        self.gateway, self.clients = gateway, clients
+    def __init__(self, gateway: Gateway, clients: int = 2, timeout_s: float = 180) -> None:
+        self.gateway, self.clients, self.timeout_s = gateway, clients, timeout_s
         self.requests: list[tuple[float, float, str | None]] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
@@ -113,7 +120,8 @@ class Load:
             n += 1
             start = time.monotonic()
             try:
-                r = self.gateway.chat("caps" if n % 2 else "json", f"Client {i}, question {n}: what is iron?", timeout=180)
+                r = self.gateway.chat("caps" if n % 2 else "json", f"Client {i}, question {n}: what is iron?",
+                                      timeout=self.timeout_s)
                 good = r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
                 why = None if good else f"{r.status_code} {r.text[:160]}"
             except Exception as e:  # noqa: BLE001 (a failed request is what is counted)
@@ -210,7 +218,7 @@ def worker_fault(checks: Checks, gateway: Gateway, cluster: Cluster, pod: str) -
     it recreated): whole requests lost, and the time back to two replicas."""
     with Load(gateway) as load:
         time.sleep(10)
-        podman("pod", "kill", pod)
+        cluster.kill(pod)
         killed = time.monotonic()
         time.sleep(15)
         down = sum(killed < end and why is None for _, end, why in load.requests)
@@ -226,29 +234,75 @@ def worker_fault(checks: Checks, gateway: Gateway, cluster: Cluster, pod: str) -
     checks.check("the shard back to 2 replicas once the pod started", True, f"{back_s:.1f} s")
 
 
-def head_fault(checks: Checks, gateway: Gateway, cluster: Cluster, head: str) -> None:
+def _kind(why: str) -> str:
+    """A failed request's kind: the exception's name, or the HTTP status."""
+    return why.split(":")[0].split()[0]
+
+
+def in_flight_figure(load: Load, killed: float) -> tuple[str, bool]:
+    """What became of the requests in flight at the kill: a figure's text, and whether none hung to its timeout."""
+    in_flight = [(end, why) for start, end, why in load.requests if start < killed < end]
+    lost = [(end, why) for end, why in in_flight if why is not None]
+    hung = sum(_kind(why).endswith("Timeout") for _, why in lost)
+    fast = [end - killed for end, why in lost if not _kind(why).endswith("Timeout")]
+    kinds = ", ".join(sorted({_kind(why) for _, why in lost})) or "none"
+    text = (f"{len(in_flight)} in flight at the kill, {len(lost)} lost ({kinds}): {len(fast)} failed fast"
+            + (f" (within {max(fast):.1f} s of the kill)" if fast else "") + f", {hung} hung to the {load.timeout_s:.0f} s timeout")
+    return text, bool(in_flight) and not hung
+
+
+def recovery_figure(load: Load, killed: float, down: float, restarted: float) -> tuple[str, float | None]:
+    """The first answer to a request sent once the head's processes were gone, and the tries that failed before it."""
+    answered = load.first_answer_started_after(down)
+    tries = Counter(_kind(why) for start, end, why in load.requests
+                    if start >= killed and why is not None and (answered is None or end <= answered))
+    text = ("no answer" if answered is None else
+            f"first answer {answered - killed:.1f} s after the kill ({answered - restarted:.1f} s after the start)")
+    failed = ", ".join(f"{kind} {n}" for kind, n in tries.most_common()) or "none"
+    return f"{text}, {sum(tries.values())} tries failed before it ({failed})", answered
+
+
+def head_fault(checks: Checks, gateway: Gateway, cluster: Cluster, head: str, worker: str) -> None:
     """The head pod killed and started again (as KubeRay restarts it): with GCS fault tolerance its
     tables come back from the state Redis, the Serve application with them, and the workers' replicas
-    go on; the registry and tenants live in the state store."""
+    go on; the registry and tenants live in the state store. Clients come in through the published
+    port (the head's proxy) and, as a Service spreads them, through a worker pod's proxy; each gives a
+    request HEAD_FAULT_TIMEOUT_S and tries again, so the figures are what clients see, not a timeout."""
     nodes = sorted(r["node"]["id"] for r in gateway.replicas()[1])
-    with Load(gateway) as load:
+    serve_port = container_port(next(p for p in cluster.pods.pods if p["metadata"]["name"] == head)["spec"]["containers"][0],
+                                "serve")["containerPort"]
+    proxy = f"http://{cluster.pods.addresses[head]}:{serve_port}/-/healthz"
+    loads = {"through the published port (the head's proxy)": Load(gateway, 2, HEAD_FAULT_TIMEOUT_S),
+             f"through {worker}'s proxy": Load(Gateway(serve_port, gateway.keys, cluster.pods.addresses[worker]), 1, HEAD_FAULT_TIMEOUT_S)}
+    proxy_s = None
+    with contextlib.ExitStack() as stack:
+        for load in loads.values():
+            stack.enter_context(load)
         time.sleep(5)
-        podman("pod", "kill", head)
         killed = time.monotonic()
+        cluster.kill(head)
+        down = time.monotonic()
         time.sleep(2)
         podman("pod", "start", head)
         restarted = time.monotonic()
         with contextlib.suppress(TimeoutError):
-            wait_for("an answer after the restart", lambda: load.first_answer_started_after(restarted) is not None, 600)
+            proxy_s = wait_for("Serve's proxy on the head", lambda: httpx.get(proxy, timeout=2).status_code == 200, 600, every_s=0.5)
+        with contextlib.suppress(TimeoutError):
+            wait_for("answers after the restart", lambda: all(x.first_answer_started_after(down) for x in loads.values()), 600)
         time.sleep(5)
-    answered = load.first_answer_started_after(restarted)
-    in_flight = sum(start < killed and why is not None for start, _, why in load.requests)
-    print(f"head pod killed: {in_flight} requests in flight lost, {len(load.failures) - in_flight} refused while it was down "
-          f"(clients retrying every 0.5 s), first answer {'never' if answered is None else f'{answered - killed:.1f} s'} "
-          f"after the kill ({'' if answered is None else f'{answered - restarted:.1f} s after the start'})")
-    for why in sorted(set(load.failures))[:4]:
-        print(f"  failed: {why}")
-    checks.check("answers again after the head came back, with no new deploy", answered is not None)
+    print(f"head pod killed (its Ray container, then the pod: {down - killed:.1f} s), started again {restarted - killed:.1f} s "
+          f"after the kill; Serve's proxy on the head up {'never' if proxy_s is None else f'{proxy_s:.1f} s after the start'}; "
+          f"clients give a request {HEAD_FAULT_TIMEOUT_S:.0f} s and send the next 0.5 s after a failure")
+    for label, load in loads.items():
+        lost, fast = in_flight_figure(load, killed)
+        back, answered = recovery_figure(load, killed, down, restarted)
+        print(f"head pod killed, {label}: {lost}; {back}")
+        checks.check(f"the head's kill, {label}: requests in flight failed fast, none hung", fast)
+        checks.check(f"answers again {label} after the head came back, with no new deploy", answered is not None)
+    _survivors(checks, gateway, nodes)
+
+
+def _survivors(checks: Checks, gateway: Gateway, nodes: list[str]) -> None:
     after = sorted(r["node"]["id"] for r in gateway.replicas()[1])
     checks.check("the worker pods' replicas lived through it (same Ray nodes)", after == nodes, f"{len(after)} replicas")
     listed = gateway.http.get("/v1/adapters", headers={"Authorization": f"Bearer {gateway.keys['tenant']}"})
@@ -305,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         user_checks(checks, gateway, cluster)
         if not args.skip_faults:
             worker_fault(checks, gateway, cluster, f"{RELEASE}-loraplex-cpu-worker-1")
-            head_fault(checks, gateway, cluster, f"{RELEASE}-loraplex-head")
+            head_fault(checks, gateway, cluster, f"{RELEASE}-loraplex-head", f"{RELEASE}-loraplex-cpu-worker-0")
     except Exception as e:  # noqa: BLE001 (a step that failed is a failed check; the cleanup still runs)
         checks.check("the sequence ran to its end", False, f"{type(e).__name__}: {e}")
     finally:

@@ -84,6 +84,17 @@ class Cluster:
         first = next(p for p in self.pods.pods if p["metadata"]["name"] == pod)["spec"]["containers"][0]["name"]
         return f"{pod}-{first}"
 
+    def kill(self, pod: str) -> None:
+        """The pod killed as a kubelet takes a pod down: its containers first (SIGKILL, as an OOM kill
+        would), then the sandbox that holds its network. `podman pod kill` signals them all at once,
+        infra too: when the infra's network teardown wins the race, the dead processes' sockets close
+        with no route out, no FIN reaches the clients, and their requests hang to their own timeout."""
+        spec = next(p for p in self.pods.pods if p["metadata"]["name"] == pod)["spec"]
+        containers = [f"{pod}-{c['name']}" for c in spec["containers"]]
+        podman("kill", "--signal", "KILL", *containers)
+        podman("wait", *containers)
+        podman("pod", "kill", pod)
+
     def ready(self, pod: str) -> bool:
         try:
             return podman("exec", self.container(pod), "bash", "-c", self.pods.probes[pod], check=False, timeout=30).returncode == 0
