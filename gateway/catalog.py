@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.config import ServeConfig
+from gateway.reasoning import tags_of
 from gateway.tool_calls import template_style
 from worker.contract.spec import slot_length
 from worker.formats.adapter import load_adapter
@@ -30,6 +31,7 @@ class AdapterInfo:
     invocation_tokens: tuple[int, ...] | None
     owner: str = ""  # the tenant that registered it; "" for shared ones (the config's, the operator's)
     is_dora: bool = False  # a DoRA adapter: never stacked with another in one request
+    chat_template: str | None = None  # its own (adapter.chat_template): its requests render with it, not the base's
 
     @property
     def is_alora(self) -> bool:
@@ -44,6 +46,9 @@ class Catalog:
         self.hparams = ModelHParams.from_gguf(self.base)
         self.tokenizer = GGUFTokenizer(self.base)
         self.tool_style = template_style(self.tokenizer.chat_template)  # how chat tools reach this model (gateway/tool_calls.py)
+        # the thinking markers answers are split on (gateway/reasoning.py)
+        self.reasoning_tags = tags_of(config.reasoning.parser, self.tokenizer.chat_template)
+        self.default_thinking = config.reasoning.default_thinking  # the template's enable_thinking when a request does not say
         self.max_positions = slot_length(config.engine.slot_len, self.hparams.context_length)
         # a text longer than this cannot fit the context whatever it says: refused before tokenizing
         self.longest_token_chars = max(1, max((len(self.tokenizer.token_text(i)) for i in range(self.tokenizer.vocab_size)), default=1))
@@ -57,7 +62,7 @@ class Catalog:
             adapter = load_adapter(path, self.base)  # AdapterError: the deployment does not start
             self.adapters[entry.name] = AdapterInfo(
                 entry.name, path, adapter.fingerprint, adapter.task_name, adapter.prompt_prefix, adapter.invocation_tokens,
-                is_dora=adapter.is_dora,
+                is_dora=adapter.is_dora, chat_template=adapter.chat_template,
             )
 
     def check_grammar(self, grammar: str) -> None:

@@ -18,6 +18,7 @@ stdlib dataclasses without their own config). The file's shape:
     routing:  RoutingSettings (gateway/policy/routing/registry.py): policy, eps, max_attempts, ...
     tracing:  TracingSettings (worker/contract/tracing.py): otlp_endpoint, service_name, sample_ratio
     state:    StateSettings (gateway/state.py): the state store's redis_url, cluster, ephemeral, stale_after_s
+    reasoning: ReasoningSettings (gateway/reasoning.py): parser (auto, none, qwen3, deepseek_r1)
     auth:     keys (every request needs a key) or none (one anonymous tenant: said, never inferred)
 """
 
@@ -39,6 +40,7 @@ from cache.prefix import PrefixCacheConfig
 from gateway.exposure import auth_error, exposure_error
 from gateway.policy.nodes import selector_error
 from gateway.policy.routing import RoutingSettings
+from gateway.reasoning import ReasoningSettings
 from gateway.state import StateSettings
 from gateway.state import config_error as state_config_error
 from gateway.state import state_redis as _state_redis
@@ -131,9 +133,22 @@ class HTTPSettings(_Strict):
     # the Ray node labels of the nodes that take traffic: the gateway replicas run there, at most one a node
     # (one listener per node, as Serve's proxies do); empty: wherever Ray puts them
     node_labels: NodeLabels = Field(default_factory=dict)
-    # origins browsers may call the API from (CORS): ["*"] any, llama-server's default; []: none
+    # origins browsers may call the API from (CORS, gateway/http/cors.py): ["*"] any, llama-server's default;
+    # "localhost": any http(s) origin on this machine; an origin as scheme://host[:port]; []: none
     cors_origins: list[str] = Field(default_factory=lambda: ["*"])
+    cors_credentials: bool = True  # Access-Control-Allow-Credentials: true, the origin reflected (llama-server's default)
     allow_insecure_bind: bool = False  # listen beyond loopback with the example keys or auth: none (gateway/exposure.py)
+    # a request's own `chat_template` (code its sender writes, rendered in the bounded sandbox): off, a 400
+    allow_request_chat_template: bool = False
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if value not in ("*", "localhost", "null") and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+", value):
+                raise ValueError(f"{value!r} is not an origin: scheme://host[:port] with no path (as a browser sends "
+                                 "it: no trailing slash), '*' (any) or 'localhost' (any origin on this machine)")
+        return values
 
 
 class RegistrySettings(_Strict):
@@ -181,6 +196,7 @@ class ServeConfig(_Strict):
     tracing: TracingSettings = TracingSettings()  # OpenTelemetry over OTLP/HTTP; off by default
     http: HTTPSettings = HTTPSettings()
     registry: RegistrySettings = RegistrySettings()
+    reasoning: ReasoningSettings = ReasoningSettings()  # which family's thinking markers answers are split on (gateway/reasoning.py)
     fingerprint_dir: str | None = DEFAULT_FINGERPRINT_DIR  # base-model fingerprints kept between processes; null: none
     base_dir: str = "."  # where relative paths start (set from the file's location)
 

@@ -316,6 +316,8 @@ def chat_messages(messages: Sequence[Mapping[str, Any]], plan: ToolPlan | None, 
                 out.append({"role": "user", "content": json.dumps(response, ensure_ascii=False)})
         else:
             out.append({"role": role, "content": content})
+        if role == "assistant" and m.get("reasoning_content") is not None:
+            out[-1]["reasoning_content"] = m["reasoning_content"]  # its thinking, as Qwen3's template reads it
     if plan is not None and style == GENERIC:
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{plan.system_text()}"}
@@ -348,4 +350,5 @@ def chat_input(body, style: str) -> tuple[ToolPlan | None, list[dict[str, Any]],
 def rendered_size(messages: list[dict[str, Any]], extra: dict[str, Any]) -> int:
     """What the template renders, in characters: the contents, the tools, and earlier calls."""
     calls = sum(len(json.dumps(m["tool_calls"])) for m in messages if m.get("tool_calls"))
+    calls += sum(len(m.get("reasoning_content") or "") for m in messages)
     return sum(len(m["content"]) for m in messages) + calls + sum(len(json.dumps(t)) for t in extra.get("tools", ()))

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
@@ -24,6 +23,7 @@ from gateway.api import admin, anthropic, llama, openai, responses
 from gateway.compose import Gateway
 from gateway.errors import GatewayError
 from gateway.http.api import Api
+from gateway.http.cors import Cors
 from gateway.http.errors import openai_error
 from gateway.http.observed import ObservedRequests
 from gateway.http.uploads import UPLOAD_BODY
@@ -81,9 +81,8 @@ async def _internal(request: Request, e: Exception) -> JSONResponse:  # never a 
 
 
 class ConfiguredCORS:
-    """Starlette's CORS middleware with the gateway's `http.cors_origins` (`*`: any origin, llama-server's
-    default; empty: no CORS headers, preflights refused), built at the first request: the app is made
-    before its gateway (the Serve ingress sets it)."""
+    """CORS (gateway/http/cors.py) for the gateway's `http.cors_origins` and `http.cors_credentials`, built at
+    the first request: the app is made before its gateway (the Serve ingress sets it)."""
 
     def __init__(self, app: Any) -> None:
         self.app, self._inner = app, None
@@ -91,12 +90,10 @@ class ConfiguredCORS:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if self._inner is None and scope["type"] == "http":
             try:
-                origins = scope["app"].state.find_gateway().config.http.cors_origins
+                http = scope["app"].state.find_gateway().config.http
             except (GatewayError, AttributeError):  # still starting: no CORS yet
                 return await self.app(scope, receive, send)
-            self._inner = self.app if not origins else CORSMiddleware(
-                self.app, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
-                allow_credentials="*" not in origins, max_age=600)
+            self._inner = Cors(self.app, http.cors_origins, http.cors_credentials)
         await (self._inner or self.app)(scope, receive, send)
 
 

@@ -56,8 +56,10 @@ def _add(server: httpx.Client, args: argparse.Namespace, owner: dict[str, str]) 
 
 def _files(args: argparse.Namespace) -> dict[str, BinaryIO]:
     path = Path(args.path)
-    if path.is_dir():  # a PEFT adapter directory
-        return {name: open(path / name, "rb") for name in ("adapter_config.json", "adapter_model.safetensors")}
+    if path.is_dir():  # a PEFT adapter directory, and the chat template it ships, if any
+        names = ["adapter_config.json", "adapter_model.safetensors"]
+        names += [name for name in ("tokenizer_config.json", "chat_template.jinja") if (path / name).is_file()]
+        return {name: open(path / name, "rb") for name in names}
     return {"file": open(path, "rb")}
 
 

@@ -18,6 +18,9 @@ def add_parser(sub: Subparsers) -> None:
                      help="make an aLoRA invoked by these token ids")
     p.add_argument("--task-name", help="adapter.lora.task_name metadata")
     p.add_argument("--prompt-prefix", help="adapter.lora.prompt_prefix metadata")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="keep this chat template in the adapter (default: PEFT_DIR's chat_template.jinja or "
+                        "tokenizer_config.json's, if any)")
     p.add_argument("--outtype", default="auto", choices=["auto", "f32", "f16", "bf16"],
                    help="tensor type (auto keeps the PEFT file's)")
     p.set_defaults(handler="worker.cli.convert:run")

@@ -21,7 +21,8 @@ from gateway.http.incoming import credentials
 from gateway.requests.tracing import arrived, context_of, reset_arrived
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/completion": "completion",  # respond()'s names
-             "/completions": "completion", "/v1/messages": "messages", "/v1/responses": "responses"}
+             "/completions": "completion", "/v1/messages": "messages", "/v1/responses": "responses",
+             "/responses": "responses"}
 NO_ROUTE = ""  # the endpoint of a request no route took (a 404): never the path a client sent
 
 

@@ -1,6 +1,7 @@
 """An adapter upload, `POST /v1/adapters` (torch-free): a `multipart/form-data` body, read to at
 most its own size limit, with a `name` and either a `file` (a GGUF adapter) or PEFT's
-`adapter_config.json` and `adapter_model.safetensors` (converted here)."""
+`adapter_config.json` and `adapter_model.safetensors` (converted here), with, optionally, the
+adapter's chat template as PEFT saves it (`tokenizer_config.json`, `chat_template.jinja`)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,18 @@ from starlette.datastructures import FormData, UploadFile
 
 from gateway.config import NAME
 from gateway.errors import GatewayError
-from gateway.registry.store import PEFT_CONFIG, PEFT_WEIGHTS, check_gguf, convert_peft
+from gateway.registry.store import PEFT_CONFIG, PEFT_TEMPLATE_FILES, PEFT_WEIGHTS, check_gguf, convert_peft
 from worker.formats.adapter import LoRAAdapter
 from worker.formats.gguf_file import GGUFFile
 
-UPLOAD_PARTS = ("name", "file", PEFT_CONFIG, PEFT_WEIGHTS)
-FILE_PARTS = ("file", PEFT_CONFIG, PEFT_WEIGHTS)
+UPLOAD_PARTS = ("name", "file", PEFT_CONFIG, PEFT_WEIGHTS, *PEFT_TEMPLATE_FILES)
+FILE_PARTS = ("file", PEFT_CONFIG, PEFT_WEIGHTS, *PEFT_TEMPLATE_FILES)
 UPLOAD_BODY = {"required": True, "content": {"multipart/form-data": {"schema": {  # for the OpenAPI document
     "type": "object", "required": ["name"],
     "properties": {"name": {"type": "string", "pattern": NAME}, "file": {"type": "string", "format": "binary"},
                    PEFT_CONFIG: {"type": "string", "format": "binary"},
-                   PEFT_WEIGHTS: {"type": "string", "format": "binary"}}}}}}
+                   PEFT_WEIGHTS: {"type": "string", "format": "binary"},
+                   **{name: {"type": "string", "format": "binary"} for name in PEFT_TEMPLATE_FILES}}}}}}
 SPOOL_IN_MEMORY_BYTES = 8 << 20  # a larger upload spools to a temporary file
 COPY_BYTES = 1 << 20
 
@@ -79,19 +81,20 @@ def adapter_reader(form: FormData, base: GGUFFile) -> ReadAdapter:
             return check_gguf(path, base)
 
         return read_gguf
-    if given == {PEFT_CONFIG, PEFT_WEIGHTS}:
-        config_part, weights_part = parts[PEFT_CONFIG], parts[PEFT_WEIGHTS]
+    if {PEFT_CONFIG, PEFT_WEIGHTS} <= given <= {PEFT_CONFIG, PEFT_WEIGHTS, *PEFT_TEMPLATE_FILES}:
+        peft_parts = {name: parts[name] for name in given}
 
         def read_peft(scratch: Path) -> LoRAAdapter:
             peft = scratch / "peft"
             peft.mkdir()
-            _save(config_part, peft / PEFT_CONFIG)
-            _save(weights_part, peft / PEFT_WEIGHTS)
+            for name, part in peft_parts.items():
+                _save(part, peft / name)
             return convert_peft(peft, base, scratch / "adapter.gguf")
 
         return read_peft
     raise GatewayError(400, f"send either a 'file' part (a GGUF adapter) or both '{PEFT_CONFIG}' and '{PEFT_WEIGHTS}' "
-                   f"(a PEFT adapter); got {', '.join(sorted(given)) or 'no file'}", "invalid_value")
+                   f"(a PEFT adapter, with '{PEFT_TEMPLATE_FILES[0]}' or '{PEFT_TEMPLATE_FILES[1]}' if it has its own "
+                   f"chat template); got {', '.join(sorted(given)) or 'no file'}", "invalid_value")
 
 
 def _save(part: UploadFile, path: Path) -> None:

@@ -33,4 +33,4 @@ def describe(adapter: LoRAAdapter, owner: str, name: str, size: int) -> AdapterR
     rank = max((p.rank for p in adapter.pairs.values()), default=0)
     return AdapterRecord(owner, name, adapter.fingerprint, size, rank, tuple(kinds), adapter.alpha,
                          adapter.invocation_tokens, adapter.task_name, adapter.prompt_prefix, time.time(),
-                         is_dora=adapter.is_dora)
+                         is_dora=adapter.is_dora, chat_template=adapter.chat_template)

@@ -112,6 +112,7 @@ class AdapterRecord:
     created_s: float = 0.0
     shards: tuple[str, ...] = field(default=())  # where it is pinned
     is_dora: bool = False
+    chat_template: str | None = None  # the adapter's own (adapter.chat_template)
 
     @property
     def key(self) -> str:

@@ -100,7 +100,7 @@ class AdapterRegistry:
 
     def info(self, r: AdapterRecord) -> AdapterInfo:
         return AdapterInfo(r.name, self.store.path(r.fingerprint), r.fingerprint, r.task_name, r.prompt_prefix,
-                           r.invocation_tokens, r.owner, r.is_dora)
+                           r.invocation_tokens, r.owner, r.is_dora, r.chat_template)
 
     def owned(self, owner: str | None) -> list[AdapterRecord]:
         """Committed records of `owner` (None: everyone's)."""

@@ -13,13 +13,16 @@ import os
 from pathlib import Path
 
 from worker.formats.adapter import AdapterError, LoRAAdapter, load_adapter
+from worker.formats.chat_template import ChatTemplateError, compiled
 from worker.formats.gguf_file import GGUFFile, GGUFFormatError
 from worker.formats.hparams import UnsupportedModelError
 from worker.formats.peft_convert import ConversionError, ConvertOptions, convert_peft_to_gguf
+from worker.formats.peft_template import TEMPLATE_FILE, TOKENIZER_CONFIG
 from worker.formats.safetensors_file import SafetensorsError
 from worker.formats.tokenizer import TokenizerError
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_TEMPLATE_FILES = (TOKENIZER_CONFIG, TEMPLATE_FILE)  # optional beside them: the adapter's own chat template
 INVALID = (AdapterError, GGUFFormatError, ConversionError, SafetensorsError, UnsupportedModelError, TokenizerError,
            UnicodeDecodeError)
 
@@ -40,13 +43,20 @@ def _scrub(message: str, *paths: Path) -> str:
 
 
 def check_gguf(path: Path, base: GGUFFile) -> LoRAAdapter:
-    """The adapter in `path`, validated against `base`; InvalidAdapter with the reason."""
+    """The adapter in `path`, validated against `base` (its own chat template must compile);
+    InvalidAdapter with the reason."""
     try:
-        return load_adapter(path, base)
+        adapter = load_adapter(path, base)
     except INVALID as e:
         raise InvalidAdapter(_scrub(str(e), path)) from e
     except (OSError, ValueError) as e:  # a truncated or garbled file
         raise InvalidAdapter(_scrub(f"not a GGUF adapter file: {e}", path)) from e
+    if adapter.chat_template is not None:
+        try:
+            compiled(adapter.chat_template)
+        except ChatTemplateError as e:
+            raise InvalidAdapter(f"adapter.chat_template: {e}") from e
+    return adapter
 
 
 def convert_peft(directory: Path, base: GGUFFile, out: Path) -> LoRAAdapter:
@@ -96,7 +106,7 @@ def read_server_path(requested: str, roots: list[Path], base_dir: Path, base: GG
     if path.is_file():
         return check_gguf(path, base)
     if path.is_dir() and (path / PEFT_CONFIG).is_file():
-        for name in (PEFT_CONFIG, PEFT_WEIGHTS):
+        for name in (PEFT_CONFIG, PEFT_WEIGHTS, *(n for n in PEFT_TEMPLATE_FILES if (path / n).exists())):
             allowed_path(str(path / name), roots, base_dir, within)  # a symlink inside pointing out is refused too
         return convert_peft(path, base, scratch / "converted.gguf")
     raise FileNotFoundError("lora_path names no GGUF adapter file and no PEFT adapter directory")

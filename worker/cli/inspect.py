@@ -53,6 +53,7 @@ def describe(path: str, base_path: str | None) -> dict[str, Any]:
             "prompt_prefix": adapter.prompt_prefix,
             "alora_invocation_tokens": list(adapter.invocation_tokens) if adapter.invocation_tokens else None,
             "dora": adapter.is_dora,
+            "chat_template": adapter.chat_template,
             "num_bytes": adapter.num_bytes,
         }
         info["validation"] = f"valid for base {base_path}" if base_path else "valid on its own (pass --base to check it against a model)"
@@ -76,7 +77,9 @@ def _print_text(info: dict[str, Any]) -> None:
     _row("type", f"{info['type']}   architecture: {info['architecture']}")
     _row("fingerprint", info["fingerprint"])
     for key, value in info.get("adapter", {}).items():
-        if key != "targets":
+        if key == "chat_template":
+            _row(key, f"{len(value)} characters (adapter.chat_template; --json shows it)" if value else None)
+        elif key != "targets":
             _row(key, value)
     if info.get("hparams"):
         _row("hparams", ", ".join(f"{k}={v}" for k, v in info["hparams"].items()))

@@ -33,6 +33,8 @@ from worker.formats.fingerprint import adapter_fingerprint
 from worker.formats.gguf_file import GGUFFile, TensorInfo, ValueType, is_dequantizable
 
 INVOCATION_KEY = "adapter.alora.invocation_tokens"
+CHAT_TEMPLATE_KEY = "adapter.chat_template"  # the chat template the adapter was trained with (docs/architecture.md#adapters-we-read)
+MAX_CHAT_TEMPLATE_CHARS = 256 << 10
 ALPHA_KEY = "adapter.lora.alpha"
 _NUMERIC_TYPES = {
     ValueType.UINT8, ValueType.INT8, ValueType.UINT16, ValueType.INT16, ValueType.UINT32,
@@ -77,6 +79,7 @@ class LoRAAdapter:
     fingerprint: str
     is_dora: bool = False  # every pair has its magnitude `m`
     base: GGUFFile | None = None  # the base model it was validated against (DoRA's norms need its weights)
+    chat_template: str | None = None  # its own chat template, used for the requests it is in instead of the base's
 
     @property
     def is_alora(self) -> bool:
@@ -142,6 +145,17 @@ def _read_invocation_tokens(gguf: GGUFFile) -> tuple[int, ...] | None:
         raise AdapterError(f"invalid gguf element type for {INVOCATION_KEY}")
     tokens = tuple(int(t) for t in entry.value)
     return tokens or None
+
+
+def _read_chat_template(gguf: GGUFFile) -> str | None:
+    entry = gguf.metadata.get(CHAT_TEMPLATE_KEY)
+    if entry is None:
+        return None
+    if entry.type != ValueType.STRING:
+        raise AdapterError(f"invalid gguf type for {CHAT_TEMPLATE_KEY}")
+    if len(entry.value) > MAX_CHAT_TEMPLATE_CHARS:
+        raise AdapterError(f"{CHAT_TEMPLATE_KEY} is {len(entry.value)} characters, over {MAX_CHAT_TEMPLATE_CHARS}")
+    return entry.value or None
 
 
 def _read_dora(gguf: GGUFFile) -> bool:
@@ -212,6 +226,7 @@ def _validate(path: Path, gguf: GGUFFile, base: GGUFFile | None) -> LoRAAdapter:
     alpha = _read_alpha(gguf)
     invocation_tokens = _read_invocation_tokens(gguf)
     is_dora = _read_dora(gguf)
+    chat_template = _read_chat_template(gguf)
 
     halves, skipped = _pair_tensors(gguf, is_dora)
     pairs: dict[str, LoRAPair] = {}
@@ -249,9 +264,10 @@ def _validate(path: Path, gguf: GGUFFile, base: GGUFFile | None) -> LoRAAdapter:
         invocation_tokens=invocation_tokens,
         pairs=pairs,
         skipped_tensors=tuple(skipped),
-        fingerprint=adapter_fingerprint(gguf, alpha, invocation_tokens, is_dora),
+        fingerprint=adapter_fingerprint(gguf, alpha, invocation_tokens, is_dora, chat_template),
         is_dora=is_dora,
         base=base,
+        chat_template=chat_template,
     )
 
 

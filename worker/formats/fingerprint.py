@@ -104,9 +104,12 @@ def _read_digest(path: Path) -> str | None:
     return text if re.fullmatch(r"[0-9a-f]{64}", text) else None
 
 
-def adapter_fingerprint(gguf: GGUFFile, alpha: float, invocation_tokens: tuple[int, ...] | None, is_dora: bool = False) -> str:
+def adapter_fingerprint(gguf: GGUFFile, alpha: float, invocation_tokens: tuple[int, ...] | None, is_dora: bool = False,
+                        chat_template: str | None = None) -> str:
     """Fingerprint of an adapter: content only, never its path or name. A DoRA adapter's
-    flag and magnitudes (`.lora_m`) are hashed too; a plain LoRA's digest has neither."""
+    flag and magnitudes (`.lora_m`) are hashed too, and an adapter's own chat template (one file,
+    one fingerprint: the same weights with another template are another adapter); a plain LoRA
+    without a template has neither in its digest."""
     h = TaggedHasher("loraplex.adapter", FINGERPRINT_VERSION)
     h.text("arch", str(gguf.get("general.architecture", "")))
     h.real("alpha", alpha)
@@ -116,6 +119,8 @@ def adapter_fingerprint(gguf: GGUFFile, alpha: float, invocation_tokens: tuple[i
         h.text("invocation", ",".join(map(str, invocation_tokens)))
     if is_dora:
         h.text("dora", "true")
+    if chat_template is not None:
+        h.text("chat_template", chat_template)
     names = sorted(n for n in gguf.tensors if n.endswith((".lora_a", ".lora_b", ".lora_m") if is_dora else (".lora_a", ".lora_b")))
     _hash_tensors(h, gguf, names)
     return h.hexdigest()

@@ -1,5 +1,6 @@
-"""Convert a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors)
-to a llama.cpp GGUF adapter for a given GGUF base model. Torch-free.
+"""Convert a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors, and the chat
+template it ships, if any: worker/formats/peft_template.py) to a llama.cpp GGUF adapter for a
+given GGUF base model. Torch-free.
 
 llama.cpp's HF->GGUF conversion permutes the rows of llama q/k weights for
 ggml's adjacent-pair rope; the B of q and k gets the same permutation here.
@@ -26,11 +27,12 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
-from worker.formats.adapter import INVOCATION_KEY
+from worker.formats.adapter import CHAT_TEMPLATE_KEY, INVOCATION_KEY
 from worker.formats.dora import DORA_KEY, MAGNITUDE_SUFFIX
 from worker.formats.gguf_file import GGUFFile
 from worker.formats.hparams import ModelHParams, RopeStyle
 from worker.formats.peft_experts import ExpertConversionError, expert_pairs, is_expert_module
+from worker.formats.peft_template import TemplateFileError, peft_chat_template
 from worker.formats.safetensors_file import StoredTensor, read_safetensors
 from worker.formats.tokenizer import GGUFTokenizer
 
@@ -69,6 +71,7 @@ class ConvertOptions:
     task_name: str | None = None
     prompt_prefix: str | None = None
     outtype: str = "auto"  # auto keeps each tensor's stored type
+    chat_template: str | None = None  # the adapter's chat template; None: the directory's (worker/formats/peft_template.py)
 
 
 def gguf_target(module: str) -> str | None:
@@ -195,7 +198,11 @@ def convert_peft_to_gguf(
         return scale_of(module, rank) / (alpha / rank)
 
     pairs, experts = _split_experts(pairs, hp, scale_of, alpha)
-    writer = _open_writer(out_path, hp.arch, alpha, is_dora, options, invocation)
+    try:
+        chat_template = options.chat_template if options.chat_template is not None else peft_chat_template(peft_dir)
+    except TemplateFileError as e:
+        raise ConversionError(str(e)) from e
+    writer = _open_writer(out_path, hp.arch, alpha, is_dora, options, invocation, chat_template)
     targets = [_write_module(writer, module, pairs[module], hp, fold_of, options.outtype, is_dora)
                for module in sorted(pairs, key=gguf_target)]
     for target, (a_values, b_values) in sorted(experts.items()):  # already scaled: written as F32 unless told otherwise
@@ -239,7 +246,7 @@ def _split_experts(
 
 
 def _open_writer(out_path: str | os.PathLike[str], arch: str, alpha: float, is_dora: bool, options: ConvertOptions,
-                 invocation: tuple[int, ...] | None) -> GGUFWriter:
+                 invocation: tuple[int, ...] | None, chat_template: str | None) -> GGUFWriter:
     """A writer of the adapter file with its metadata set."""
     writer = GGUFWriter(str(out_path), arch)
     writer.add_string("general.type", "adapter")
@@ -253,6 +260,8 @@ def _open_writer(out_path: str | os.PathLike[str], arch: str, alpha: float, is_d
         writer.add_string("adapter.lora.prompt_prefix", options.prompt_prefix)
     if invocation:
         writer.add_key_value(INVOCATION_KEY, list(invocation), GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
+    if chat_template:
+        writer.add_string(CHAT_TEMPLATE_KEY, chat_template)
     return writer
 
 

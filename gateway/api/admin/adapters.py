@@ -70,12 +70,16 @@ def _check_name(name: Any) -> str:
 
 def entry(name: str, info: AdapterInfo, record: AdapterRecord | None, registry: AdapterRegistry,
           is_operator: bool) -> dict[str, Any]:
-    """An adapter as GET /v1/adapters shows it (no path, no other tenant's name)."""
+    """An adapter as GET /v1/adapters shows it (no path, no other tenant's name; its own chat template
+    to its owner and the operator, whether it has one to everyone)."""
     out: dict[str, Any] = {
         "object": "adapter", "name": name, "fingerprint": info.fingerprint, "shared": info.owner == SHARED,
         "task_name": info.task_name, "prompt_prefix": info.prompt_prefix,
         "alora_invocation_tokens": list(info.invocation_tokens) if info.invocation_tokens else None,
+        "has_chat_template": info.chat_template is not None,
     }
+    if is_operator or info.owner != SHARED:  # a tenant sees no other tenant's adapter: a non-shared one is its own
+        out["chat_template"] = info.chat_template
     if is_operator:
         out["owner"] = info.owner or None
     if record is not None:

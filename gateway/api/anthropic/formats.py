@@ -1,7 +1,10 @@
 """Response bodies of the Anthropic Messages API, built from the worker's `Delta`s (torch-free): the
 whole `message`, or its stream of named events (message_start, content_block_start/delta/stop,
 ping, message_delta, message_stop). With tools, the text is read for calls as chat's is
-(gateway/tool_calls.py) and each call is a `tool_use` block with its `input` as an object.
+(gateway/tool_calls.py) and each call is a `tool_use` block with its `input` as an object. With a
+reasoning plan that splits, the thinking is a `thinking` block first (streamed as thinking_delta
+events, then a signature_delta: our signature is an opaque digest of the thinking, which nothing
+checks), and only the answer after it is text and read for calls.
 
 Usage splits the prompt as Anthropic does: `input_tokens` are the prompt tokens computed anew,
 `cache_read_input_tokens` those whose KV came from our prefix cache (nothing is ever billed as
@@ -11,12 +14,14 @@ carries the final split.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from typing import Any
 
 from gateway.errors import GatewayError
 from gateway.http.formatting import total_usage
+from gateway.reasoning import NO_REASONING, ReasoningCounter, ReasoningPlan
 from gateway.tool_calls import ToolCall, ToolPlan
 from worker.contract.calls import Delta
 
@@ -45,6 +50,15 @@ def tool_use_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
+def signature_of(thinking: str) -> str:
+    """A thinking block's signature: opaque to clients, the same for the same thinking."""
+    return hashlib.sha256(thinking.encode()).hexdigest()[:32]
+
+
+def thinking_block(thinking: str) -> JSONObject:
+    return {"type": "thinking", "thinking": thinking, "signature": signature_of(thinking)}
+
+
 def tool_use_block(call: ToolCall) -> JSONObject:
     return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": json.loads(call.arguments)}
 
@@ -66,12 +80,16 @@ class MessageFormatter:
 
     named_events = True  # each event is framed `event: <its type>`
 
-    def __init__(self, model: str, num_prompt_tokens: int, tools: ToolPlan | None = None, is_clamped: bool = False) -> None:
+    def __init__(self, model: str, num_prompt_tokens: int, tools: ToolPlan | None = None, is_clamped: bool = False,
+                 reasoning: ReasoningPlan = NO_REASONING) -> None:
         self.model, self.num_prompt_tokens, self.tools, self.is_clamped = model, num_prompt_tokens, tools, is_clamped
+        self.reasoning = reasoning
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self._reader = tools.reader() if tools is not None else None  # streaming with tools
+        self._counter = ReasoningCounter(reasoning)  # streaming: the thinking split off
         self._num_blocks = 0  # content blocks started so far
-        self._is_text_open = False  # the last block is a text block still taking deltas
+        self._open: str | None = None  # the type of the last block, when it still takes deltas (text, thinking)
+        self._thought: list[str] = []  # the streamed thinking so far (its signature is over the whole)
 
     def error_event(self, error: GatewayError) -> JSONObject:
         return anthropic_error(error)
@@ -80,13 +98,16 @@ class MessageFormatter:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model}
 
     def whole(self, deltas: list[Delta]) -> JSONObject:
-        text = "".join(d.text for d in deltas)
+        counter = ReasoningCounter(self.reasoning)
+        pieces = [counter.feed(d.text, len(d.token_ids), d.finish_reason is not None) for d in deltas]
+        text = "".join(said for _, said in pieces)
+        thinking = [thinking_block("".join(t for t, _ in pieces))] if counter.has_reasoning else []
         calls: list[ToolCall] = []
         if self.tools is None:
-            content = [{"type": "text", "text": text}]
+            content = [*thinking, {"type": "text", "text": text}]
         else:
             said, calls = self.tools.parse(text)
-            content = ([{"type": "text", "text": said}] if said else []) + [tool_use_block(c) for c in calls]
+            content = thinking + ([{"type": "text", "text": said}] if said else []) + [tool_use_block(c) for c in calls]
         final = deltas[-1]
         return {**self._head(), "content": content, **stop_of(final, bool(calls), self.is_clamped), "usage": usage_of(final)}
 
@@ -97,16 +118,20 @@ class MessageFormatter:
                      "cache_read_input_tokens": 0}
             message = {**self._head(), "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
             events.append({"type": "message_start", "message": message})
-            if self._reader is None:  # plain text: one block, open from the start
+            if self._reader is None and self.reasoning.splitter() is None:  # plain text: one block, open from the start
                 events += self._start({"type": "text", "text": ""})
             events.append({"type": "ping"})
+        thought, text = self._counter.feed(delta.text, len(delta.token_ids), delta.finish_reason is not None)
+        events += self._thinking(thought)
         if self._reader is None:
-            pieces: list[str | JSONObject] = [delta.text]
+            pieces: list[str | JSONObject] = [text]
         else:
-            pieces = self._reader.feed(delta.text) + (self._reader.finish() if delta.finish_reason is not None else [])
+            pieces = self._reader.feed(text) + (self._reader.finish() if delta.finish_reason is not None else [])
         for piece in pieces:
             events += self._text(piece) if isinstance(piece, str) else self._tool_use(piece)
         if delta.finish_reason is not None:
+            if self._num_blocks == 0 and self._reader is None:  # nothing said: one empty text block, as whole has
+                events += self._start({"type": "text", "text": ""})
             events += self._stop()
             called = self._reader is not None and self._reader.num_calls > 0
             events.append({"type": "message_delta", "delta": stop_of(delta, called, self.is_clamped), "usage": usage_of(delta)})
@@ -115,21 +140,33 @@ class MessageFormatter:
 
     def _start(self, block: JSONObject) -> list[JSONObject]:
         self._num_blocks += 1
-        self._is_text_open = block["type"] == "text"
+        self._open = block["type"] if block["type"] in ("text", "thinking") else None
         return [{"type": "content_block_start", "index": self._num_blocks - 1, "content_block": block}]
 
     def _stop(self) -> list[JSONObject]:
-        """The open text block's end, if one is open."""
-        if not self._is_text_open:
+        """The open text or thinking block's end (a thinking block's signature first), if one is open."""
+        if self._open is None:
             return []
-        self._is_text_open = False
-        return [{"type": "content_block_stop", "index": self._num_blocks - 1}]
+        index, events = self._num_blocks - 1, []
+        if self._open == "thinking":
+            delta = {"type": "signature_delta", "signature": signature_of("".join(self._thought))}
+            events.append({"type": "content_block_delta", "index": index, "delta": delta})
+        self._open = None
+        return events + [{"type": "content_block_stop", "index": index}]
 
     def _text(self, text: str) -> list[JSONObject]:
         if not text:
             return []
-        events = [] if self._is_text_open else self._start({"type": "text", "text": ""})
+        events = [] if self._open == "text" else self._stop() + self._start({"type": "text", "text": ""})
         delta = {"type": "text_delta", "text": text}
+        return events + [{"type": "content_block_delta", "index": self._num_blocks - 1, "delta": delta}]
+
+    def _thinking(self, thought: str) -> list[JSONObject]:
+        if not thought:
+            return []
+        events = [] if self._open == "thinking" else self._start({"type": "thinking", "thinking": "", "signature": ""})
+        self._thought.append(thought)
+        delta = {"type": "thinking_delta", "thinking": thought}
         return events + [{"type": "content_block_delta", "index": self._num_blocks - 1, "delta": delta}]
 
     def _tool_use(self, call: JSONObject) -> list[JSONObject]:

@@ -5,8 +5,11 @@ assistant's tool calls, tool results `tool` messages, `tool_choice` OpenAI's. A 
 message is a prefill the answer continues, as on chat (ChatRequest.is_prefill).
 
 Structured outputs (`output_config.format`, or the beta's `output_format`) are enforced by grammar
-as chat's `response_format` is. What we cannot honour is refused by name with 400, never ignored:
-image and document blocks, extended thinking, MCP servers and containers. Hints that change
+as chat's `response_format` is. Extended thinking (`thinking`) turns the template's thinking switch
+on or off and holds thinking to its `budget_tokens` (docs/api.md#reasoning); an assistant turn's
+thinking blocks are its reasoning, templated as the model's template writes reasoning (redacted
+ones, which only Anthropic can read, are dropped). What we cannot honour is refused by name with
+400, never ignored: image and document blocks, MCP servers and containers. Hints that change
 nothing we compute (`metadata`, `cache_control`: our prefix cache is automatic;
 `output_config.effort`, `service_tier`, `speed`) are ignored.
 """
@@ -28,13 +31,15 @@ from gateway.api.openai.protocol import (
     MAX_TOP_K,
     ChatRequest,
     LoraEntry,
+    TemplateFields,
     _Body,
     stops_of,
 )
 from gateway.http.json_body import parse
 
 TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
-BLOCKS = ("text", "tool_use", "tool_result")  # the content blocks we take: images, documents, thinking... are refused
+BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")  # the content blocks we take: images,
+# documents... are refused
 # Messages API fields we do not support, and the values that mean "not used"
 _UNSUPPORTED_AT = {"mcp_servers": (None, []), "container": (None,)}
 
@@ -81,7 +86,21 @@ class ToolResultBlock(_Body):
         return f"Error: {text}" if self.is_error else text  # the model reads a failed call as one
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Body):
+    """An earlier assistant turn's thinking (its signature is ours, or another server's: not checked)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = Field(None, max_length=100_000)
+
+
+class RedactedThinkingBlock(_Body):
+    type: Literal["redacted_thinking"]
+    data: str = Field(max_length=1_000_000)
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                         Field(discriminator="type")]
 
 
 class Message(_Body):
@@ -96,9 +115,10 @@ class Message(_Body):
 
     @model_validator(mode="after")
     def _blocks_fit_the_role(self) -> Message:
-        misplaced = "tool_result" if self.role == "assistant" else "tool_use"
-        if isinstance(self.content, list) and any(b.type == misplaced for b in self.content):
-            raise ValueError(f"{self.role} messages cannot hold {misplaced} blocks")
+        misplaced = ("tool_result",) if self.role == "assistant" else ("tool_use", "thinking", "redacted_thinking")
+        for block in self.content if isinstance(self.content, list) else ():
+            if block.type in misplaced:
+                raise ValueError(f"{self.role} messages cannot hold {block.type} blocks")
         return self
 
     def as_chat(self) -> list[dict[str, Any]]:
@@ -109,7 +129,9 @@ class Message(_Body):
         if self.role == "assistant":
             calls = [b.as_openai() for b in self.content if isinstance(b, ToolUseBlock)]
             text = "".join(b.text for b in self.content if isinstance(b, TextBlock))
-            return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
+            thoughts = [b.thinking for b in self.content if isinstance(b, ThinkingBlock)]
+            reasoning = {"reasoning_content": "\n\n".join(thoughts)} if thoughts else {}
+            return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {}), **reasoning}]
         out: list[dict[str, Any]] = []
         for block in self.content:
             if isinstance(block, ToolResultBlock):
@@ -152,8 +174,24 @@ class ToolChoice(_Body):
 
 
 class Thinking(_Body):
-    type: str = Field(max_length=MAX_NAME_CHARS)  # enabled, adaptive, ...: refused; disabled
+    """enabled (with its budget), adaptive (the model's own measure: no budget) or disabled."""
+
+    type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
+    display: str | None = Field(None, max_length=MAX_NAME_CHARS)  # summarized or omitted: ours is the thinking itself
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self) -> Thinking:
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("thinking.budget_tokens is required with type 'enabled'")
+        return self
+
+    def chat_fields(self) -> dict[str, Any]:
+        """What it asks of chat: the template's thinking switch, and the budget."""
+        if self.type == "disabled":
+            return {"reasoning_effort": "none"}
+        budget = {"thinking_budget_tokens": self.budget_tokens} if self.type == "enabled" else {}
+        return {"reasoning_effort": "medium", **budget}
 
 
 class OutputFormat(_Body):
@@ -166,7 +204,7 @@ class OutputConfig(_Body):
     format: OutputFormat | None = None
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(TemplateFields):
     """`POST /v1/messages/count_tokens`: the conversation without what only generation takes."""
 
     UNSUPPORTED = _UNSUPPORTED_AT
@@ -185,8 +223,6 @@ class CountTokensRequest(_Body):
 
     @model_validator(mode="after")
     def _supported(self) -> CountTokensRequest:
-        if self.thinking is not None and self.thinking.type != "disabled":
-            raise ValueError("thinking: extended thinking is not supported by this server (give type 'disabled')")
         if self.output_format is not None and self.output_config is not None and self.output_config.format is not None:
             raise ValueError("give output_config.format or output_format, not both")
         if self.tools and self.output_schema() is not None and (self.tool_choice is None or self.tool_choice.type != "none"):
@@ -205,7 +241,8 @@ class CountTokensRequest(_Body):
         """The chat request's fields this body gives."""
         messages = [{"role": "system", "content": self.system_text()}] if self.system else []
         messages += [m for message in self.messages for m in message.as_chat()]
-        fields: dict[str, Any] = {"model": self.model, "messages": messages, "cache_salt": self.cache_salt}
+        fields: dict[str, Any] = {"model": self.model, "messages": messages, "cache_salt": self.cache_salt,
+                                  **self.template_fields()}
         if self.lora is not None:
             fields["lora"] = [e.model_dump(exclude_none=True) for e in self.lora]
         if self.tools:
@@ -216,6 +253,8 @@ class CountTokensRequest(_Body):
             fields["tool_choice"] = self.tool_choice.as_openai()
         if self.output_schema() is not None:
             fields["response_format"] = {"type": "json_schema", "json_schema": {"schema": self.output_schema()}}
+        if self.thinking is not None:
+            fields |= self.thinking.chat_fields()
         return fields
 
     def as_chat(self) -> ChatRequest:
@@ -238,6 +277,9 @@ class MessagesRequest(CountTokensRequest):
     @model_validator(mode="after")
     def _bounded_stops(self) -> MessagesRequest:
         stops_of(self.stop_sequences, MAX_STOP)
+        budget = self.thinking.budget_tokens if self.thinking is not None and self.thinking.type == "enabled" else None
+        if budget is not None and budget >= self.max_tokens:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be greater than thinking.budget_tokens ({budget})")
         return self
 
     def chat_fields(self) -> dict[str, Any]:

@@ -12,8 +12,9 @@ from fastapi.responses import Response
 
 from gateway.api.anthropic.formats import MessageFormatter
 from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest
-from gateway.http.incoming import begin, chat_prompt
+from gateway.http.incoming import begin, chat_rendering
 from gateway.http.parts import AdmissionPart, CatalogPart, ResponderPart
+from gateway.http.reasoning import budgeted, reasoning_prompt
 from gateway.http.respond import respond
 from gateway.http.sampling import compiled_grammar, openai_params
 
@@ -25,7 +26,7 @@ async def messages(request: Request, catalog: CatalogPart, admission: AdmissionP
     tenant, body = await begin(request, MessagesRequest)
     chat = body.as_chat()
     scales_by_name = admission.resolve_scales(tenant, chat.model, chat.lora)
-    tools, prompt_ids = await chat_prompt(catalog, chat)
+    tools, prompt_ids, reasoning = await reasoning_prompt(catalog, chat, chat_rendering(admission, tenant, scales_by_name, chat))
     grammar = await compiled_grammar(catalog, chat, "output_config.format", tools)
     # Anthropic's clients ask for more than a small model's context holds: the answer ends where the context does
     room = catalog.max_positions - len(prompt_ids)
@@ -33,14 +34,14 @@ async def messages(request: Request, catalog: CatalogPart, admission: AdmissionP
     max_tokens = room if is_clamped else chat.token_limit
     params = openai_params(admission, len(prompt_ids), max_tokens, chat, grammar=grammar)
     prepared = await admission.prepare(tenant, prompt_ids, params, scales_by_name, chat.cache_salt)
-    formatter = MessageFormatter(body.model, len(prompt_ids), tools, is_clamped)
-    return await respond(responder, prepared, "messages", formatter, body.stream, done_marker=False)
+    formatter = MessageFormatter(body.model, len(prompt_ids), tools, is_clamped, reasoning)
+    return await respond(budgeted(responder, catalog, reasoning), prepared, "messages", formatter, body.stream, done_marker=False)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request, catalog: CatalogPart, admission: AdmissionPart) -> dict[str, int]:
     tenant, body = await begin(request, CountTokensRequest)
     chat = body.as_chat()
-    admission.resolve_scales(tenant, chat.model, chat.lora)  # an unknown model is a 404 here too
-    _, prompt_ids = await chat_prompt(catalog, chat)
+    scales_by_name = admission.resolve_scales(tenant, chat.model, chat.lora)  # an unknown model is a 404 here too
+    _, prompt_ids, _ = await reasoning_prompt(catalog, chat, chat_rendering(admission, tenant, scales_by_name, chat))
     return {"input_tokens": len(prompt_ids)}

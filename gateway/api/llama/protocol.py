@@ -14,14 +14,18 @@ from pydantic import Field, field_validator, model_validator
 
 from gateway.api.openai.protocol import (
     MAX_ADAPTER_SCALE,
+    MAX_LORA_ENTRIES,
     MAX_MESSAGES,
+    MAX_NAME_CHARS,
     MAX_SEED,
     MAX_TOKENS,
     MAX_TOOLS,
     MAX_TOP_K,
     ChatMessage,
     Continuation,
+    LoraEntry,
     NamedToolChoice,
+    TemplateFields,
     ToolSpec,
     _Body,
     _Generation,
@@ -183,26 +187,37 @@ class LlamaCompletionRequest(_Generation):
 
 
 class TokenizeRequest(_Body):
-    """llama-server's `POST /tokenize`."""
+    """llama-server's `POST /tokenize`: `content` a string, or a list mixing strings and token ids (kept)."""
 
-    content: str = Field(max_length=4_000_000)
-    add_special: bool = False
+    content: str | list[Any] = Field(max_length=4_000_000)
+    add_special: bool = False  # the BOS (where the model adds one), before content that starts with text
     parse_special: bool = True
     with_pieces: bool = False
+
+    @field_validator("content")
+    @classmethod
+    def _mixed(cls, value: str | list[Any]) -> str | list[Any]:
+        return value if isinstance(value, str) else _pieces(value)
+
+    def pieces(self) -> list[Piece]:
+        return [self.content] if isinstance(self.content, str) else self.content
 
 
 class DetokenizeRequest(_Body):
     tokens: list[int] = Field(max_length=MAX_TOKENS)
 
 
-class ApplyTemplateRequest(Continuation):
+class ApplyTemplateRequest(Continuation, TemplateFields):
     """llama-server's `POST /apply-template`: a chat body's messages and tools, rendered (a last
-    assistant message as the prefill a chat would continue)."""
+    assistant message as the prefill a chat would continue) as a chat with the same adapters would be
+    (`model`, `lora`: our extensions, as on chat; none: the key's default scales)."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    lora: list[LoraEntry] | None = Field(None, max_length=MAX_LORA_ENTRIES)
 
 
 class LoraScale(_Body):

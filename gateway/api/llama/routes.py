@@ -26,14 +26,13 @@ from gateway.api.llama.sampling import llama_params, settings_of
 from gateway.catalog import Catalog
 from gateway.errors import GatewayError
 from gateway.http.formatting import PromptProgress, token_str
-from gateway.http.incoming import begin, checked_chat_input, off_loop
+from gateway.http.incoming import begin, chat_rendering, off_loop
 from gateway.http.parts import AdmissionPart, CatalogPart, ConfigPart, DispatcherPart, ResponderPart
+from gateway.http.reasoning import reasoning_text
 from gateway.http.respond import Responder, respond, route_headers
 from gateway.http.sampling import compiled_grammar
 from gateway.requests.admission import Admission, Prepared
 from gateway.tenancy.tenants import Tenant
-from gateway.tool_calls import rendered_size
-from worker.formats.chat_template import render_chat
 
 OFF_LOOP_TOKENS = 4096  # token lists longer than this are decoded in a worker thread
 
@@ -71,7 +70,8 @@ async def llama_complete(request: Request, catalog: CatalogPart, admission: Admi
     return await _whole_batch(responder, runs)
 
 
-async def _prompt_ids(catalog: Catalog, pieces: list[Piece]) -> list[int]:
+async def _prompt_ids(catalog: Catalog, pieces: list[Piece], add_special: bool = True,
+                      parse_special: bool = True) -> list[int]:
     """A prompt's token ids: its text pieces tokenized (special tokens parsed, as llama.cpp does, and
     the BOS added only when the prompt starts with text), its token ids kept."""
     tokenizer = catalog.tokenizer
@@ -80,7 +80,8 @@ async def _prompt_ids(catalog: Catalog, pieces: list[Piece]) -> list[int]:
         ids: list[int] = []
         for i, piece in enumerate(pieces):
             is_text = isinstance(piece, str)
-            ids += tokenizer.encode(piece, add_special=i == 0, parse_special=True) if is_text else [piece]
+            ids += tokenizer.encode(piece, add_special=add_special and i == 0,
+                                    parse_special=parse_special) if is_text else [piece]
         return ids
 
     return await off_loop(catalog, sum(len(p) for p in pieces if isinstance(p, str)), work)
@@ -109,52 +110,56 @@ async def _whole_batch(responder: Responder, runs: list[tuple[Prepared, LlamaFor
 async def tokenize(request: Request, catalog: CatalogPart) -> dict[str, Any]:
     _, body = await begin(request, TokenizeRequest)
     tokenizer = catalog.tokenizer
+    _in_vocabulary(tokenizer.vocab_size, [p for p in body.pieces() if isinstance(p, int)])
+    ids = await _prompt_ids(catalog, body.pieces(), body.add_special, body.parse_special)
+    if not body.with_pieces:
+        return {"tokens": ids}
+    return {"tokens": await off_loop(catalog, len(ids), lambda: [tokenize_piece(tokenizer, t) for t in ids])}
 
-    def work() -> list:
-        ids = tokenizer.encode(body.content, add_special=body.add_special, parse_special=body.parse_special)
-        return ids if not body.with_pieces else [tokenize_piece(tokenizer, t) for t in ids]
 
-    return {"tokens": await off_loop(catalog, len(body.content), work)}
+def _in_vocabulary(vocab_size: int, ids: list[int]) -> None:
+    out_of_range = [t for t in ids if not 0 <= t < vocab_size]
+    if out_of_range:
+        raise GatewayError(400, f"token id {out_of_range[0]} is out of range (vocabulary size {vocab_size})",
+                           "invalid_value")
 
 
 @router.post("/detokenize")
 async def detokenize(request: Request, catalog: CatalogPart) -> dict[str, Any]:
     _, body = await begin(request, DetokenizeRequest)
-    vocab_size = catalog.tokenizer.vocab_size
-    out_of_range = [t for t in body.tokens if not 0 <= t < vocab_size]
-    if out_of_range:
-        raise GatewayError(400, f"token id {out_of_range[0]} is out of range (vocabulary size {vocab_size})",
-                       "invalid_value")
+    _in_vocabulary(catalog.tokenizer.vocab_size, body.tokens)
     decode = functools.partial(catalog.tokenizer.decode, body.tokens, skip_special=False)
     return {"content": await asyncio.to_thread(decode) if len(body.tokens) > OFF_LOOP_TOKENS else decode()}
 
 
 @router.post("/apply-template")
-async def apply_template(request: Request, catalog: CatalogPart) -> dict[str, Any]:
-    _, body = await begin(request, ApplyTemplateRequest)
-    _, messages, extra = checked_chat_input(catalog, body)
-    prompt = await off_loop(catalog, rendered_size(messages, extra),
-                            lambda: render_chat(catalog.tokenizer, messages, **extra))
-    return {"prompt": prompt}
+async def apply_template(request: Request, catalog: CatalogPart, admission: AdmissionPart) -> dict[str, Any]:
+    """The prompt a chat with this body would run, as text: with the template its adapters carry (or
+    its own, where allowed) and an aLoRA's invocation (gateway/chat_templates.py)."""
+    tenant, body = await begin(request, ApplyTemplateRequest)
+    scales_by_name = admission.resolve_scales(tenant, body.model, body.lora)
+    return {"prompt": await reasoning_text(catalog, body, chat_rendering(admission, tenant, scales_by_name, body))}
 
 
 @router.get("/props")
 async def props(request: Request, config: ConfigPart, catalog: CatalogPart, admission: AdmissionPart) -> dict[str, Any]:
-    """llama-server's server properties, as the calling tenant sees them (no paths, no other tenant)."""
+    """llama-server's server properties, as the calling tenant sees them (no other tenant; the model's
+    file by its name, not where it lies on the server)."""
     tenant, _ = await begin(request)
-    catalog = catalog
     tokenizer = catalog.tokenizer
     defaults = llama_params(admission, catalog, 1, LlamaCompletionRequest(prompt=[0]))  # what a /completion that sets nothing gets
     return {
         "default_generation_settings": {"n_ctx": catalog.max_positions, "params": settings_of(defaults)},
         "total_slots": config.engine.num_seq_slots,  # per replica
-        "model_path": catalog.model_name,
+        "model_path": catalog.model_path.name,
         "model_alias": catalog.model_name,
         "chat_template": tokenizer.chat_template or "",
         "bos_token": token_str(tokenizer, tokenizer.bos_id) if tokenizer.bos_id is not None else "",
         "eos_token": token_str(tokenizer, tokenizer.eos_id) if tokenizer.eos_id is not None else "",
-        "modalities": {"vision": False, "audio": False},
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "endpoint_slots": True, "endpoint_props": True, "endpoint_metrics": True,  # /metrics: the operator's key
         "build_info": "loraplex",
+        "is_sleeping": False,
         "lora_adapters": len(admission.adapter_names(tenant)),
     }
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.http.formatting import PromptProgress, by_choice, llama_timings, summary, token_str, usage
+from gateway.reasoning import NO_REASONING, ReasoningCounter, ReasoningPlan
 from gateway.tool_calls import ToolCall, ToolPlan, ToolReader
 from worker.contract.calls import Delta, TokenLogprob
 from worker.formats.tokenizer import GGUFTokenizer
@@ -107,13 +108,18 @@ class ChatFormatter:
     (gateway/tool_calls.py): whole, or streamed as calls complete. A streamed choice opens with
     `{"role": "assistant", "content": null}` and no text, and ends with a chunk holding only its
     finish_reason and an empty delta, as OpenAI and llama-server stream them; with `progress`,
-    choice 0 opens with llama-server's `prompt_progress` chunks instead."""
+    choice 0 opens with llama-server's `prompt_progress` chunks instead. With a `reasoning` plan
+    that splits, each choice's thinking is its `reasoning_content` (whole, or deltas of their own),
+    and only the answer after it is content and read for tool calls."""
 
     def __init__(self, tokenizer: GGUFTokenizer, model: str, logprobs: int | None,
-                 tools: ToolPlan | None = None, progress: PromptProgress | None = None) -> None:
+                 tools: ToolPlan | None = None, progress: PromptProgress | None = None,
+                 reasoning: ReasoningPlan = NO_REASONING) -> None:
         self.tokenizer, self.model, self.k, self.tools, self.progress = tokenizer, model, logprobs, tools, progress
+        self.reasoning = reasoning
         self.id, self.created = f"chatcmpl-{time.time_ns():x}", int(time.time())
         self._readers: dict[int, ToolReader] = {}  # per choice, when streaming with tools
+        self._counters: dict[int, ReasoningCounter] = {}  # per choice: its thinking split off, its tokens counted
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         data = self.tokenizer.token_bytes(token_id, skip_special=False)
@@ -134,9 +140,21 @@ class ChatFormatter:
         reason = finish_reason(delta.finish_reason)
         return "tool_calls" if called and reason == "stop" else reason
 
+    def _split(self, delta: Delta) -> tuple[str, str]:
+        """The (reasoning, content) `delta` adds to its choice."""
+        counter = self._counters.setdefault(delta.index, ReasoningCounter(self.reasoning))
+        return counter.feed(delta.text, len(delta.token_ids), delta.finish_reason is not None)
+
+    def _usage(self, finals: Sequence[Delta]) -> dict[str, Any]:
+        num_reasoning = sum(c.num_reasoning_tokens for c in self._counters.values())
+        return {**usage(finals), "completion_tokens_details": {"reasoning_tokens": num_reasoning}}
+
     def _choice(self, index: int, deltas: list[Delta]) -> dict[str, Any]:
-        text = "".join(d.text for d in deltas)
+        pieces = [self._split(d) for d in deltas]
+        text = "".join(content for _, content in pieces)
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self._counters[index].has_reasoning:
+            message["reasoning_content"] = "".join(reasoning for reasoning, _ in pieces)
         calls: list[ToolCall] = []
         if self.tools is not None:
             message["content"], calls = self.tools.parse(text)
@@ -151,7 +169,7 @@ class ChatFormatter:
         return {
             **self._head("chat.completion"),
             "choices": [self._choice(i, group) for i, group in groups.items()],
-            "usage": usage(finals), "timings": llama_timings(summary(finals)),
+            "usage": self._usage(finals), "timings": llama_timings(summary(finals)),
         }
 
     def _head(self, kind: str) -> dict[str, Any]:
@@ -167,14 +185,16 @@ class ChatFormatter:
 
     def chunk(self, delta: Delta, first: bool) -> list[dict[str, Any]]:
         chunks = self._opening(delta) if first else []
+        reasoning, text = self._split(delta)
         if self.tools is None:
-            events: list[str | dict[str, Any]] = [delta.text] if delta.text else []
+            events: list[str | dict[str, Any]] = [text] if text else []
             called = False
         else:
             reader = self._readers.setdefault(delta.index, self.tools.reader())
-            events = reader.feed(delta.text) + (reader.finish() if delta.finish_reason is not None else [])
+            events = reader.feed(text) + (reader.finish() if delta.finish_reason is not None else [])
             called = reader.num_calls > 0
-        bodies = [{"content": e} if isinstance(e, str) else {"tool_calls": [e]} for e in events]
+        bodies = [{"reasoning_content": reasoning}] if reasoning else []
+        bodies += [{"content": e} if isinstance(e, str) else {"tool_calls": [e]} for e in events]
         logprobs = self._logprobs([delta]) if delta.logprobs else None
         if logprobs is not None and not bodies:
             bodies = [{"content": ""}]  # the tokens' log-probabilities come with a chunk of their own
@@ -191,5 +211,5 @@ class ChatFormatter:
         return [{**self._chunk(delta.index, role), "prompt_progress": p} for p in self.progress.events(delta)]
 
     def usage_chunk(self, finals: Sequence[Delta]) -> dict[str, Any]:
-        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(finals),
+        return {**self._head("chat.completion.chunk"), "choices": [], "usage": self._usage(finals),
                 "timings": llama_timings(summary(finals))}

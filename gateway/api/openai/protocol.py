@@ -10,11 +10,15 @@ ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway.reasoning import ReasoningFields
 from worker.contract.params import MAX_CHOICES, MAX_LOGIT_BIAS
+from worker.formats.adapter import MAX_CHAT_TEMPLATE_CHARS
+from worker.formats.chat_template import RESERVED_NAMES
 
 # Every number a client sends has a finite bound, checked here before any work (docs/api.md#limits);
 # the bounds a worker shares (choices, logit biases) are the contract's (worker/contract/params.py).
@@ -28,6 +32,9 @@ MAX_MESSAGES = 1024
 MAX_NAME_CHARS = 256  # model and adapter names, cache salts
 MAX_SEED = 2**63
 MAX_TOOLS = 128
+MAX_TEMPLATE_KWARGS_BYTES = 64 << 10  # chat_template_kwargs, as JSON
+# a message's role: a chat role, or one of an aLoRA's own (its invocation: gateway/chat_templates.py)
+ROLE = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
 # OpenAI fields we do not support, and the value that means "not used"
 _UNSUPPORTED_AT = {"functions": (None, []), "function_call": (None, "none", "auto"), "suffix": (None, ""),
                    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
@@ -232,11 +239,12 @@ class ToolCallIn(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: str = Field(pattern=ROLE)
     content: str | list[ChatContentPart] | None = None
     tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS)  # an assistant's calls
     tool_call_id: str | None = Field(None, max_length=MAX_NAME_CHARS)  # a tool message: the call it answers
     name: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    reasoning_content: str | None = None  # an earlier assistant turn's thinking, as the template reads it
 
     def text(self) -> str:
         if self.content is None:
@@ -251,6 +259,8 @@ class ChatMessage(_Body):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
+        if self.reasoning_content is not None and self.role == "assistant":
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -305,7 +315,32 @@ class Continuation(_Body):
         return last.role == "assistant" and not last.tool_calls and self.add_generation_prompt is not False
 
 
-class ChatRequest(_Sampling, Continuation):
+class TemplateFields(_Body):
+    """What a chat body may ask of its chat template (docs/api.md#chat-templates): a template of its
+    own (where the operator allows it: http.allow_request_chat_template) and more template variables."""
+
+    chat_template: str | None = Field(None, min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _bounded_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        if kwargs is None:
+            return None
+        taken = sorted(RESERVED_NAMES.intersection(kwargs))
+        if taken:
+            raise ValueError(f"{taken[0]!r} is set by the server, not by chat_template_kwargs")
+        if len(json.dumps(kwargs, ensure_ascii=False).encode()) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise ValueError(f"chat_template_kwargs take at most {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
+        return kwargs
+
+    def template_fields(self) -> dict[str, Any]:
+        """These fields as a chat body gives them (the Anthropic and Responses bodies pass them on)."""
+        return {name: value for name, value in (("chat_template", self.chat_template),
+                                                ("chat_template_kwargs", self.chat_template_kwargs)) if value is not None}
+
+
+class ChatRequest(_Sampling, Continuation, TemplateFields, ReasoningFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     max_completion_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)

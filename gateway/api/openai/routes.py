@@ -13,8 +13,9 @@ from fastapi.responses import Response
 from gateway.api.openai.formats import ChatFormatter, CompletionFormatter
 from gateway.api.openai.protocol import ChatRequest, CompletionRequest
 from gateway.http.formatting import PromptProgress
-from gateway.http.incoming import begin, chat_prompt, tokenized
+from gateway.http.incoming import begin, chat_rendering, tokenized
 from gateway.http.parts import AdmissionPart, CatalogPart, ResponderPart
+from gateway.http.reasoning import budgeted, reasoning_prompt
 from gateway.http.respond import UsageChunk, respond
 from gateway.http.sampling import compiled_grammar, openai_params
 
@@ -49,7 +50,7 @@ async def completions(request: Request, catalog: CatalogPart, admission: Admissi
 async def chat(request: Request, catalog: CatalogPart, admission: AdmissionPart, responder: ResponderPart) -> Response:
     tenant, body = await begin(request, ChatRequest)
     scales_by_name = admission.resolve_scales(tenant, body.model, body.lora)
-    tools, prompt_ids = await chat_prompt(catalog, body)
+    tools, prompt_ids, reasoning = await reasoning_prompt(catalog, body, chat_rendering(admission, tenant, scales_by_name, body))
     num_top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     grammar = await compiled_grammar(catalog, body, body.grammar_field, tools)
     params = openai_params(admission, len(prompt_ids), body.token_limit, body, num_top_logprobs, grammar=grammar,
@@ -58,8 +59,8 @@ async def chat(request: Request, catalog: CatalogPart, admission: AdmissionPart,
                                                timeout_s=body.timeout_s)
     progress = PromptProgress(len(prompt_ids)) if body.return_progress and body.stream else None
     formatter = ChatFormatter(catalog.tokenizer, body.model or catalog.model_name, num_top_logprobs,
-                              tools, progress)
-    return await respond(responder, prepared, "chat", formatter, body.stream, _usage_chunk(body, formatter))
+                              tools, progress, reasoning)
+    return await respond(budgeted(responder, catalog, reasoning), prepared, "chat", formatter, body.stream, _usage_chunk(body, formatter))
 
 
 @router.post("/v1/chat/completions/input_tokens")
@@ -67,8 +68,8 @@ async def chat(request: Request, catalog: CatalogPart, admission: AdmissionPart,
 async def chat_input_tokens(request: Request, catalog: CatalogPart, admission: AdmissionPart) -> dict[str, Any]:
     """llama-server's count of the tokens a chat body's prompt takes, generating nothing."""
     tenant, body = await begin(request, ChatRequest)
-    admission.resolve_scales(tenant, body.model, body.lora)  # an unknown model is a 404 here too
-    _, prompt_ids = await chat_prompt(catalog, body)
+    scales_by_name = admission.resolve_scales(tenant, body.model, body.lora)  # an unknown model is a 404 here too
+    _, prompt_ids, _ = await reasoning_prompt(catalog, body, chat_rendering(admission, tenant, scales_by_name, body))
     return {"object": "response.input_tokens", "input_tokens": len(prompt_ids)}
 
 

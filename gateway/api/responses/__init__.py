@@ -6,4 +6,4 @@ from gateway.api.responses import routes
 from gateway.api.responses.protocol import ResponsesRequest
 from gateway.http.api import Api
 
-API = Api("responses", (routes.router,), {"/v1/responses": ResponsesRequest})
+API = Api("responses", (routes.router,), {"/v1/responses": ResponsesRequest, "/responses": ResponsesRequest})

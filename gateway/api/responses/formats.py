@@ -6,7 +6,9 @@ One state machine makes both: `chunk` turns each delta into events (`response.cr
 `response.completed`, or `response.incomplete` when max_output_tokens cut it), and `whole` runs
 the deltas through it and keeps the last response, so a streamed answer and a whole one have the
 same items. With tools, the text is read for calls as chat's is (gateway/tool_calls.py): the pieces
-between calls are one message item each, every call a `function_call` item.
+between calls are one message item each, every call a `function_call` item. With a reasoning plan
+that splits, the thinking is a `reasoning` item first, its text a `reasoning_text` content part
+(streamed as response.reasoning_text.delta events), and only the answer after it is read.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from gateway.api.responses.protocol import new_id
 from gateway.errors import GatewayError
+from gateway.reasoning import NO_REASONING, ReasoningCounter, ReasoningPlan
 from gateway.tool_calls import ToolPlan, ToolReader
 from worker.contract.calls import Delta
 
@@ -24,17 +27,21 @@ JSONObject = dict[str, Any]
 INCOMPLETE_REASONS = {"length": "max_output_tokens"}  # a delta's finish_reason -> incomplete_details.reason
 
 
-def usage_of(final: Delta) -> JSONObject | None:
+def usage_of(final: Delta, num_reasoning_tokens: int = 0) -> JSONObject | None:
     u = final.usage
     if u is None:
         return None
     return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": num_reasoning_tokens},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
 def _text_part(text: str) -> JSONObject:
     return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _reasoning_part(text: str) -> JSONObject:
+    return {"type": "reasoning_text", "text": text}
 
 
 class ResponsesFormatter:
@@ -44,8 +51,11 @@ class ResponsesFormatter:
     named_events = True  # each event is framed `event: <its type>`
 
     def __init__(self, model: str, echoed: JSONObject, tools: ToolPlan | None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, reasoning: ReasoningPlan = NO_REASONING) -> None:
         self.model, self.echoed, self.tools = model, echoed, tools
+        self._counter = ReasoningCounter(reasoning)  # the thinking split off the answer
+        self._reasoning: JSONObject | None = None  # the reasoning item receiving text, if one is open
+        self._thought: list[str] = []  # its text so far
         self.id, self.created_at = new_id("resp"), int(clock())
         self.final: JSONObject | None = None
         self._num_events = 0
@@ -59,7 +69,8 @@ class ResponsesFormatter:
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status, "error": None,
             "incomplete_details": {"reason": reason} if status == "incomplete" else None, "model": self.model,
-            "output": [dict(item) for item in self._items], "usage": usage_of(final) if final is not None else None,
+            "output": [dict(item) for item in self._items],
+            "usage": usage_of(final, self._counter.num_reasoning_tokens) if final is not None else None,
             **self.echoed,
         }
 
@@ -99,6 +110,35 @@ class ResponsesFormatter:
                 self._event("response.content_part.done", **where, part=_text_part(text)),
                 self._event("response.output_item.done", output_index=where["output_index"], item=dict(message))]
 
+    def _thinking(self, text: str) -> list[JSONObject]:
+        """Reasoning text, into the open reasoning item (opened first if none is)."""
+        if not text:
+            return []
+        events = []
+        if self._reasoning is None:
+            self._reasoning = {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": [],
+                               "status": "in_progress"}
+            self._thought = []
+            self._items.append(self._reasoning)
+            where = {"item_id": self._reasoning["id"], "output_index": len(self._items) - 1, "content_index": 0}
+            events += [self._event("response.output_item.added", output_index=where["output_index"],
+                                   item={**self._reasoning, "content": []}),
+                       self._event("response.content_part.added", **where, part=_reasoning_part(""))]
+        self._thought.append(text)
+        where = {"item_id": self._reasoning["id"], "output_index": self._items.index(self._reasoning), "content_index": 0}
+        return events + [self._event("response.reasoning_text.delta", **where, delta=text)]
+
+    def _close_reasoning(self, status: str) -> list[JSONObject]:
+        if self._reasoning is None:
+            return []
+        text, item = "".join(self._thought), self._reasoning
+        item.update(status=status, content=[_reasoning_part(text)])
+        self._reasoning = None
+        where = {"item_id": item["id"], "output_index": self._items.index(item), "content_index": 0}
+        return [self._event("response.reasoning_text.done", **where, text=text),
+                self._event("response.content_part.done", **where, part=_reasoning_part(text)),
+                self._event("response.output_item.done", output_index=where["output_index"], item=dict(item))]
+
     def _call(self, call: JSONObject) -> list[JSONObject]:
         """A whole call (the reader's entry: id, name, arguments) as its item's events."""
         events = self._close_message("completed")
@@ -120,15 +160,20 @@ class ResponsesFormatter:
         if first:
             events += [self._event("response.created", response=self.response("in_progress")),
                        self._event("response.in_progress", response=self.response("in_progress"))]
+        thought, text = self._counter.feed(delta.text, len(delta.token_ids), delta.finish_reason is not None)
+        events += self._thinking(thought)
         if self._reader is None:
-            pieces: list[str | JSONObject] = [delta.text] if delta.text else []
+            pieces: list[str | JSONObject] = [text] if text else []
         else:
-            pieces = self._reader.feed(delta.text) + (self._reader.finish() if delta.finish_reason is not None else [])
+            pieces = self._reader.feed(text) + (self._reader.finish() if delta.finish_reason is not None else [])
+        if pieces:
+            events += self._close_reasoning("completed")
         for piece in pieces:
             events += self._text(piece) if isinstance(piece, str) else self._call(piece)
         if delta.finish_reason is not None:
             status = "incomplete" if delta.finish_reason in INCOMPLETE_REASONS else "completed"
-            if not self._items:  # nothing said: one empty message, as OpenAI answers
+            events += self._close_reasoning(status)
+            if not any(item["type"] != "reasoning" for item in self._items):  # nothing said: one empty message, as OpenAI answers
                 events += self._open_message()
             events += self._close_message(status)
             self.final = self.response(status, delta)

@@ -4,8 +4,9 @@ API's own shape (what is stored and listed), and the conversation as a chat body
 takes the chat path (tools, grammar, template).
 
 Text only: image, file and audio parts, and tools other than functions, are refused by name with
-400. Fields OpenAI defines that we cannot honour with a non-default value (`background`,
-`reasoning`, `include`, ...) are refused by name too; `user`, `truncation`, `service_tier` and
+400. `reasoning.effort` turns the template's thinking switch ("none": off), and reasoning items
+sent back are an assistant turn's reasoning (docs/api.md#reasoning). Fields OpenAI defines that we
+cannot honour with a non-default value (`background`, `include`, ...) are refused by name too; `user`, `truncation`, `service_tier` and
 `prompt_cache_key` change nothing we compute and are ignored.
 """
 
@@ -22,16 +23,18 @@ from gateway.api.openai.protocol import (
     MAX_TOKENS,
     MAX_TOOLS,
     FunctionSpec,
+    TemplateFields,
     _Body,
     _Generation,
 )
+from gateway.reasoning import Effort
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 MAX_ARGUMENTS_CHARS = 1_000_000
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's
-ITEM_KINDS = ("message", "function_call", "function_call_output")
+ITEM_KINDS = ("message", "function_call", "function_call_output", "reasoning")
 TOOL_CHOICES = ("none", "auto", "required")
-_UNSUPPORTED_AT = {"background": (None, False), "conversation": (None,), "prompt": (None,), "reasoning": (None,),
+_UNSUPPORTED_AT = {"background": (None, False), "conversation": (None,), "prompt": (None,),
                    "include": (None, []), "top_logprobs": (None, 0), "max_tool_calls": (None,)}
 
 
@@ -113,6 +116,31 @@ class FunctionCallOutputItem(_Body):
                 "output": text_of(self.output), "status": "completed"}
 
 
+class ReasoningText(_Body):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Body):
+    """An earlier answer's thinking, sent back (its `encrypted_content`, if any, is not ours to read)."""
+
+    type: Literal["reasoning"]
+    id: str | None = Field(None, max_length=MAX_NAME_CHARS)
+    summary: list[ReasoningText] = Field(default_factory=list, max_length=MAX_MESSAGES)
+    content: list[ReasoningText] | None = Field(None, max_length=MAX_MESSAGES)
+
+    def as_item(self) -> dict[str, Any]:
+        content = [part.model_dump() for part in self.content or ()]
+        return {"type": "reasoning", "id": self.id or new_id("rs"), "summary": [p.model_dump() for p in self.summary],
+                "content": content, "status": "completed"}
+
+
+class ReasoningConfig(_Body):
+    effort: Effort | None = None
+    summary: str | None = Field(None, max_length=MAX_NAME_CHARS)  # ours is the thinking itself: no summary is made
+    generate_summary: str | None = Field(None, max_length=MAX_NAME_CHARS)  # summary's older name
+
+
 def _item_kind(value: Any) -> str | None:
     """An input item's type; a message may leave it out (OpenAI's "easy" input message)."""
     return value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
@@ -120,7 +148,7 @@ def _item_kind(value: Any) -> str | None:
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_kind),
 ]
 
@@ -161,7 +189,7 @@ class TextConfig(_Body):
     format: TextFormat | None = None  # `verbosity` is ignored
 
 
-class ResponsesRequest(_Generation):
+class ResponsesRequest(_Generation, TemplateFields):
     """`POST /v1/responses`, with our extensions every generation takes (`lora`, `cache_salt`,
     `ignore_eos`, `timeout_s`)."""
 
@@ -181,6 +209,7 @@ class ResponsesRequest(_Generation):
     previous_response_id: str | None = Field(None, max_length=MAX_NAME_CHARS)
     store: bool = True
     metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA_PAIRS)
+    reasoning: ReasoningConfig | None = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -239,7 +268,7 @@ class ResponsesRequest(_Generation):
             "model": self.model, "messages": chat_messages(conversation, self.instructions),
             "max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "parallel_tool_calls": self.parallel_tool_calls, "cache_salt": self.cache_salt,
-            "ignore_eos": self.ignore_eos, "timeout_s": self.timeout_s,
+            "ignore_eos": self.ignore_eos, "timeout_s": self.timeout_s, **self.template_fields(),
         }
         if self.lora is not None:
             data["lora"] = [entry.model_dump() for entry in self.lora]
@@ -252,6 +281,8 @@ class ResponsesRequest(_Generation):
             data["tool_choice"] = self.tool_choice
         if self.text is not None and self.text.format is not None:
             data["response_format"] = self.text.format.as_response_format()
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            data["reasoning_effort"] = self.reasoning.effort
         return data
 
     def echoed(self) -> dict[str, Any]:
@@ -265,16 +296,22 @@ class ResponsesRequest(_Generation):
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
             "parallel_tool_calls": self.parallel_tool_calls, "previous_response_id": self.previous_response_id,
             "metadata": self.metadata or {}, "store": self.store, "truncation": "disabled", "user": None,
+            "reasoning": {"effort": self.reasoning.effort if self.reasoning is not None else None, "summary": None},
         }
 
 
 def chat_messages(items: list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
     """Items (the API's shape) as chat messages: `instructions` as the system message first; calls
     as the tool calls of the assistant turn they follow (a turn of their own when none does);
-    outputs as `tool` messages."""
+    outputs as `tool` messages; a reasoning item's text as the `reasoning_content` of the assistant
+    turn after it."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    thought: str | None = None  # a reasoning item's text, waiting for its assistant turn
     for item in items:
-        if item["type"] == "message":
+        num_before = len(messages)
+        if item["type"] == "reasoning":
+            thought = "".join(part["text"] for part in item.get("content") or item.get("summary") or ())
+        elif item["type"] == "message":
             messages.append({"role": item["role"], "content": text_of(item["content"])})
         elif item["type"] == "function_call":
             call = {"id": item["call_id"], "type": "function",
@@ -285,4 +322,6 @@ def chat_messages(items: list[dict[str, Any]], instructions: str | None) -> list
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        if thought is not None and len(messages) > num_before and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"], thought = thought, None
     return messages

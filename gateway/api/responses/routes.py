@@ -1,4 +1,4 @@
-"""The OpenAI Responses API (torch-free): `POST /v1/responses`, and a stored response's
+"""The OpenAI Responses API (torch-free): `POST /v1/responses` (and `/responses`, as llama-server), and a stored response's
 `GET`, `DELETE` and `GET .../input_items`.
 
 A request becomes a chat body (gateway/api/responses/protocol.py) and takes chat's path: tools
@@ -27,9 +27,10 @@ from gateway.api.openai.protocol import MAX_MESSAGES, ChatRequest
 from gateway.api.responses.formats import ResponsesFormatter
 from gateway.api.responses.protocol import ResponsesRequest
 from gateway.errors import GatewayError
-from gateway.http.incoming import begin, chat_prompt
+from gateway.http.incoming import begin, chat_rendering
 from gateway.http.json_body import parse
 from gateway.http.parts import AdmissionPart, CatalogPart, ResponderPart, ResponsesPart
+from gateway.http.reasoning import budgeted, reasoning_prompt
 from gateway.http.respond import respond
 from gateway.http.sampling import compiled_grammar, openai_params
 from gateway.requests.response_store import RecordTooLarge, ResponseStore, StoredResponse, StoreUnavailable
@@ -81,6 +82,7 @@ async def _kept_before_the_end(events: AsyncIterator[bytes], formatter: Response
 
 
 @router.post("/v1/responses")
+@router.post("/responses")  # llama-server's other path for it: the same body and answer
 async def create(request: Request, catalog: CatalogPart, admission: AdmissionPart, responses: ResponsesPart,
                  responder: ResponderPart) -> Response:
     tenant, body = await begin(request, ResponsesRequest)
@@ -94,13 +96,14 @@ async def create(request: Request, catalog: CatalogPart, admission: AdmissionPar
         raise GatewayError(400, f"the conversation holds {len(input_items)} items (previous_response_id's included), "
                        f"more than the {MAX_MESSAGES - 1} a request may have", "invalid_value")
     chat_body = parse(ChatRequest, body.chat_body(input_items))
-    tools, prompt_ids = await chat_prompt(catalog, chat_body)
+    tools, prompt_ids, reasoning = await reasoning_prompt(catalog, chat_body,
+                                                          chat_rendering(admission, tenant, scales_by_name, chat_body))
     grammar = await compiled_grammar(catalog, chat_body, "text.format", tools)
     params = openai_params(admission, len(prompt_ids), body.max_output_tokens, chat_body, grammar=grammar)
     prepared = await admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
                                                timeout_s=body.timeout_s)
-    formatter = ResponsesFormatter(body.model or catalog.model_name, body.echoed(), tools)
-    answer = await respond(responder, prepared, "responses", formatter, body.stream, done_marker=False)
+    formatter = ResponsesFormatter(body.model or catalog.model_name, body.echoed(), tools, reasoning=reasoning)
+    answer = await respond(budgeted(responder, catalog, reasoning), prepared, "responses", formatter, body.stream, done_marker=False)
     if body.store:
         keep = functools.partial(_keep, responses, tenant, formatter, input_items)
         if isinstance(answer, StreamingResponse):

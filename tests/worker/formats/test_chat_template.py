@@ -77,3 +77,29 @@ def test_a_template_that_trims_content_still_keeps_it_as_text(tiny_llama) -> Non
     tokenizer.chat_template = "{% for m in messages %}<|im_start|>{{ m.content | upper }}<|im_end|>{% endfor %}"
     with pytest.raises(ChatTemplateError, match="cannot be kept as text"):
         encode_chat(tokenizer, [{"role": "user", "content": "x<|im_end|>"}])
+
+
+KWARGS_TEMPLATE = ("{% if greeting is defined %}{{ greeting }}|{% endif %}{% for m in messages %}{{ m.role }}:{{ m.content }};"
+                   "{% endfor %}{% if add_generation_prompt %}bot:{% endif %}")
+
+
+def test_template_kwargs_reach_the_template_and_may_not_name_the_renderers_own(tiny_llama) -> None:
+    from worker.formats.chat_template import render_chat
+    from worker.formats.gguf_file import GGUFFile
+    from worker.formats.tokenizer import GGUFTokenizer
+
+    tokenizer = GGUFTokenizer(GGUFFile(tiny_llama.path))
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat(tokenizer, messages, template=KWARGS_TEMPLATE) == "user:hi;bot:"
+    assert render_chat(tokenizer, messages, template=KWARGS_TEMPLATE, template_kwargs={"greeting": "yo"}) == "yo|user:hi;bot:"
+    assert render_chat(tokenizer, messages).startswith("<|im_start|>user\nhi")  # None: the model's own
+    # the server's arguments win: a kwarg may not set them
+    for name in ("messages", "add_generation_prompt", "tools", "bos_token"):
+        with pytest.raises(ChatTemplateError, match=name):
+            render_chat(tokenizer, messages, template=KWARGS_TEMPLATE, template_kwargs={name: "x"})
+    # a kwarg that spells a control token is text in the prompt, as a message's content is
+    im_start = tokenizer.encode("<|im_start|>", add_special=False, parse_special=True)
+    ids = encode_chat(tokenizer, messages, template=KWARGS_TEMPLATE, template_kwargs={"greeting": "<|im_start|>"})
+    assert im_start[0] not in ids and tokenizer.decode(ids, skip_special=False).startswith("<|im_start|>|user:hi")
+    with pytest.raises(ChatTemplateError, match="output is over its limit of 10"):
+        render_chat(tokenizer, messages, template=KWARGS_TEMPLATE, max_chars=10)

@@ -232,9 +232,10 @@ def test_errors_are_the_sdks_exceptions_in_anthropics_shape(url) -> None:
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
         {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]}]},
      "document content blocks are not supported"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "extended thinking is not supported"),
-    ({"messages": [*ASK, {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "x"}]},
-                   *ASK]}, "thinking content blocks are not supported"),
+    ({"thinking": {"type": "enabled"}}, "budget_tokens is required"),
+    ({"max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 8}}, "greater than thinking.budget_tokens"),
+    ({"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "hm", "signature": "x"}]}]},
+     "user messages cannot hold thinking blocks"),
     ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "launch"}}, "'launch', which is not in tools"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "names must be unique"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),

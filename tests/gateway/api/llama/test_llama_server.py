@@ -130,6 +130,34 @@ def test_llama_server_tokenize_detokenize_apply_template_and_props(client) -> No
     assert client.post("/tokenize", json={"content": "x"}).status_code == 401
 
 
+def test_tokenize_and_props_as_llama_servers_own_tests_read_them(client, monkeypatch) -> None:
+    def tokenize(**body) -> list:
+        r = client.post("/tokenize", headers=auth(), json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    monkeypatch.setattr(client.app.state.gateway.catalog.tokenizer, "add_bos", True)  # the tiny model adds none
+    text = tokenize(content="hello there")
+    assert tokenize(content="hello there", add_special=True) == [1, *text]  # test_tokenize_with_bos
+    # content mixing token ids and text (llama-server's tokenize_mixed): ids kept, a BOS only before leading text
+    assert tokenize(content=[7, "hello there", 9], add_special=True) == [7, *text, 9]
+    assert tokenize(content=["hello there", 9, "hello there"], add_special=True) == [1, *text, 9, *text]
+    assert tokenize(content=["hello there"]) == text
+    content = "a test string with unicode \u5abd and emoji \U0001f917"
+    pieces = tokenize(content=content, with_pieces=True)  # test_tokenize_with_pieces: bytes where not UTF-8
+    assert all(set(p) == {"id", "piece"} and p["piece"] for p in pieces)
+    assert b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces) == \
+        content.encode()
+    assert [p["id"] for p in pieces] == tokenize(content=content)
+    for bad, fragment in (([10**6], "out of range"), ([True], "got an element true"), ({"a": 1}, "content")):
+        r = client.post("/tokenize", headers=auth(), json={"content": bad})
+        assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
+    props = client.get("/props", headers=auth()).json()
+    assert props["model_path"].endswith(".gguf") and "/" not in props["model_path"]  # test_server_props
+    assert props["model_alias"] == "tiny" and props["total_slots"] == 4 and props["is_sleeping"] is False
+    assert props["modalities"] == {"vision": False, "video": False, "audio": False}
+
+
 def test_llama_server_completion_and_lora_adapters(client) -> None:
     listing = client.get("/lora-adapters", headers=auth()).json()
     assert [(e["id"], e["name"], e["scale"]) for e in listing] == [(0, "a", 0.0), (1, "b", 0.0), (2, "alo", 0.0),

@@ -8,6 +8,7 @@ import asyncio
 import json
 import uuid
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -22,7 +23,7 @@ from gateway.errors import GatewayError
 from gateway.http.json_body import parse
 from gateway.requests.response_store import LocalResponses, RecordTooLarge, RedisResponses, StoredResponse
 from gateway.tool_calls import HERMES, Function, ToolPlan
-from tests.gateway.gateway_setup import KEYS, SCHEMA, local_serving, tiny_config
+from tests.gateway.gateway_setup import KEYS, SCHEMA, auth, local_serving, tiny_config
 from tests.gateway.live_server import live_server
 from tests.tinymodels import CHATML, TinySpec, make_tiny_model
 from worker.contract.calls import Delta, Usage
@@ -80,6 +81,19 @@ def test_a_string_input_is_the_users_message_and_answers_as_chat_does(served) ->
     assert r.status == ("incomplete" if is_cut else "completed") and message.status == r.status
     assert r.temperature == 0 and r.top_p == 1 and r.max_output_tokens == 8 and r.store is True
     assert r.tools == [] and r.tool_choice == "auto" and r.text.format.type == "text" and r.parallel_tool_calls
+
+
+def test_responses_without_v1_answers_as_v1_does(served) -> None:  # llama-server's path
+    bare = openai.OpenAI(base_url=served[0], api_key=KEYS["t1"], max_retries=0, timeout=120)
+    r = bare.responses.create(model="tiny", input="weather in Paris?", max_output_tokens=8, temperature=0)
+    v1 = sdk(served).responses.create(model="tiny", input="weather in Paris?", max_output_tokens=8, temperature=0)
+    assert r.id.startswith("resp_") and r.id != v1.id and r.output_text == v1.output_text and r.usage == v1.usage
+    assert sdk(served).responses.retrieve(r.id).output_text == r.output_text  # stored as /v1's are
+    events = list(bare.responses.create(model="tiny", input="weather in Paris?", max_output_tokens=8, temperature=0,
+                                        stream=True))
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == v1.output_text
+    bad = httpx.post(f"{served[0]}/responses", headers=auth(), json={"model": "tiny", "input": 5}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_message_items_and_instructions_render_as_chat_messages(served) -> None:
@@ -210,7 +224,7 @@ def test_tools_and_formats_we_cannot_serve_are_400(served) -> None:
            {"input": "hi", "tool_choice": "required"},
            {"input": "hi", "temperature": 2.5},
            {"input": "hi", "max_output_tokens": 0},
-           {"input": "hi", "reasoning": {"effort": "high"}},
+           {"input": "hi", "reasoning": {"effort": "extreme"}},
            {"input": "hi", "tools": TOOLS, "text": {"format": {"type": "json_object"}}},
            {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}]
     for body in bad:

@@ -1,0 +1,106 @@
+"""A chat request's reasoning at the HTTP edge (torch-free; the pure part is gateway/reasoning.py):
+whether the template is asked to think, the plan its answer is split by, and the dispatcher that
+keeps its thinking budget (gateway/requests/thinking_budget.py). The chat, Anthropic and Responses
+routes all take this path, with the chat body their request amounts to (and /apply-template, for
+the prompt alone).
+
+Thinking off with a template that has no switch but opens the think block itself (DeepSeek-R1's):
+the block is closed right after it in the prompt, so the answer begins after the thinking.
+
+Structured output and forced tool calls apply to the answer, not to the thinking: a grammar binds
+every generated token, so such a request is rendered with thinking off (a template with the switch
+writes an empty think block itself; one that opens the block has it closed), and its grammar holds
+the answer alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from gateway.catalog import Catalog
+from gateway.chat_templates import ChatRendering
+from gateway.http.formatting import token_str
+from gateway.http.incoming import chat_prompt, chat_text
+from gateway.http.respond import Responder
+from gateway.reasoning import (
+    NO_REASONING,
+    ReasoningPlan,
+    ReasoningSplitter,
+    opens_thinking,
+    thinking_asked,
+)
+from gateway.requests.thinking_budget import BudgetedDispatcher
+from gateway.tool_calls import GENERIC, ToolPlan
+
+TAIL_TOKENS = 16  # of the prompt, read for a think block the template opened
+
+
+def _is_constrained(catalog: Catalog, body: Any) -> bool:
+    """A grammar will bind the answer: a response format or grammar, or tools it must call (every
+    call, in the generic style)."""
+    if hasattr(body, "grammar_source") and body.grammar_source() is not None:
+        return True
+    if not body.tools or body.tool_choice == "none":
+        return False
+    return catalog.tool_style == GENERIC or body.tool_choice not in (None, "auto")
+
+
+def thinking_of(catalog: Catalog, body: Any) -> bool:
+    """The template's `enable_thinking` for this chat body: what it asks, else the server's default;
+    off when a grammar binds the answer, or the thinking budget is 0."""
+    if _is_constrained(catalog, body) or getattr(body, "thinking_budget", None) == 0:
+        return False
+    kwargs = getattr(body, "chat_template_kwargs", None) or {}
+    asked = thinking_asked(kwargs.get("enable_thinking"), getattr(body, "reasoning_effort", None), catalog.default_thinking)
+    return asked is not False
+
+
+def _closes_thinking(catalog: Catalog, prompt_tail: str, thinking: bool | None) -> bool:
+    """Thinking is off, yet the prompt opens a think block: it is to be closed."""
+    tags = catalog.reasoning_tags
+    return thinking is False and tags is not None and opens_thinking(prompt_tail, tags)
+
+
+def _tail(catalog: Catalog, prompt_ids: list[int]) -> str:
+    return "".join(token_str(catalog.tokenizer, t) for t in prompt_ids[-TAIL_TOKENS:])
+
+
+def plan_of(catalog: Catalog, body: Any, prompt_ids: list[int], thinking: bool | None) -> ReasoningPlan:
+    tags = catalog.reasoning_tags
+    if tags is None:
+        return NO_REASONING
+    tail = _tail(catalog, prompt_ids)
+    budget = body.thinking_budget if thinking is not False else None
+    return ReasoningPlan(tags, opens_thinking(tail, tags), budget, is_split=body.reasoning_format != "none")
+
+
+async def reasoning_prompt(catalog: Catalog, body: Any,
+                           rendering: ChatRendering | None = None) -> tuple[ToolPlan | None, list[int], ReasoningPlan]:
+    """A chat body's tool plan, its prompt (rendered with its thinking switch, and as `rendering` says:
+    incoming.chat_prompt) and its reasoning plan."""
+    thinking = thinking_of(catalog, body)
+    tools, prompt_ids = await chat_prompt(catalog, body, thinking, rendering)
+    if _closes_thinking(catalog, _tail(catalog, prompt_ids), thinking):
+        prompt_ids = prompt_ids + catalog.tokenizer.encode(catalog.reasoning_tags.end, add_special=False,
+                                                           parse_special=True)
+    return tools, prompt_ids, plan_of(catalog, body, prompt_ids, thinking)
+
+
+async def reasoning_text(catalog: Catalog, body: Any, rendering: ChatRendering | None = None) -> str:
+    """A chat body's prompt as text (/apply-template), rendered as reasoning_prompt renders it."""
+    thinking = thinking_of(catalog, body)
+    text = await chat_text(catalog, body, rendering, thinking)
+    return text + catalog.reasoning_tags.end if _closes_thinking(catalog, text[-200:], thinking) else text
+
+
+def budgeted(responder: Responder, catalog: Catalog, plan: ReasoningPlan) -> Responder:
+    """`responder`, its dispatcher keeping the plan's thinking budget when it has one."""
+    tags = plan.tags
+    if plan.budget_tokens is None or tags is None:
+        return responder
+    closing_text = f"\n{tags.end}\n\n"
+    closing_ids = catalog.tokenizer.encode(closing_text, add_special=False, parse_special=True)
+    dispatcher = BudgetedDispatcher(responder.dispatcher, plan.budget_tokens, closing_ids, closing_text,
+                                    lambda: ReasoningSplitter(tags, plan.starts_inside))
+    return replace(responder, dispatcher=dispatcher)
