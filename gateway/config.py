@@ -38,6 +38,7 @@ from cache.blobs import BlobStoreConfig, parse_store_url
 from cache.l2 import RedisConfig
 from cache.prefix import PrefixCacheConfig
 from gateway.exposure import auth_error, exposure_error
+from gateway.policy.autoscale import AutoscalingSettings, with_replicas
 from gateway.policy.nodes import selector_error
 from gateway.policy.routing import RoutingSettings
 from gateway.reasoning import ReasoningSettings
@@ -89,6 +90,16 @@ class ShardConfig(_Strict):
     num_cpus: float = Field(1.0, ge=0.0)
     # Ray node labels its replicas need (a label selector: value, !value, in(a, b)); they spread over those nodes
     node_labels: NodeLabels = Field(default_factory=dict)
+    autoscaling: AutoscalingSettings | None = None  # replicas that follow demand (gateway/policy/autoscale.py)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replicas_are_the_max(cls, data: object) -> object:
+        return with_replicas(data, 256)  # with autoscaling, `replicas` is its max_replicas (gateway/policy/autoscale.py)
+
+    def settings(self) -> AutoscalingSettings:
+        """The shard's scaling policy settings: its `autoscaling`, or a fixed count of `replicas`."""
+        return self.autoscaling or AutoscalingSettings.fixed(self.replicas)
 
 
 class TenantConfig(_Strict):

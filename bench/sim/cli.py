@@ -12,6 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.sim.autoscalers import SCALERS
+from bench.sim.elastic import compare, fewest_shards, scaling_table
 from bench.sim.fleet import Fleet, place
 from bench.sim.plots import write_report
 from bench.sim.profile import DEFAULT_PROFILE, CostProfile, load_profile
@@ -100,6 +102,32 @@ def print_rows(args: argparse.Namespace, what: str, scenario: Scenario, profile:
         print(f"({wall_s:.1f} s of wall time)")
 
 
+def run_autoscale(args: argparse.Namespace, fleet: FleetScenario) -> int:
+    """--autoscale P,Q: one run per scaling policy, and the fewest fixed replicas (up to --replicas) meeting the SLO."""
+    policies = [p for p in args.autoscale.split(",") if p]
+    unknown = [p for p in policies if p not in SCALERS]
+    if unknown:
+        print(f"loraplex simulate: unknown scaling policy {unknown[0]!r} (known: {', '.join(SCALERS)})", file=sys.stderr)
+        return 2
+    profile = load_profile(args.profile or fleet.sim.profile or DEFAULT_PROFILE)
+    slo = SLO(args.ttft_slo_s or fleet.scenario.slo.ttft_s, args.itl_slo_s or fleet.sim.itl_s)
+    started = time.perf_counter()  # only to report how long the simulation took
+    try:
+        rows = compare(fleet, policies, profile, slo, args.replicas)
+    except ValueError as e:
+        print(f"loraplex simulate: {e}", file=sys.stderr)
+        return 2
+    wall_s = time.perf_counter() - started
+    if args.json:
+        print(json.dumps({"scenario": fleet.scenario.name, "profile": profile.name, "rows": rows, "wall_s": wall_s}))
+        return 0
+    print(f"{describe(fleet.scenario, profile, slo)}; scaled: {fleet.sim.autoscaling.shards or fewest_shards(fleet)} shards, "
+          f"{fleet.sim.autoscaling.policy}")
+    print(scaling_table(rows))
+    print(f"({wall_s:.1f} s of wall time)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         fleet = load_fleet_scenario(args.scenario)
@@ -110,6 +138,12 @@ def run(args: argparse.Namespace) -> int:
     if args.max_requests is not None:
         scenario = scenario.model_copy(update={"max_requests": args.max_requests})
     fleet = FleetScenario(scenario, fleet.sim)
+    if scenario.duration_s <= scenario.warmup_s:
+        print(f"loraplex simulate: the duration ({scenario.duration_s:g} s) must be longer than the scenario's warm-up "
+              f"({scenario.warmup_s:g} s): only requests after the warm-up are measured", file=sys.stderr)
+        return 2
+    if args.autoscale:
+        return run_autoscale(args, fleet)
     routers = args.policy or list(ROUTERS)
     unknown = [r for r in routers if r not in ROUTERS]
     if unknown:

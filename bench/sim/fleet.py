@@ -15,6 +15,9 @@ replica, off the step loop as a worker does, and waits for what it fetches).
 Churn (`sim.churn`, bench/sim/churn.py) changes the pins while requests run. An aLoRA
 pipeline's second call is sent when its first ends.
 
+Scaling (`--autoscale`, bench/sim/scaling.py): a Scaler starts and drains replicas as a policy
+says, adding them to `holders` once started and taking them out when they drain.
+
 Every request ends exactly once: completed, refused (429 rate limit, 503 busy) or failed (no
 replica holds its adapter, longer than a KV slot, its replica lost).
 """
@@ -92,7 +95,9 @@ def place(fleet: FleetScenario, num_replicas: int) -> Placement:
 
 class Fleet:
     def __init__(self, fleet: FleetScenario, scenario: Scenario, profile: CostProfile, placement: Placement, router: str,
-                 routing: RoutingSettings = RoutingSettings(), shared_cache: bool | None = None) -> None:
+                 routing: RoutingSettings = RoutingSettings(), shared_cache: bool | None = None,
+                 scaling: Callable[[Fleet], Any] | None = None) -> None:
+        """`scaling`: builds the Scaler that starts and stops replicas as a policy says (bench/sim/scaling.py)."""
         self.fleet, self.scenario, self.profile, self.placement = fleet, scenario, profile, placement
         self.routing = routing
         self.now_s = 0.0
@@ -126,6 +131,7 @@ class Fleet:
             self._push(fault.at_s, _FAULT, 0, (fault, True))
             if fault.at_s + fault.for_s < scenario.duration_s:
                 self._push(fault.at_s + fault.for_s, _FAULT, 0, (fault, False))
+        self.scaler = scaling(self) if scaling is not None else None
 
     def _push(self, at_s: float, kind: int, replica: int, payload: Any) -> None:
         self._counter += 1
@@ -170,6 +176,8 @@ class Fleet:
                 self._arrive(pending)
                 pending = next(arrivals, None)
         self.record.end_s = self.now_s
+        if self.scaler is not None:
+            self.scaler.finish()
         self.record.busy_s = [r.stats.busy_s for r in self.replicas]
         self.record.slot_s = [r.stats.slot_s for r in self.replicas]
         self.record.num_seq_slots = self.profile.engine.num_seq_slots

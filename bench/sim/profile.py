@@ -42,6 +42,10 @@ class CostProfile:
     l2_fetch_token_s: float | None = None
     l2_lookup_s: float = 0.0
     hop_s: float = 0.0  # a request's way to its replica and its first token's back (HTTP, gateway, Ray): added to TTFT
+    # a replica asked for serves after replica_start_s (its process and engine started, the base model fetched and
+    # loaded) plus adapter_fetch_s for each adapter it pins (fetched from the store first): bench/sim/scaling.py
+    replica_start_s: float = 0.0
+    adapter_fetch_s: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.step_overhead_s, self.prompt_token_s, self.decode_seq_s, self.adapter_load_s) < 0:
@@ -56,6 +60,8 @@ class CostProfile:
             raise ValueError(f"profile {self.name!r}: adapter_load_lower_s must be >= 0")
         if (self.l2_fetch_token_s or 0) < 0 or self.l2_lookup_s < 0 or self.hop_s < 0:
             raise ValueError(f"profile {self.name!r}: l2_fetch_token_s, l2_lookup_s and hop_s must be >= 0")
+        if self.replica_start_s < 0 or self.adapter_fetch_s < 0:
+            raise ValueError(f"profile {self.name!r}: replica_start_s and adapter_fetch_s must be >= 0")
         if self.max_loaded_adapters < 0 or self.l1_chunks < 0:
             raise ValueError(f"profile {self.name!r}: max_loaded_adapters and l1_chunks must be >= 0")
 

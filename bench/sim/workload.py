@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.config import ConfigError, describe_errors, read_yaml
 from gateway.loadtest.generators import WeightedSampler, arrival_times
 from gateway.loadtest.scenario import Scenario, parse_scenario
+from gateway.policy.autoscale import AutoscalingSettings
 
 SIM_KINDS = ("random", "shared_prefix", "rag", "chat", "alora_pipeline")
 ALORA_INVOCATION_TOKENS = 8  # an aLoRA call's invocation sequence (the load tester takes the server's)
@@ -64,6 +65,18 @@ class Churn(BaseModel):
     max_adapters_per_replica: int | None = Field(None, ge=1)
 
 
+class SimScaling(BaseModel):
+    """`loraplex simulate --autoscale`: each of `shards` shards (placement's plan for that many replicas;
+    default the fewest that hold every adapter `redundancy` times) scaled by a policy every `tick_s`,
+    within `policy`'s bounds, with `policy` the settings of ours (a config's `autoscaling` section)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    shards: int | None = Field(None, ge=1)
+    initial_replicas: int = Field(1, ge=1)  # each shard's at the start (at least what the plan gave it, within the bounds)
+    tick_s: float = Field(0.5, gt=0)
+    policy: AutoscalingSettings = AutoscalingSettings(max_replicas=8)
+
+
 class SimSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     num_adapters: int | None = Field(None, ge=1)  # adapters a0000...: replace adapters.names (zipf_s applies)
@@ -79,6 +92,7 @@ class SimSection(BaseModel):
     # how the adapters were first placed: `plan`, by the scenario's popularity (loraplex plan); `registry`, as adapters
     # registered while running are, their traffic unknown: `redundancy` copies each, spread evenly
     placed_by: Literal["plan", "registry"] = "plan"
+    autoscaling: SimScaling = SimScaling()
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import pytest
 from cache.l2 import RedisConfig, read_password_file
 from cache.prefix import PrefixCacheConfig
 from gateway.config import ConfigError, ServeConfig, load_config, parse_config
+from gateway.policy.autoscale import AutoscalingSettings
 from gateway.policy.routing import RoutingSettings
 from worker.contract.spec import DeviceSettings, EngineConfig
 
@@ -172,3 +173,34 @@ def test_tenants_file_and_redis_password_file_come_from_mounted_secrets(tmp_path
 def test_every_shipped_deployment_config_loads(path) -> None:
     config = load_config(path)
     assert config.shards and all(config.adapter_path(name).is_file() for name in (a.name for a in config.adapters))
+
+
+def _shard(**fields: object) -> dict:
+    return {**BASE, "shards": [{"name": "s", "adapters": ["a"], **fields}]}
+
+
+def test_a_shard_scales_within_its_autoscaling_bounds_and_replicas_is_the_max() -> None:
+    shard = parse_config(_shard(autoscaling={"min_replicas": 0, "max_replicas": 3, "ttft_slo_s": 2.0}), ".").shards[0]
+    assert shard.replicas == 3  # deployed until Serve's autoscaling is wired
+    assert shard.settings() == AutoscalingSettings(min_replicas=0, max_replicas=3, ttft_slo_s=2.0)
+    alone = parse_config(_shard(replicas=4, autoscaling={"min_replicas": 1}), ".").shards[0]
+    assert (alone.replicas, alone.settings().max_replicas) == (4, 4)  # replicas given alone: the max
+    fixed = parse_config(_shard(replicas=2), ".").shards[0]
+    assert fixed.autoscaling is None and fixed.settings() == AutoscalingSettings.fixed(2)
+    config = parse_config(_shard(autoscaling={"max_replicas": 5}), ".")
+    assert ServeConfig.model_validate(config.model_dump()) == config
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"replicas": 2, "autoscaling": {"max_replicas": 3}}, "shards[0]: replicas (2) must equal autoscaling.max_replicas (3)"),
+    ({"autoscaling": {"min_replicas": 4, "max_replicas": 3}}, "shards[0].autoscaling: min_replicas (4) must be <= max_replicas (3)"),
+    ({"autoscaling": {"max_replicas": 0}}, "shards[0].autoscaling: min_replicas must be >= 0 and max_replicas >= 1"),
+    ({"autoscaling": {"max_replicas": 300}}, "shards[0]: autoscaling.max_replicas must be <= 256"),
+    ({"autoscaling": {"max_replicas": 2, "target_utilization": 1.5}}, "shards[0].autoscaling: target_utilization must be in (0, 1]"),
+    ({"autoscaling": {"max_replicas": 2, "upscale_delay_s": -1}}, "shards[0].autoscaling: upscale_delay_s, downscale_delay_s"),
+    ({"autoscaling": {"max_replicas": 2, "cooldown": 5}}, "shards[0].autoscaling.cooldown: Extra inputs are not permitted"),
+])
+def test_a_bad_autoscaling_section_is_named(fields, message) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config(_shard(**fields), ".", "serve.yaml")
+    assert message in str(e.value)
