@@ -9,6 +9,12 @@ are not the hot ones) run on each through the replica's own entry point (a chann
 calls it), `--requests` at a time, after a warm-up that fills the small tier; the two take turns
 per round. Printed: decode tokens/s of each and their ratio, the small tier's hit rate (requests
 that found their adapter on the device), the p50/p99 of a promotion, and the bytes each held.
+
+And the process's memory against what the replicas are budgeted: its RSS once both replicas are open
+(models, KV cache, runtime: what the tiers add to), its peak RSS (sampled, and ru_maxrss), and the
+growth past the first against the bytes the tiers hold. `--no-memory-bound` runs the replicas without
+worker/residency/memory.py's bound (reads on the default executor, any number of malloc arenas, no trim):
+arenas are the process's, so the two are compared across two runs of the same command.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import asyncio
 import sys
 import tempfile
+import threading
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -34,7 +41,10 @@ from worker.contract.spec import EngineConfig, ResidencySettings, WorkerSpec
 from worker.formats.adapter import load_adapter
 from worker.formats.default_model import resolve_model_path
 from worker.formats.gguf_file import GGUFFile
+from worker.residency import memory
 from worker.shard import ShardWorker
+
+RSS_SAMPLE_S = 0.2
 
 
 def zipf_choices(num_adapters: int, num: int, exponent: float, rng: np.random.Generator) -> list[int]:
@@ -112,6 +122,29 @@ async def take_adapters(workers: dict[str, ShardWorker], fingerprints: list[str]
         print(f"{name}: {len(fingerprints)} adapters taken in {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
 
+class PeakRSS:
+    """The process's RSS, sampled on a thread of its own from `start` (the peak between two samples is in
+    ru_maxrss, printed beside it)."""
+
+    def __init__(self) -> None:
+        self.opened_bytes = self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="rss", daemon=True)
+
+    def start(self) -> PeakRSS:
+        self.opened_bytes = self.peak_bytes = memory.rss_bytes()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(RSS_SAMPLE_S):
+            self.peak_bytes = max(self.peak_bytes, memory.rss_bytes())
+
+
 @dataclass
 class Measured:
     totals: dict[str, list[float]]  # "tiered", "whole" -> [seconds, tokens]
@@ -160,12 +193,31 @@ def print_results(args: argparse.Namespace, model_path: Path, num_adapters: int,
               f"host {tiers['host'][0]} adapters, {tiers['host'][1] / 2**20:.0f} MiB")
 
 
+def print_memory(args: argparse.Namespace, workers: list[ShardWorker], rss: PeakRSS) -> None:
+    """Peak RSS against the replicas' bytes: what they held once open, and what their tiers hold (on a CPU
+    the device tier is host memory too)."""
+    mib = 2**20
+    tiers_bytes = sum(w.residency.residents()["device"][1] + w.residency.residents()["host"][1] for w in workers)
+    model_bytes = sum(w.base_bytes for w in workers)
+    growth = rss.peak_bytes - rss.opened_bytes
+    trims, trim_s = sum(w.residency.memory.num_trims for w in workers), sum(w.residency.memory.trim_s for w in workers)
+    print(f"memory ({'no bound' if args.no_memory_bound else 'bounded'}: worker/residency/memory.py, {trims} trims, "
+          f"{trim_s * 1e3:.0f} ms in all): "
+          f"RSS {rss.opened_bytes / mib:.0f} MiB with both replicas open (models {model_bytes / mib:.0f} MiB, KV cache, "
+          f"runtime); tiers hold {tiers_bytes / mib:.0f} MiB")
+    print(f"peak RSS {rss.peak_bytes / mib:.0f} MiB (ru_maxrss {memory.peak_rss_bytes() / mib:.0f} MiB): "
+          f"{growth / mib:.0f} MiB past the replicas open, {(growth - tiers_bytes) / mib:+.0f} MiB past the tiers' bytes, "
+          f"growth/tiers {growth / max(1, tiers_bytes):.3f}")
+
+
 async def compare(args: argparse.Namespace, model_path: Path, store_dir: Path, fingerprints: list[str],
                   rng: np.random.Generator) -> int:
     """The tiered replica against the one holding every adapter on its device."""
+    memory.IS_BOUNDED = not args.no_memory_bound  # before the replicas are built: their residency reads it
     tiered = open_replica(args, model_path, store_dir, ResidencySettings(device_adapters=args.device_adapters,
                                                                          host_bytes=args.host_bytes))
     whole = open_replica(args, model_path, store_dir, ResidencySettings())
+    rss = PeakRSS().start()
     try:
         await take_adapters({"tiered": tiered, "all on the device": whole}, fingerprints)
         vocab = tiered.runner.hparams.vocab_size
@@ -173,9 +225,12 @@ async def compare(args: argparse.Namespace, model_path: Path, store_dir: Path, f
         await run_requests(tiered, warm, args.requests)
         await run_requests(whole, warm[: args.requests], args.requests)
         measured = await measure(args, tiered, whole, fingerprints, vocab, rng)
+        rss.stop()
         print_results(args, model_path, len(fingerprints), tiered, whole, measured)
+        print_memory(args, [tiered, whole], rss)
         return 0
     finally:
+        rss.stop()
         tiered.close()
         whole.close()
 

@@ -40,6 +40,9 @@ def add_engine(sub: Subparsers) -> None:
                    help="with one --registered N: serve N adapters from a device tier of M (the others on disk, or the "
                         "host with --host-bytes), against all N on the device, under Zipf traffic (bench/bench_tiers.py)")
     p.add_argument("--host-bytes", type=int, default=0, metavar="B", help="the host tier's budget with --device-adapters")
+    p.add_argument("--no-memory-bound", action="store_true",
+                   help="with --device-adapters: the tiers' reads on the default executor, no arena bound and no trim "
+                        "(worker/residency/memory.py off), to compare the process's peak memory")
     p.add_argument("--dora", action="store_true",
                    help="instead: mixed decode speed of --adapters DoRA adapters against as many plain LoRAs of the "
                         "same rank and targets, in one worker (bench/bench_dora.py)")

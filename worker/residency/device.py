@@ -98,9 +98,11 @@ class DeviceTier:
                 victims = None if evictor is None else self._victims(nbytes, evictor)
                 if victims is None:
                     return None
+                held_bytes = self.slots.num_bytes
                 for victim in victims:
                     evictor.remove(self.slots.pop(victim))
                 self.stats.evictions["device"] += len(victims)
+                self.stats.evicted_bytes["device"] += held_bytes - self.slots.num_bytes
             reservation = next(self._reservation_ids)
             self.reserved[reservation] = nbytes
             return reservation
@@ -121,7 +123,7 @@ class DeviceTier:
         """The engine's thread, between steps: free the slots of those of `fingerprints` that no request
         uses or holds a lease on; those dropped (the ones not here among them)."""
         with self.guard:
-            in_use = evictor.slots_in_use()
+            in_use, held_bytes = evictor.slots_in_use(), self.slots.num_bytes
             dropped = []
             for fingerprint in fingerprints:
                 slot = self.slots.peek(fingerprint)
@@ -130,6 +132,7 @@ class DeviceTier:
                 if slot is not None:
                     evictor.remove(self.slots.pop(fingerprint))
                 dropped.append(fingerprint)
+            self.stats.evicted_bytes["device"] += held_bytes - self.slots.num_bytes
             return dropped
 
     # under the guard

@@ -36,7 +36,11 @@ class HostTier:
             return
         self.entries.put(fingerprint, pinned(host) if self.is_cuda else host, host_nbytes(host))
         if budget is not None:
+            held_bytes = self.entries.num_bytes
             self.stats.evictions["host"] += len(self.entries.trim(budget))
+            self.stats.evicted_bytes["host"] += held_bytes - self.entries.num_bytes
 
     def drop(self, fingerprint: Fingerprint) -> None:
+        held_bytes = self.entries.num_bytes
         self.entries.pop(fingerprint)
+        self.stats.evicted_bytes["host"] += held_bytes - self.entries.num_bytes

@@ -18,6 +18,7 @@ from worker.lora.attach import HostHalves, device_halves
 from worker.residency.device import ON_DEVICE, DeviceTier, Evictor
 from worker.residency.disk import DiskTier
 from worker.residency.host import HostTier
+from worker.residency.memory import HostMemory
 from worker.residency.stats import ResidencyStats
 
 ROOM_POLL_S = 0.01  # how often a promotion that found every adapter on the device in use looks again
@@ -34,10 +35,11 @@ class Promotions:
     """The adapters on their way to the device: one promotion each, however many requests wait for it."""
 
     def __init__(self, loop: EngineLoop, device: DeviceTier, host: HostTier, disk: DiskTier, stats: ResidencyStats,
-                 tier_of: Callable[[Fingerprint], str], clock: Callable[[], float]) -> None:
-        """`tier_of`: where an adapter is now (the tier a promotion is counted from)."""
+                 tier_of: Callable[[Fingerprint], str], clock: Callable[[], float], memory: HostMemory) -> None:
+        """`tier_of`: where an adapter is now (the tier a promotion is counted from); `memory`: the
+        threads reads and copies run on, and the trim after evictions (memory.py)."""
         self.loop, self.device, self.host, self.disk, self.stats = loop, device, host, disk, stats
-        self.tier_of, self.clock = tier_of, clock
+        self.tier_of, self.clock, self.memory = tier_of, clock, memory
         self.config = loop.engine.runner.config
         self.loading: dict[Fingerprint, asyncio.Future] = {}  # promotions under way
 
@@ -55,13 +57,23 @@ class Promotions:
         host = self.host.get(fingerprint)
         if host is None:
             try:
-                _, host = await asyncio.to_thread(read)
+                _, host = await self.memory.run(read)
             except Exception as e:
                 raise Overloaded(f"adapter {fingerprint[:16]} could not be loaded: {str(e)[:200]}") from e
             self.disk.touch(fingerprint, keep=self.loading)
             self.host.keep(fingerprint, host)
         await self.install(fingerprint, adapter, nbytes, host, may_evict=True, until=until)
         self.stats.promoted(source, self.clock() - started)
+        await self.settle_memory()
+
+    def evicted_host_bytes(self) -> int:
+        """The bytes of adapters that have left a tier in host memory: the host's, and a CPU's device."""
+        on_host = self.config.torch_device.type == "cpu"
+        return self.stats.evicted_bytes["host"] + (self.stats.evicted_bytes["device"] if on_host else 0)
+
+    async def settle_memory(self) -> None:
+        """Hand what evictions freed back to the OS once enough was (a reader: a trim takes ~ms)."""
+        await self.memory.run(self.memory.settle, self.evicted_host_bytes())
 
     async def install(self, fingerprint: Fingerprint, adapter: LoRAAdapter, nbytes: int, host: HostHalves,
                       may_evict: bool, until: float | None = None) -> None:
@@ -77,7 +89,7 @@ class Promotions:
         if reservation is None:
             return  # on the device already, or (without `may_evict`) no room: it stays lower down
         try:
-            halves = await asyncio.to_thread(device_halves, host, self.config)
+            halves = await self.memory.run(device_halves, host, self.config)
 
             def install(engine: Engine) -> None:  # the engine's thread, between steps
                 self.device.fill(reservation, fingerprint, nbytes, lambda: engine.runner.add_adapter(adapter, device=halves))

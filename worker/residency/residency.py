@@ -34,6 +34,7 @@ from worker.lora.attach import HostHalves, host_halves
 from worker.residency.device import DeviceTier, Lease
 from worker.residency.disk import DiskTier
 from worker.residency.host import HostTier
+from worker.residency.memory import HostMemory
 from worker.residency.promotion import Promotions, evictor_of
 from worker.residency.sizes import device_nbytes
 from worker.residency.stats import ResidencyStats
@@ -53,18 +54,21 @@ def closed(adapter: LoRAAdapter) -> LoRAAdapter:
 
 class Residency:
     def __init__(self, loop: EngineLoop, base: GGUFFile, store: BlobStore | None,
-                 settings: ResidencySettings = ResidencySettings(), clock: Callable[[], float] = time.monotonic) -> None:
+                 settings: ResidencySettings = ResidencySettings(), clock: Callable[[], float] = time.monotonic,
+                 memory: HostMemory | None = None) -> None:
         """The runner's adapters when built (the deploy-time pins) are served and on the device from
-        the start, for good; any other comes from `store` (None: none can)."""
+        the start, for good; any other comes from `store` (None: none can). `memory`: the bound on the
+        process's memory (memory.py; default: bounded)."""
         self.loop, self.base, self.store, self.settings, self.clock = loop, base, store, settings, clock
         runner = loop.engine.runner
         self.config = runner.config
         self.stats = ResidencyStats()
+        self.memory = HostMemory() if memory is None else memory
         pins = [(Fingerprint(a.fingerprint), AdapterSlot(slot), runner.lora.nbytes(slot)) for slot, a in runner.adapters.items()]
         self.device = DeviceTier(settings, self.stats, pins)
         self.host = HostTier(settings, self.stats, is_cuda=self.config.torch_device.type == "cuda")
         self.disk = DiskTier(store, settings, self.stats)
-        self.promotions = Promotions(loop, self.device, self.host, self.disk, self.stats, self.tier_of, clock)
+        self.promotions = Promotions(loop, self.device, self.host, self.disk, self.stats, self.tier_of, clock, self.memory)
         self.known: dict[Fingerprint, LoRAAdapter] = {Fingerprint(a.fingerprint): a for a in runner.adapters.values()}
         self.nbytes: dict[Fingerprint, int] = {fp: nbytes for fp, _, nbytes in pins}  # each one's device bytes
         self.draining: dict[Fingerprint, float] = {}  # when it was no longer wanted
@@ -126,6 +130,7 @@ class Residency:
                     self.draining.pop(fingerprint, None)  # wanted again before it was dropped
                     if fingerprint not in self.known:
                         await self._admit(fingerprint)
+                await self.promotions.settle_memory()  # the host tier may have evicted while they were read
                 self._reap_later()
             return self.state()
 
@@ -136,13 +141,13 @@ class Residency:
         try:
             if self.store is None:
                 raise BlobStoreError(f"adapter {fingerprint} is not a deploy-time adapter and this replica has no adapter store")
-            adapter, _ = await asyncio.to_thread(self._read, fingerprint, False)
+            adapter, _ = await self.memory.run(self._read, fingerprint, False)
             self.disk.touch(fingerprint, keep=self.promotions.loading)
             self.known[fingerprint] = closed(adapter)
             self.nbytes[fingerprint] = nbytes = device_nbytes(adapter, self.config.torch_dtype)
             keeps_host = self.settings.is_tiered and self.settings.host_bytes != 0
             if self.device.fits(nbytes) or keeps_host:  # read it now (a thread), for the device or the host
-                host = await asyncio.to_thread(host_halves, adapter)
+                host = await self.memory.run(host_halves, adapter)
                 self.host.keep(fingerprint, host)
                 if self.device.fits(nbytes):
                     await self.promotions.install(fingerprint, self.known[fingerprint], nbytes, host, may_evict=False)
@@ -177,6 +182,7 @@ class Residency:
                 self.nbytes.pop(fingerprint, None)
                 self.host.drop(fingerprint)
                 self.disk.drop(fingerprint)
+            await self.promotions.settle_memory()
             self._reap_later()  # some may still run: look again later
 
     def _reap_later(self) -> None:

@@ -171,6 +171,7 @@ class ShardWorker:
 
     def close(self) -> None:
         self.loop.close()
+        self.residency.memory.close()
         self.prefix_cache.close()
         self.tracing.close()
 

@@ -295,3 +295,47 @@ envFrom:
 {{- $http := default (dict) .Values.loraplex.http -}}
 {{- if and (le (int (default 1 $http.gateway_replicas)) 1) (not $http.node_labels) -}}true{{- end -}}
 {{- end -}}
+
+{{/* A Kubernetes memory quantity (512Mi, 16Gi, 2G, 1e9, 1073741824) in bytes. */}}
+{{- define "loraplex.bytes" -}}
+{{- $quantity := toString . -}}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?([eE][0-9]+)?" $quantity -}}
+{{- $units := dict "" 1 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 -}}
+{{- $unit := trimPrefix $number $quantity -}}
+{{- if or (not $number) (not (hasKey $units $unit)) -}}
+{{- fail (printf "ray.worker.resources.requests.memory: %q is not a memory quantity this chart reads (e.g. 16Gi, 512Mi, 2G or bytes)" $quantity) -}}
+{{- end -}}
+{{- mulf (float64 $number) (get $units $unit) | int64 -}}
+{{- end -}}
+
+{{/* The bytes a worker pod's replicas are budgeted on the host (docs/kubernetes.md#a-workers-memory):
+per replica, ray.worker.memoryPerReplica (the model, a CPU's KV cache, the runtime) and its host tier
+(loraplex.residency.host_bytes), and on a CPU worker its device tier too (device_bytes); one replica per
+GPU, one on a worker without. Empty when no budget bounds the host tier. */}}
+{{- define "loraplex.workerBudgetBytes" -}}
+{{- $residency := default (dict) .Values.loraplex.residency -}}
+{{- $perReplica := .Values.ray.worker.memoryPerReplica -}}
+{{- $isTiered := or (hasKey $residency "device_adapters") (hasKey $residency "device_bytes") -}}
+{{- $isCPU := not .Values.ray.worker.gpusPerPod -}}
+{{- if and $isTiered (kindIs "invalid" (index $residency "host_bytes")) -}}
+{{- fail "loraplex.residency.host_bytes: with a device tier and no host_bytes, the host tier keeps every adapter a worker reads, so no memory request bounds a worker; set host_bytes (0: none kept)" -}}
+{{- end -}}
+{{- $host := int64 (default 0 (index $residency "host_bytes")) -}}
+{{- $device := 0 -}}
+{{- if and $isCPU (hasKey $residency "device_bytes") -}}{{- $device = int64 (default 0 $residency.device_bytes) -}}{{- end -}}
+{{- $each := add (int64 $perReplica.modelBytes) (int64 $perReplica.kvBytes) (int64 $perReplica.overheadBytes) $host $device -}}
+{{- mul $each (max 1 (int64 .Values.ray.worker.gpusPerPod)) -}}
+{{- end -}}
+
+{{/* Refuses a worker memory request below what its replicas are budgeted: a scheduler places pods by
+their requests, and a replica past its request is the first the kubelet evicts. */}}
+{{- define "loraplex.workerMemoryCheck" -}}
+{{- $requested := dig "requests" "memory" "" (default (dict) .Values.ray.worker.resources) -}}
+{{- $budget := int64 (include "loraplex.workerBudgetBytes" .) -}}
+{{- if not $requested -}}
+{{- fail (printf "ray.worker.resources.requests.memory: unset; the worker's budgets sum to %d bytes (docs/kubernetes.md#a-workers-memory)" $budget) -}}
+{{- end -}}
+{{- if lt (int64 (include "loraplex.bytes" $requested)) $budget -}}
+{{- fail (printf "ray.worker.resources.requests.memory: %s is below the %d bytes the worker's replicas are budgeted (ray.worker.memoryPerReplica and loraplex.residency per replica; docs/kubernetes.md#a-workers-memory)" (toString $requested) $budget) -}}
+{{- end -}}
+{{- end -}}
