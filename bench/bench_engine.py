@@ -7,8 +7,8 @@ machine noise hits all three alike:
 - llama_policy: only requests with the same adapter share a forward pass
   (llama-server's behaviour); the adapter groups take turns step by step.
 
-`--dora`, `--device-adapters` and `--registered` run bench_dora, bench_tiers and
-bench_registered instead.
+`--dora`, `--device-adapters`, `--registered` and `--speculative` run bench_dora,
+bench_tiers, bench_registered and bench_speculative instead.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from bench import bench_dora, bench_registered, bench_tiers
+from bench import bench_dora, bench_registered, bench_speculative, bench_tiers
 from bench.engine_common import make_requests, run_policy, runner_with_random_adapters
 from worker.engine.runner import ModelRunner
 
@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
         return bench_tiers.run(args)
     if args.registered:
         return bench_registered.run(args)
+    if args.speculative:
+        return bench_speculative.run(args)
     model_path, runner, load_s = runner_with_random_adapters(args)
     config = runner.config
     vocab = runner.hparams.vocab_size

@@ -10,6 +10,7 @@ config errors (the dataclasses take this model's `extra="forbid"`: pydantic's ru
 stdlib dataclasses without their own config). The file's shape:
 
     engine:   EngineConfig (worker/contract/spec.py)
+    speculative: SpeculativeConfig (same file): method (none, ngram), max_draft, ...; the engine's, off by default
     device:   DeviceSettings (same file): dtype, weights, threads, decode_threads; the device itself
               is chosen per shard (worker_spec)
     residency: ResidencySettings (same file): device_bytes, device_adapters, host_bytes, disk_bytes
@@ -45,7 +46,8 @@ from gateway.reasoning import ReasoningSettings
 from gateway.state import StateSettings
 from gateway.state import config_error as state_config_error
 from gateway.state import state_redis as _state_redis
-from worker.contract.spec import DEFAULT_FINGERPRINT_DIR, DeviceSettings, EngineConfig, ResidencySettings, WorkerSpec
+from worker.contract.spec import (DEFAULT_FINGERPRINT_DIR, DeviceSettings, EngineConfig, ResidencySettings, SpeculativeConfig,
+                                  WorkerSpec)
 from worker.contract.tracing import TracingSettings  # gateway/requests/tracing.py's; defined with the workers', who get it too
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -56,6 +58,7 @@ _REDIS_KEYS = {"redis_url": "url", "key_prefix": "key_prefix", "ttl_s": "ttl_s",
                "redis_password_file": "password_file", "redis_cluster": "cluster"}  # cache: key -> RedisConfig field
 _FILE_NAMES = {"cache.redis": "cache"} | {f"cache.redis.{field}": f"cache.{key}" for key, field in _REDIS_KEYS.items()}
 _SET_BY_WORKER_SPEC = {("engine", "is_multi_tenant"): "follows from the tenants (more than one, or an operator key)",
+                       ("engine", "speculative"): "is the top-level speculative section",
                        ("device", "device"): "chosen per shard (cuda where num_gpus > 0, else cpu)"}
 
 
@@ -200,6 +203,7 @@ class ServeConfig(_Strict):
     auth: Literal["keys", "none"] = "keys"  # none: one anonymous tenant, said here, never inferred (gateway/exposure.py)
     state: StateSettings = StateSettings()  # where accounts, usage and the registry are kept (gateway/state.py)
     engine: EngineConfig = EngineConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()  # speculative decoding in every worker's engine; off by default
     device: DeviceSettings = DeviceSettings()
     residency: ResidencySettings = ResidencySettings()  # adapters' tiers on each worker (device, host, disk): budgets
     cache: PrefixCacheConfig = PrefixCacheConfig(redis=RedisConfig())  # Redis is used when reachable
@@ -303,7 +307,8 @@ class ServeConfig(_Strict):
             model_path=str(self.model_path()),
             adapter_paths=tuple(str(self.adapter_path(name)) for name in spec.adapters),
             # an operator key may make more tenants at run time (gateway/tenancy/accounts.py)
-            engine=replace(self.engine, is_multi_tenant=len(self.tenants) > 1 or bool(self.operator_key_sha256)),
+            engine=replace(self.engine, is_multi_tenant=len(self.tenants) > 1 or bool(self.operator_key_sha256),
+                           speculative=self.speculative),
             device=replace(self.device, device=device, threads=self.device.threads or threads),
             cache=self.cache,
             fingerprint_dir=None if self.fingerprint_path() is None else str(self.fingerprint_path()),

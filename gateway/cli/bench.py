@@ -50,6 +50,13 @@ def add_engine(sub: Subparsers) -> None:
     p.add_argument("--total-requests", type=positive_int, default=256, metavar="R",
                    help="requests per round with --device-adapters (default 256)")
     p.add_argument("--warmup", type=positive_int, default=256, metavar="W", help="warm-up requests (default 256)")
+    p.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="instead: decode tokens/s with and without speculative decoding on the default model, on JSON "
+                        "extraction, a rewrite copying its prompt and free chat, one stream and --streams (bench/bench_speculative.py)")
+    p.add_argument("--max-draft", type=positive_int, default=4, metavar="K", help="drafts per step with --speculative (default 4)")
+    p.add_argument("--streams", type=positive_int, default=16, metavar="S", help="concurrent streams with --speculative (default 16)")
+    p.add_argument("--one-stream-requests", type=positive_int, default=4, metavar="R",
+                   help="requests run one after another for the one-stream figure with --speculative (default 4)")
     device_flags(p)
     p.set_defaults(handler="bench.bench_engine:run")
 

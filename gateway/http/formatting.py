@@ -55,7 +55,7 @@ def llama_timings(final: Delta) -> dict[str, Any]:
     u = final.usage or NO_USAGE
     prompt_n, prompt_ms = u.prompt_tokens - u.cached_tokens, final.prompt_time_s * 1e3
     predicted_ms = final.decode_time_s * 1e3
-    return {
+    timings = {
         "cache_n": u.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
         "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else None,
         "prompt_per_second": prompt_n / final.prompt_time_s if final.prompt_time_s > 0 else None,
@@ -63,6 +63,9 @@ def llama_timings(final: Delta) -> dict[str, Any]:
         "predicted_per_token_ms": predicted_ms / u.completion_tokens if u.completion_tokens else None,
         "predicted_per_second": u.completion_tokens / final.decode_time_s if final.decode_time_s > 0 else None,
     }
+    if final.num_drafted:  # as llama-server, only where speculative decoding drafted
+        timings |= {"draft_n": final.num_drafted, "draft_n_accepted": final.num_draft_accepted}
+    return timings
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

@@ -38,7 +38,7 @@ def openai_params(admission: Admission, num_prompt_tokens: int, max_tokens: int 
         top_k=max(body.top_k, 0), seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, echo=echo,
         stop=tuple(body.stop_list), logit_bias=body.bias_pairs, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repeat_penalty=body.repetition_penalty, min_p=body.min_p,
-        grammar=grammar, n=n, temperature_last=False,
+        grammar=grammar, n=n, temperature_last=False, max_draft_tokens=getattr(body, "max_draft_tokens", None),
     ))
 
 

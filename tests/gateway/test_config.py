@@ -121,6 +121,21 @@ def test_the_prompt_budget_of_decoding_steps_reaches_the_engine() -> None:
     assert parse_config({**BASE, "engine": {"decode_stall": None}}, ".").engine.decode_stall is None
 
 
+def test_the_top_level_speculative_section_reaches_every_engine_and_is_off_by_default() -> None:
+    assert not parse_config(BASE, ".").worker_spec("s").engine.speculative.is_on
+    config = parse_config({**BASE, "speculative": {"method": "ngram", "max_draft": 3}}, ".")
+    speculative = config.worker_spec("s").engine.speculative
+    assert speculative.is_on and speculative.max_draft == 3
+    assert parse_config(config.model_dump(), ".").worker_spec("s").engine.speculative == speculative  # a dump loads again
+    for bad, message in (({"method": "eagle"}, "speculative.method must be one of none, ngram"),
+                         ({"method": "ngram", "max_draft": 0}, "max_draft must be between 1 and 16"),
+                         ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "ngram_min <= ngram_max")):
+        with pytest.raises(ConfigError, match=message):
+            parse_config({**BASE, "speculative": bad}, ".")
+    with pytest.raises(ConfigError, match="engine.speculative: is the top-level speculative section"):
+        parse_config({**BASE, "engine": {"speculative": {"method": "ngram"}}}, ".")
+
+
 def test_decode_threads_reach_the_worker_unset_unless_given() -> None:
     assert parse_config(BASE, ".").worker_spec("s", threads=2).device.decode_threads is None  # all threads
     auto = parse_config({**BASE, "device": {"decode_threads": "auto"}}, ".")

@@ -70,6 +70,8 @@ class Delta:
     decode_time_s: float = 0.0  # first token to finish
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # echo with logprobs; the first prompt token has none
     alora_activation: int | None = None
+    num_drafted: int = 0  # on the last delta: speculative drafts verified for this choice (llama-server's timings.draft_n)
+    num_draft_accepted: int = 0  # ... and of them, those accepted (draft_n_accepted)
     stop_word: str | None = None  # on the last delta: the stop string that ended the request, if one did
     stop_logprob: float | None = None  # on the last delta, with logprobs: of the stop token that ended it (not returned)
     index: int = 0  # which of the request's n choices

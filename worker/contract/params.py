@@ -34,6 +34,10 @@ class SamplingParams:
     temperature_last: bool = True
     grammar: str | None = None  # an llguidance grammar (worker/formats/grammar.py) every generated token must follow
     n: int = 1  # choices sampled from one prefill of the prompt; choice i's generator is seeded with seed + i
+    # speculative decoding, where the worker's config turns it on: drafts per step at most (None: the worker's max_draft;
+    # 0: none), and fewer than min_draft_tokens drafted are not verified (llama-server's speculative.n_max and n_min)
+    max_draft_tokens: int | None = None
+    min_draft_tokens: int = 0
 
     def choice_seed(self, index: int) -> int | None:
         return None if self.seed is None else (self.seed + index) % 2**63
@@ -70,6 +74,10 @@ class SamplingParams:
             raise ValueError(f"repeat_penalty must be in (0, 10], got {self.repeat_penalty}")
         if self.penalty_last_n < -1:
             raise ValueError(f"penalty_last_n must be >= -1, got {self.penalty_last_n}")
+        if self.max_draft_tokens is not None and not 0 <= self.max_draft_tokens <= 16:
+            raise ValueError(f"max_draft_tokens must be between 0 and 16, got {self.max_draft_tokens}")
+        if not 0 <= self.min_draft_tokens <= 16:
+            raise ValueError(f"min_draft_tokens must be between 0 and 16, got {self.min_draft_tokens}")
         if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 

@@ -28,6 +28,36 @@ def slot_length(configured: int | None, context_length: int) -> int:
     return min(configured or DEFAULT_SLOT_LEN, context_length)
 
 
+SPECULATIVE_METHODS = ("none", "ngram")  # none: off | ngram: drafts looked up in the sequence's own tokens
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (worker/engine/speculative/): each decoding sequence's next tokens are
+    drafted, then verified in the step's one forward pass; the output is what decoding gives."""
+
+    method: str = "none"
+    max_draft: int = 4  # drafts per sequence and step at most (a request may ask for fewer)
+    ngram_max: int = 4  # the longest tail of the sequence looked up in its earlier tokens
+    ngram_min: int = 1  # ... and the shortest
+    min_acceptance: float = 0.2  # a sequence whose recent drafts are accepted less often pauses drafting
+    is_adaptive: bool = True  # draft only what the measured step costs say pays (False: always max_draft)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not 1 <= self.max_draft <= 16:
+            raise ValueError(f"speculative.max_draft must be between 1 and 16, got {self.max_draft}")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            raise ValueError(f"speculative needs 1 <= ngram_min <= ngram_max <= 16, got {self.ngram_min} and {self.ngram_max}")
+        if not 0 <= self.min_acceptance < 1:
+            raise ValueError(f"speculative.min_acceptance must be in [0, 1), got {self.min_acceptance}")
+
+    @property
+    def is_on(self) -> bool:
+        return self.method != "none"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     num_seq_slots: int = 16  # sequences decoding at once (KV sequence slots)
@@ -40,6 +70,7 @@ class EngineConfig:
     max_waiting: int = 32  # requests that may wait for a KV slot; beyond, a replica refuses with 503 (the gateway stops earlier)
     reserved_slots: int = 1  # KV slots a busy tenant may not take while other tenants exist (worker/engine/scheduler.py)
     is_multi_tenant: bool = False  # several tenants may come: reserve from the start, not once a second one is seen
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # the serve config's top-level `speculative:`
 
     def __post_init__(self) -> None:
         if self.num_seq_slots < 1:

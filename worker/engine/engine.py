@@ -24,12 +24,14 @@ from worker.contract.calls import Delta, TokenLogprob, Usage
 from worker.contract.spec import EngineConfig, slot_length
 from worker.engine.constraint import GrammarRefused, Grammars, allowed_tokens
 from worker.engine.decode_threads import DecodeThreads
-from worker.engine.outputs import EngineCounters, GenerationResult
+from worker.engine.outputs import EngineCounters, GenerationResult, StepTokens
 from worker.engine.prefix_kv import CacheHit, PrefixKV
-from worker.engine.request import CheckedRequest, Choice, EngineRequest, RequestError
+from worker.engine.request import CheckedRequest, Choice, EngineRequest, RequestError, kv_positions
 from worker.engine.runner import ModelRunner, SpanInput, SpanOutput
 from worker.engine.scheduler import Scheduler, Span
 from worker.engine.sequence import SequenceState
+from worker.engine.speculative.speculator import Speculator, draft_samples
+from worker.engine.speculative.verify import DraftedSpan
 from worker.engine.step_costs import StepCosts
 from worker.engine.stop import StopMatcher
 from worker.formats.tokenizer import GGUFTokenizer, IncrementalDecoder
@@ -61,6 +63,8 @@ class Engine:
         self._requests: dict[str, list[Choice]] = {}  # request id -> its choices still running
         self.counters = EngineCounters()
         self.clock = clock
+        self.speculator = Speculator(config.speculative) if config.speculative.is_on else None
+        self._drafted: dict[tuple[str, int], DraftedSpan] = {}  # this step's speculative spans, by sequence key
 
     # requests in
 
@@ -76,15 +80,7 @@ class Engine:
             raise RequestError(f"n ({params.n}) is more than this worker's {self.config.num_seq_slots} sequence slots")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need the model's tokenizer, which is not supported here: use stop_token_ids")
-        if params.max_tokens == -1:
-            if len(prompt) >= self.slot_len:
-                raise RequestError(f"the prompt ({len(prompt)} tokens) does not fit the context length ({self.slot_len})")
-            max_len = self.slot_len
-        elif len(prompt) + params.max_tokens > self.slot_len:
-            raise RequestError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) "
-                               f"exceeds the context length ({self.slot_len})")
-        else:
-            max_len = len(prompt) + params.max_tokens
+        max_len = kv_positions(len(prompt), params.max_tokens, self.slot_len)
         adapters = self.runner.resolve_adapters(prompt, request.scales_by_slot)  # slots held, at most one aLoRA
         if params.grammar is not None:
             try:
@@ -187,6 +183,8 @@ class Engine:
         spans = self.scheduler.schedule()
         if not spans:
             return []
+        if self.speculator is not None:
+            spans = self.speculator.draft(spans, self._choices, self._drafted)
         try:
             outputs = self._run(spans)
         except Exception as e:  # the whole pass failed: fail its requests, keep serving
@@ -213,7 +211,9 @@ class Engine:
         started = self.clock()
         outputs = self.runner.run([self._span_input(span, position) for span in spans], self.kv)
         seconds = self.clock() - started
-        self.costs.observe(num_decode, prompt_tokens, seconds)
+        self.costs.observe(num_decode, prompt_tokens, seconds)  # drafts are not decoded tokens: they do not count
+        if self.speculator is not None and prompt_tokens == 0:
+            self.speculator.costs.observe(sum(span.length + len(span.drafts) for span in spans), seconds)
         if threads is not None:
             self.threads.observe(threads, num_decode, prompt_tokens, seconds)
         self.counters.step(prompt_tokens, seconds)
@@ -245,8 +245,12 @@ class Engine:
         targets: list[int] = []
         if choice.wants_prompt_logprobs and span.start < seq.num_prompt_tokens:  # row i predicts prompt token start + i + 1
             targets = seq.token_ids[span.start + 1 : min(span.start + span.length + 1, seq.num_prompt_tokens)]
-        return SpanInput(seq.seq_slot, span.start, seq.token_ids[span.start : span.start + span.length], choice.adapters,
-                         sample, params.logprobs, targets, None if span.fork_of is None else position[span.fork_of])
+        drafted, verifying = self._drafted.get(seq.key), ()
+        if drafted is not None and sample is not None:
+            *verifying, sample = draft_samples(sample, seq.token_ids, seq.num_prompt_tokens, drafted)
+        return SpanInput(seq.seq_slot, span.start, seq.token_ids[span.start : span.start + span.length] + list(span.drafts),
+                         choice.adapters, sample, params.logprobs, targets, None if span.fork_of is None else position[span.fork_of],
+                         tuple(verifying))
 
     def _postprocess(self, spans: list[Span], outputs: list[SpanOutput]) -> list[Delta]:
         deltas = []
@@ -265,7 +269,7 @@ class Engine:
 
     def _advance(self, choice: Choice, span: Span, out: SpanOutput) -> Delta | None:
         """What the pass's output `out` adds to `choice`: its next token, or its end."""
-        seq, params, result = choice.seq, choice.request.params, choice.result
+        seq, result = choice.seq, choice.result
         if out.prompt_logprobs:
             if result.prompt_logprobs is None:
                 result.prompt_logprobs = [None]
@@ -274,34 +278,63 @@ class Engine:
             return None
         if choice.is_at_limit:  # max_tokens 0
             return self._finish(choice, "length")
-        if out.nothing_allowed:
-            return self._finish(choice, "error", error="no token may come next: this request's grammar, logit_bias and ignore_eos "
-                                "together allow none", status=400)
-        if not out.is_finite:
-            return self._finish(choice, "error", status=400,
-                                error="the model's output for this request is not finite (are its adapter scales too large?)")
-        if choice.first_token_s is None:
-            choice.first_token_s = self.clock()
-        token = out.token
-        if token in self.eog_ids or token in params.stop_token_ids:
-            result.stop_logprob = out.logprob.logprob if out.logprob is not None else None  # of the token not returned
-            return self._finish(choice, "stop")
+        drafted = self._drafted.pop(seq.key, None)
+        drafts = drafted.drafts if drafted is not None else ()
+        result.num_drafted += len(drafts)
+        self.counters.drafted_tokens += len(drafts)
+        taken = StepTokens()
+        for j, pick in enumerate([*out.verified, out]):  # the token picked at the last token, then after each draft
+            if j and (pick.nothing_allowed or not pick.is_finite):  # decoding this position next step ends the request
+                break
+            if pick.nothing_allowed:
+                return self._finish(choice, "error", error="no token may come next: this request's grammar, logit_bias and "
+                                    "ignore_eos together allow none", status=400)
+            if not pick.is_finite:
+                return self._finish(choice, "error", status=400,
+                                    error="the model's output for this request is not finite (are its adapter scales too large?)")
+            if choice.first_token_s is None:
+                choice.first_token_s = self.clock()
+            is_accepted = j < len(drafts) and pick.token == drafts[j]
+            if is_accepted:
+                taken.num_accepted += 1
+                result.num_draft_accepted += 1
+                self.counters.accepted_draft_tokens += 1
+            end = self._take(choice, pick.token, pick.logprob, taken)
+            if end is not None or not is_accepted:
+                return end or self._verified(choice, drafted, taken)
+        return self._verified(choice, drafted, taken)
+
+    def _take(self, choice: Choice, token: int, logprob: TokenLogprob | None, taken: StepTokens) -> Delta | None:
+        """Add `token` to the choice (to `taken`, this step's); its end, when the token ends it."""
+        seq, result = choice.seq, choice.result
+        if token in self.eog_ids or token in choice.request.params.stop_token_ids:
+            result.stop_logprob = logprob.logprob if logprob is not None else None  # of the token not returned
+            return self._finish(choice, "stop", *taken.delta_fields())
         if choice.matcher is not None and not choice.matcher.consume_token(token):
-            return self._finish(choice, "error", error=f"internal error: the grammar refused token {token}: {choice.matcher.get_error()}",
-                                status=500)
+            return self._finish(choice, "error", error=f"internal error: the grammar refused token {token}: "
+                                f"{choice.matcher.get_error()}", status=500)
         seq.token_ids.append(token)
+        seq.num_computed = len(seq.token_ids) - 1  # its tokens' KV is in the slot (a rejected draft's is past it)
         result.token_ids.append(token)
         self.counters.generated_tokens += 1
-        if out.logprob is not None:
-            result.logprobs.append(out.logprob)
-        text = choice.stop.feed(choice.decoder.push(token)) if choice.decoder is not None else ""
-        result.text += text
-        logprobs = (out.logprob,) if out.logprob is not None else None
+        if logprob is not None:
+            result.logprobs.append(logprob)
+            taken.logprobs.append(logprob)
+        piece = choice.stop.feed(choice.decoder.push(token)) if choice.decoder is not None else ""
+        result.text += piece
+        taken.token_ids.append(token)
+        taken.text += piece
         if choice.stop.is_stopped or (choice.matcher is not None and choice.matcher.is_stopped()):  # the grammar is complete
-            return self._finish(choice, "stop", (token,), text, logprobs)
+            return self._finish(choice, "stop", *taken.delta_fields())
         if len(seq.token_ids) >= seq.max_len:
-            return self._finish(choice, "length", (token,), text, logprobs)
-        return Delta((token,), text, logprobs, index=seq.index, request_id=seq.request_id)
+            return self._finish(choice, "length", *taken.delta_fields())
+        return None
+
+    def _verified(self, choice: Choice, drafted: DraftedSpan | None, taken: StepTokens) -> Delta:
+        """The step's tokens for a choice that goes on (after a speculative span, what it taught)."""
+        if drafted is not None:
+            self.speculator.verified(choice, drafted, taken, self.scheduler)
+        return Delta(*taken.delta_fields(), index=choice.seq.index, request_id=choice.seq.request_id)
 
     def _finish(self, choice: Choice, reason: str, token_ids: tuple[int, ...] = (), text: str = "",
                 logprobs: tuple[TokenLogprob, ...] | None = None, *, error: str | None = None, status: int | None = None) -> Delta:
@@ -325,7 +358,8 @@ class Engine:
             usage=Usage(len(result.prompt_ids), len(result.token_ids), result.cached_tokens),
             queue_time_s=result.queue_time_s, prompt_time_s=result.prompt_time_s, decode_time_s=result.decode_time_s,
             prompt_logprobs=tuple(result.prompt_logprobs) if result.prompt_logprobs is not None else None,
-            alora_activation=result.alora_activation, stop_word=result.stop_word, stop_logprob=result.stop_logprob,
+            alora_activation=result.alora_activation, num_drafted=result.num_drafted, num_draft_accepted=result.num_draft_accepted,
+            stop_word=result.stop_word, stop_logprob=result.stop_logprob,
             index=choice.seq.index, others_running=len(self._requests.get(choice.seq.request_id, ())),
             request_id=choice.seq.request_id,
         )
@@ -339,9 +373,13 @@ class Engine:
         first = now if choice.first_token_s is None else choice.first_token_s
         result.prompt_time_s, result.decode_time_s = first - choice.arrived_s, now - first
         result.queue_time_s = (choice.first_step_s or now) - choice.arrived_s
+        if self.prefix is not None and reason in ("stop", "length") and choice.seq.seq_slot is not None:
+            self.prefix.store([Span(choice.seq, choice.seq.num_computed, 0)], self.kv)  # what its last pass accepted
         self.scheduler.finish(choice.seq)
         if self.prefix is not None:
             self.prefix.forget(choice.key)
+        if self.speculator is not None:
+            self.speculator.forget(choice.key)
         del self._choices[choice.key]
         choices = self._requests[choice.seq.request_id]
         choices.remove(choice)

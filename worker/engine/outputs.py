@@ -31,6 +31,22 @@ class GenerationResult:
     decode_time_s: float = 0.0  # first token to finish
     stop_word: str | None = None  # the stop string that ended it, if one did
     stop_logprob: float | None = None  # with logprobs: of the end-of-generation or stop token that ended it (not in token_ids)
+    num_drafted: int = 0  # speculative drafts verified
+    num_draft_accepted: int = 0  # ... of them accepted (each is one of token_ids)
+
+
+@dataclass
+class StepTokens:
+    """What one step added to a choice: its tokens, their text and log-probabilities, the drafts accepted."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_accepted: int = 0
+
+    def delta_fields(self) -> tuple[tuple[int, ...], str, tuple[TokenLogprob, ...] | None]:
+        """The contract's Delta's first fields: token ids, text, log-probabilities (None: none asked)."""
+        return tuple(self.token_ids), self.text, tuple(self.logprobs) if self.logprobs else None
 
 
 STEP_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -47,6 +63,8 @@ class EngineCounters:
     prompt_tokens: int = 0  # prompt positions run through the model (not those loaded from the prefix cache or forked)
     generated_tokens: int = 0
     forked_prompt_tokens: int = 0  # prompt positions copied to a request's other choices instead of computed
+    drafted_tokens: int = 0  # speculative drafts verified (not generated tokens: those accepted are counted there too)
+    accepted_draft_tokens: int = 0
     step_s: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
     decode_step_s: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
     registry: CollectorRegistry = field(init=False, repr=False, compare=False)
@@ -54,7 +72,9 @@ class EngineCounters:
     HELP = {"steps": "engine steps (forward passes) run",
             "prompt_tokens": "prompt tokens computed (not loaded from the prefix cache or forked)",
             "generated_tokens": "tokens generated",
-            "forked_prompt_tokens": "prompt tokens a request's further choices copied instead of computing"}
+            "forked_prompt_tokens": "prompt tokens a request's further choices copied instead of computing",
+            "drafted_tokens": "speculative draft tokens verified",
+            "accepted_draft_tokens": "speculative draft tokens accepted (the acceptance rate: over drafted_tokens)"}
 
     def __post_init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)

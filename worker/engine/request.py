@@ -22,6 +22,18 @@ class RequestError(ValueError):
     """The request cannot run as given (nothing was computed)."""
 
 
+def kv_positions(num_prompt_tokens: int, max_tokens: int, slot_len: int) -> int:
+    """KV positions a choice needs (prompt + max_tokens; -1: the whole slot); RequestError when they do not fit."""
+    if max_tokens == -1:
+        if num_prompt_tokens >= slot_len:
+            raise RequestError(f"the prompt ({num_prompt_tokens} tokens) does not fit the context length ({slot_len})")
+        return slot_len
+    if num_prompt_tokens + max_tokens > slot_len:
+        raise RequestError(f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
+                           f"exceeds the context length ({slot_len})")
+    return num_prompt_tokens + max_tokens
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     """A request as the engine takes it: what the gateway checked (worker/contract/calls.py), its

@@ -47,6 +47,9 @@ class SpanInput:
     logprobs: int | None = None  # top-K log-probabilities of the sampled token and of the prompt targets
     prompt_targets: Sequence[int] = ()  # row i predicts prompt token prompt_targets[i]: report its log-probability
     logits_of: int | None = None  # a fork (no tokens): it samples the last logits of spans[logits_of], an earlier span
+    # speculative: token_ids ends with len(draft_samples) drafts; the rows before each draft pick a token too (verified
+    # against it), each as its spec says, and the span's rows attend as decoding does (Segment.is_verify)
+    draft_samples: tuple[SampleSpec, ...] = ()
 
 
 @dataclass
@@ -56,6 +59,7 @@ class SpanOutput:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     is_finite: bool = True  # False: this sequence's logits were NaN or infinite (nothing was sampled)
     nothing_allowed: bool = False  # its bans, biases and grammar left no token to sample
+    verified: list[SpanOutput] = field(default_factory=list)  # a speculative span: the token picked before each draft, in order
 
 
 @dataclass(frozen=True)
@@ -103,34 +107,37 @@ class _StepRows:
                 if span.logits_of not in self.last_rows:
                     self.last_rows[span.logits_of] = len(self.logit_rows)
                     self.logit_rows.append(self.ends[span.logits_of])
-                self._sampled_at(self.last_rows[span.logits_of], span)
+                self._sampled_at(self.last_rows[span.logits_of], span.sample, span.logprobs)
             return
         row, length = len(self.token_ids), len(span.token_ids)
         self.ends[s] = row + length - 1
         self.token_ids += span.token_ids
-        self.segments.append(Segment(span.seq_slot, row, length, span.start))
+        self.segments.append(Segment(span.seq_slot, row, length, span.start, is_verify=bool(span.draft_samples)))
         self.mapped.append((span.adapters, span.start, length))
         for i, target in enumerate(span.prompt_targets):
             self.lp_rows.append(len(self.logit_rows))
             self.lp_targets.append(target)
             self.lp_k.append(span.logprobs or 0)
             self.logit_rows.append(row + i)
+        for i, spec in enumerate(span.draft_samples):  # the rows before each draft: the last token's, then all but the last draft's
+            self.logit_rows.append(row + length - 1 - len(span.draft_samples) + i)
+            self._sampled_at(len(self.logit_rows) - 1, spec, span.logprobs)
         if span.sample is not None:
             if not span.prompt_targets or self.logit_rows[-1] != row + length - 1:
                 self.logit_rows.append(row + length - 1)
             self.last_rows[s] = len(self.logit_rows) - 1
-            self._sampled_at(len(self.logit_rows) - 1, span)
+            self._sampled_at(len(self.logit_rows) - 1, span.sample, span.logprobs)
 
-    def _sampled_at(self, logit_row: int, span: SpanInput) -> None:
-        """The span picks its token from that row's logits."""
+    def _sampled_at(self, logit_row: int, spec: SampleSpec, logprobs: int | None) -> None:
+        """A token is picked from that row's logits as `spec` says."""
         self.sample_rows.append(logit_row)
-        self.sample_specs.append(span.sample)
-        if span.logprobs is not None:
-            if span.sample.params.post_sampling_probs:
+        self.sample_specs.append(spec)
+        if logprobs is not None:
+            if spec.params.post_sampling_probs:
                 self.post.append((len(self.lp_rows), len(self.sample_rows) - 1))
             self.lp_rows.append(logit_row)
             self.lp_targets.append(-len(self.sample_rows))
-            self.lp_k.append(span.logprobs)
+            self.lp_k.append(logprobs)
 
 
 class ModelRunner:
@@ -330,15 +337,17 @@ def _assemble(spans: Sequence[SpanInput], host: list[np.ndarray]) -> list[SpanOu
         for _ in span.prompt_targets:
             out.prompt_logprobs.append(_entry(int(targets[lp]), chosen[lp], top_ids, top_values, lp, k))
             lp += 1
-        if span.sample is not None:
+        for picked in [*(SpanOutput() for _ in span.draft_samples), *([out] if span.sample is not None else [])]:
             token = int(sampled[s])
             s += 1
-            out.is_finite = token != -1
-            out.nothing_allowed = token == NOTHING_ALLOWED
-            out.token = token if token >= 0 else None
+            picked.is_finite = token != -1
+            picked.nothing_allowed = token == NOTHING_ALLOWED
+            picked.token = token if token >= 0 else None
             if span.logprobs is not None:
-                out.logprob = _entry(token, chosen[lp], top_ids, top_values, lp, k) if token >= 0 else None
+                picked.logprob = _entry(token, chosen[lp], top_ids, top_values, lp, k) if token >= 0 else None
                 lp += 1
+            if picked is not out:
+                out.verified.append(picked)
         outputs.append(out)
     return outputs
 

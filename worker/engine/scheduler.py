@@ -60,6 +60,7 @@ class Span:
     start: int
     length: int
     fork_of: SequenceState | None = None  # a fork's first span (no tokens): it samples `fork_of`'s logits and takes its prompt's KV
+    drafts: tuple[int, ...] = ()  # speculative tokens after the span's last (worker/engine/speculative/): verified, not yet the sequence's
 
     @property
     def samples(self) -> bool:
@@ -192,6 +193,10 @@ class Scheduler:
         for fork in seq.forks:  # their slots wait for the prompt's KV (`_forking`)
             fork.seq_slot, fork.status, fork.num_computed = self._free_slots.pop(0), Status.RUNNING, fork.num_prompt_tokens
             self.running.append(fork)
+
+    def credit(self, tenant: str, num_tokens: int) -> None:
+        """Tokens a tenant got beyond a step's one per sequence (its accepted drafts): they count toward its share."""
+        self._served[tenant] = self._served.get(tenant, 0) + num_tokens
 
     def finish(self, seq: SequenceState) -> None:
         """Free its slot at once (completed, cancelled or failed)."""

@@ -5,7 +5,11 @@ long (llama.cpp's server splits its context the same way). A step's tokens are
 flattened: token `i` belongs to sequence slot `seq_slots[i]` at position
 `positions[i]`. Sequences with one new token (decoding) share one batched
 attention over the slot range they span; a sequence with several new tokens
-(prefill) attends on its own with a causal mask.
+(prefill) attends on its own with a causal mask. A speculative span (the last
+token and its drafts, `Segment.is_verify`) attends as decoding does instead: its
+d-th row joins the d-th batched decode, so each verified position gets the
+arithmetic of decoding it alone (torch's fused kernel), not the chunk path's
+matmuls and softmax.
 """
 
 from __future__ import annotations
@@ -51,12 +55,49 @@ class KVCache:
 
 @dataclass(frozen=True)
 class Segment:
-    """New tokens [row, row + length) of the flattened batch: one sequence's positions start.."""
+    """New tokens [row, row + length) of the flattened batch: one sequence's positions start..
+
+    `is_verify`: every row attends as a decoding row does (a speculative span: the last token
+    and its drafts), so each verified position's arithmetic is that of decoding it alone."""
 
     seq_slot: int
     row: int
     length: int
     start: int
+    is_verify: bool = False
+
+
+@dataclass
+class DecodeGroup:
+    """Rows that attend as one batched decode, at most one per sequence slot: they span
+    sequence slots [first_slot, first_slot + span), row i at slot first_slot + index[i]."""
+
+    rows: torch.Tensor  # [Bd]
+    first_slot: int
+    index: torch.Tensor  # [Bd] seq_slot - first_slot
+    mask: torch.Tensor  # [span, 1, 1, kv_len] True where a key is visible
+    mask_swa: torch.Tensor | None  # the same for sliding-window layers: only the last `window` positions
+    is_all_span: bool  # every slot in the span decodes, in row order
+
+    @classmethod
+    def build(cls, decodes: Sequence[Segment], device: torch.device, window: int | None) -> DecodeGroup:
+        first = min(s.seq_slot for s in decodes)
+        span = max(s.seq_slot for s in decodes) - first + 1
+        kv_len = max(s.start for s in decodes) + 1
+        visible = torch.zeros(span, kv_len, dtype=torch.bool)
+        visible[:, 0] = True  # slots in the span that do not decode: harmless, discarded rows
+        for s in decodes:
+            visible[s.seq_slot - first, : s.start + 1] = True
+        index = [s.seq_slot - first for s in decodes]
+        mask_swa = None
+        if window is not None:  # keys within the window: position > start - window
+            recent = torch.arange(kv_len)[None, :] > torch.tensor([[s.start - window] for s in _in_span_order(decodes, first, span)])
+            mask_swa = (visible & recent).view(span, 1, 1, kv_len).to(device)
+        return cls(
+            torch.tensor([s.row for s in decodes], dtype=torch.long, device=device), first,
+            torch.tensor(index, dtype=torch.long, device=device), visible.view(span, 1, 1, kv_len).to(device), mask_swa,
+            index == list(range(span)),
+        )
 
 
 @dataclass
@@ -66,13 +107,8 @@ class AttentionPlan:
     seq_slots: torch.Tensor  # [N] sequence slot of each new token
     positions: torch.Tensor  # [N] its position in the sequence
     chunks: list[Segment]  # sequences with several new tokens: attend one by one
-    decode_rows: torch.Tensor | None  # [Bd] rows of single-token sequences
-    decode_first_slot: int  # they span sequence slots [first, first + span)
-    decode_index: torch.Tensor | None  # [Bd] seq_slot - first
-    decode_mask: torch.Tensor | None  # [span, 1, 1, kv_len] True where a key is visible
-    decode_mask_swa: torch.Tensor | None  # the same for sliding-window layers: only the last `window` positions
-    is_all_decode_span: bool  # every slot in the span decodes, in row order
-    is_decode_only: bool  # ... and nothing else runs: rows are the span's slots in order
+    decodes: list[DecodeGroup]  # single-token rows: group d holds each decoding sequence's d-th row (several for a verify span)
+    is_decode_only: bool  # one group, every slot of its span, and nothing else runs: rows are the span's slots in order
     window: int | None = None  # the sliding window of the model's windowed layers
 
     @classmethod
@@ -81,32 +117,21 @@ class AttentionPlan:
         for seg in segments:
             seq_slots += [seg.seq_slot] * seg.length
             positions += range(seg.start, seg.start + seg.length)
-        chunks = [s for s in segments if s.length > 1]
-        decodes = [s for s in segments if s.length == 1]
-        decode_rows = decode_index = decode_mask = decode_mask_swa = None
-        first = 0
-        is_all = False
-        if decodes:
-            first = min(s.seq_slot for s in decodes)
-            span = max(s.seq_slot for s in decodes) - first + 1
-            kv_len = max(s.start for s in decodes) + 1
-            visible = torch.zeros(span, kv_len, dtype=torch.bool)
-            visible[:, 0] = True  # slots in the span that do not decode: harmless, discarded rows
-            for s in decodes:
-                visible[s.seq_slot - first, : s.start + 1] = True
-            index = [s.seq_slot - first for s in decodes]
-            is_all = index == list(range(span))
-            decode_rows = torch.tensor([s.row for s in decodes], dtype=torch.long, device=device)
-            decode_index = torch.tensor(index, dtype=torch.long, device=device)
-            decode_mask = visible.view(span, 1, 1, kv_len).to(device)
-            if window is not None:  # keys within the window: position > start - window
-                recent = torch.arange(kv_len)[None, :] > torch.tensor([[s.start - window] for s in _in_span_order(decodes, first, span)])
-                decode_mask_swa = (visible & recent).view(span, 1, 1, kv_len).to(device)
+        chunks = [s for s in segments if s.length > 1 and not s.is_verify]
+        depths: list[list[Segment]] = []  # a verify span's d-th row joins the d-th group
+        for s in segments:
+            if s.length == 1 or s.is_verify:
+                for d in range(s.length):
+                    if d == len(depths):
+                        depths.append([])
+                    depths[d].append(Segment(s.seq_slot, s.row + d, 1, s.start + d))
+        decodes = [DecodeGroup.build(group, device, window) for group in depths]
+        is_decode_only = (len(decodes) == 1 and decodes[0].is_all_span and not chunks
+                          and [s.row for s in depths[0]] == list(range(len(depths[0]))))
         return cls(
             torch.tensor(seq_slots, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
-            chunks, decode_rows, first, decode_index, decode_mask, decode_mask_swa, is_all,
-            is_all and not chunks and [s.row for s in decodes] == list(range(len(decodes))), window,
+            chunks, decodes, is_decode_only, window,
         )
 
 
@@ -164,19 +189,25 @@ def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cac
                 q, k_layer, v_layer, out, seg, begin, min(begin + QUERY_BLOCK, seg.start + seg.length),
                 plan.window if is_swa else None, scale,
             )
-    if plan.decode_rows is not None:
-        span, kv_len = plan.decode_mask.shape[0], plan.decode_mask.shape[-1]
-        first = plan.decode_first_slot
-        qd = q if plan.is_decode_only else q.index_select(0, plan.decode_rows)
-        if not plan.is_all_decode_span:
-            qd = qd.new_zeros(span, num_heads, head_dim).index_copy_(0, plan.decode_index, qd)
-        keys, values = k_layer[first : first + span, :, :kv_len], v_layer[first : first + span, :, :kv_len]
-        mask = plan.decode_mask_swa if is_swa else plan.decode_mask
-        o = F.scaled_dot_product_attention(qd.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True, scale=scale)
-        o = o.view(span, num_heads, head_dim)
+    for group in plan.decodes:
+        o = _attend_decodes(q, k_layer, v_layer, group, plan.is_decode_only, is_swa, scale)
         if plan.is_decode_only:
             return o.reshape(num_tokens, num_heads * head_dim)
-        if not plan.is_all_decode_span:
-            o = o.index_select(0, plan.decode_index)
-        out.index_copy_(0, plan.decode_rows, o)
+        out.index_copy_(0, group.rows, o)
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def _attend_decodes(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, group: DecodeGroup, is_decode_only: bool,
+                    is_swa: bool, scale: float | None) -> torch.Tensor:
+    """One batched decode: each of the group's rows attends to its slot's keys -> [Bd, H, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    span, kv_len = group.mask.shape[0], group.mask.shape[-1]
+    first = group.first_slot
+    qd = q if is_decode_only else q.index_select(0, group.rows)
+    if not group.is_all_span:
+        qd = qd.new_zeros(span, num_heads, head_dim).index_copy_(0, group.index, qd)
+    keys, values = k_layer[first : first + span, :, :kv_len], v_layer[first : first + span, :, :kv_len]
+    mask = group.mask_swa if is_swa else group.mask
+    o = F.scaled_dot_product_attention(qd.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True, scale=scale)
+    o = o.view(span, num_heads, head_dim)
+    return o if group.is_all_span else o.index_select(0, group.index)

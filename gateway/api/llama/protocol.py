@@ -119,6 +119,9 @@ class LlamaCompletionRequest(_Generation):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     # [[token, bias], ...] or {"token": bias}; a token is an id or a string (each of its tokens); bias false bans
     logit_bias: list[list[Any]] | dict[str, Any] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # speculative decoding, where the worker's config turns it on: drafts per step at most, and fewer are not verified
+    speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0, le=16)
+    speculative_n_min: int = Field(0, alias="speculative.n_min", ge=0, le=16)
 
     def bias_entries(self) -> list[tuple[int | str, float]]:
         """(token id or text, bias) with `false` as -100 (a ban)."""

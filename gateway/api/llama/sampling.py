@@ -26,7 +26,7 @@ def llama_params(admission: Admission, catalog: Catalog, num_prompt_tokens: int,
         post_sampling_probs=body.post_sampling_probs, stop=tuple(body.stop), logit_bias=_llama_bias(catalog, body),
         min_p=body.min_p, repeat_penalty=body.repeat_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, penalty_last_n=body.repeat_last_n, penalize_prompt=True,
-        grammar=grammar,
+        grammar=grammar, max_draft_tokens=body.speculative_n_max, min_draft_tokens=body.speculative_n_min,
     ))
 
 

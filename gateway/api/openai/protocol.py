@@ -117,6 +117,23 @@ class _Sampling(_Generation):
     # llama-server's extensions: the output follows this JSON Schema, or this GBNF grammar
     json_schema: dict[str, Any] | bool | None = None
     grammar: str | None = None
+    # speculative decoding, where the worker's config turns it on: false off for this request, a number of drafts
+    # per step at most (true or absent: the worker's setting)
+    speculative: bool | int | None = None
+
+    @field_validator("speculative")
+    @classmethod
+    def _draft_bound(cls, value: bool | int | None) -> bool | int | None:
+        if not isinstance(value, bool) and value is not None and not 0 <= value <= 16:
+            raise ValueError(f"speculative is true, false or a number of drafts between 0 and 16, got {value}")
+        return value
+
+    @property
+    def max_draft_tokens(self) -> int | None:
+        """`speculative` as SamplingParams takes it: None the worker's, 0 none."""
+        if self.speculative is None or self.speculative is True:
+            return None
+        return int(self.speculative)
 
     @model_validator(mode="after")
     def _supported(self) -> _Sampling:

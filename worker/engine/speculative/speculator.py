@@ -1,0 +1,103 @@
+"""One engine's speculation: which decoding sequences draft in a step and how many tokens,
+the drafts' sampling specs, and what each sequence's verifications taught (its acceptance,
+the step costs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from worker.contract.spec import SpeculativeConfig
+from worker.engine.request import Choice
+from worker.engine.outputs import StepTokens
+from worker.engine.scheduler import Scheduler, Span
+from worker.engine.speculative.ngram import NgramIndex
+from worker.engine.speculative.policy import Acceptance, RowCosts, plan_drafts
+from worker.engine.speculative.verify import DraftedSpan, grammar_masks, replay_draws
+from worker.model.sampler import SampleSpec
+
+Key = tuple[str, int]  # a sequence's key: request id and choice
+
+
+class Drafter(Protocol):
+    """One sequence's drafter: up to `max_draft` tokens likely to follow `tokens` (its prompt and
+    the tokens accepted so far, which only ever grow)."""
+
+    def draft(self, tokens: Sequence[int], max_draft: int) -> list[int]: ...
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, new_drafter: Callable[[Key], Drafter] | None = None) -> None:
+        self.config = config
+        self.costs = RowCosts()  # of the steps that only decode, against their rows (drafts included)
+        self._new_drafter = new_drafter or (lambda key: NgramIndex(config.ngram_min, config.ngram_max))
+        self._drafters: dict[Key, Drafter] = {}
+        self._acceptance: dict[Key, Acceptance] = {}
+
+    def draft(self, spans: list[Span], choices: Mapping[Key, Choice], drafted: dict[Key, DraftedSpan]) -> list[Span]:
+        """The step's spans, decoding ones with the drafts they verify; `drafted` gets each one's."""
+        drafted.clear()
+        candidates: list[tuple[int, Choice, list[int]]] = []
+        for i, span in enumerate(spans):
+            seq = span.seq
+            if span.length != 1 or span.fork_of is not None or seq.is_prefilling or not span.samples:
+                continue
+            choice = choices[seq.key]
+            params = choice.request.params
+            wanted = self.config.max_draft if params.max_draft_tokens is None else min(params.max_draft_tokens, self.config.max_draft)
+            limit = min(wanted, seq.max_len - len(seq.token_ids) - 1)  # the tokens kept stay within max_tokens
+            acceptance = self._acceptance.setdefault(seq.key, Acceptance())
+            if limit <= 0 or not acceptance.may_draft():
+                continue
+            drafter = self._drafters.get(seq.key)
+            if drafter is None:
+                drafter = self._drafters[seq.key] = self._new_drafter(seq.key)
+            tokens = drafter.draft(seq.token_ids, limit)
+            if tokens and len(tokens) >= params.min_draft_tokens:
+                candidates.append((i, choice, tokens))
+        if not candidates:
+            return spans
+        available = [len(tokens) for _, _, tokens in candidates]
+        lengths = available
+        if self.config.is_adaptive:
+            lengths = plan_drafts(available, [self._acceptance[c.key].rate for _, c, _ in candidates], self.costs)
+        spans = list(spans)
+        for (i, choice, tokens), n in zip(candidates, lengths):
+            params, masks = choice.request.params, None
+            tokens = tokens[:n]
+            if choice.matcher is not None and tokens:
+                tokens, masks = grammar_masks(choice.matcher, tokens)
+            if not tokens or len(tokens) < params.min_draft_tokens:
+                continue
+            is_greedy = SampleSpec(params, choice.generator).is_greedy
+            drafted[choice.key] = DraftedSpan(tuple(tokens), tuple(masks) if masks else None,
+                                              None if is_greedy else choice.generator.get_state())
+            spans[i] = replace(spans[i], drafts=tuple(tokens))
+        return spans
+
+    def verified(self, choice: Choice, drafted: DraftedSpan, taken: StepTokens, scheduler: Scheduler) -> None:
+        """After a choice's speculative span (it goes on): its generator stands after the draws of
+        the tokens kept, its tenant is credited with them, its acceptance is noted."""
+        num_taken = len(taken.token_ids)
+        if drafted.generator_state is not None:
+            replay_draws(choice.generator, drafted.generator_state, num_taken)
+        scheduler.credit(choice.seq.tenant, num_taken - 1)
+        acceptance = self._acceptance.get(choice.key)
+        if acceptance is not None:
+            acceptance.observe(len(drafted.drafts), taken.num_accepted, self.config.min_acceptance)
+
+    def forget(self, key: Key) -> None:
+        self._drafters.pop(key, None)
+        self._acceptance.pop(key, None)
+
+
+def draft_samples(first: SampleSpec, token_ids: list[int], num_prompt_tokens: int, drafted: DraftedSpan) -> list[SampleSpec]:
+    """How each verifying row picks its token: row j as decoding would after the first j drafts
+    (`first` is row 0's): its penalty window and grammar mask follow the drafts."""
+    specs = []
+    for j in range(len(drafted.drafts) + 1):
+        window = first.params.penalty_window(token_ids + list(drafted.drafts[:j]), num_prompt_tokens) if j else first.penalized
+        mask = drafted.masks[j] if drafted.masks is not None else first.allowed
+        specs.append(replace(first, penalized=window, allowed=mask))
+    return specs
