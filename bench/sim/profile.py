@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from worker.contract.spec import EngineConfig
+from worker.contract.spec import EngineConfig, SpeculativeConfig
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 DEFAULT_PROFILE = "gpu-8b-assumed"
@@ -84,7 +84,9 @@ def load_profile(name_or_path: str) -> CostProfile:
         known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
         raise ValueError(f"cannot read profile {name_or_path!r} ({e}); known: {known}") from e
     try:
-        engine = EngineConfig(**data.pop("engine", {}))
-        return CostProfile(engine=engine, **data)
+        engine = dict(data.pop("engine", {}))
+        if isinstance(engine.get("speculative"), dict):  # a profile written from an EngineConfig (calibrate) has it as a mapping
+            engine["speculative"] = SpeculativeConfig(**engine["speculative"])
+        return CostProfile(engine=EngineConfig(**engine), **data)
     except (TypeError, ValueError) as e:
         raise ValueError(f"profile {path}: {e}") from e
