@@ -20,6 +20,9 @@ SLOW_HALF_LIFE_S = 30.0
 _LAG_S = (SLOW_HALF_LIFE_S - FAST_HALF_LIFE_S) / math.log(2)  # how far the slow one trails the fast on a steady ramp
 
 
+TIMES = ("ttft_slo_s", "upscale_delay_s", "downscale_delay_s", "idle_s", "lead_s", "backlog_s")
+
+
 @dataclass(frozen=True)
 class AutoscalingSettings:
     """A shard's `autoscaling` section of the deployment config (every default here, once)."""
@@ -37,6 +40,9 @@ class AutoscalingSettings:
     backlog_s: float = 0.5  # queued prompt work (seconds of prefill) per replica beyond which it counts as full
 
     def __post_init__(self) -> None:
+        for name in ("target_utilization", "downscale_margin", *TIMES):
+            if not math.isfinite(getattr(self, name)):  # NaN never passes a comparison; an infinite lead makes NaN
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.min_replicas < 0 or self.max_replicas < 1:
             raise ValueError(f"min_replicas must be >= 0 and max_replicas >= 1, got {self.min_replicas} and {self.max_replicas}")
         if self.min_replicas > self.max_replicas:
@@ -118,6 +124,23 @@ def with_replicas(shard: object, most_allowed: int) -> object:
     return {**shard, "autoscaling": {**scaling, "max_replicas": most}, "replicas": max(most, 1) if isinstance(most, int) else most}
 
 
+def _count(value: float) -> int:
+    """A count as reported: NaN or below 0 (a metric not there yet) is 0."""
+    return int(value) if math.isfinite(value) and value > 0 else 0
+
+
+def _sane(load: ShardLoad) -> ShardLoad:
+    """The load with what no replica could report (NaN, negative) read as nothing, so it cannot make
+    the decision fail or poison the averages it keeps."""
+
+    def seconds(value: float | None) -> float | None:
+        return value if value is not None and math.isfinite(value) and value >= 0 else None
+
+    return ShardLoad(_count(load.num_ready), _count(load.num_starting), _count(load.num_slots), _count(load.num_running),
+                     _count(load.num_waiting), seconds(load.backlog_s) or 0.0, seconds(load.ttft_p50_s),
+                     seconds(load.ttft_p90_s), _count(load.num_queued))
+
+
 def _averaged(state: ScalingState, demand: float, now_s: float) -> ScalingState:
     """The demand's moving averages, moved to `now_s`."""
     if state.demand is None or state.demand_slow is None or state.seen_s is None:
@@ -131,8 +154,9 @@ def _averaged(state: ScalingState, demand: float, now_s: float) -> ScalingState:
 def wanted(load: ShardLoad, settings: AutoscalingSettings, state: ScalingState) -> tuple[int, int]:
     """(replicas the demand asks for now, replicas it still fits in at the lower target)."""
     slots_each = load.num_slots / load.num_ready if load.num_ready else 0
-    if not slots_each:  # nothing serves: one replica per request asked for is too many, one is enough to learn
-        return (1 if load.num_requests else 0), 0
+    if not slots_each:  # nothing serves (or reports slots yet): one replica per request asked for is too many, one
+        # is enough to learn; while requests wait, the ones there stay
+        return (1 if load.num_requests else 0), (load.num_ready if load.num_requests else 0)
     fast, slow = state.demand or 0.0, state.demand_slow or 0.0
     now = max(fast, load.slots_asked) if load.num_waiting else fast  # requests queued are no noise: at once
     trend_per_s = max(0.0, fast - slow) / _LAG_S
@@ -172,6 +196,7 @@ def decide(load: ShardLoad, current: int, settings: AutoscalingSettings, state: 
     (target - margin: no flapping around one line), never while a replica is starting; to zero
     only with `min_replicas` 0 after `idle_s` without a request.
     Never below min or above max: a count out of bounds is brought back at once."""
+    load = _sane(load)
     state = _averaged(state, float(load.slots_asked), now_s)
     if load.num_requests or state.busy_s is None:
         state = replace(state, busy_s=now_s)

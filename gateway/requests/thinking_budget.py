@@ -83,21 +83,26 @@ class BudgetedDispatcher:
     async def stream(self, prepared: Prepared) -> AsyncIterator[Delta]:
         first = self._first(prepared)
         deltas: list[Delta] = []
-        async with aclosing(self.dispatcher.stream(first)) as phase:
-            async for delta in phase:
-                prepared.route = first.route
-                deltas.append(delta)
-                second = self._second(prepared, deltas) if delta.finish_reason is not None else None
-                if second is None:
+        second = None
+        try:
+            async with aclosing(self.dispatcher.stream(first)) as phase:
+                async for delta in phase:
+                    prepared.route = first.route
+                    deltas.append(delta)
+                    second = self._second(prepared, deltas) if delta.finish_reason is not None else None
+                    if second is not None:
+                        break
                     yield delta
-                    continue
-                prepared.num_generated_tokens += first.num_generated_tokens
-                async for out in self._go_on(prepared, delta, *second):
-                    yield out
-                return
+        finally:  # what the first call generated is billed, whether or not it ended (gateway/http/respond.py)
+            prepared.route = first.route or prepared.route
+            prepared.num_generated_tokens += first.num_generated_tokens
+        if second is not None:
+            async for out in self._go_on(prepared, deltas[-1], *second):
+                yield out
 
     async def _go_on(self, prepared: Prepared, first_final: Delta, second: Prepared,
                      closing: tuple[int, ...]) -> AsyncIterator[Delta]:
+        prepared.num_generated_tokens += len(closing)
         for delta in self._joined(first_final, closing):
             yield delta
         try:
@@ -105,6 +110,8 @@ class BudgetedDispatcher:
                 async for delta in phase:
                     prepared.route = second.route
                     yield self._last(first_final, closing, delta) if delta.finish_reason is not None else delta
+        except GatewayError as e:  # the client has the first call's deltas: the answer ends with an error delta
+            yield Delta.failed(e.message, e.status, first_final.request_id)
         finally:
             prepared.num_generated_tokens += second.num_generated_tokens
 
@@ -118,9 +125,13 @@ class BudgetedDispatcher:
         if second is None:
             return deltas
         call, closing = second
+        num_first = prepared.num_generated_tokens + len(closing)
         try:
             rest = await self.dispatcher.collect(call)
+        except GatewayError as e:  # the first call ran: its tokens and the marker are billed with what the second made
+            e.num_generated_tokens = num_first + (e.num_generated_tokens or 0)
+            raise
         finally:
             prepared.route = call.route or prepared.route
-            prepared.num_generated_tokens += call.num_generated_tokens
+            prepared.num_generated_tokens = num_first + call.num_generated_tokens
         return [*deltas[:-1], *self._joined(deltas[-1], closing), *rest[:-1], self._last(deltas[-1], closing, rest[-1])]

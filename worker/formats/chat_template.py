@@ -65,7 +65,8 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         try:
-            self._template = env.from_string(source)
+            with budget(RENDER_TIME_LIMIT_S, MAX_RENDERED_CHARS):  # jinja folds constant filters as it compiles
+                self._template = env.from_string(source)
         except (jinja2.TemplateError, RecursionError, MemoryError) as e:
             raise ChatTemplateError(f"the chat template does not compile: {e}") from e
         self.bos_token = bos_token

@@ -4,7 +4,11 @@ from a tenant (an adapter's, a request's) and is code: a time limit checked at e
 attribute or item access, operator and filter; every value a step makes at most `max_chars`
 long, the steps that multiply sizes (`*`, `**`, `replace`, `join`, `indent`, padding widths)
 checked before they run; and the output at most `max_chars` (chat_template.py stops reading it
-there)."""
+there). A value's size counts what it holds, through nested lists and dicts (`[r] * 1000` holds 1000
+times `r`), so no value made by reference can be stringified, compared or joined past the budget; every
+loop checks the time at each step; list, tuple and dict literals and `~` concatenations are sized as they
+are made (the template's syntax tree is rewritten to call the environment there, which no template name
+can shadow), and a filter reading another's lazy output stops once that output passes the budget."""
 
 from __future__ import annotations
 
@@ -17,15 +21,18 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2 import Environment
+from jinja2 import Environment, nodes
 from jinja2.exceptions import SecurityError
 from jinja2.nodes import EvalContext
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
+from jinja2.visitor import NodeTransformer
 
 MAX_EXPONENT = 4096
-_WIDE_FORMAT = re.compile(r"%[-+ #0]*\d{7,}")  # a %-format asking for a field of millions of characters
+# a %-format or str.format field asking for a width or precision of millions of characters
+_WIDE_FORMAT = re.compile(r"%[-+ #0]*(\d{7,}|\d*\.\d{7,})|\{[^{}]*:[^{}]*?\d{7,}")
+LIPSUM_CHARS_PER_PARAGRAPH = 100 * 16  # lipsum's longest paragraph: `max` words (100), each at most ~15 letters and a space
 
 
 class RenderLimitError(SecurityError):
@@ -53,8 +60,28 @@ class Budget:
 
     def checked(self, value: Any) -> Any:
         if isinstance(value, (str, list, tuple, dict)):
-            self.check_size(len(value))
+            self.check_size(size_of(value, self.max_chars))
         return value
+
+
+def size_of(value: Any, limit: int) -> int:
+    """How much `value` holds: a string's length, a container's items and what each holds, a reference
+    counted each time it is held; the walk stops past `limit` (so it costs at most `limit` steps)."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += len(item)
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            total += len(item)
+            stack.extend(item)
+        else:
+            total += 1
+    return total
 
 
 _budget: ContextVar[Budget | None] = ContextVar("chat_template_budget", default=None)
@@ -82,7 +109,8 @@ def _length(value: Any) -> int:
 
 def _expected_size(name: str, subject: Any, args: tuple, kwargs: dict) -> int:
     """What a call of `name` on `subject` could make, in characters, before it runs."""
-    ints = [a for a in (*args, *kwargs.values()) if isinstance(a, int) and not isinstance(a, bool)]
+    mapped = [v for a in args if isinstance(a, dict) for v in a.values()]  # format_map's: a width may be one
+    ints = [a for a in (*args, *kwargs.values(), *mapped) if isinstance(a, int) and not isinstance(a, bool)]
     widest = max((abs(i) for i in ints), default=0)
     if name == "replace" and isinstance(subject, str) and len(args) >= 2 and all(isinstance(a, str) for a in args[:2]):
         return len(subject) + (subject.count(args[0]) + 1 if args[0] else len(subject) + 1) * len(args[1])
@@ -90,9 +118,31 @@ def _expected_size(name: str, subject: Any, args: tuple, kwargs: dict) -> int:
         return len(subject) * _length(args[0])
     if name == "join" and args and isinstance(args[0], str):  # the join filter: join(items, separator)
         return len(args[0]) * _length(subject)
+    if name in ("format", "format_map", "do_format") and isinstance(subject, str) and _WIDE_FORMAT.search(subject):
+        raise RenderLimitError("the chat template formats a field millions of characters wide")
+    if name == "generate_lorem_ipsum":
+        return (args[0] if args else kwargs.get("n", 5)) * LIPSUM_CHARS_PER_PARAGRAPH
     if name == "indent" and isinstance(subject, str):
         return len(subject) + (subject.count("\n") + 1) * max(widest, len(next((a for a in args if isinstance(a, str)), "")))
     return widest
+
+
+def _metered(items: Iterator[Any], bounds: Budget) -> Iterator[Any]:
+    """`items`, stopped once what they hold together passes the budget (each may be within it, not all)."""
+    total = 0
+    for item in items:
+        total += size_of(item, bounds.max_chars - total)
+        bounds.check_size(total)
+        yield item
+
+
+def _concat(parts: list[Any]) -> str:
+    """`a ~ b ~ ...`, sized before it is made (one concatenation may have thousands of parts)."""
+    bounds, total = current(), 0
+    for part in parts:
+        total += size_of(part, bounds.max_chars - total)
+        bounds.check_size(total)
+    return "".join(str(part) for part in parts)
 
 
 def _filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
@@ -102,9 +152,11 @@ def _filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
     def bounded(*args: Any, **kwargs: Any) -> Any:
         bounds = current()
         bounds.check_time()
-        values = [a for a in args if not isinstance(a, (Context, EvalContext, Environment))]  # past what jinja passes first
-        if values:
-            bounds.check_size(_expected_size(name, values[0], tuple(values[1:]), kwargs))
+        first = next((i for i, a in enumerate(args) if not isinstance(a, (Context, EvalContext, Environment))), None)
+        if first is not None:  # past what jinja passes first: the filtered value, then the filter's arguments
+            bounds.check_size(_expected_size(name, args[first], args[first + 1:], kwargs))
+            if isinstance(args[first], Iterator):  # another filter's lazy output (map, select): sized as it is read
+                args = (*args[:first], _metered(args[first], bounds), *args[first + 1:])
         return bounds.checked(func(*args, **kwargs))
 
     return bounded
@@ -118,13 +170,60 @@ class BoundedNamespace(Namespace):
         super().__setitem__(name, value)
 
 
+def _guarded_iter(iterable: Any) -> Iterator[Any]:
+    """A loop's items, the time checked before each (a loop over a list made once calls nothing)."""
+    bounds = current()
+    for item in iterable:
+        bounds.check_time()
+        yield item
+
+
+def _sized_literal(value: Any) -> Any:
+    """A list, tuple or dict literal, sized as it is made (`[r, r]` holds r twice)."""
+    return current().checked(value)
+
+
+class _Guarded(NodeTransformer):
+    """Every loop's iterable through `environment.guarded_iter`, every literal with variables in it through
+    `environment.sized_literal` (environment attributes: a template's names cannot shadow them)."""
+
+    def _wrapped(self, attribute: str, node: nodes.Expr) -> nodes.Expr:
+        return nodes.Call(nodes.EnvironmentAttribute(attribute), [node], [], None, None, lineno=node.lineno)
+
+    def visit_For(self, node: nodes.For) -> nodes.Node:
+        self.generic_visit(node)
+        node.iter = self._wrapped("guarded_iter", node.iter)
+        return node
+
+    def _literal(self, node: nodes.Expr) -> nodes.Node:
+        self.generic_visit(node)
+        return node if getattr(node, "ctx", "load") != "load" else self._wrapped("sized_literal", node)
+
+    visit_List = visit_Tuple = visit_Dict = _literal
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
+        self.generic_visit(node)
+        return self._wrapped("sized_concat", nodes.List(node.nodes, lineno=node.lineno))
+
+
 class BoundedSandbox(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**", "+", "%"})
+    guarded_iter = staticmethod(_guarded_iter)
+    sized_literal = staticmethod(_sized_literal)
+    sized_concat = staticmethod(_concat)
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self.filters = {name: _filter(name, f) for name, f in self.filters.items()}
         self.globals["namespace"] = BoundedNamespace
+        self.finalize = self._finalized
+
+    def _finalized(self, value: Any) -> Any:
+        """What `{{ }}` writes, sized before it is made a string."""
+        return current().checked(value)
+
+    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
+        return _Guarded().visit(super()._parse(source, name, filename))
 
     def add_filter(self, name: str, func: Callable[..., Any]) -> None:
         self.filters[name] = _filter(name, func)
@@ -135,11 +234,16 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         if operator == "*":
             count = right if isinstance(left, (str, list, tuple)) else left
             if isinstance(count, int):
-                bounds.check_size(_length(left if count is right else right) * count)
+                repeated = left if count is right else right
+                bounds.check_size(size_of(repeated, bounds.max_chars) * count if repeated else 0)
         elif operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
             raise RenderLimitError(f"the chat template raised a number to the power {right}, over {MAX_EXPONENT}")
-        elif operator == "%" and isinstance(left, str) and _WIDE_FORMAT.search(left):
-            raise RenderLimitError("the chat template formats a field millions of characters wide")
+        elif operator == "%" and isinstance(left, str):
+            if _WIDE_FORMAT.search(left):
+                raise RenderLimitError("the chat template formats a field millions of characters wide")
+            if "*" in left:  # `%*d`: a width is an argument
+                widths = right if isinstance(right, tuple) else (right,)
+                bounds.check_size(max((abs(w) for w in widths if isinstance(w, int)), default=0))
         return bounds.checked(super().call_binop(context, operator, left, right))
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja's signature)
@@ -148,7 +252,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         for value in (*args, *kwargs.values()):  # a recursive macro may double its argument each call
             bounds.checked(value)
         name = getattr(__obj, "__name__", "")
-        bounds.check_size(_expected_size(name, getattr(__obj, "__self__", None), args, kwargs))
+        method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format: its string is the wrapped one's
+        bounds.check_size(_expected_size(name, getattr(method, "__self__", None), args, kwargs))
         return bounds.checked(super().call(__context, __obj, *args, **kwargs))
 
     def getattr(self, obj: Any, attribute: str) -> Any:

@@ -113,3 +113,34 @@ def test_the_state_is_plain_data() -> None:
 def test_settings_are_checked(bad: dict) -> None:
     with pytest.raises(ValueError):
         AutoscalingSettings(**{"max_replicas": 4, **bad})
+
+
+@pytest.mark.parametrize("name", ["upscale_delay_s", "downscale_delay_s", "idle_s", "lead_s", "ttft_slo_s", "backlog_s"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_time_that_is_not_finite_is_refused_by_name(name: str, value: float) -> None:
+    with pytest.raises(ValueError, match=name):  # NaN never passes a delay; an infinite lead makes the demand NaN
+        AutoscalingSettings(**{"max_replicas": 4, name: value})
+
+
+@pytest.mark.parametrize("bad", [
+    ShardLoad(num_ready=1, num_starting=0, num_slots=SLOTS, num_running=float("nan"), num_waiting=0),
+    ShardLoad(num_ready=1, num_starting=0, num_slots=SLOTS, num_running=-5, num_waiting=-3, backlog_s=float("nan"),
+              ttft_p90_s=float("nan")),
+    ShardLoad(num_ready=1, num_starting=0, num_slots=-SLOTS, num_running=2, num_waiting=0),
+])
+def test_a_report_out_of_range_counts_as_none_and_does_not_poison_the_state(bad: ShardLoad) -> None:
+    """A replica's report with NaN or negative numbers (a metric not there yet): no error, no move, and the
+    demand's averages stay numbers, so the next good report is read as it is."""
+    state = ScalingState()
+    for k in range(10):
+        count, state = decide(bad, 2, SETTINGS, state, k * 0.5)
+        assert count == 2
+    assert state.demand == state.demand and state.demand_slow == state.demand_slow  # not NaN
+    count, state = decide(load(2, 10 * SLOTS), 2, SETTINGS, state, 5.0)
+    count, state = decide(load(2, 10 * SLOTS), count, SETTINGS, state, 7.5)
+    assert count > 2  # the good report is read as it is: the shard grows
+
+
+def test_replicas_that_report_no_slots_yet_are_not_taken_away_while_requests_wait() -> None:
+    no_slots = ShardLoad(num_ready=2, num_starting=0, num_slots=0, num_running=0, num_waiting=6)
+    assert run([no_slots] * 400, current=2) == [2] * 400  # 200 s, past the downscale delay

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field, replace
 
+import pytest
+
+from gateway.errors import GatewayError
 from gateway.reasoning import THINK, ReasoningSplitter
 from gateway.requests.admission import Hold, Prepared
 from gateway.requests.thinking_budget import BudgetedDispatcher
@@ -103,3 +106,57 @@ def test_the_requests_own_max_tokens_still_bounds_the_whole() -> None:
     assert len(calls) == 1 and deltas[-1].finish_reason == "length"
     deltas, calls = run_both([["a", "b", "c"]], budget=3, max_tokens=4)  # no room left for the marker
     assert len(calls) == 1 and deltas[-1].finish_reason == "length"
+
+
+@dataclass
+class FailingSecond(ScriptedDispatcher):
+    """The first call as scripted; the second fails before it generates anything (no worker, a deadline)."""
+
+    async def collect(self, prepared: Prepared, on_first=None) -> list[Delta]:
+        if self.calls:
+            self.calls.append(prepared.call)
+            raise GatewayError(503, "no worker took it", "worker_failed")
+        return self._deltas(prepared)
+
+    async def stream(self, prepared: Prepared):
+        if self.calls:
+            self.calls.append(prepared.call)
+            raise GatewayError(503, "no worker took it", "worker_failed")
+        for delta in self._deltas(prepared):
+            yield delta
+
+    def error_of(self, delta, prepared):
+        return GatewayError(delta.status or 500, delta.error or "", "worker_failed")
+
+
+def test_a_second_call_that_fails_still_counts_the_first_and_the_marker() -> None:
+    inner = FailingSecond([["a", "b", "c", "d"]])
+    dispatcher = BudgetedDispatcher(inner, 3, CLOSING, CLOSING_TEXT, lambda: ReasoningSplitter(THINK, True))
+    request = prepared(10)
+    with pytest.raises(GatewayError) as failed:
+        asyncio.run(dispatcher.collect(request))
+    assert len(inner.calls) == 2 and failed.value.status == 503
+    assert failed.value.num_generated_tokens == 3 + len(CLOSING)  # what ran is billed, not only the second's
+
+    inner = FailingSecond([["a", "b", "c", "d"]])
+    dispatcher = BudgetedDispatcher(inner, 3, CLOSING, CLOSING_TEXT, lambda: ReasoningSplitter(THINK, True))
+    request = prepared(10)
+
+    async def streamed():
+        return [d async for d in dispatcher.stream(request)]
+
+    deltas = asyncio.run(streamed())  # the client already has the thinking: the stream ends with an error delta
+    assert "".join(d.text for d in deltas) == "abc" + CLOSING_TEXT
+    assert deltas[-1].finish_reason == "error" and deltas[-1].status == 503
+    assert request.num_generated_tokens == 3 + len(CLOSING) and request.route
+
+
+def test_a_streamed_answer_in_one_call_counts_what_it_generated() -> None:
+    dispatcher, _ = budgeted([["a", "</think>", "b"]], budget=5)
+    request = prepared(10)
+
+    async def streamed():
+        return [d async for d in dispatcher.stream(request)]
+
+    asyncio.run(streamed())
+    assert request.num_generated_tokens == 3 and request.route  # what a cancelled stream would bill

@@ -101,5 +101,5 @@ def test_template_kwargs_reach_the_template_and_may_not_name_the_renderers_own(t
     im_start = tokenizer.encode("<|im_start|>", add_special=False, parse_special=True)
     ids = encode_chat(tokenizer, messages, template=KWARGS_TEMPLATE, template_kwargs={"greeting": "<|im_start|>"})
     assert im_start[0] not in ids and tokenizer.decode(ids, skip_special=False).startswith("<|im_start|>|user:hi")
-    with pytest.raises(ChatTemplateError, match="output is over its limit of 10"):
+    with pytest.raises(ChatTemplateError, match="over its limit of 10"):  # a value or the output
         render_chat(tokenizer, messages, template=KWARGS_TEMPLATE, max_chars=10)
