@@ -6,7 +6,8 @@ serves the test with `loraplex serve` on SmolLM2 instead, its flags mapped to th
 (`--api-key`: a tenant with that key, else `auth: none`; `--cors-origins`: http.cors_origins;
 `--alias`: model_name; `--parallel`: engine.num_seq_slots; `--n-predict`: http.max_tokens_default;
 `--chat-template-file`: a copy of the base GGUF carrying that template; `--reasoning-format none`:
-reasoning.parser none; `--reasoning on|off|auto`: reasoning.thinking). One server runs at a time,
+reasoning.parser none; `--reasoning on|off|auto`: reasoning.thinking; and always
+http.unknown_model: base, since llama-server ignores a request's `model`). One server runs at a time,
 reused while tests ask for the same settings (starting one takes Ray seconds, not llama-server's
 milliseconds). A test that asks for a model
 other than llama.cpp's tiny test model, or a flag loraplex has no equivalent for, is skipped with
@@ -99,7 +100,8 @@ class Servers:
             "state": {"ephemeral": True},
             "registry": {"store_dir": str(self.workdir / "store")},
             "engine": {"num_seq_slots": server.n_slots or 4},
-            "http": {"max_tokens_default": server.n_predict or 256},
+            # llama-server serves its one model whatever a request's `model` says, and the tests name others
+            "http": {"max_tokens_default": server.n_predict or 256, "unknown_model": "base"},
         }
         if server.model_alias:
             config["model_name"] = server.model_alias

@@ -21,6 +21,7 @@ stdlib dataclasses without their own config). The file's shape:
     state:    StateSettings (gateway/state.py): the state store's redis_url, cluster, ephemeral, stale_after_s
     reasoning: ReasoningSettings (gateway/reasoning.py): parser (auto, none, qwen3, deepseek_r1)
     auth:     keys (every request needs a key) or none (one anonymous tenant: said, never inferred)
+    http:     HTTPSettings (gateway/http_settings.py): host, port, CORS, what an unknown `model` means, ...
 """
 
 from __future__ import annotations
@@ -30,17 +31,17 @@ import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from cache.blobs import BlobStoreConfig, parse_store_url
 from cache.l2 import RedisConfig
 from cache.prefix import PrefixCacheConfig
 from gateway.exposure import auth_error, exposure_error
+from gateway.http_settings import HTTPSettings, NodeLabels
 from gateway.policy.autoscale import AutoscalingSettings, with_replicas
-from gateway.policy.nodes import selector_error
 from gateway.policy.routing import RoutingSettings
 from gateway.reasoning import ReasoningSettings
 from gateway.state import StateSettings
@@ -73,16 +74,6 @@ class _Strict(BaseModel):
 class AdapterConfig(_Strict):
     name: str = Field(pattern=NAME)
     path: str
-
-
-def _label_selector(selector: dict[str, str]) -> dict[str, str]:
-    error = selector_error(selector)
-    if error is not None:
-        raise ValueError(error)
-    return selector
-
-
-NodeLabels = Annotated[dict[str, str], AfterValidator(_label_selector)]  # a Ray label selector: value, !value, in(a, b)
 
 
 class ShardConfig(_Strict):
@@ -132,37 +123,6 @@ def hex_digests(values: list[str]) -> list[str]:
             raise ValueError(f"{value!r} is not a hex SHA-256 digest "
                              "(python -c \"import hashlib;print(hashlib.sha256(b'KEY').hexdigest())\")")
     return values
-
-
-class HTTPSettings(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    max_body_bytes: int = Field(1 << 20, ge=1024)
-    max_tokens_default: int = Field(256, ge=1)  # requests without max_tokens (n_predict), at most what fits the context
-    request_timeout_s: float = Field(300.0, gt=0, le=24 * 3600)  # each request's deadline (a client may ask less)
-    gateway_replicas: int = Field(1, ge=1, le=64)  # ingress replicas, sharing the registry and rate limits
-    # who listens on the port: each gateway replica itself (gateway/cluster/listener.py), or Ray Serve's proxies, which
-    # pass every request to a gateway replica over Ray (one hop more; what a KubeRay RayService's Service expects)
-    listener: Literal["gateway", "serve-proxy"] = "gateway"
-    # the Ray node labels of the nodes that take traffic: the gateway replicas run there, at most one a node
-    # (one listener per node, as Serve's proxies do); empty: wherever Ray puts them
-    node_labels: NodeLabels = Field(default_factory=dict)
-    # origins browsers may call the API from (CORS, gateway/http/cors.py): ["*"] any, llama-server's default;
-    # "localhost": any http(s) origin on this machine; an origin as scheme://host[:port]; []: none
-    cors_origins: list[str] = Field(default_factory=lambda: ["*"])
-    cors_credentials: bool = True  # Access-Control-Allow-Credentials: true, the origin reflected (llama-server's default)
-    allow_insecure_bind: bool = False  # listen beyond loopback with the example keys or auth: none (gateway/exposure.py)
-    # a request's own `chat_template` (code its sender writes, rendered in the bounded sandbox): off, a 400
-    allow_request_chat_template: bool = False
-
-    @field_validator("cors_origins")
-    @classmethod
-    def _origins(cls, values: list[str]) -> list[str]:
-        for value in values:
-            if value not in ("*", "localhost", "null") and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+", value):
-                raise ValueError(f"{value!r} is not an origin: scheme://host[:port] with no path (as a browser sends "
-                                 "it: no trailing slash), '*' (any) or 'localhost' (any origin on this machine)")
-        return values
 
 
 class RegistrySettings(_Strict):

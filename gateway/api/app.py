@@ -90,10 +90,14 @@ class ConfiguredCORS:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if self._inner is None and scope["type"] == "http":
             try:
-                http = scope["app"].state.find_gateway().config.http
+                config = scope["app"].state.find_gateway().config
             except (GatewayError, AttributeError):  # still starting: no CORS yet
                 return await self.app(scope, receive, send)
-            self._inner = Cors(self.app, http.cors_origins, http.cors_credentials)
+            http = config.http  # several tenants, or a way to make more (a tenants file, an operator key)
+            is_multi_tenant = len(config.tenants) > 1 or bool(config.tenants_file or config.operator_key_sha256
+                                                               or config.operator_key_file)
+            is_any_credentialed = http.cors_credentials or (http.cors_credentials is None and not is_multi_tenant)
+            self._inner = Cors(self.app, http.cors_origins, http.cors_credentials is not False, is_any_credentialed)
         await (self._inner or self.app)(scope, receive, send)
 
 

@@ -108,9 +108,12 @@ class Admission:
         defaults = {n: s for n, s in tenant.default_scales.items() if n in visible}  # a removed adapter's default is gone with it
         scales: dict[AdapterName, float] = {} if lora is not None else defaults
         if model is not None and model != self.catalog.model_name:
-            if model not in visible:
+            if model in visible:
+                scales[model] = 1.0
+            elif self.config.http.unknown_model == "error":
                 raise GatewayError(404, f"model {model!r} not found", "model_not_found")
-            scales[model] = 1.0
+            # else (unknown_model: base) the base, as for its own name; any name this key cannot use, another
+            # tenant's adapter too, takes this one path, so the answer tells nothing of other tenants' names
         for entry in lora or []:
             if entry.name is not None:
                 if entry.name not in visible:

@@ -60,7 +60,7 @@ def preflight(client: TestClient, origin: str, path: str = "/completions", **hea
 
 
 def test_any_origin_is_reflected_with_credentials_as_llama_server_does(app_with) -> None:
-    with client_with(app_with) as client:  # the default: ["*"], credentials
+    with client_with(app_with, cors_credentials=True) as client:  # ["*"] (the default) with credentials: llama-server's
         for origin in ("http://app.example.com:5173", "web.mydomain.fr", "localhost", "null"):
             answer = preflight(client, origin)
             assert answer.status_code == 200 and answer.content == b""
@@ -82,6 +82,24 @@ def test_any_origin_is_reflected_with_credentials_as_llama_server_does(app_with)
         assert patch.headers["access-control-allow-methods"] == "GET, POST, DELETE, OPTIONS, PATCH"
         assert "access-control-allow-headers" not in preflight(
             client, "http://a.example", **{"Access-Control-Request-Headers": ""}).headers
+
+
+def test_a_multi_tenant_default_gives_credentials_only_to_origins_it_names(app_with) -> None:
+    """Several tenants (or an operator key) and no cors_credentials: `*` lets any page read answers with the key
+    it sends itself, never with what a browser adds on its own (cookies, a proxy's login): no credentials for an
+    origin only `*` allows. An origin named (or localhost) is still reflected with credentials."""
+    with client_with(app_with, cors_origins=["*", "localhost", "https://app.example.com"]) as client:
+        for origin in ("http://evil.example", "web.mydomain.fr", "null"):
+            answer = preflight(client, origin)
+            assert answer.headers["access-control-allow-origin"] == "*"
+            assert "access-control-allow-credentials" not in answer.headers
+            simple = client.get("/v1/models", headers={"Origin": origin, **auth()})
+            assert simple.headers["access-control-allow-origin"] == "*"
+            assert "access-control-allow-credentials" not in simple.headers
+        for origin in ("https://app.example.com", "http://localhost:5173"):
+            answer = preflight(client, origin)
+            assert answer.headers["access-control-allow-origin"] == origin
+            assert answer.headers["access-control-allow-credentials"] == "true"
 
 
 def test_any_origin_without_credentials_is_a_wildcard(app_with) -> None:
@@ -193,7 +211,7 @@ def browse(url: str, profile) -> str:
 def test_a_browser_fetches_across_origins_with_credentials(app_with, tmp_path, origins, is_allowed) -> None:
     import json
 
-    app = app_with(cors_origins=origins)
+    app = app_with(cors_origins=origins, cors_credentials=True)  # several tenants: credentials said, not defaulted
     with live_server(app) as api_url, page_server(tmp_path) as page_port:
         (tmp_path / "page.html").write_text(PAGE % {"api": api_url, "key": KEYS["t1"]})
         text = browse(f"http://127.0.0.1:{page_port}/page.html", tmp_path / "profile")
