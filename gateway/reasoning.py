@@ -15,6 +15,7 @@ A family with other markers is one more `PARSERS` entry.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -188,13 +189,15 @@ def split_reasoning(text: str, tags: ThinkTags, starts_inside: bool = False) -> 
 @dataclass(frozen=True)
 class ReasoningPlan:
     """One request's reasoning: its model's thinking markers (None: it has none), whether its answer
-    begins inside thinking, its thinking budget in tokens, and whether the answer is split
-    (`is_split` false: the thinking stays in the content, llama-server's `reasoning_format: none`)."""
+    begins inside thinking, its thinking budget in tokens, whether the answer is split (`is_split`
+    false: the thinking stays in the content, llama-server's `reasoning_format: none`), and whether
+    the model may think (`may_think` false: the request turned thinking off)."""
 
     tags: ThinkTags | None
     starts_inside: bool = False
     budget_tokens: int | None = None
     is_split: bool = True
+    may_think: bool = True
 
     def splitter(self) -> ReasoningSplitter | None:
         """A splitter of one choice's answer; None when it is not split."""
@@ -229,3 +232,23 @@ class ReasoningCounter:
     @property
     def has_reasoning(self) -> bool:
         return self.splitter is not None and self.splitter.has_reasoning
+
+
+def after_thinking(grammar: str, tags: ThinkTags, starts_inside: bool, end_lexeme: str | None = None) -> str:
+    """`grammar` (an llguidance grammar: its JSON form, or Lark text) bound to the answer only: the
+    thinking before it is free text up to the end marker, and is where the answer begins when
+    `starts_inside` (the prompt opened it), else an optional prefix the model may write.
+    `end_lexeme`: the end marker in Lark when the tokenizer holds it as a special token (`<[id]>`,
+    which text can never match); None: the marker as text."""
+    if grammar.lstrip().startswith("{"):
+        subs = [dict(g) for g in json.loads(grammar)["grammars"]]
+    else:
+        subs = [{"lark_grammar": grammar}]
+    subs[0].setdefault("name", "answer")
+    head = "thought" if starts_inside else f"({json.dumps(tags.start)} thought)?"
+    if end_lexeme is None:  # one lazy lexeme: the thought ends at the first end marker
+        thought = f"thought: thought_text BLANK?\nthought_text[lazy]: /(?s:.*)/ {json.dumps(tags.end)}\n"
+    else:  # text cannot hold a special token: the thought is all text before it
+        thought = f"thought: THOUGHT_TEXT {end_lexeme} BLANK?\nTHOUGHT_TEXT: /(?s:.*)/\n"
+    lark = f"%llguidance {{}}\nstart: {head} @{subs[0]['name']}\n{thought}BLANK: /[ \\t\\r\\n]+/\n"
+    return json.dumps({"grammars": [{"name": "after_thinking", "lark_grammar": lark}, *subs]})

@@ -7,10 +7,13 @@ the prompt alone).
 Thinking off with a template that has no switch but opens the think block itself (DeepSeek-R1's):
 the block is closed right after it in the prompt, so the answer begins after the thinking.
 
-Structured output and forced tool calls apply to the answer, not to the thinking: a grammar binds
-every generated token, so such a request is rendered with thinking off (a template with the switch
-writes an empty think block itself; one that opens the block has it closed), and its grammar holds
-the answer alone.
+Structured output and grammar-enforced tools apply to the answer, not to the thinking: thinking is
+left as the request, template and server ask, and the grammar is wrapped (reasoning.after_thinking)
+so that the thinking is free text up to the end marker and the grammar binds what follows. Only a
+model with no known thinking markers (parser `none`, or `auto` finding none) is rendered with
+thinking off under a grammar: with no marker to end the thought, the grammar could not tell the
+thinking from the answer. The thinking budget's second call continues under the answer's grammar
+alone (`budgeted`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from gateway.reasoning import (
     NO_REASONING,
     ReasoningPlan,
     ReasoningSplitter,
+    after_thinking,
     opens_thinking,
     thinking_asked,
 )
@@ -48,8 +52,10 @@ def _is_constrained(catalog: Catalog, body: Any) -> bool:
 
 def thinking_of(catalog: Catalog, body: Any) -> bool:
     """The template's `enable_thinking` for this chat body: what it asks, else the server's default;
-    off when a grammar binds the answer, or the thinking budget is 0."""
-    if _is_constrained(catalog, body) or getattr(body, "thinking_budget", None) == 0:
+    off when the thinking budget is 0, or a grammar binds the answer of a model with no known
+    thinking markers (the grammar could not be put after the thinking)."""
+    unwrappable = catalog.reasoning_tags is None and _is_constrained(catalog, body)
+    if unwrappable or getattr(body, "thinking_budget", None) == 0:
         return False
     kwargs = getattr(body, "chat_template_kwargs", None) or {}
     asked = thinking_asked(kwargs.get("enable_thinking"), getattr(body, "reasoning_effort", None), catalog.default_thinking)
@@ -72,7 +78,8 @@ def plan_of(catalog: Catalog, body: Any, prompt_ids: list[int], thinking: bool |
         return NO_REASONING
     tail = _tail(catalog, prompt_ids)
     budget = body.thinking_budget if thinking is not False else None
-    return ReasoningPlan(tags, opens_thinking(tail, tags), budget, is_split=body.reasoning_format != "none")
+    return ReasoningPlan(tags, opens_thinking(tail, tags), budget, is_split=body.reasoning_format != "none",
+                         may_think=thinking is not False)
 
 
 async def reasoning_prompt(catalog: Catalog, body: Any,
@@ -94,13 +101,25 @@ async def reasoning_text(catalog: Catalog, body: Any, rendering: ChatRendering |
     return text + catalog.reasoning_tags.end if _closes_thinking(catalog, text[-200:], thinking) else text
 
 
-def budgeted(responder: Responder, catalog: Catalog, plan: ReasoningPlan) -> Responder:
-    """`responder`, its dispatcher keeping the plan's thinking budget when it has one."""
+def answer_grammar(catalog: Catalog, plan: ReasoningPlan, grammar: str | None) -> str | None:
+    """The grammar the request's generation follows: `grammar` (the answer's) after the thinking when
+    the model may think, else `grammar` itself (thinking off: the prompt closed the think block)."""
+    tags = plan.tags
+    if grammar is None or tags is None or not plan.may_think:
+        return grammar
+    end_ids = catalog.tokenizer.encode(tags.end, add_special=False, parse_special=True)
+    is_special = len(end_ids) == 1 and end_ids[0] in catalog.tokenizer.special_ids
+    return after_thinking(grammar, tags, plan.starts_inside, f"<[{end_ids[0]}]>" if is_special else None)
+
+
+def budgeted(responder: Responder, catalog: Catalog, plan: ReasoningPlan, grammar: str | None = None) -> Responder:
+    """`responder`, its dispatcher keeping the plan's thinking budget when it has one; `grammar`: the
+    answer's own (unwrapped), which the call after the budget continues under."""
     tags = plan.tags
     if plan.budget_tokens is None or tags is None:
         return responder
     closing_text = f"\n{tags.end}\n\n"
     closing_ids = catalog.tokenizer.encode(closing_text, add_special=False, parse_special=True)
     dispatcher = BudgetedDispatcher(responder.dispatcher, plan.budget_tokens, closing_ids, closing_text,
-                                    lambda: ReasoningSplitter(tags, plan.starts_inside))
+                                    lambda: ReasoningSplitter(tags, plan.starts_inside), grammar)
     return replace(responder, dispatcher=dispatcher)

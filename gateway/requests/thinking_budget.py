@@ -6,7 +6,11 @@ that is the answer. If the budget cut it while the model was still thinking, the
 prompt is the first's prompt, what it generated and the family's closing marker (`</think>` and
 the blank line after it), so the model goes on to answer; when the budget cut the answer itself
 (the model had stopped thinking before B), the second call just continues it. The prefix cache
-makes the second prefill cheap. The client sees one answer: the first call's deltas, the marker,
+makes the second prefill cheap. A grammar (structured output, enforced tools) binds the answer after
+the thinking: the first call runs under it wrapped (gateway/reasoning.py's after_thinking), and the
+second, which starts after the marker, under the answer's own grammar. A grammar cannot be resumed
+in the middle of an answer, so when the budget cut an answer under a grammar, that answer ends
+there (finish_reason `length`). The client sees one answer: the first call's deltas, the marker,
 then the second's, whose last delta carries the usage of both (the marker counted as generated)
 and the request's own max_tokens bounds the whole.
 """
@@ -28,12 +32,14 @@ from worker.contract.calls import Delta, Usage
 class BudgetedDispatcher:
     """A Dispatcher's `stream`, `collect` and `error_of` for a request (n = 1) whose thinking is held
     to `budget_tokens`; `closing_ids`/`closing_text`: the marker that ends thinking; `splitter`: a
-    new splitter of the request's answer (is the model still thinking where the budget cut it)."""
+    new splitter of the request's answer (is the model still thinking where the budget cut it);
+    `answer_grammar`: the grammar of the answer alone, which the second call follows (None: none)."""
 
     def __init__(self, dispatcher: Dispatcher, budget_tokens: int, closing_ids: Sequence[int], closing_text: str,
-                 splitter: Callable[[], ReasoningSplitter]) -> None:
+                 splitter: Callable[[], ReasoningSplitter], answer_grammar: str | None = None) -> None:
         self.dispatcher, self.budget_tokens = dispatcher, budget_tokens
         self.closing_ids, self.closing_text, self.splitter = tuple(closing_ids), closing_text, splitter
+        self.answer_grammar = answer_grammar
 
     def error_of(self, delta: Delta, prepared: Prepared) -> GatewayError:
         return self.dispatcher.error_of(delta, prepared)
@@ -54,11 +60,14 @@ class BudgetedDispatcher:
         splitter = self.splitter()
         splitter.feed("".join(d.text for d in deltas))
         closing = self.closing_ids if splitter.has_reasoning and not splitter.is_answering else ()
+        if not closing and prepared.call.params.grammar is not None:
+            return None  # the budget cut an answer under a grammar, which cannot be resumed mid-answer
         left = -1 if max_tokens == -1 else max_tokens - num_generated - len(closing)
         if max_tokens != -1 and left <= 0:
             return None  # the request's own max_tokens ended it
         prompt_ids = (*prepared.call.prompt_ids, *(t for d in deltas for t in d.token_ids), *closing)
-        params = replace(prepared.call.params, max_tokens=left)
+        params = replace(prepared.call.params, max_tokens=left,
+                         grammar=self.answer_grammar if prepared.call.params.grammar is not None else None)
         call = replace(prepared.call, request_id=uuid.uuid4().hex, prompt_ids=prompt_ids, params=params)
         return replace(prepared, call=call, route={}, num_generated_tokens=0), closing
 

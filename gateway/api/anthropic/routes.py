@@ -14,7 +14,7 @@ from gateway.api.anthropic.formats import MessageFormatter
 from gateway.api.anthropic.protocol import CountTokensRequest, MessagesRequest
 from gateway.http.incoming import begin, chat_rendering
 from gateway.http.parts import AdmissionPart, CatalogPart, ResponderPart
-from gateway.http.reasoning import budgeted, reasoning_prompt
+from gateway.http.reasoning import answer_grammar, budgeted, reasoning_prompt
 from gateway.http.respond import respond
 from gateway.http.sampling import compiled_grammar, openai_params
 
@@ -32,10 +32,10 @@ async def messages(request: Request, catalog: CatalogPart, admission: AdmissionP
     room = catalog.max_positions - len(prompt_ids)
     is_clamped = chat.token_limit is not None and 0 < room < chat.token_limit
     max_tokens = room if is_clamped else chat.token_limit
-    params = openai_params(admission, len(prompt_ids), max_tokens, chat, grammar=grammar)
+    params = openai_params(admission, len(prompt_ids), max_tokens, chat, grammar=answer_grammar(catalog, reasoning, grammar))
     prepared = await admission.prepare(tenant, prompt_ids, params, scales_by_name, chat.cache_salt)
     formatter = MessageFormatter(body.model, len(prompt_ids), tools, is_clamped, reasoning)
-    return await respond(budgeted(responder, catalog, reasoning), prepared, "messages", formatter, body.stream, done_marker=False)
+    return await respond(budgeted(responder, catalog, reasoning, grammar), prepared, "messages", formatter, body.stream, done_marker=False)
 
 
 @router.post("/v1/messages/count_tokens")

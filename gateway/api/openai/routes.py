@@ -15,7 +15,7 @@ from gateway.api.openai.protocol import ChatRequest, CompletionRequest
 from gateway.http.formatting import PromptProgress
 from gateway.http.incoming import begin, chat_rendering, tokenized
 from gateway.http.parts import AdmissionPart, CatalogPart, ResponderPart
-from gateway.http.reasoning import budgeted, reasoning_prompt
+from gateway.http.reasoning import answer_grammar, budgeted, reasoning_prompt
 from gateway.http.respond import UsageChunk, respond
 from gateway.http.sampling import compiled_grammar, openai_params
 
@@ -53,14 +53,15 @@ async def chat(request: Request, catalog: CatalogPart, admission: AdmissionPart,
     tools, prompt_ids, reasoning = await reasoning_prompt(catalog, body, chat_rendering(admission, tenant, scales_by_name, body))
     num_top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     grammar = await compiled_grammar(catalog, body, body.grammar_field, tools)
-    params = openai_params(admission, len(prompt_ids), body.token_limit, body, num_top_logprobs, grammar=grammar,
-                           n=body.n)
+    params = openai_params(admission, len(prompt_ids), body.token_limit, body, num_top_logprobs,
+                           grammar=answer_grammar(catalog, reasoning, grammar), n=body.n)
     prepared = await admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
                                                timeout_s=body.timeout_s)
     progress = PromptProgress(len(prompt_ids)) if body.return_progress and body.stream else None
     formatter = ChatFormatter(catalog.tokenizer, body.model or catalog.model_name, num_top_logprobs,
                               tools, progress, reasoning)
-    return await respond(budgeted(responder, catalog, reasoning), prepared, "chat", formatter, body.stream, _usage_chunk(body, formatter))
+    return await respond(budgeted(responder, catalog, reasoning, grammar), prepared, "chat", formatter, body.stream,
+                         _usage_chunk(body, formatter))
 
 
 @router.post("/v1/chat/completions/input_tokens")

@@ -30,7 +30,7 @@ from gateway.errors import GatewayError
 from gateway.http.incoming import begin, chat_rendering
 from gateway.http.json_body import parse
 from gateway.http.parts import AdmissionPart, CatalogPart, ResponderPart, ResponsesPart
-from gateway.http.reasoning import budgeted, reasoning_prompt
+from gateway.http.reasoning import answer_grammar, budgeted, reasoning_prompt
 from gateway.http.respond import respond
 from gateway.http.sampling import compiled_grammar, openai_params
 from gateway.requests.response_store import RecordTooLarge, ResponseStore, StoredResponse, StoreUnavailable
@@ -99,11 +99,13 @@ async def create(request: Request, catalog: CatalogPart, admission: AdmissionPar
     tools, prompt_ids, reasoning = await reasoning_prompt(catalog, chat_body,
                                                           chat_rendering(admission, tenant, scales_by_name, chat_body))
     grammar = await compiled_grammar(catalog, chat_body, "text.format", tools)
-    params = openai_params(admission, len(prompt_ids), body.max_output_tokens, chat_body, grammar=grammar)
+    params = openai_params(admission, len(prompt_ids), body.max_output_tokens, chat_body,
+                           grammar=answer_grammar(catalog, reasoning, grammar))
     prepared = await admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
                                                timeout_s=body.timeout_s)
     formatter = ResponsesFormatter(body.model or catalog.model_name, body.echoed(), tools, reasoning=reasoning)
-    answer = await respond(budgeted(responder, catalog, reasoning), prepared, "responses", formatter, body.stream, done_marker=False)
+    answer = await respond(budgeted(responder, catalog, reasoning, grammar), prepared, "responses", formatter, body.stream,
+                           done_marker=False)
     if body.store:
         keep = functools.partial(_keep, responses, tenant, formatter, input_items)
         if isinstance(answer, StreamingResponse):

@@ -160,3 +160,29 @@ def test_a_streamed_answer_in_one_call_counts_what_it_generated() -> None:
 
     asyncio.run(streamed())
     assert request.num_generated_tokens == 3 and request.route  # what a cancelled stream would bill
+
+
+ANSWER_GRAMMAR, WRAPPED_GRAMMAR = "start: \"4\"", "start: thought @answer"
+
+
+def grammar_budgeted(scripts: list[list[str]], budget: int, max_tokens: int) -> tuple[list[Delta], list[WorkerCall]]:
+    """A whole answer under a grammar: the first call's is the wrapped one, `ANSWER_GRAMMAR` the answer's own."""
+    inner = ScriptedDispatcher(scripts)
+    dispatcher = BudgetedDispatcher(inner, budget, CLOSING, CLOSING_TEXT, lambda: ReasoningSplitter(THINK, True),
+                                    ANSWER_GRAMMAR)
+    first = prepared(max_tokens)
+    first.call = replace(first.call, params=replace(first.call.params, grammar=WRAPPED_GRAMMAR))
+    return asyncio.run(dispatcher.collect(first)), inner.calls
+
+
+def test_under_a_grammar_the_call_after_the_budget_follows_the_answers_grammar_alone() -> None:
+    deltas, calls = grammar_budgeted([["a", "b", "c"], ["4"]], budget=2, max_tokens=10)
+    assert [c.params.grammar for c in calls] == [WRAPPED_GRAMMAR, ANSWER_GRAMMAR]  # not restarted inside a thought
+    assert "".join(d.text for d in deltas) == "ab" + CLOSING_TEXT + "4"
+
+
+def test_under_a_grammar_an_answer_the_budget_cut_is_not_resumed() -> None:
+    # the thinking ended before the budget: a new call could not take the grammar up mid-answer
+    deltas, calls = grammar_budgeted([["x", "</think>", "{", "\"n\""], ["never"]], budget=3, max_tokens=10)
+    assert len(calls) == 1 and deltas[-1].finish_reason == "length"
+    assert "".join(d.text for d in deltas) == "x</think>{"

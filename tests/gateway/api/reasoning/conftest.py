@@ -2,7 +2,8 @@
 tests of this package share one per module. Its template opens the think block in the prompt when
 thinking is on (as Qwen3's thinking-only and DeepSeek-R1's templates do), so a random model's whole
 answer is thinking until a budget ends it; off, the template writes an empty think block, and an
-answer a grammar forces to hold `<think>...</think>` is split as a Qwen3 answer is."""
+answer a grammar forces to hold `<think>...</think>` is split as a Qwen3 answer is (on, a grammar
+binds only what follows the thinking)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ NO_SWITCH_TEMPLATE = (
     "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
 )
-# what a grammar makes the model say: a Qwen3 answer, thinking first
+# what a grammar makes the model say with thinking OFF (the grammar then binds the whole answer): a
+# Qwen3 answer, thinking first
+OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 FORCED = "<think>\nI add two and two.\n</think>\n\nIt is four."
 FORCED_GRAMMAR = 'root ::= "<think>\\nI add two and two.\\n</think>\\n\\nIt is four."'
 

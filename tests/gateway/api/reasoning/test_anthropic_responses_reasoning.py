@@ -41,6 +41,14 @@ def test_anthropic_thinking_off_or_adaptive(client) -> None:
     assert [b["type"] for b in adaptive["content"]] == ["thinking", "text"] and adaptive["content"][1]["text"] == ""
 
 
+def test_anthropic_structured_output_binds_the_text_after_the_thinking(client) -> None:
+    schema = {"type": "object", "properties": {"n": {"enum": [4]}}, "required": ["n"], "additionalProperties": False}
+    out = message(client, max_tokens=40, ignore_eos=False, thinking={"type": "enabled", "budget_tokens": 4},
+                  output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert [b["type"] for b in out["content"]] == ["thinking", "text"] and out["content"][0]["thinking"]
+    assert json.loads(out["content"][1]["text"]) == {"n": 4} and out["stop_reason"] == "end_turn"
+
+
 def test_anthropic_streams_a_thinking_block_with_its_signature(client) -> None:
     body = {"model": "tiny", "messages": ASK, **GREEDY, "max_tokens": 40, "thinking": {"type": "enabled", "budget_tokens": 5}}
     seen = events(client, "/v1/messages", ANTHROPIC, body)

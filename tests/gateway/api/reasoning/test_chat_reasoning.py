@@ -11,12 +11,14 @@ import pytest
 from gateway.api.openai.formats import ChatFormatter
 from gateway.reasoning import THINK, ReasoningPlan
 from gateway.tool_calls import HERMES, Function, ToolPlan
-from tests.gateway.api.reasoning.conftest import FORCED, FORCED_GRAMMAR, NO_SWITCH_TEMPLATE
+from tests.gateway.api.reasoning.conftest import FORCED, FORCED_GRAMMAR, NO_SWITCH_TEMPLATE, OFF
 from tests.gateway.gateway_setup import auth
 from worker.contract.calls import Delta, Usage
 
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]
 GREEDY = {"temperature": 0, "seed": 7}
+SCHEMA = {"type": "object", "properties": {"n": {"enum": [4]}}, "required": ["n"], "additionalProperties": False}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
 
 
 def chat(client, **body):
@@ -44,7 +46,7 @@ def input_tokens(client, **body) -> int:
 
 
 def test_a_qwen3_answer_is_split_into_reasoning_content_and_content(client) -> None:
-    out = chat(client, grammar=FORCED_GRAMMAR, max_tokens=120)
+    out = chat(client, grammar=FORCED_GRAMMAR, max_tokens=120, **OFF)
     message, usage = out["choices"][0]["message"], out["usage"]
     assert message["reasoning_content"] == "I add two and two." and message["content"] == "It is four."
     assert out["choices"][0]["finish_reason"] == "stop"
@@ -53,16 +55,16 @@ def test_a_qwen3_answer_is_split_into_reasoning_content_and_content(client) -> N
 
 
 def test_streamed_the_split_is_the_same_and_no_marker_reaches_the_content(client) -> None:
-    reasoning, content, usage = stream(client, grammar=FORCED_GRAMMAR, max_tokens=120)
+    reasoning, content, usage = stream(client, grammar=FORCED_GRAMMAR, max_tokens=120, **OFF)
     assert (reasoning, content) == ("I add two and two.", "It is four.")
     # (how many tokens spell the forced text is the model's choice, so counts are compared within an answer)
     assert 0 < usage["completion_tokens_details"]["reasoning_tokens"] < usage["completion_tokens"]
 
 
 def test_reasoning_format_none_leaves_the_thinking_in_the_content(client) -> None:
-    message = chat(client, grammar=FORCED_GRAMMAR, max_tokens=120, reasoning_format="none")["choices"][0]["message"]
+    message = chat(client, grammar=FORCED_GRAMMAR, max_tokens=120, reasoning_format="none", **OFF)["choices"][0]["message"]
     assert message["content"] == FORCED and "reasoning_content" not in message
-    _, content, usage = stream(client, grammar=FORCED_GRAMMAR, max_tokens=120, reasoning_format="none")
+    _, content, usage = stream(client, grammar=FORCED_GRAMMAR, max_tokens=120, reasoning_format="none", **OFF)
     assert content == FORCED and usage["completion_tokens_details"]["reasoning_tokens"] == 0
 
 
@@ -128,12 +130,36 @@ def test_the_switch_renders_and_thinking_off_closes_a_block_the_template_opened(
     assert "reasoning_content" not in plain["choices"][0]["message"]  # ... and after it, once closed
 
 
-def test_a_grammar_holds_the_answer_not_the_thinking(client) -> None:
-    schema = {"type": "object", "properties": {"n": {"enum": [4]}}, "required": ["n"], "additionalProperties": False}
-    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
-    for template in ({}, {"chat_template": NO_SWITCH_TEMPLATE}):  # thinking turned off by the switch, or closed
-        message = chat(client, response_format=fmt, max_tokens=30, **template)["choices"][0]["message"]
-        assert json.loads(message["content"]) == {"n": 4} and "reasoning_content" not in message, template
+@pytest.mark.parametrize("template", [{}, {"chat_template": NO_SWITCH_TEMPLATE}])
+def test_a_schema_binds_the_answer_after_the_thinking(client, template) -> None:
+    # thinking stays on under a grammar; the budget ends the random model's thinking, and the call
+    # after it follows the schema alone (were the grammar restarted there, it would think again)
+    body = {"response_format": FORMAT, "max_tokens": 40, "thinking_budget_tokens": 4, **template}
+    out = chat(client, **body)
+    message = out["choices"][0]["message"]
+    assert message["reasoning_content"] and json.loads(message["content"]) == {"n": 4}
+    assert out["choices"][0]["finish_reason"] == "stop"
+    reasoning, content, _ = stream(client, **body)
+    assert (reasoning, content) == (message["reasoning_content"], message["content"])
+
+
+def test_under_a_grammar_thinking_is_left_on_and_may_run_to_max_tokens(client) -> None:
+    assert apply_template(client, response_format=FORMAT).endswith("<|im_start|>assistant\n<think>\n")
+    out = chat(client, response_format=FORMAT, max_tokens=6)  # the thought never ends: no answer, as llama-server
+    message = out["choices"][0]["message"]
+    assert message["reasoning_content"] and message["content"] == "" and out["choices"][0]["finish_reason"] == "length"
+    for off in (OFF, {"reasoning_effort": "none"}, {"chat_template": NO_SWITCH_TEMPLATE, **OFF}):
+        message = chat(client, response_format=FORMAT, max_tokens=30, **off)["choices"][0]["message"]
+        assert json.loads(message["content"]) == {"n": 4} and "reasoning_content" not in message, off
+
+
+def test_required_tools_are_called_after_the_thinking(client) -> None:
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {},
+                                                                                  "additionalProperties": False}}}]
+    out = chat(client, tools=tools, tool_choice="required", max_tokens=120, thinking_budget_tokens=3)
+    message = out["choices"][0]["message"]
+    assert message["reasoning_content"] and [c["function"]["name"] for c in message["tool_calls"]] == ["get_time"]
+    assert out["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_history_reasoning_content_is_templated(client) -> None:

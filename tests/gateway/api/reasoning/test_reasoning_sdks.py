@@ -6,7 +6,7 @@ from __future__ import annotations
 import anthropic
 import openai
 
-from tests.gateway.api.reasoning.conftest import FORCED_GRAMMAR
+from tests.gateway.api.reasoning.conftest import FORCED_GRAMMAR, OFF
 from tests.gateway.gateway_setup import KEYS
 
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -15,12 +15,12 @@ ASK = [{"role": "user", "content": "What is 2 + 2?"}]
 def test_the_openai_sdk_reads_reasoning_content_from_a_live_server(url) -> None:
     sdk = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS["t1"], max_retries=0)
     out = sdk.chat.completions.create(model="tiny", messages=ASK, max_tokens=120, temperature=0,
-                                      extra_body={"grammar": FORCED_GRAMMAR})
+                                      extra_body={"grammar": FORCED_GRAMMAR, **OFF})
     assert out.choices[0].message.content == "It is four."
     assert out.choices[0].message.model_extra["reasoning_content"] == "I add two and two."
     assert out.usage.completion_tokens_details.reasoning_tokens > 0
     chunks = list(sdk.chat.completions.create(model="tiny", messages=ASK, max_tokens=120, temperature=0, stream=True,
-                                              extra_body={"grammar": FORCED_GRAMMAR}))
+                                              extra_body={"grammar": FORCED_GRAMMAR, **OFF}))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == "I add two and two."
     assert "".join(d.content or "" for d in deltas) == "It is four."
