@@ -11,7 +11,7 @@ per round. Printed: decode tokens/s of each and their ratio, the small tier's hi
 that found their adapter on the device), the p50/p99 of a promotion, and the bytes each held.
 
 And the process's memory against what the replicas are budgeted: its RSS once both replicas are open
-(models, KV cache, runtime: what the tiers add to), its peak RSS (sampled, and ru_maxrss), and the
+(models, KV cache, runtime: what the tiers add to), its peak RSS (sampled, and VmHWM), and the
 growth past the first against the bytes the tiers hold. `--no-memory-bound` runs the replicas without
 worker/residency/memory.py's bound (reads on the default executor, any number of malloc arenas, no trim):
 arenas are the process's, so the two are compared across two runs of the same command.
@@ -124,7 +124,7 @@ async def take_adapters(workers: dict[str, ShardWorker], fingerprints: list[str]
 
 class PeakRSS:
     """The process's RSS, sampled on a thread of its own from `start` (the peak between two samples is in
-    ru_maxrss, printed beside it)."""
+    VmHWM, printed beside it)."""
 
     def __init__(self) -> None:
         self.opened_bytes = self.peak_bytes = 0
@@ -205,7 +205,7 @@ def print_memory(args: argparse.Namespace, workers: list[ShardWorker], rss: Peak
           f"{trim_s * 1e3:.0f} ms in all): "
           f"RSS {rss.opened_bytes / mib:.0f} MiB with both replicas open (models {model_bytes / mib:.0f} MiB, KV cache, "
           f"runtime); tiers hold {tiers_bytes / mib:.0f} MiB")
-    print(f"peak RSS {rss.peak_bytes / mib:.0f} MiB (ru_maxrss {memory.peak_rss_bytes() / mib:.0f} MiB): "
+    print(f"peak RSS {rss.peak_bytes / mib:.0f} MiB (VmHWM {memory.peak_rss_bytes() / mib:.0f} MiB): "
           f"{growth / mib:.0f} MiB past the replicas open, {(growth - tiers_bytes) / mib:+.0f} MiB past the tiers' bytes, "
           f"growth/tiers {growth / max(1, tiers_bytes):.3f}")
 

@@ -105,20 +105,29 @@ class HostMemory:
             self.readers.shutdown(wait=False, cancel_futures=True)
 
 
-def rss_bytes() -> int:
-    """This process's resident memory now (Linux; 0 elsewhere)."""
+def _status_bytes(field: str) -> int | None:
+    """A `/proc/self/status` memory line (`VmRSS:`, `VmHWM:`) in bytes; None where there is none (not Linux)."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except OSError:
-        return 0
-    return 0
+        return None
+    return None
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux; 0 elsewhere)."""
+    return _status_bytes("VmRSS:") or 0
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory: ru_maxrss (KiB on Linux, bytes on macOS), or the RSS now where
-    that is higher (Linux updates ru_maxrss's high-water mark lazily)."""
+    """This process's peak resident memory: Linux's VmHWM, the high-water mark of this program's own memory.
+    Not ru_maxrss there: it outlives exec, so a process started from a large one (a test run's subprocess)
+    reports its parent's peak. Elsewhere ru_maxrss (bytes on macOS)."""
+    hwm = _status_bytes("VmHWM:")
+    if hwm is not None:
+        return max(hwm, rss_bytes())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return max(peak if sys.platform == "darwin" else peak * 1024, rss_bytes())
+    return peak if sys.platform == "darwin" else peak * 1024
