@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.sim.autoscalers import SCALERS
-from bench.sim.elastic import compare, fewest_shards, scaling_table
+from bench.sim.elastic import compare, fewest, fewest_shards, scaling_table
 from bench.sim.fleet import Fleet, place
 from bench.sim.plots import write_report
 from bench.sim.profile import DEFAULT_PROFILE, CostProfile, load_profile
@@ -59,16 +59,7 @@ def capacity(fleet: FleetScenario, max_replicas: int, router: str, **kwargs) -> 
         return simulate(fleet, n, [router], **kwargs)[0]["good_admitted_share"] >= GOOD_SHARE
 
     low = max(1, math.ceil(len(fleet.scenario.adapters.names) * fleet.sim.redundancy / fleet.sim.max_adapters_per_replica))
-    if not meets(max_replicas):
-        return None
-    high = max_replicas
-    while low < high:
-        middle = (low + high) // 2
-        if meets(middle):
-            high = middle
-        else:
-            low = middle + 1
-    return high
+    return fewest(meets, low, max_replicas)
 
 
 def describe(scenario: Scenario, profile: CostProfile, slo: SLO) -> str:

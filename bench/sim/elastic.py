@@ -12,7 +12,7 @@ share within the SLO is GOOD_SHARE is found by binary search.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.sim.fleet import Fleet, Placement, place
@@ -99,7 +99,14 @@ def smallest_fixed(fleet: FleetScenario, most: int, profile: CostProfile, slo: S
         rows[n] = run_fixed(fleet, n, profile, slo, routing)
         return rows[n]["good_admitted_share"] >= GOOD_SHARE
 
-    low, high = fewest_shards(fleet), most
+    high = fewest(meets, fewest_shards(fleet), most)
+    if high is None:
+        return None
+    return rows[high] if high in rows else run_fixed(fleet, high, profile, slo, routing)
+
+
+def fewest(meets: Callable[[int], bool], low: int, high: int) -> int | None:
+    """The fewest n in [low, high] that `meets` (monotone in n: a binary search); None if `high` does not."""
     if not meets(high):
         return None
     while low < high:
@@ -108,7 +115,7 @@ def smallest_fixed(fleet: FleetScenario, most: int, profile: CostProfile, slo: S
             high = middle
         else:
             low = middle + 1
-    return rows[high] if high in rows else run_fixed(fleet, high, profile, slo, routing)
+    return high
 
 
 def compare(fleet: FleetScenario, policies: Sequence[str], profile: CostProfile, slo: SLO, most_fixed: int,

@@ -12,7 +12,7 @@ import yaml
 
 import bench.sim.autoscalers as autoscalers
 import gateway.policy.autoscale as autoscale
-from bench.sim.elastic import run_fixed, run_scaled, scaled_placement
+from bench.sim.elastic import fewest, run_fixed, run_scaled, scaled_placement
 from bench.sim.profile import CostProfile
 from bench.sim.report import SLO
 from bench.sim.workload import FleetScenario, parse_fleet_scenario
@@ -108,3 +108,14 @@ def test_the_command_compares_the_policies_and_refuses_a_duration_within_the_war
         assert cli_main(["simulate", "--scenario", str(path), "--duration-s", duration]) == 2
         err = capsys.readouterr().err
         assert "must be longer than the scenario's warm-up (5 s)" in err and "Traceback" not in err
+
+
+def test_fewest_finds_the_first_count_that_meets_and_none_past_the_most() -> None:
+    asked: list[int] = []
+
+    def meets(n: int) -> bool:
+        asked.append(n)
+        return n >= 7
+
+    assert fewest(meets, 1, 20) == 7 and len(asked) <= 6  # a binary search, not a walk
+    assert fewest(meets, 7, 7) == 7 and fewest(meets, 1, 6) is None
