@@ -11,38 +11,14 @@ from __future__ import annotations
 import pytest
 
 from cache.prefix import PrefixCache, PrefixCacheConfig
-from tests.helpers import TEST_DEVICE
-from tests.tinymodels import invocation_metadata, random_lora, write_adapter
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig, SpeculativeConfig
 from worker.engine import prefix_kv
 from worker.engine.engine import Engine, EngineRequest
-from worker.engine.runner import ModelRunner
 from worker.engine.speculative.speculator import Speculator
-from worker.formats.gguf_file import GGUFFile
 from worker.formats.grammar import json_schema_grammar
-from worker.formats.tokenizer import GGUFTokenizer
 
-ATTN = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "blk.1.attn_output.weight"]
-MLP = ["blk.0.ffn_up.weight", "blk.1.ffn_down.weight"]
-INVOCATION = [250, 12]
 NGRAM = SpeculativeConfig(method="ngram", max_draft=4, is_adaptive=False)
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_llama, tmp_path_factory) -> ModelRunner:
-    d = tmp_path_factory.mktemp("spec")
-    paths = [
-        write_adapter(d / "a.gguf", random_lora(tiny_llama, ATTN, 4, seed=61)),
-        write_adapter(d / "b.gguf", random_lora(tiny_llama, ATTN + MLP, 8, seed=62), alpha=4.0),
-        write_adapter(d / "alora.gguf", random_lora(tiny_llama, ATTN, 4, seed=63), metadata=invocation_metadata(INVOCATION)),
-    ]
-    return ModelRunner.from_paths(tiny_llama.path, paths, TEST_DEVICE)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama) -> GGUFTokenizer:
-    return GGUFTokenizer(GGUFFile(tiny_llama.path))
 
 
 class Oracle:
@@ -68,7 +44,7 @@ class Oracle:
 
 def requests(params: SamplingParams) -> list[EngineRequest]:
     prompts = [[5, 77, 140, 3, 200, 9, 31], [8, 1, 99, 42, 17, 250, 12, 60, 61], [30, 31, 32], [40, 41, 42, 43, 250, 12, 44], [100, 101]]
-    scales = [{0: 1.0}, {2: 1.0}, {0: 1.0, 1: -0.7}, {2: 1.0, 1: 0.5}, {}]
+    scales = [{0: 1.0}, {3: 1.0}, {0: 1.0, 1: -0.7}, {3: 1.0, 1: 0.5}, {}]  # 3: the aLoRA (tests/worker/engine/conftest.py)
     return [EngineRequest(f"r{i}", p, params, s) for i, (p, s) in enumerate(zip(prompts, scales))]
 
 
