@@ -72,13 +72,13 @@ def _tail(catalog: Catalog, prompt_ids: list[int]) -> str:
     return "".join(token_str(catalog.tokenizer, t) for t in prompt_ids[-TAIL_TOKENS:])
 
 
-def plan_of(catalog: Catalog, body: Any, prompt_ids: list[int], thinking: bool | None) -> ReasoningPlan:
+def plan_of(catalog: Catalog, body: Any, starts_inside: bool, thinking: bool | None) -> ReasoningPlan:
+    """The reasoning plan of a chat body whose prompt ends inside a think block when `starts_inside`."""
     tags = catalog.reasoning_tags
     if tags is None:
         return NO_REASONING
-    tail = _tail(catalog, prompt_ids)
     budget = body.thinking_budget if thinking is not False else None
-    return ReasoningPlan(tags, opens_thinking(tail, tags), budget, is_split=body.reasoning_format != "none",
+    return ReasoningPlan(tags, starts_inside, budget, is_split=body.reasoning_format != "none",
                          may_think=thinking is not False)
 
 
@@ -88,10 +88,12 @@ async def reasoning_prompt(catalog: Catalog, body: Any,
     incoming.chat_prompt) and its reasoning plan."""
     thinking = thinking_of(catalog, body)
     tools, prompt_ids = await chat_prompt(catalog, body, thinking, rendering)
-    if _closes_thinking(catalog, _tail(catalog, prompt_ids), thinking):
-        prompt_ids = prompt_ids + catalog.tokenizer.encode(catalog.reasoning_tags.end, add_special=False,
-                                                           parse_special=True)
-    return tools, prompt_ids, plan_of(catalog, body, prompt_ids, thinking)
+    tags = catalog.reasoning_tags
+    starts_inside = tags is not None and opens_thinking(_tail(catalog, prompt_ids), tags)
+    if starts_inside and thinking is False:  # closed here: the answer begins after the (empty) thinking
+        prompt_ids = prompt_ids + catalog.tokenizer.encode(tags.end, add_special=False, parse_special=True)
+        starts_inside = False
+    return tools, prompt_ids, plan_of(catalog, body, starts_inside, thinking)
 
 
 async def reasoning_text(catalog: Catalog, body: Any, rendering: ChatRendering | None = None) -> str:

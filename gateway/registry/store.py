@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from worker.formats.adapter import AdapterError, LoRAAdapter, load_adapter
-from worker.formats.chat_template import ChatTemplateError, compiled
+from worker.formats.chat_template import ChatTemplate, ChatTemplateError
 from worker.formats.gguf_file import GGUFFile, GGUFFormatError
 from worker.formats.hparams import UnsupportedModelError
 from worker.formats.peft_convert import ConversionError, ConvertOptions, convert_peft_to_gguf
@@ -53,7 +53,7 @@ def check_gguf(path: Path, base: GGUFFile) -> LoRAAdapter:
         raise InvalidAdapter(_scrub(f"not a GGUF adapter file: {e}", path)) from e
     if adapter.chat_template is not None:
         try:
-            compiled(adapter.chat_template)
+            ChatTemplate(adapter.chat_template)  # a check only: renders compile it with the model's BOS and EOS
         except ChatTemplateError as e:
             raise InvalidAdapter(f"adapter.chat_template: {e}") from e
     return adapter

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 MAX_LOGIT_BIAS = 1024  # biased tokens per request, a string's tokens counted (OpenAI allows 300 entries)
 MAX_CHOICES = 16  # n and best_of: choices per request (each takes a KV sequence slot of its own; a worker has few)
+MAX_DRAFT_TOKENS = 16  # speculative drafts per step a request may ask for
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,10 @@ class SamplingParams:
             raise ValueError(f"repeat_penalty must be in (0, 10], got {self.repeat_penalty}")
         if self.penalty_last_n < -1:
             raise ValueError(f"penalty_last_n must be >= -1, got {self.penalty_last_n}")
-        if self.max_draft_tokens is not None and not 0 <= self.max_draft_tokens <= 16:
-            raise ValueError(f"max_draft_tokens must be between 0 and 16, got {self.max_draft_tokens}")
-        if not 0 <= self.min_draft_tokens <= 16:
-            raise ValueError(f"min_draft_tokens must be between 0 and 16, got {self.min_draft_tokens}")
+        if self.max_draft_tokens is not None and not 0 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"max_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {self.max_draft_tokens}")
+        if not 0 <= self.min_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"min_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {self.min_draft_tokens}")
         if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 

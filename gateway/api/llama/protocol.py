@@ -31,7 +31,7 @@ from gateway.api.openai.protocol import (
     _Generation,
     stops_of,
 )
-from worker.contract.params import MAX_LOGIT_BIAS
+from worker.contract.params import MAX_DRAFT_TOKENS, MAX_LOGIT_BIAS
 
 MAX_LLAMA_STOP = 16
 # llama-server sampler fields we do not run, and the values that leave them off
@@ -120,8 +120,8 @@ class LlamaCompletionRequest(_Generation):
     # [[token, bias], ...] or {"token": bias}; a token is an id or a string (each of its tokens); bias false bans
     logit_bias: list[list[Any]] | dict[str, Any] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # speculative decoding, where the worker's config turns it on: drafts per step at most, and fewer are not verified
-    speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0, le=16)
-    speculative_n_min: int = Field(0, alias="speculative.n_min", ge=0, le=16)
+    speculative_n_max: int | None = Field(None, alias="speculative.n_max", ge=0, le=MAX_DRAFT_TOKENS)
+    speculative_n_min: int = Field(0, alias="speculative.n_min", ge=0, le=MAX_DRAFT_TOKENS)
 
     def bias_entries(self) -> list[tuple[int | str, float]]:
         """(token id or text, bias) with `false` as -100 (a ban)."""

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.reasoning import ReasoningFields
-from worker.contract.params import MAX_CHOICES, MAX_LOGIT_BIAS
+from worker.contract.params import MAX_CHOICES, MAX_DRAFT_TOKENS, MAX_LOGIT_BIAS
 from worker.formats.adapter import MAX_CHAT_TEMPLATE_CHARS
 from worker.formats.chat_template import RESERVED_NAMES
 
@@ -124,8 +124,9 @@ class _Sampling(_Generation):
     @field_validator("speculative")
     @classmethod
     def _draft_bound(cls, value: bool | int | None) -> bool | int | None:
-        if not isinstance(value, bool) and value is not None and not 0 <= value <= 16:
-            raise ValueError(f"speculative is true, false or a number of drafts between 0 and 16, got {value}")
+        if not isinstance(value, bool) and value is not None and not 0 <= value <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"speculative is true, false or a number of drafts between 0 and {MAX_DRAFT_TOKENS}, "
+                             f"got {value}")
         return value
 
     @property
