@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import replace
@@ -58,8 +57,7 @@ def capacity(fleet: FleetScenario, max_replicas: int, router: str, **kwargs) -> 
     def meets(n: int) -> bool:
         return simulate(fleet, n, [router], **kwargs)[0]["good_admitted_share"] >= GOOD_SHARE
 
-    low = max(1, math.ceil(len(fleet.scenario.adapters.names) * fleet.sim.redundancy / fleet.sim.max_adapters_per_replica))
-    return fewest(meets, low, max_replicas)
+    return fewest(meets, fewest_shards(fleet), max_replicas)
 
 
 def describe(scenario: Scenario, profile: CostProfile, slo: SLO) -> str:

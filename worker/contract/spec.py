@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from cache.blobs import BlobStoreConfig
 from cache.prefix import PrefixCacheConfig
+from worker.contract.params import MAX_DRAFT_TOKENS
 from worker.contract.tracing import TracingSettings
 
 DTYPES = ("float32", "float16", "bfloat16")  # compute (and KV) dtypes
@@ -46,8 +47,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
-        if not 1 <= self.max_draft <= 16:
-            raise ValueError(f"speculative.max_draft must be between 1 and 16, got {self.max_draft}")
+        if not 1 <= self.max_draft <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"speculative.max_draft must be between 1 and {MAX_DRAFT_TOKENS}, got {self.max_draft}")
         if not 1 <= self.ngram_min <= self.ngram_max <= 16:
             raise ValueError(f"speculative needs 1 <= ngram_min <= ngram_max <= 16, got {self.ngram_min} and {self.ngram_max}")
         if not 0 <= self.min_acceptance < 1:

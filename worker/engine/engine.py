@@ -248,7 +248,9 @@ class Engine:
         drafted, verifying = self._drafted.get(seq.key), ()
         if drafted is not None and sample is not None:
             *verifying, sample = draft_samples(sample, seq.token_ids, seq.num_prompt_tokens, drafted)
-        return SpanInput(seq.seq_slot, span.start, seq.token_ids[span.start : span.start + span.length] + list(span.drafts),
+        token_ids = seq.token_ids[span.start : span.start + span.length]
+        token_ids += span.drafts
+        return SpanInput(seq.seq_slot, span.start, token_ids,
                          choice.adapters, sample, params.logprobs, targets, None if span.fork_of is None else position[span.fork_of],
                          tuple(verifying))
 
@@ -373,8 +375,8 @@ class Engine:
         first = now if choice.first_token_s is None else choice.first_token_s
         result.prompt_time_s, result.decode_time_s = first - choice.arrived_s, now - first
         result.queue_time_s = (choice.first_step_s or now) - choice.arrived_s
-        if self.prefix is not None and reason in ("stop", "length") and choice.seq.seq_slot is not None:
-            self.prefix.store([Span(choice.seq, choice.seq.num_computed, 0)], self.kv)  # what its last pass accepted
+        if self.prefix is not None and self.speculator is not None and reason in ("stop", "length") and choice.seq.seq_slot is not None:
+            self.prefix.store([Span(choice.seq, choice.seq.num_computed, 0)], self.kv)  # the drafts its last pass accepted
         self.scheduler.finish(choice.seq)
         if self.prefix is not None:
             self.prefix.forget(choice.key)

@@ -337,7 +337,8 @@ def _assemble(spans: Sequence[SpanInput], host: list[np.ndarray]) -> list[SpanOu
         for _ in span.prompt_targets:
             out.prompt_logprobs.append(_entry(int(targets[lp]), chosen[lp], top_ids, top_values, lp, k))
             lp += 1
-        for picked in [*(SpanOutput() for _ in span.draft_samples), *([out] if span.sample is not None else [])]:
+        out.verified = [SpanOutput() for _ in span.draft_samples]
+        for picked in [*out.verified, out] if span.sample is not None else out.verified:
             token = int(sampled[s])
             s += 1
             picked.is_finite = token != -1
@@ -346,8 +347,6 @@ def _assemble(spans: Sequence[SpanInput], host: list[np.ndarray]) -> list[SpanOu
             if span.logprobs is not None:
                 picked.logprob = _entry(token, chosen[lp], top_ids, top_values, lp, k) if token >= 0 else None
                 lp += 1
-            if picked is not out:
-                out.verified.append(picked)
         outputs.append(out)
     return outputs
 

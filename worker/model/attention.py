@@ -124,7 +124,7 @@ class AttentionPlan:
                 for d in range(s.length):
                     if d == len(depths):
                         depths.append([])
-                    depths[d].append(Segment(s.seq_slot, s.row + d, 1, s.start + d))
+                    depths[d].append(s if s.length == 1 else Segment(s.seq_slot, s.row + d, 1, s.start + d))
         decodes = [DecodeGroup.build(group, device, window) for group in depths]
         is_decode_only = (len(decodes) == 1 and decodes[0].is_all_span and not chunks
                           and [s.row for s in depths[0]] == list(range(len(depths[0]))))

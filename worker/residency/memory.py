@@ -17,8 +17,6 @@ bench/bench_tiers.py prints against the tiers' bytes. mallopt and malloc_trim ar
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import functools
 import resource
 import sys
@@ -29,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
+from worker.model.host_memory import glibc
+
 READER_THREADS = 2  # reads, host halves and copies to the device; more only queue behind one another on a host's cores
 MAX_ARENAS = 4  # the engine's thread, the readers, the event loop's: more arenas only hold more freed bytes
 TRIM_AFTER_BYTES = 64 << 20  # evicted bytes between two malloc_trim calls (one walks every arena: ~ms)
@@ -38,32 +38,16 @@ T = TypeVar("T")
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-
-
-@functools.cache
 def bound_arenas(max_arenas: int = MAX_ARENAS) -> bool:
     """Keep at most `max_arenas` malloc arenas in this process from now on (once); False without glibc."""
-    libc = _libc()
-    if libc is None:
-        return False
-    libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(libc.mallopt(_M_ARENA_MAX, max_arenas))
+    libc = glibc()
+    return libc is not None and bool(libc.mallopt(_M_ARENA_MAX, max_arenas))
 
 
 def trim() -> bool:
     """Hand the free pages of every arena back to the OS; whether any was."""
-    libc = _libc()
-    if libc is None:
-        return False
-    libc.malloc_trim.argtypes, libc.malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
-    return bool(libc.malloc_trim(0))
+    libc = glibc()
+    return libc is not None and bool(libc.malloc_trim(0))
 
 
 class HostMemory:

@@ -61,11 +61,3 @@ def replay_draws(generator: torch.Generator, state: torch.Tensor, num_draws: int
     generator.set_state(state)
     for _ in range(num_draws):
         torch.rand(1, generator=generator, device=generator.device)
-
-
-def accepted_prefix(drafts: Sequence[int], picked: Sequence[int | None]) -> int:
-    """How many drafts the picked tokens agree with, from the first (picked[j] is the target's token where drafts[j] is)."""
-    count = 0
-    while count < len(drafts) and picked[count] == drafts[count]:
-        count += 1
-    return count
