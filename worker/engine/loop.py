@@ -25,6 +25,7 @@ from worker.contract.calls import Delta
 from worker.engine.engine import Engine, EngineRequest
 
 log = logging.getLogger(__name__)
+CLOSE_TIMEOUT_S = 30.0  # how long closing waits for the step in progress (the longest take seconds)
 
 
 class Overloaded(RuntimeError):
@@ -158,11 +159,15 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the engine's thread once its step is done; a thread stuck past `timeout_s` (a daemon) is
+        left behind and said so, rather than holding whoever closes the worker."""
         with self._wake:
             self._closed = True
             self._wake.notify()
-        self._thread.join()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("the engine thread did not stop within %g s; left behind", timeout_s)
 
     def _deliver(self, out: Delta) -> None:
         subscription = self._subscriptions.get(out.request_id)
