@@ -21,8 +21,8 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from gateway.cluster.ray_nodes import JoinError, alive_nodes, call_within, connect, ray_address
-from gateway.config import ConfigError, ServeConfig, load_config
-from gateway.serve import APP_NAME, SERVE_ENV, STOP_POLL_S, build
+from gateway.config import ConfigError, ServeConfig, ShardConfig, load_config
+from gateway.serve import APP_NAME, SERVE_ENV, STOP_POLL_S, build, unservable
 from gateway.state import StateStoreRefused, check_now
 
 if TYPE_CHECKING:
@@ -153,7 +153,7 @@ def _checked(args: argparse.Namespace) -> tuple[ServeConfig, Catalog] | int:
             updates["allow_insecure_bind"] = True
         if updates:
             config = config.model_copy(update={"http": config.http.model_copy(update=updates)})
-        exposed = config.exposure_error()  # the config was checked as written; --host may move it
+        exposed = config.exposure_error() or unservable(config.shards)  # checked as written; --host may move it
         if exposed is not None:
             raise ConfigError(exposed)
         unreachable = check_now(config.state, config.state_redis())  # a store that may lose state: refused here
@@ -176,9 +176,14 @@ def _deploy_and_wait(config: ServeConfig, catalog: Catalog, stop: threading.Even
     else:
         serve.start(http_options={"host": config.http.host, "port": config.http.port},
                     logging_config={"log_level": "WARNING"})
-    total = sum(s.replicas for s in config.shards)
+    total = sum(s.autoscaling.min_replicas if s.autoscaling else s.replicas for s in config.shards)
+
+    def count(shard: ShardConfig) -> str:
+        scaling = shard.autoscaling
+        return f"x{shard.replicas}" if scaling is None else f"x{scaling.min_replicas}..{scaling.max_replicas} (autoscaled)"
+
     print(f"loraplex: deploying {catalog.model_name} on {total} shard replica(s): "
-          + ", ".join(f"{s.name} [{', '.join(s.adapters) or 'base'}] x{s.replicas}" for s in config.shards)
+          + ", ".join(f"{s.name} [{', '.join(s.adapters) or 'base'}] {count(s)}" for s in config.shards)
           + " (each loads the model)...", file=sys.stderr, flush=True)
     started = time.perf_counter()
     failure = _deploy(config, stop)

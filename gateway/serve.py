@@ -20,8 +20,10 @@ from typing import Any
 
 from ray import serve
 
+from gateway.cluster.autoscaling import deployment_autoscaling
 from gateway.cluster.channel import Channels, ReplicaChannel
-from gateway.cluster.pool import WorkerFailed, replica_infos
+from gateway.cluster.membership import UP, Membership, Status
+from gateway.cluster.pool import NotServing, WorkerFailed, replica_infos
 from gateway.cluster.ray_nodes import alive_nodes, this_node
 from gateway.config import ConfigError, ServeConfig, ShardConfig, parse_config
 from gateway.policy.nodes import Node, ReplicaDemand, node_options, spread
@@ -38,6 +40,9 @@ APP_NAME = "loraplex"
 STOP_POLL_S = 0.2
 GATEWAY_STOP_TIMEOUT_S = 15.0
 SHARD_STOP_TIMEOUT_S = 20.0
+# an autoscaled shard's replica scaled down drains first: the gateways send it nothing new and close their
+# channels once its requests are done, which Serve waits for this long at most (then it stops it anyway)
+DRAIN_TIMEOUT_S = 300.0
 
 # Ray Serve's settings for throughput (what its RAY_SERVE_THROUGHPUT_OPTIMIZED turns on, less direct
 # ingress, which moves the HTTP port): user code and the handles' router on each replica's own event
@@ -91,21 +96,58 @@ class ShardReplica:
     async def metrics(self) -> str:
         return self.worker.metrics()
 
+    def record_autoscaling_stats(self) -> dict[str, float]:  # what an autoscaled shard's policy reads (gateway/cluster/autoscaling.py)
+        return self.worker.autoscaling_stats()
+
     def check_health(self) -> None:  # Serve restarts a replica whose engine thread died
         if not self.worker.loop.is_alive():
             raise RuntimeError("the engine loop stopped")
 
 
+def serve_status() -> Status:
+    """Serve's status of each shard replica's deployment, by replica id (gateway/cluster/membership.py)."""
+    app = serve.status().applications.get(APP_NAME)
+    prefix = "shard-"
+    return {name[len(prefix):]: (str(dep.status.value), {str(getattr(k, "value", k)): n for k, n in dep.replica_states.items()})
+            for name, dep in (app.deployments if app else {}).items() if name.startswith(prefix)}
+
+
 class ServePool:
     """The shard replicas behind their Serve handles: requests go over one channel per replica
-    (gateway/cluster/channel.py), opened on first use and again after the replica failed."""
+    (gateway/cluster/channel.py), opened on first use and again after the replica failed. The
+    replicas of autoscaled shards are followed as Serve starts and stops them (`membership`):
+    only those up are routed to or called."""
 
-    def __init__(self, config: ServeConfig, handles: dict[str, Any]) -> None:
+    def __init__(self, config: ServeConfig, handles: dict[str, Any], read_status: Any = serve_status) -> None:
         self.handles = handles
         self.replicas = replica_infos(config)
         self._unresponsive_after_s = config.routing.unresponsive_after_s
         self.channels = Channels(self._open_channel)
         self._streams: dict[str, Any] = {}  # each replica's latest channel stream (a DeploymentResponseGenerator)
+        scaled = {s.name for s in config.shards if s.autoscaling is not None}
+        self.membership = Membership([r.replica_id for r in self.replicas if r.shard in scaled], read_status,
+                                     leaving=self._drain) if scaled else None
+        self._following: Any = None  # the membership's task
+
+    def phase(self, replica_id: str) -> str:
+        """up, or (an autoscaled shard's replica) starting, draining or asleep."""
+        if self.membership is None:
+            return UP
+        if self._following is None or self._following.done():
+            import asyncio
+
+            self._following = asyncio.get_running_loop().create_task(self.membership.run())
+        return self.membership.phase(replica_id)
+
+    def _serving(self, replica_id: str, may_be_joining: bool = False) -> None:
+        """Raise NotServing unless the replica is up (or, `may_be_joining`, Serve runs it: it takes its pins)."""
+        phase = self.phase(replica_id)
+        if phase != UP and not (may_be_joining and self.membership is not None and self.membership.serving.get(replica_id)):
+            raise NotServing(f"replica {replica_id} is {phase}")
+
+    def _drain(self, replica_id: str) -> None:
+        """The replica is being scaled down: its channel takes nothing new and closes once its requests are done."""
+        self.channels.drain(replica_id)
 
     def _open_channel(self, replica_id: str) -> ReplicaChannel:
         handle = self.handles[replica_id]
@@ -129,18 +171,23 @@ class ServePool:
             stream.cancel()
 
     def is_reachable(self, replica_id: str) -> bool:
-        return self.channels.is_reachable(replica_id)
+        return self.phase(replica_id) == UP and self.channels.is_reachable(replica_id)
 
     def stream(self, replica_id: str, call: WorkerCall) -> AsyncIterator[Delta]:
+        if self.phase(replica_id) != UP:  # chosen as it left: another replica takes the request
+            raise WorkerFailed(f"replica {replica_id} is {self.phase(replica_id)}")
         return self.channels.get(replica_id).stream(call)
 
     async def health(self, replica_id: str) -> dict[str, Any]:
+        self._serving(replica_id)
         return await self.handles[replica_id].health.remote()
 
     async def sync(self, replica_id: str, version: int, pins: dict[str, str]) -> dict[str, Any]:
+        self._serving(replica_id, may_be_joining=True)
         return await self.handles[replica_id].sync.remote(version, pins)
 
     async def metrics(self, replica_id: str) -> str:
+        self._serving(replica_id)
         return await self.handles[replica_id].metrics.remote()
 
 
@@ -157,7 +204,10 @@ class GatewayIngress:
 
         self.pool = ServePool(parsed, handles)
         limiter = open_rate_limiter(parsed.state_redis(), parsed.http.gateway_replicas)
-        api.set_process_gateway(Gateway(parsed, Catalog(parsed), self.pool, limiter))
+        gateway = Gateway(parsed, Catalog(parsed), self.pool, limiter)
+        if self.pool.membership is not None:  # a replica that comes up takes its pins before it is routed to
+            self.pool.membership.joined = gateway.registry.push_to
+        api.set_process_gateway(gateway)
         self.listener = None
         if parsed.http.listener == "gateway":  # this replica serves HTTP itself (Serve's proxies are off)
             from gateway.cluster.listener import Listener
@@ -180,6 +230,25 @@ class GatewayIngress:
             self.pool.close()
 
 
+def unservable(shards: Sequence[ShardConfig]) -> str | None:
+    """Why `loraplex serve` refuses these shards' autoscaling, if it does: none may sleep yet."""
+    asleep = [s.name for s in shards if s.autoscaling is not None and s.autoscaling.min_replicas < 1]
+    if not asleep:
+        return None
+    return (f"shards {', '.join(asleep)}: autoscaling.min_replicas 0 is simulated (loraplex simulate) but not served yet: "
+            "nothing would wake a shard asleep on its first request; use min_replicas >= 1")
+
+
+def _shard_options(shard: ShardConfig, index: int) -> dict[str, Any]:
+    """A replica deployment's own options: one replica, or (an autoscaled shard) zero or one as its policy says."""
+    if shard.autoscaling is None:
+        return {"num_replicas": 1}
+    if shard.autoscaling.min_replicas < 1:
+        raise ConfigError(unservable([shard]))
+    return {"autoscaling_config": deployment_autoscaling(shard.name, index, shard.autoscaling),
+            "graceful_shutdown_timeout_s": DRAIN_TIMEOUT_S}
+
+
 def replica_threads(config: ServeConfig) -> int:
     """CPU replicas share the machine's cores (the config's device.threads, when set, wins)."""
     cpu_replicas = sum(s.replicas for s in config.shards if s.num_gpus == 0)
@@ -200,7 +269,8 @@ def build(config: ServeConfig, nodes: Sequence[Node] = ()) -> serve.Application:
     preferred = spread([_demand(shards[r.shard]) for r in replicas], nodes)
     handles = {
         r.replica_id: ShardReplica.options(
-            name=f"shard-{r.replica_id}", num_replicas=1, max_ongoing_requests=max(64, 4 * config.engine.num_seq_slots),
+            name=f"shard-{r.replica_id}", max_ongoing_requests=max(64, 4 * config.engine.num_seq_slots),
+            **_shard_options(shards[r.shard], r.index),
             ray_actor_options={"num_cpus": shards[r.shard].num_cpus, "num_gpus": shards[r.shard].num_gpus,
                                **node_options(node_id, shards[r.shard].node_labels)},
         ).bind(specs[r.shard])

@@ -44,6 +44,8 @@ class ReplicaChannel:
         self._opened.add_done_callback(lambda f: f.exception())  # seen here even when no request waits on it
         self._ended: asyncio.Future[None] = loop.create_future()  # done when the channel fails
         self.failure: WorkerFailed | None = None
+        self.is_draining = False  # the replica is being scaled down (`drain`)
+        self._starting: dict[str, asyncio.Future[Delta | None]] = {}  # requests whose start the replica has not answered
         self._reader = asyncio.create_task(self._read(open_stream(self.id)))
 
     @property
@@ -91,17 +93,30 @@ class ReplicaChannel:
         if asyncio.current_task() is not self._reader:
             self._reader.cancel()
 
-    async def _unless_failed(self, start: Awaitable[Delta | None]) -> Delta | None:
+    def drain(self) -> None:
+        """The replica is being scaled down: requests whose start it has not answered go elsewhere
+        (WorkerFailed; Serve's router holds them, as the replica left it), those running end as
+        they would, and then the channel closes, so that the replica has nothing left to wait for."""
+        self.is_draining = True
+        for starting in self._starting.values():
+            starting.cancel()
+        if not self._queues:
+            self.fail(WorkerFailed("the replica was scaled down"))
+
+    async def _unless_failed(self, start: Awaitable[Delta | None], request_id: str) -> Delta | None:
         """`start`'s answer, or the channel's failure as soon as it fails (a replica that went silent
         would otherwise hold the caller until Ray gave up on it)."""
-        task = asyncio.ensure_future(start)
+        task = self._starting[request_id] = asyncio.ensure_future(start)
         try:
             await asyncio.wait((task, self._ended), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            self._starting.pop(request_id, None)
             if not task.done():  # the channel failed, or the caller left
                 task.cancel()
         if not task.done():
             raise self.failure
+        if task.cancelled():  # `drain`
+            raise WorkerFailed("the replica is being scaled down")
         e = task.exception()
         if e is not None:  # a restarted replica does not know the channel: a new one for the next request
             self.fail(failure_of(e))
@@ -118,7 +133,9 @@ class ReplicaChannel:
         try:
             if self.failure is not None:
                 raise self.failure
-            refusal = await self._unless_failed(self._start(self.id, call))
+            if self.is_draining:
+                raise WorkerFailed("the replica is being scaled down")
+            refusal = await self._unless_failed(self._start(self.id, call), call.request_id)
             if refusal is not None:
                 finished = True
                 yield refusal
@@ -133,6 +150,8 @@ class ReplicaChannel:
             del self._queues[call.request_id]
             if not finished and self.failure is None:  # the client left or the gateway gave up: free the worker's slot
                 self._cancel(self.id, call.request_id)
+            if self.is_draining and not self._queues:  # the last request on a replica scaled down
+                self.fail(WorkerFailed("the replica was scaled down"))
 
 
 class Channels:
@@ -168,6 +187,12 @@ class Channels:
             self._unheard.discard(replica_id)
             return True
         return replica_id not in self._unheard
+
+    def drain(self, replica_id: str) -> None:
+        """The replica is being scaled down (ReplicaChannel.drain); its next channel, if it comes back, is a new one."""
+        channel = self._channels.get(replica_id)
+        if channel is not None:
+            channel.drain()
 
     def fail_all(self, failure: WorkerFailed) -> None:
         for channel in self._channels.values():

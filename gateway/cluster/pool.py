@@ -23,11 +23,17 @@ class ReplicaInfo:
 
     replica_id: str
     shard: str
+    index: int = 0  # which of its shard's replicas (an autoscaled shard scales down the highest first)
 
 
 def replica_infos(config: ServeConfig) -> list[ReplicaInfo]:
-    """Every replica of every shard, named `<shard>-<i>` (the Serve deployment is `shard-<shard>-<i>`)."""
-    return [ReplicaInfo(f"{s.name}-{i}", s.name) for s in config.shards for i in range(s.replicas)]
+    """Every replica of every shard (an autoscaled one: as many as it may have), named `<shard>-<i>` (the
+    Serve deployment is `shard-<shard>-<i>`)."""
+    return [ReplicaInfo(f"{s.name}-{i}", s.name, i) for s in config.shards for i in range(s.replicas)]
+
+
+class NotServing(ConnectionError):
+    """A replica of an autoscaled shard that does not serve now (starting, draining or asleep): it is not called."""
 
 
 class WorkerFailed(RuntimeError):

@@ -32,7 +32,7 @@ from typing import Any
 
 from cache.blobs import BlobStore, BlobStoreError, open_blob_store
 from gateway.catalog import AdapterInfo, Catalog
-from gateway.cluster.pool import ReplicaInfo, ShardPool
+from gateway.cluster.pool import NotServing, ReplicaInfo, ShardPool
 from gateway.config import ServeConfig
 from gateway.errors import GatewayError
 from gateway.policy.placement import PlacementError, place_new, rebalance
@@ -202,13 +202,26 @@ class AdapterRegistry:
         wanted = {r.replica_id: self.pins(r.shard, records) for r in replicas or self.replicas}
         await asyncio.gather(*(self._push_one(rid, version, pins) for rid, pins in wanted.items()))
 
-    async def _push_one(self, replica_id: str, version: int, pins: Pins) -> None:
+    async def push_to(self, replica_id: str) -> None:
+        """Give a replica that has just come up (an autoscaled shard's) its pins before any request is
+        routed to it; raise when it did not take them."""
+        shard = next(r.shard for r in self.replicas if r.replica_id == replica_id)
+        await self._push_one(replica_id, self.version, self.pins(shard), must_take=True)
+
+    async def _push_one(self, replica_id: str, version: int, pins: Pins, must_take: bool = False) -> None:
         if self.sync is None:  # workers without pins to change (tests' fakes): they hold what they are given
             self.held[replica_id] = self.resident[replica_id] = frozenset(pins)
             return
         try:
             reply = await asyncio.wait_for(self.sync(replica_id, version, sorted(pins)), self.settings.load_timeout_s)
+        except NotServing as e:  # an autoscaled shard's replica not serving now: it gets its pins when it comes up
+            if must_take:
+                raise
+            log.debug("replica %s not synced: %s", replica_id, e)
+            return
         except Exception as e:  # noqa: BLE001 - whatever the transport raises
+            if must_take:
+                raise
             # a dead or slow worker keeps its last known set; the health check marks it down
             log.warning("replica %s did not take its pins (%s)", replica_id, type(e).__name__)
             return

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from opentelemetry.trace import Tracer
 
+from gateway.cluster.membership import UP
 from gateway.cluster.pool import ShardPool, WorkerFailed
 from gateway.config import ServeConfig
 from gateway.errors import GatewayError
@@ -261,12 +262,20 @@ class Dispatcher:
         """Per shard, its replicas' reports (asking every worker at once, within a timeout), and the
         cache's Redis state over them (ok, degraded, off)."""
         views = self.views()
-        answers = await self._ask_all(self.pool.health(v.replica_id) for v in views)
+        phase_of = getattr(self.pool, "phase", lambda _: UP)  # an autoscaled shard's replicas: up, starting, draining, asleep
+        phases = [phase_of(v.replica_id) for v in views]
+        answers = await self._ask_all(self.pool.health(v.replica_id) for v, phase in zip(views, phases) if phase == UP)
+        answers.reverse()
         shards: dict[str, dict[str, Any]] = {}
         redis_states = set()
-        for view, answer in zip(views, answers):
+        for view, phase in zip(views, phases):
             entry = shards.setdefault(view.shard, {"replicas": [], "healthy": 0})
             report: dict[str, Any] = {"id": view.replica_id, "in_flight": view.in_flight}
+            if phase != UP:  # not asked: it does not serve now, by Serve's autoscaling
+                report.update(healthy=False, phase=phase)
+                entry["replicas"].append(report)
+                continue
+            answer = answers.pop()
             if isinstance(answer, BaseException):  # unreachable, dead, or too slow to answer: down
                 report.update(healthy=False, error=type(answer).__name__)
             else:

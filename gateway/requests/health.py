@@ -24,9 +24,10 @@ class Health:
 
     async def full(self) -> dict[str, Any]:
         shards, redis = await self.dispatcher.replica_health()
-        if not all(s["healthy"] for s in shards.values()):
+        states = [_shard_state(s) for s in shards.values()]
+        if "down" in states:
             status = "down"
-        elif any(s["healthy"] < len(s["replicas"]) for s in shards.values()) or redis == "degraded":
+        elif "degraded" in states or redis == "degraded":
             status = "degraded"
         else:
             status = "ok"
@@ -53,3 +54,14 @@ class Health:
             if why is not None:
                 out[name] = why
         return out
+
+
+def _shard_state(shard: dict[str, Any]) -> str:
+    """ok, degraded (a replica that should serve does not) or down (none serves). An autoscaled shard's
+    replicas that Serve's autoscaling keeps starting, draining or asleep are not expected to serve; a
+    shard all asleep (min_replicas 0) is ok: its first request wakes it."""
+    replicas = shard["replicas"]
+    if not shard["healthy"]:
+        return "ok" if replicas and all(r.get("phase") == "asleep" for r in replicas) else "down"
+    expected = sum(r.get("phase", "up") == "up" for r in replicas)
+    return "degraded" if shard["healthy"] < expected else "ok"

@@ -156,6 +156,10 @@ class EngineLoop:
         pending += sum(item[0].request.params.n for kind, item in list(self._inbox) if kind == "add")
         return max(0, pending - scheduler.num_free_slots)
 
+    def num_queued_adds(self) -> int:
+        """Requests submitted that the engine has not taken yet (an estimate: read outside its thread)."""
+        return sum(1 for kind, _ in list(self._inbox) if kind == "add")
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 

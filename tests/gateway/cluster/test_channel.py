@@ -158,3 +158,37 @@ def test_a_replica_gone_silent_is_unreachable_until_a_new_channel_hears_from_it(
         assert channels.is_reachable("r") and channels.get("r") is not first and len(opened) == 2
 
     asyncio.run(scenario())
+
+
+def test_a_draining_channel_lets_its_requests_finish_sends_nothing_new_and_then_closes(worker) -> None:
+    async def scenario() -> None:
+        channel = channel_to(worker)
+        running = [channel.stream(call(i, max_tokens=20)) for i in range(2)]
+        firsts = [await stream.__anext__() for stream in running]  # both started on the replica
+        channel.drain()
+        assert channel.failure is None  # requests still run on it
+        with pytest.raises(WorkerFailed, match="scaled down"):
+            await tokens(channel.stream(call(5)))  # a new one goes elsewhere
+        rest = await asyncio.gather(*(tokens(stream) for stream in running))
+        assert [len(f.token_ids) + len(r) for f, r in zip(firsts, rest)] == [20, 20]  # they ended as they would
+        assert channel.failure is not None and "scaled down" in str(channel.failure)  # then it closed
+        deadline = time.monotonic() + 10
+        while worker._channels and time.monotonic() < deadline:  # the replica's end closed with it
+            await asyncio.sleep(0.05)
+        assert not worker._channels
+
+    asyncio.run(scenario())
+
+
+def test_a_request_whose_start_is_unanswered_when_the_replica_drains_goes_elsewhere() -> None:
+    async def scenario() -> None:
+        channel = silent_channel(hang_start=True, unresponsive_after_s=30.0)
+        stream = channel.stream(call(1))
+        waiting = asyncio.ensure_future(tokens(stream))
+        await asyncio.sleep(0.2)
+        channel.drain()
+        with pytest.raises(WorkerFailed, match="scaled down"):
+            await asyncio.wait_for(waiting, 5)
+        assert channel.failure is not None  # nothing else ran on it: closed
+
+    asyncio.run(scenario())

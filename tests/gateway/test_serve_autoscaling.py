@@ -1,0 +1,105 @@
+"""An autoscaled shard on a real local Ray Serve (`loraplex serve`, a tiny model): a burst of
+requests scales it up through Serve's autoscaling with our policy (gateway/cluster/autoscaling.py),
+the new replica serves, the end of the burst scales it down again, and no request fails throughout.
+
+Only what must hold is asserted, never a phase at an instant: the replicas' phases are polled
+until they reach what is awaited, within generous bounds (a loaded 2-core machine)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from gateway.cluster.membership import ASLEEP, DRAINING, UP
+from tests.gateway.gateway_setup import digest
+from tests.gateway.serve_process import running_serve
+
+OPERATOR_KEY = "sk-test-autoscale-operator"
+PHASE_WAIT_S = 180.0
+
+
+def phases(url: str) -> dict[str, str]:
+    """Each replica's phase as /health reports it (an answering replica: up)."""
+    health = httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=30).json()
+    return {r["id"]: r.get("phase", UP) for shard in health["shards"].values() for r in shard["replicas"]}
+
+
+def wait_for(url: str, want: dict[str, str], seen: list[dict[str, str]]) -> float:
+    """Seconds until /health shows the phases `want`; every reading goes into `seen`."""
+    started = time.monotonic()
+    while time.monotonic() - started < PHASE_WAIT_S:
+        seen.append(phases(url))
+        if all(seen[-1].get(k) == v for k, v in want.items()):
+            return time.monotonic() - started
+        time.sleep(0.5)
+    pytest.fail(f"the replicas did not reach {want} within {PHASE_WAIT_S:g} s; last seen {seen[-1]}")
+
+
+def routed(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=30).text
+    found = re.findall(r'loraplex_gateway_route_decisions_total\{[^}]*replica="([^"]+)"[^}]*\} ([0-9.e+]+)', text)
+    return {replica: float(value) for replica, value in found}
+
+
+class Load:
+    """`clients` threads sending completions back to back until stopped; every answer's status is kept."""
+
+    def __init__(self, url: str, clients: int) -> None:
+        self.url, self.statuses, self.errors, self._stop = url, [], [], threading.Event()
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+        for thread in self.threads:
+            thread.start()
+
+    def _client(self, i: int) -> None:
+        with httpx.Client(timeout=120) as client:
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                body = {"model": "tiny", "prompt": f"client {i} request {n}", "max_tokens": 24,
+                        "temperature": 0}
+                try:
+                    answer = client.post(f"{self.url}/v1/completions", json=body)
+                    self.statuses.append(answer.status_code)
+                    if answer.status_code != 200:
+                        self.errors.append(answer.text[:300])
+                except httpx.HTTPError as e:
+                    self.statuses.append(type(e).__name__)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self.threads:
+            thread.join(150)
+
+
+def test_a_burst_scales_a_shard_up_through_serve_and_its_end_scales_it_down_with_no_request_failed(tiny_llama, tmp_path) -> None:
+    config = {"model": str(tiny_llama.path), "model_name": "tiny", "adapters": [],
+              "shards": [{"name": "s", "adapters": [], "autoscaling": {
+                  "min_replicas": 1, "max_replicas": 2, "target_utilization": 0.5, "upscale_delay_s": 1.0,
+                  "downscale_delay_s": 4.0, "lead_s": 0.0}}],
+              "engine": {"num_seq_slots": 4}, "cache": {"redis_url": None}, "state": {"ephemeral": True}, "auth": "none",
+              "operator_key_sha256": [digest(OPERATOR_KEY)]}
+    seen: list[dict[str, str]] = []
+    with running_serve(config, tmp_path) as url:
+        wait_for(url, {"s-0": UP, "s-1": ASLEEP}, seen)  # min_replicas: one; the other sleeps
+        load = Load(url, clients=3)
+        try:
+            up_s = wait_for(url, {"s-0": UP, "s-1": UP}, seen)
+            deadline = time.monotonic() + 60
+            while routed(url).get("s-1", 0) < 3 and time.monotonic() < deadline:  # the new replica takes requests
+                time.sleep(0.5)
+        finally:
+            load.stop()
+        assert routed(url).get("s-1", 0) >= 3, routed(url)
+        down_s = wait_for(url, {"s-0": UP, "s-1": ASLEEP}, seen)
+        after = Load(url, clients=1)  # the shard still serves on its one replica
+        time.sleep(2)
+        after.stop()
+    print(f"scaled up {up_s:.1f} s after the burst began; down {down_s:.1f} s after it ended; "
+          f"{len(load.statuses)} requests during the burst, {len(after.statuses)} after")
+    assert load.statuses and after.statuses
+    assert set(load.statuses) == {200} and set(after.statuses) == {200}, (load.errors[:3], after.errors[:3])
+    assert not any(p.get("s-0") in (DRAINING, ASLEEP) for p in seen)  # never below min_replicas
