@@ -10,7 +10,8 @@ config errors (the dataclasses take this model's `extra="forbid"`: pydantic's ru
 stdlib dataclasses without their own config). The file's shape:
 
     engine:   EngineConfig (worker/contract/spec.py)
-    speculative: SpeculativeConfig (same file): method (none, ngram), max_draft, ...; the engine's, off by default
+    speculative: SpeculativeConfig (same file): method (none, ngram, draft), max_draft, draft_model, ...; the
+              engine's, off by default
     device:   DeviceSettings (same file): dtype, weights, threads, decode_threads; the device itself
               is chosen per shard (worker_spec)
     residency: ResidencySettings (same file): device_bytes, device_adapters, host_bytes, disk_bytes
@@ -48,7 +49,7 @@ from gateway.state import StateSettings
 from gateway.state import config_error as state_config_error
 from gateway.state import state_redis as _state_redis
 from worker.contract.spec import (DEFAULT_FINGERPRINT_DIR, DeviceSettings, EngineConfig, ResidencySettings, SpeculativeConfig,
-                                  WorkerSpec)
+                                  WorkerSpec, check_draft_model)
 from worker.contract.tracing import TracingSettings  # gateway/requests/tracing.py's; defined with the workers', who get it too
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -232,7 +233,22 @@ class ServeConfig(_Strict):
         for error in (auth, state_config_error(self.state, self.cache.redis), self.exposure_error()):
             if error is not None:
                 raise ValueError(error)
+        self._check_draft_model()
         return self
+
+    def _check_draft_model(self) -> None:
+        """speculative.draft_model is a file of the model's vocabulary (worker/contract/spec.py), where the
+        model is here to compare with; a worker checks it again when it loads the draft model."""
+        if self.speculative.draft_model is None:
+            return
+        draft = self.resolve(self.speculative.draft_model)
+        try:
+            model = self.model_path()
+        except FileNotFoundError:  # no model on this node (nor the default one): the file alone
+            if not draft.is_file():
+                raise ValueError(f"speculative.draft_model: no such file: {draft}") from None
+            return
+        check_draft_model(model, draft)
 
     def exposure_error(self) -> str | None:
         """Why this config may not listen where it says (gateway/exposure.py); None: it may."""
@@ -268,7 +284,7 @@ class ServeConfig(_Strict):
             adapter_paths=tuple(str(self.adapter_path(name)) for name in spec.adapters),
             # an operator key may make more tenants at run time (gateway/tenancy/accounts.py)
             engine=replace(self.engine, is_multi_tenant=len(self.tenants) > 1 or bool(self.operator_key_sha256),
-                           speculative=self.speculative),
+                           speculative=self.speculative_settings()),
             device=replace(self.device, device=device, threads=self.device.threads or threads),
             cache=self.cache,
             fingerprint_dir=None if self.fingerprint_path() is None else str(self.fingerprint_path()),
@@ -276,6 +292,12 @@ class ServeConfig(_Strict):
             residency=self.residency,
             tracing=self.tracing,
         )
+
+    def speculative_settings(self) -> SpeculativeConfig:
+        """The `speculative` section as a worker takes it: its draft_model resolved against the config's directory."""
+        if self.speculative.draft_model is None:
+            return self.speculative
+        return replace(self.speculative, draft_model=str(self.resolve(self.speculative.draft_model)))
 
     def blob_store(self) -> BlobStoreConfig:
         """The adapter store, with this node's cache in store_dir (the gateway's and each worker's): a

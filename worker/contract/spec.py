@@ -8,6 +8,7 @@ down unchanged.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from cache.blobs import BlobStoreConfig
 from cache.prefix import PrefixCacheConfig
 from worker.contract.params import MAX_DRAFT_TOKENS
 from worker.contract.tracing import TracingSettings
+from worker.formats.gguf_file import GGUFFile, GGUFFormatError
 
 DTYPES = ("float32", "float16", "bfloat16")  # compute (and KV) dtypes
 # auto: f16 on the CPU in float32, dense elsewhere | dense: the compute dtype | f16, q4: CPU formats (worker/model/quant.py)
@@ -29,7 +31,8 @@ def slot_length(configured: int | None, context_length: int) -> int:
     return min(configured or DEFAULT_SLOT_LEN, context_length)
 
 
-SPECULATIVE_METHODS = ("none", "ngram")  # none: off | ngram: drafts looked up in the sequence's own tokens
+# none: off | ngram: drafts looked up in the sequence's own tokens | draft: a smaller model's greedy tokens (draft_model)
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -43,10 +46,18 @@ class SpeculativeConfig:
     ngram_min: int = 1  # ... and the shortest
     min_acceptance: float = 0.2  # a sequence whose recent drafts are accepted less often pauses drafting
     is_adaptive: bool = True  # draft only what the measured step costs say pays (False: always max_draft)
+    # method draft: the draft model's GGUF, of the model's vocabulary (check_draft_model; the serve config's paths are
+    # relative to its file)
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative.draft_model is required with method draft: the path of a GGUF model of the "
+                             "model's vocabulary")
+        if self.method != "draft" and self.draft_model is not None:
+            raise ValueError(f"speculative.draft_model is only used with method draft, got method {self.method!r}")
         if not 1 <= self.max_draft <= MAX_DRAFT_TOKENS:
             raise ValueError(f"speculative.max_draft must be between 1 and {MAX_DRAFT_TOKENS}, got {self.max_draft}")
         if not 1 <= self.ngram_min <= self.ngram_max <= 16:
@@ -57,6 +68,29 @@ class SpeculativeConfig:
     @property
     def is_on(self) -> bool:
         return self.method != "none"
+
+
+def check_draft_model(model_path: str | os.PathLike[str], draft_path: str | os.PathLike[str]) -> None:
+    """ValueError naming speculative.draft_model unless `draft_path` is a GGUF model whose vocabulary
+    is the model's at `model_path`: as many logits (embedding rows) and, where both list their
+    tokens, the same list. A draft is verified as the model's token ids, so they must mean the same."""
+    if not os.path.isfile(draft_path):
+        raise ValueError(f"speculative.draft_model: no such file: {draft_path}")
+    try:
+        draft, model = GGUFFile(draft_path), GGUFFile(model_path)
+    except GGUFFormatError as e:
+        raise ValueError(f"speculative.draft_model: {e}") from e
+    sizes = [f.tensors["token_embd.weight"].ne(1) if "token_embd.weight" in f.tensors else None for f in (draft, model)]
+    if sizes[0] is None:
+        raise ValueError(f"speculative.draft_model: {draft_path} is not a model (it has no token_embd.weight)")
+    if sizes[0] != sizes[1]:
+        raise ValueError(f"speculative.draft_model: {draft_path} has a vocabulary of {sizes[0]} tokens, the model "
+                         f"{model_path} one of {sizes[1]}: a draft model must share the model's vocabulary")
+    draft_tokens, model_tokens = draft.get("tokenizer.ggml.tokens"), model.get("tokenizer.ggml.tokens")
+    if draft_tokens is not None and model_tokens is not None and list(draft_tokens) != list(model_tokens):
+        first = next((i for i, (a, b) in enumerate(zip(draft_tokens, model_tokens)) if a != b), min(len(draft_tokens), len(model_tokens)))
+        raise ValueError(f"speculative.draft_model: {draft_path}'s tokens differ from the model's {model_path} "
+                         f"(first at id {first}): a draft model must share the model's vocabulary")
 
 
 @dataclass(frozen=True)

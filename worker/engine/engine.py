@@ -30,6 +30,7 @@ from worker.engine.request import CheckedRequest, Choice, EngineRequest, Request
 from worker.engine.runner import ModelRunner, SpanInput, SpanOutput
 from worker.engine.scheduler import Scheduler, Span
 from worker.engine.sequence import SequenceState
+from worker.engine.speculative.draft_model import DraftModel
 from worker.engine.speculative.speculator import Speculator, draft_samples
 from worker.engine.speculative.verify import DraftedSpan
 from worker.engine.step_costs import StepCosts
@@ -63,7 +64,11 @@ class Engine:
         self._requests: dict[str, list[Choice]] = {}  # request id -> its choices still running
         self.counters = EngineCounters()
         self.clock = clock
-        self.speculator = Speculator(config.speculative) if config.speculative.is_on else None
+        speculative = config.speculative
+        self.draft_model = (DraftModel.load(speculative.draft_model, runner, config.num_seq_slots, self.slot_len)
+                            if speculative.method == "draft" else None)  # its drafters replace the n-gram index
+        self.speculator = (Speculator(speculative, self.draft_model.new_drafter if self.draft_model is not None else None)
+                           if speculative.is_on else None)
         self._drafted: dict[tuple[str, int], DraftedSpan] = {}  # this step's speculative spans, by sequence key
 
     # requests in
