@@ -22,7 +22,7 @@ from ray.serve.exceptions import RayServeException
 
 from gateway.cluster.ray_nodes import JoinError, alive_nodes, call_within, connect, ray_address
 from gateway.config import ConfigError, ServeConfig, ShardConfig, load_config
-from gateway.serve import APP_NAME, SERVE_ENV, STOP_POLL_S, build, unservable
+from gateway.serve import APP_NAME, SERVE_ENV, STOP_POLL_S, build
 from gateway.state import StateStoreRefused, check_now
 
 if TYPE_CHECKING:
@@ -153,7 +153,7 @@ def _checked(args: argparse.Namespace) -> tuple[ServeConfig, Catalog] | int:
             updates["allow_insecure_bind"] = True
         if updates:
             config = config.model_copy(update={"http": config.http.model_copy(update=updates)})
-        exposed = config.exposure_error() or unservable(config.shards)  # checked as written; --host may move it
+        exposed = config.exposure_error()  # the config was checked as written; --host may move it
         if exposed is not None:
             raise ConfigError(exposed)
         unreachable = check_now(config.state, config.state_redis())  # a store that may lose state: refused here

@@ -13,6 +13,7 @@ gateway replica listens on the HTTP port itself (gateway/cluster/listener.py), o
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -22,7 +23,7 @@ from ray import serve
 
 from gateway.cluster.autoscaling import deployment_autoscaling
 from gateway.cluster.channel import Channels, ReplicaChannel
-from gateway.cluster.membership import UP, Membership, Status
+from gateway.cluster.membership import ASLEEP, STARTING, UP, Membership, Status
 from gateway.cluster.pool import NotServing, WorkerFailed, replica_infos
 from gateway.cluster.ray_nodes import alive_nodes, this_node
 from gateway.config import ConfigError, ServeConfig, ShardConfig, parse_config
@@ -43,6 +44,9 @@ SHARD_STOP_TIMEOUT_S = 20.0
 # an autoscaled shard's replica scaled down drains first: the gateways send it nothing new and close their
 # channels once its requests are done, which Serve waits for this long at most (then it stops it anyway)
 DRAIN_TIMEOUT_S = 300.0
+# a request for a shard asleep (autoscaling with min_replicas 0) wakes it and waits this long at most for a
+# replica to start (the model and the shard's adapters loaded), within its own deadline
+COLD_START_TIMEOUT_S = 120.0
 
 # Ray Serve's settings for throughput (what its RAY_SERVE_THROUGHPUT_OPTIMIZED turns on, less direct
 # ingress, which moves the HTTP port): user code and the handles' router on each replica's own event
@@ -128,14 +132,13 @@ class ServePool:
         self.membership = Membership([r.replica_id for r in self.replicas if r.shard in scaled], read_status,
                                      leaving=self._drain) if scaled else None
         self._following: Any = None  # the membership's task
+        self._waking: dict[str, Any] = {}  # shard -> the call that wakes it (a task)
 
     def phase(self, replica_id: str) -> str:
         """up, or (an autoscaled shard's replica) starting, draining or asleep."""
         if self.membership is None:
             return UP
         if self._following is None or self._following.done():
-            import asyncio
-
             self._following = asyncio.get_running_loop().create_task(self.membership.run())
         return self.membership.phase(replica_id)
 
@@ -144,6 +147,30 @@ class ServePool:
         phase = self.phase(replica_id)
         if phase != UP and not (may_be_joining and self.membership is not None and self.membership.serving.get(replica_id)):
             raise NotServing(f"replica {replica_id} is {phase}")
+
+    def wake(self, replica_ids: Sequence[str]) -> float | None:
+        """A request may go only to these replicas and none is up: where their autoscaled shard is asleep,
+        call its first replica (Serve's router holds the call, its autoscaling starts the replica: its
+        policy sees a request queued for a shard with none); how long to wait for one, or None when
+        none of their shards is asleep or starting (they are down: the usual short wait)."""
+        if self.membership is None:
+            return None
+        shards = {r.shard for r in self.replicas if r.replica_id in replica_ids and r.replica_id in self.membership.phases}
+        coming = False
+        for shard in shards:
+            phases = [self.membership.phase(r.replica_id) for r in self.replicas if r.shard == shard]
+            if all(p == ASLEEP for p in phases) and shard not in self._waking:
+                self._waking[shard] = asyncio.ensure_future(self._wake(shard))
+            coming = coming or all(p in (ASLEEP, STARTING) for p in phases)
+        return COLD_START_TIMEOUT_S if coming else None
+
+    async def _wake(self, shard: str) -> None:
+        try:
+            await asyncio.wait_for(self.handles[f"{shard}-0"].health.remote(), COLD_START_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the requests waiting for it give up on their own bound
+            log.warning("shard %s did not wake within %g s (%s: %s)", shard, COLD_START_TIMEOUT_S, type(e).__name__, e)
+        finally:
+            self._waking.pop(shard, None)
 
     def _drain(self, replica_id: str) -> None:
         """The replica is being scaled down: its channel takes nothing new and closes once its requests are done."""
@@ -230,21 +257,10 @@ class GatewayIngress:
             self.pool.close()
 
 
-def unservable(shards: Sequence[ShardConfig]) -> str | None:
-    """Why `loraplex serve` refuses these shards' autoscaling, if it does: none may sleep yet."""
-    asleep = [s.name for s in shards if s.autoscaling is not None and s.autoscaling.min_replicas < 1]
-    if not asleep:
-        return None
-    return (f"shards {', '.join(asleep)}: autoscaling.min_replicas 0 is simulated (loraplex simulate) but not served yet: "
-            "nothing would wake a shard asleep on its first request; use min_replicas >= 1")
-
-
 def _shard_options(shard: ShardConfig, index: int) -> dict[str, Any]:
     """A replica deployment's own options: one replica, or (an autoscaled shard) zero or one as its policy says."""
     if shard.autoscaling is None:
         return {"num_replicas": 1}
-    if shard.autoscaling.min_replicas < 1:
-        raise ConfigError(unservable([shard]))
     return {"autoscaling_config": deployment_autoscaling(shard.name, index, shard.autoscaling),
             "graceful_shutdown_timeout_s": DRAIN_TIMEOUT_S}
 

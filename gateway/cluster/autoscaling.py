@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from gateway.policy.autoscale import AutoscalingSettings, ScalingState, ShardLoad, decide
@@ -77,17 +77,25 @@ class ShardScaler:
         self.reports: dict[int, ReplicaReport] = {}
         self.wanted: int | None = None
         self.decided_s: float | None = None
+        self.answered: dict[int, int] = {}  # what it last answered for each deployment
 
     def replicas_for(self, report: ReplicaReport, now_s: float) -> int:
         """The replicas (0 or 1) of the deployment `report` is about. The shard's current count is
         what it last decided (the other deployments' reports are a tick old: their targets may not
-        show it yet); at first, the targets Serve has."""
+        show it yet); at first, the targets Serve has. A deployment Serve gave a replica that this
+        scaler had answered 0 for was started by Serve itself (its cold start: a request queued at a
+        handle for a deployment with none): the shard has it now, and was busy."""
         self.reports[report.index] = report
+        if (self.wanted is not None and report.index >= self.wanted and report.is_wanted
+                and self.answered.get(report.index) == 0):
+            self.wanted = report.index + 1
+            self.state = replace(self.state, busy_s=now_s)
         if self.wanted is None or self.decided_s is None or now_s - self.decided_s >= TICK_S:
             current = self.wanted if self.wanted is not None else sum(r.is_wanted for r in self.reports.values())
             self.wanted, self.state = decide(shard_load(self.reports, current), current, self.settings, self.state, now_s)
             self.decided_s = now_s
-        return 1 if report.index < self.wanted else 0
+        self.answered[report.index] = answer = 1 if report.index < self.wanted else 0
+        return answer
 
 
 _SCALERS: dict[tuple[str, str], ShardScaler] = {}  # by (application, shard), in the controller's process

@@ -45,8 +45,10 @@ def _framing(formatter: Formatter) -> tuple[Callable[[JSONObject | str], bytes],
 
 
 def route_headers(prepared: Prepared) -> dict[str, str]:
-    return {"x-loraplex-shard": prepared.route.get("shard", ""),
-            "x-loraplex-replica": prepared.route.get("replica", "")}
+    headers = {"x-loraplex-shard": prepared.route.get("shard", ""), "x-loraplex-replica": prepared.route.get("replica", "")}
+    if prepared.cold_start_s:  # it waited for a replica of a shard asleep to start (its timings count the wait too)
+        headers["x-loraplex-cold-start-ms"] = str(round(prepared.cold_start_s * 1e3))
+    return headers
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ class Prepared:
     admitted_s: float  # when it was admitted, on the gateway's clock (its deadline counts from here)
     hold: Hold  # what it holds of the tenant's limits until it ends
     route: dict[str, str] = field(default_factory=dict)  # filled once routed: replica, shard
+    cold_start_s: float = 0.0  # how long it waited for a replica of an autoscaled shard to start (one asleep)
     num_generated_tokens: int = 0  # what its workers generated so far (what a request cancelled after it ran used)
 
     @property

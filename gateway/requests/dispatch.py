@@ -128,19 +128,30 @@ class Dispatcher:
     async def _until_reachable(self, prepared: Prepared, tried: set[str], left_s: float | None) -> None:
         """Wait, up to `unresponsive_after_s` and within what is left of the request's deadline, for
         a replica that may take it to be reachable again (one that went silent under a burst of load
-        is heard from again as soon as it answers a new channel): better late than refused."""
+        is heard from again as soon as it answers a new channel): better late than refused. Where the
+        replicas that may take it are asleep or starting (an autoscaled shard), the pool wakes them and
+        says how long a start may take: the wait is that long, and the answer says what it waited
+        (`Prepared.cold_start_s`)."""
         loop = asyncio.get_running_loop()
-        wait_s = self.routing.unresponsive_after_s if left_s is None else min(self.routing.unresponsive_after_s, left_s)
-        until = loop.time() + wait_s
-        while loop.time() < until:
-            await asyncio.sleep(REACHABLE_POLL_S)
-            try:
-                candidates(self.views(), prepared.scales_by_fingerprint, exclude=tried)
-                return
-            except NoneReachable:
-                continue
-            except NoCandidateError:
-                return
+        holding = [v.replica_id for v in self.views() if frozenset(prepared.scales_by_fingerprint) <= v.fingerprints]
+        starting_s = getattr(self.pool, "wake", lambda _: None)(holding)
+        wait_s = self.routing.unresponsive_after_s if starting_s is None else max(starting_s, self.routing.unresponsive_after_s)
+        wait_s = wait_s if left_s is None else min(wait_s, left_s)
+        started = loop.time()
+        until = started + wait_s
+        try:
+            while loop.time() < until:
+                await asyncio.sleep(REACHABLE_POLL_S)
+                try:
+                    candidates(self.views(), prepared.scales_by_fingerprint, exclude=tried)
+                    return
+                except NoneReachable:
+                    continue
+                except NoCandidateError:
+                    return
+        finally:
+            if starting_s is not None:
+                prepared.cold_start_s += loop.time() - started
 
     def _deadline(self, call: WorkerCall) -> float | None:
         """When (event-loop time) the gateway stops waiting for the worker: a little past the worker's own deadline."""
@@ -177,6 +188,9 @@ class Dispatcher:
                 async with aclosing(_until(self.pool.stream(replica.replica_id, attempt.call), self._deadline(call))) as deltas:
                     async for delta in deltas:
                         prepared.num_generated_tokens += len(delta.token_ids)
+                        if prepared.cold_start_s and delta.is_finished:  # its wait for a replica's start is its queue's
+                            delta = replace(delta, queue_time_s=delta.queue_time_s + prepared.cold_start_s,
+                                            prompt_time_s=delta.prompt_time_s + prepared.cold_start_s)
                         if delta.finish_reason is not None:
                             self.metrics.choice_finished(prepared.tenant.id, adapter, delta)
                         if is_first:

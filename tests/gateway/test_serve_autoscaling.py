@@ -1,6 +1,8 @@
-"""An autoscaled shard on a real local Ray Serve (`loraplex serve`, a tiny model): a burst of
-requests scales it up through Serve's autoscaling with our policy (gateway/cluster/autoscaling.py),
-the new replica serves, the end of the burst scales it down again, and no request fails throughout.
+"""Autoscaled shards on a real local Ray Serve (`loraplex serve`, a tiny model): a burst of
+requests scales a shard up through Serve's autoscaling with our policy (gateway/cluster/autoscaling.py),
+the new replica serves, the end of the burst scales it down again, and no request fails throughout;
+a shard with `min_replicas: 0` sleeps, its first request wakes it (and says how long it waited),
+and it sleeps again once idle.
 
 Only what must hold is asserted, never a phase at an instant: the replicas' phases are polled
 until they reach what is awaited, within generous bounds (a loaded 2-core machine)."""
@@ -15,11 +17,12 @@ import httpx
 import pytest
 
 from gateway.cluster.membership import ASLEEP, DRAINING, UP
-from tests.gateway.gateway_setup import digest
+from tests.gateway.gateway_setup import ATTN, digest
+from tests.tinymodels import random_lora, write_adapter
 from tests.gateway.serve_process import running_serve
 
 OPERATOR_KEY = "sk-test-autoscale-operator"
-PHASE_WAIT_S = 180.0
+PHASE_WAIT_S = 300.0  # a replica's start on a loaded 2-core machine has taken 150 s
 
 
 def phases(url: str) -> dict[str, str]:
@@ -48,7 +51,8 @@ def routed(url: str) -> dict[str, float]:
 class Load:
     """`clients` threads sending completions back to back until stopped; every answer's status is kept."""
 
-    def __init__(self, url: str, clients: int) -> None:
+    def __init__(self, url: str, clients: int, model: str = "tiny") -> None:
+        self.model = model
         self.url, self.statuses, self.errors, self._stop = url, [], [], threading.Event()
         self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
         for thread in self.threads:
@@ -59,7 +63,7 @@ class Load:
             n = 0
             while not self._stop.is_set():
                 n += 1
-                body = {"model": "tiny", "prompt": f"client {i} request {n}", "max_tokens": 24,
+                body = {"model": self.model, "prompt": f"client {i} request {n}", "max_tokens": 24,
                         "temperature": 0}
                 try:
                     answer = client.post(f"{self.url}/v1/completions", json=body)
@@ -75,17 +79,19 @@ class Load:
             thread.join(150)
 
 
-def test_a_burst_scales_a_shard_up_through_serve_and_its_end_scales_it_down_with_no_request_failed(tiny_llama, tmp_path) -> None:
-    config = {"model": str(tiny_llama.path), "model_name": "tiny", "adapters": [],
+def test_a_burst_scales_a_shard_up_and_its_end_down_and_a_shard_asleep_wakes_on_its_first_request(tiny_llama, tmp_path) -> None:
+    write_adapter(tmp_path / "z.gguf", random_lora(tiny_llama, ATTN, 4, seed=5))
+    config = {"model": str(tiny_llama.path), "model_name": "tiny", "adapters": [{"name": "z", "path": "z.gguf"}],
               "shards": [{"name": "s", "adapters": [], "autoscaling": {
                   "min_replicas": 1, "max_replicas": 2, "target_utilization": 0.5, "upscale_delay_s": 1.0,
-                  "downscale_delay_s": 4.0, "lead_s": 0.0}}],
+                  "downscale_delay_s": 4.0, "lead_s": 0.0}},
+                  {"name": "z", "adapters": ["z"], "autoscaling": {"min_replicas": 0, "max_replicas": 1, "idle_s": 5.0}}],
               "engine": {"num_seq_slots": 4}, "cache": {"redis_url": None}, "state": {"ephemeral": True}, "auth": "none",
               "operator_key_sha256": [digest(OPERATOR_KEY)]}
     seen: list[dict[str, str]] = []
     with running_serve(config, tmp_path) as url:
-        wait_for(url, {"s-0": UP, "s-1": ASLEEP}, seen)  # min_replicas: one; the other sleeps
-        load = Load(url, clients=3)
+        wait_for(url, {"s-0": UP, "s-1": ASLEEP, "z-0": ASLEEP}, seen)  # min_replicas: one, and none for z
+        load = Load(url, clients=4)
         try:
             up_s = wait_for(url, {"s-0": UP, "s-1": UP}, seen)
             deadline = time.monotonic() + 60
@@ -98,8 +104,18 @@ def test_a_burst_scales_a_shard_up_through_serve_and_its_end_scales_it_down_with
         after = Load(url, clients=1)  # the shard still serves on its one replica
         time.sleep(2)
         after.stop()
+
+        woken = httpx.post(f"{url}/v1/completions", timeout=200,
+                           json={"model": "z", "prompt": "wake up", "max_tokens": 4, "temperature": 0})
+        assert woken.status_code == 200, woken.text
+        assert woken.headers["x-loraplex-replica"] == "z-0" and int(woken.headers["x-loraplex-cold-start-ms"]) > 0
+        assert woken.json()["timings"]["prompt_ms"] >= int(woken.headers["x-loraplex-cold-start-ms"])  # its wait is in its timings
+        again = httpx.post(f"{url}/v1/completions", timeout=60, json={"model": "z", "prompt": "still up", "max_tokens": 4})
+        assert again.status_code == 200 and "x-loraplex-cold-start-ms" not in again.headers
+        asleep_s = wait_for(url, {"z-0": ASLEEP}, seen)  # idle_s without a request: it sleeps again
     print(f"scaled up {up_s:.1f} s after the burst began; down {down_s:.1f} s after it ended; "
-          f"{len(load.statuses)} requests during the burst, {len(after.statuses)} after")
+          f"{len(load.statuses)} requests during the burst, {len(after.statuses)} after; a cold start waited "
+          f"{woken.headers['x-loraplex-cold-start-ms']} ms; asleep again {asleep_s:.1f} s after")
     assert load.statuses and after.statuses
     assert set(load.statuses) == {200} and set(after.statuses) == {200}, (load.errors[:3], after.errors[:3])
     assert not any(p.get("s-0") in (DRAINING, ASLEEP) for p in seen)  # never below min_replicas

@@ -137,3 +137,15 @@ def test_a_shard_is_down_only_when_none_of_its_replicas_that_should_serve_does()
     assert _shard_state({"healthy": 1, "replicas": [up, {"healthy": False}]}) == "degraded"  # one that should serve does not
     assert _shard_state({"healthy": 0, "replicas": [{"healthy": False, "phase": "starting"}]}) == "down"
     assert _shard_state({"healthy": 0, "replicas": [{"healthy": False, "phase": "asleep"}] * 2}) == "ok"
+
+
+def test_a_replica_serve_started_itself_for_a_request_queued_is_the_shards_and_is_not_stopped_at_once() -> None:
+    settings = AutoscalingSettings(min_replicas=0, max_replicas=1, idle_s=5.0)
+    scaler = ShardScaler(settings)
+    assert scaler.replicas_for(report(0, False, False), 100.0) == 0  # asleep, long idle
+    assert scaler.replicas_for(report(0, False, False), 200.0) == 0
+    # Serve's cold start gave it a replica (a request queued at a handle), before its records come
+    assert scaler.replicas_for(ReplicaReport(0, True, True, {}), 201.0) == 1
+    assert scaler.replicas_for(ReplicaReport(0, True, True, {}), 203.0) == 1  # not idle yet: it was woken for a request
+    assert scaler.replicas_for(report(0), 207.0) == 0  # idle_s without a request: asleep again
+    assert scaler.replicas_for(report(0, False, True), 207.5) == 0  # draining: not taken back
