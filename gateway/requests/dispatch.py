@@ -304,8 +304,10 @@ class Dispatcher:
         return shards, redis
 
     async def full_metrics(self) -> str:
-        """The gateway's metrics and every replica's (asked all at once, within a timeout)."""
-        replicas = self.pool.replicas
+        """The gateway's metrics and every serving replica's (asked all at once, within a timeout; an
+        autoscaled shard's replicas that Serve keeps starting, draining or asleep are not asked)."""
+        phase_of = getattr(self.pool, "phase", lambda _: UP)
+        replicas = [r for r in self.pool.replicas if phase_of(r.replica_id) == UP]
         answers = await self._ask_all(self.pool.metrics(r.replica_id) for r in replicas)
         texts = {}
         for replica, answer in zip(replicas, answers):

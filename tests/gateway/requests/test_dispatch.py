@@ -13,6 +13,7 @@ from gateway.catalog import Catalog
 from gateway.compose import Gateway
 from gateway.errors import GatewayError
 from gateway.policy.routing import candidates, choose
+from gateway.requests.health import _shard_state
 from gateway.tenancy.ratelimit import RateLimiter
 from tests.gateway.fake_pool import FakePool
 from tests.gateway.gateway_setup import tiny_config
@@ -256,3 +257,52 @@ def test_an_adapter_gone_between_its_resolution_and_admission_is_a_404_not_a_500
         assert refused.value.status == 404 and refused.value.code == "adapter_not_found"
 
     asyncio.run(scenario())
+
+
+class Scaled(FakePool):
+    """Replicas of an autoscaled shard in the phases `phases` (gateway/cluster/membership.py): one not up is
+    never called, and can be woken (gateway/serve.py: ServePool)."""
+
+    def __init__(self, config, phases: dict[str, str]) -> None:
+        super().__init__(config)
+        self.phases, self.asked, self.woken = phases, [], []
+
+    def phase(self, replica_id: str) -> str:
+        return self.phases.get(replica_id, "up")
+
+    def is_reachable(self, replica_id: str) -> bool:
+        return self.phase(replica_id) == "up"
+
+    async def health(self, replica_id: str):
+        self.asked.append(replica_id)
+        return {"cache": {"redis": "off"}}
+
+    async def metrics(self, replica_id: str):
+        self.asked.append(replica_id)
+        return ""
+
+    def wake(self, replica_ids):
+        self.woken.append(sorted(replica_ids))
+        for replica_id in replica_ids:
+            self.phases[replica_id] = "up"  # at once here: Serve's start, as the membership would see it
+        return 30.0
+
+
+def test_replicas_that_do_not_serve_by_autoscaling_are_not_asked_and_their_shard_is_not_down(config) -> None:
+    pool = Scaled(config, {"s1-1": "draining", "s2-0": "asleep"})
+    gateway = Gateway(config, Catalog(config), pool, RateLimiter())
+    health = asyncio.run(gateway.health.full())
+    asyncio.run(gateway.dispatcher.full_metrics())
+    assert sorted(pool.asked) == ["s1-0", "s1-0"]  # health and metrics, of the only replica up
+    assert health["status"] != "down"  # s1 serves on the one it should; s2 is asleep, not down
+    assert [_shard_state(shard) for shard in health["shards"].values()] == ["ok", "ok"]
+    assert {r["id"]: r.get("phase") for r in health["shards"]["s1"]["replicas"]} == {"s1-0": None, "s1-1": "draining"}
+
+
+def test_a_request_for_a_shard_asleep_wakes_it_and_says_how_long_it_waited(config) -> None:
+    pool = Scaled(config, {"s2-0": "asleep"})
+    gateway = Gateway(config, Catalog(config), pool, RateLimiter())
+    prepared = prepare(gateway, {"b": 1.0})  # only s2 holds b
+    deltas = asyncio.run(gateway.dispatcher.collect(prepared))
+    assert pool.woken == [["s2-0"]] and prepared.route["replica"] == "s2-0"
+    assert prepared.cold_start_s > 0 and deltas[-1].prompt_time_s >= prepared.cold_start_s
