@@ -27,12 +27,13 @@ STOP_TIMEOUT_S = 60
 
 
 class Topology:
-    def __init__(self, head_cpus: int = 1, head_labels: str = "") -> None:
+    def __init__(self, head_cpus: int = 1, head_labels: str = "", subnet: str = "10.77.0") -> None:
+        """`subnet`: the network's /24 (netns.Network): another than a topology running beside this one's."""
         missing = netns.available()
         if missing is not None:
             raise RuntimeError(missing)
         self.root = Path(tempfile.mkdtemp(prefix="lpx", dir="/tmp"))  # short: Ray's socket paths live under it
-        self.network = netns.Network(self.root)
+        self.network = netns.Network(self.root, subnet)
         self._stops: list = []
         self._saved_env: dict[str, str | None] = {}
         try:
