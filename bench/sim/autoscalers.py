@@ -8,11 +8,18 @@ after their own formulas:
   at the shard's replicas (running and queued), averaged over `look_back_period_s` (30 s), divided
   by `target_ongoing_requests`; a change asked for `upscale_delay_s` (30 s) or `downscale_delay_s`
   (600 s) in a row is made whole (scaling factors 1), and from zero replicas at once.
-- `knative`: Knative's KPA, the concurrency autoscaler KServe uses (and llm-d's queue-depth
-  scaling is alike): concurrency averaged over a stable window (60 s) and a panic window (6 s),
-  divided by the target per replica; the panic window's count, once it reaches twice the replicas
-  ready, rules for a stable window and never scales down meanwhile; it decides every 2 s, down at
-  most by half each time.
+- `knative`: Knative's KPA, the concurrency autoscaler of KServe's serverless mode: concurrency
+  averaged over a stable window (60 s) and a panic window (6 s), divided by the target per replica;
+  the panic window's count, once it reaches twice the replicas ready, rules for a stable window and
+  never scales down meanwhile; it decides every 2 s, down at most by half each time.
+- `queue-depth`: KEDA driving a Kubernetes HPA on the engine's queue depth and running requests, as
+  KServe's LLM autoscaling and llm-d's queue-depth path configure it: every 15 s (the HPA's sync
+  period) each metric asks for ceil(its sum over the ready replicas / its target per replica), 5
+  waiting requests (llm-d's queueLengthThreshold; here those waiting for their adapter's load count
+  too) and the running requests' target; the larger wins, a metric within 10% of its target keeps
+  the count (the HPA's tolerance), up by at most
+  max(4, 100%) a sync, down to the highest count asked over the last 300 s (its stabilization
+  window).
 
 Every peer aims at the same share of the replicas' KV slots as ours (`target_utilization`), so that
 what differs is what each reads and how it damps, not the target; each is bounded by the shard's
@@ -155,6 +162,46 @@ class Knative:
         return min(max(desired, s.min_replicas), s.max_replicas)
 
 
-SCALERS: dict[str, Callable[[AutoscalingSettings], Fixed | Ours | ServeDefault | Knative]] = {
-    cls.name: cls for cls in (Ours, Fixed, ServeDefault, Knative)
+class QueueDepth:
+    """KEDA's HPA on queue depth and running requests: the larger ask, tolerance, 300 s down window."""
+
+    name = "queue-depth"
+    sync_s = 15.0
+    waiting_per_replica = 5.0
+    tolerance = 0.1
+    stabilization_s = 300.0  # down: the highest count asked over this long
+
+    def __init__(self, settings: AutoscalingSettings) -> None:
+        self.settings = settings
+        self.asked: deque[tuple[float, int]] = deque()
+        self.decided_s = float("-inf")
+
+    def decide(self, sample: ShardSample, now_s: float) -> int:
+        s, current, load = self.settings, sample.current, sample.load
+        if now_s - self.decided_s < self.sync_s - 1e-9:
+            return current
+        self.decided_s = now_s
+        if current == 0:  # KEDA's activation: from zero at the first request
+            return max(1, s.min_replicas) if sample.ongoing else 0
+        totals = ((load.num_running, s.target_utilization * sample.slots_per_replica),
+                  (load.num_waiting + load.num_queued, self.waiting_per_replica))
+        desired = max(self._asked(total, target, current) for total, target in totals)
+        self.asked.append((now_s, desired))
+        while self.asked[0][0] <= now_s - self.stabilization_s:
+            self.asked.popleft()
+        if desired > current:
+            desired = min(desired, current + max(4, current))
+        else:
+            desired = min(current, max(n for _, n in self.asked))  # the window's highest ask, never up from here
+        return min(max(desired, s.min_replicas, 1), s.max_replicas)
+
+    def _asked(self, total: float, target: float, current: int) -> int:
+        """An external metric's replicas (the HPA's AverageValue): its sum over the target, within tolerance kept."""
+        if abs(total / (target * current) - 1) <= self.tolerance:
+            return current
+        return math.ceil(total / target - 1e-9)
+
+
+SCALERS: dict[str, Callable[[AutoscalingSettings], Fixed | Ours | ServeDefault | Knative | QueueDepth]] = {
+    cls.name: cls for cls in (Ours, Fixed, ServeDefault, Knative, QueueDepth)
 }

@@ -32,8 +32,8 @@ def add_simulate(sub: Subparsers) -> None:
                    help="with --device-adapters: N adapters in each host's memory, the others loaded from below it")
     p.add_argument("--eps", type=float, metavar="E", help="ours: the bounded-load slack (routing.eps; default 0.25)")
     p.add_argument("--capacity", action="store_true", help="instead: the fewest replicas (up to --replicas) meeting the SLO, per router")
-    p.add_argument("--autoscale", metavar="P,Q", help="instead: shards scaled by each policy (ours, fixed, serve-default, knative), "
-                   "their replica-seconds and SLO share beside the fewest fixed replicas (up to --replicas) meeting the SLO")
+    p.add_argument("--autoscale", metavar="P,Q", help="instead: shards scaled by each policy (ours, fixed, serve-default, knative, "
+                   "queue-depth), their replica-seconds and SLO share beside the fewest fixed replicas (up to --replicas) meeting the SLO")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--out", metavar="DIR", help="also write report.json, report.md and plots (PNG) there")
     p.set_defaults(handler="bench.sim.cli:run")

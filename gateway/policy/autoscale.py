@@ -1,11 +1,10 @@
 """How many replicas a shard should have (docs/architecture.md#autoscaling): `decide`, a pure
 function of what the shard's replicas report (`ShardLoad`), the shard's `AutoscalingSettings`,
 the timers it keeps between calls (`ScalingState`) and the clock, passed in. Torch-free and
-Ray-free: a Ray Serve `AutoscalingPolicy` calls it with a load built from its context's metrics
-and its `policy_state` (`ScalingState.as_dict`/`from_dict`), and the fleet simulator
-(bench/sim/scaling.py) calls it as it is. Serve applies its deployment's own delays and scaling
-factors to a custom policy's answer (ray/serve/autoscaling_policy.py: _apply_autoscaling_config):
-that wiring sets them to 0 and 1, so that the timers here are the only ones.
+Ray-free: on Ray Serve, the shard's deployments' custom `AutoscalingPolicy` calls it once per tick
+with a load built from their replicas' records (gateway/cluster/autoscaling.py: Serve's own delays
+0 and factors 1 there, so the timers here are the only ones), and the fleet simulator
+(bench/sim/scaling.py) calls it as it is.
 """
 
 from __future__ import annotations
@@ -33,8 +32,9 @@ class AutoscalingSettings:
     target_utilization: float = 0.8
     ttft_slo_s: float = 1.0  # time to first token: a recent p90 above it asks for more replicas
     upscale_delay_s: float = 2.0  # demand above the target this long: every replica it asks for, at once
-    downscale_delay_s: float = 60.0  # demand below the lower target this long: one replica fewer (then again)
-    downscale_margin: float = 0.15  # the lower target: target_utilization - margin (no flapping around one line)
+    # demand below the lower target this long: down to the most replicas it fit in meanwhile (about a replica's start)
+    downscale_delay_s: float = 30.0
+    downscale_margin: float = 0.1  # the lower target: target_utilization - margin (no flapping around one line)
     idle_s: float = 300.0  # with min_replicas 0: no request this long, and the last replica goes
     lead_s: float = 20.0  # how far ahead a growing demand is followed: about a new replica's start, fetches included
     backlog_s: float = 0.5  # queued prompt work (seconds of prefill) per replica beyond which it counts as full
@@ -91,7 +91,8 @@ class ShardLoad:
 @dataclass(frozen=True)
 class ScalingState:
     """What `decide` remembers between calls: since when it has wanted more or fewer replicas
-    (None: not now), the demand's moving average and trend, and when the shard was last busy."""
+    (None: not now), and meanwhile the most replicas the demand fit in, the demand's moving average
+    and trend, and when the shard was last busy."""
 
     up_since_s: float | None = None
     down_since_s: float | None = None
@@ -99,6 +100,7 @@ class ScalingState:
     demand: float | None = None  # KV slots asked for, averaged (FAST_HALF_LIFE_S)
     demand_slow: float | None = None  # the same over SLOW_HALF_LIFE_S
     seen_s: float | None = None  # the last call
+    down_to: int | None = None  # since down_since_s, the most replicas the demand fit in: the count it goes down to
 
     def as_dict(self) -> dict[str, float | None]:
         """Plain data (a Serve policy's `policy_state`)."""
@@ -111,8 +113,8 @@ class ScalingState:
 
 def with_replicas(shard: object, most_allowed: int) -> object:
     """A config's shard section (a mapping) with `autoscaling`: its `replicas` is the section's
-    max_replicas (`replicas` alone gives it; both given must agree), which is deployed until Serve's
-    autoscaling is wired (docs/configuration.md#autoscaling)."""
+    max_replicas (`replicas` alone gives it; both given must agree): the replicas it may have, each a
+    Serve deployment of zero or one replica (gateway/cluster/autoscaling.py)."""
     scaling = shard.get("autoscaling") if isinstance(shard, dict) else None
     if not isinstance(shard, dict) or not isinstance(scaling, dict):
         return shard
@@ -166,7 +168,7 @@ def wanted(load: ShardLoad, settings: AutoscalingSettings, state: ScalingState) 
     if (is_late or load.backlog_s > settings.backlog_s) and not load.num_starting:  # the outcome itself, or its cause queued
         up = max(up, load.num_ready + 1)
     lower = settings.target_utilization - settings.downscale_margin
-    fits = math.ceil(max(now, slow) / (slots_each * lower) - 1e-9)  # what it asked for lately fits too
+    fits = math.ceil(now / (slots_each * lower) - 1e-9)
     return up, fits
 
 
@@ -191,10 +193,14 @@ def decide(load: ShardLoad, current: int, settings: AutoscalingSettings, state: 
 
     Up fast: every replica asked for at once, after `upscale_delay_s` of asking (none from zero when
     a request waits); while replicas start, more only if twice the count is asked for (the queue
-    their start lets grow would ask again for what is already coming). Down carefully: one replica
-    at a time, only after `downscale_delay_s` of demand that fits one fewer at the lower target
-    (target - margin: no flapping around one line), never while a replica is starting; to zero
-    only with `min_replicas` 0 after `idle_s` without a request.
+    their start lets grow would ask again for what is already coming). Down damped, but the whole
+    way: once the demand has fit fewer replicas at the lower target (target - margin: no flapping
+    around one line) for `downscale_delay_s`, to the most it fit in over that time, several at once
+    (a demand that fell by half lets half go, as Serve's default policy and Knative's do after
+    their delays); the delay is about a replica's start, as one let go and wanted back within its
+    start cost more than it saved; never while a replica is starting (the count it is about to
+    have is not measured yet); those let go drain what they hold (the caller's part); to zero only
+    with `min_replicas` 0 after `idle_s` without a request.
     Never below min or above max: a count out of bounds is brought back at once."""
     load = _sane(load)
     state = _averaged(state, float(load.slots_asked), now_s)
@@ -219,7 +225,8 @@ def decide(load: ShardLoad, current: int, settings: AutoscalingSettings, state: 
         return (0 if not load.num_starting else current), replace(state, down_since_s=None)
     if fits >= current or current - 1 < max(low, 1) or load.num_starting:
         return current, replace(state, down_since_s=None)
-    since = now_s if state.down_since_s is None else state.down_since_s
+    since, most = (now_s, 0) if state.down_since_s is None else (state.down_since_s, state.down_to or 0)
+    down_to = max(fits, most, low, 1)
     if now_s - since >= settings.downscale_delay_s:
-        return current - 1, replace(state, down_since_s=None)
-    return current, replace(state, down_since_s=since)
+        return down_to, replace(state, down_since_s=None, down_to=None)
+    return current, replace(state, down_since_s=since, down_to=down_to)

@@ -85,7 +85,7 @@ def test_fixed_never_changes() -> None:
     assert fixed["replica_s"] == pytest.approx(3 * 145) and fixed["peak_replicas"] == 3
 
 
-@pytest.mark.parametrize("policy", ["serve-default", "knative"])
+@pytest.mark.parametrize("policy", ["serve-default", "knative", "queue-depth"])
 def test_the_peer_policies_scale_within_the_bounds(policy: str) -> None:
     row, timeline = counts(policy)
     assert all(3 <= n <= 18 for _, n in timeline) and row["failed"] == 0
@@ -119,3 +119,18 @@ def test_fewest_finds_the_first_count_that_meets_and_none_past_the_most() -> Non
 
     assert fewest(meets, 1, 20) == 7 and len(asked) <= 6  # a binary search, not a walk
     assert fewest(meets, 7, 7) == 7 and fewest(meets, 1, 6) is None
+
+
+def test_queue_depth_asks_for_the_larger_of_its_metrics_and_keeps_its_highest_ask_for_its_window() -> None:
+    policy = autoscalers.QueueDepth(autoscale.AutoscalingSettings(min_replicas=1, max_replicas=16))
+
+    def sample(current: int, running: int, waiting: int) -> autoscalers.ShardSample:
+        load = autoscale.ShardLoad(num_ready=current, num_starting=0, num_slots=64 * current, num_running=running,
+                                   num_waiting=waiting)
+        return autoscalers.ShardSample(load, current, 64)
+
+    assert policy.decide(sample(2, 128, 60), 0.0) == 6  # the queue asks 12 (5 a replica); up by max(4, 100%) a sync
+    assert policy.decide(sample(6, 128, 60), 5.0) == 6  # between two syncs: nothing
+    assert policy.decide(sample(6, 300, 0), 15.0) == 6  # 300 running at 51.2 a replica: within the tolerance of 6
+    counts = {t: policy.decide(sample(6, 30, 0), t) for t in range(30, 331, 15)}  # 30 running asks for 1
+    assert set(counts[t] for t in range(30, 301, 15)) == {6} and counts[315] == counts[330] == 1

@@ -1,7 +1,9 @@
-"""The scaling decision (gateway/policy/autoscale.py): bounds, up fast, down one at a time and
-damped, to zero only after idle, never down while a replica starts; on a fake clock."""
+"""The scaling decision (gateway/policy/autoscale.py): bounds, up fast, down at once to what the
+demand fits after a delay, damped, to zero only after idle, never down while a replica starts; on a fake clock."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -64,13 +66,21 @@ def test_late_first_tokens_or_a_prefill_backlog_ask_for_one_more() -> None:
     assert run([load(2, 80, backlog_s=1.0, starting=1)] * 6, 3)[-1] == 3  # what starts is the answer: not one more
 
 
-def test_down_one_at_a_time_each_after_the_downscale_delay() -> None:
-    counts = run([load(6, 60)] * 400, 6)  # 200 s of a load that fits 2 replicas at the lower target
+def test_down_after_the_downscale_delay_to_what_the_demand_fits_at_once() -> None:
+    counts = run([load(6, 60)] * 400, 6)  # 200 s of a load that fits 2 replicas at the lower target (65%)
     drops = [k for k in range(1, len(counts)) if counts[k] < counts[k - 1]]
-    assert all(counts[k - 1] - counts[k] == 1 for k in drops)
-    assert drops[0] * 0.5 == pytest.approx(60.0)
+    assert len(drops) == 1 and drops[0] * 0.5 == pytest.approx(60.0)  # not one a minute: 6 -> 2 at once
+    assert counts[drops[0]] == 2 and counts[-1] == 2  # never below what it fits in, and then it stays
+
+
+def test_down_to_the_most_the_demand_asked_for_over_the_delay() -> None:
+    # 20 s at 120 slots asked (3 replicas at 65%), then 20 slots (1): down once the low has lasted the delay,
+    # and only to what the window asked for at its highest; the rest after another whole delay
+    counts = run([load(6, 120)] * 40 + [load(6, 20)] * 400, 6)
+    drops = [k for k in range(1, len(counts)) if counts[k] < counts[k - 1]]
+    assert counts[drops[0]] == 3 and counts[-1] == 1  # not the 1 that the last tick alone fits
     assert all((b - a) * 0.5 >= 60.0 for a, b in zip(drops, drops[1:]))
-    assert counts[-1] == 3
+    assert drops[0] * 0.5 >= 60.0
 
 
 def test_no_flapping_between_the_two_targets() -> None:
@@ -79,6 +89,22 @@ def test_no_flapping_between_the_two_targets() -> None:
     # a spike shorter than the upscale delay changes nothing; a dip shorter than the downscale delay neither
     assert set(run([load(4, 130)] * 2 + [load(4, 300)] * 2 + [load(4, 130)] * 20, 4)) == {4}
     assert set(run(([load(4, 60)] * 80 + [load(4, 200)] * 40) * 5, 4)) == {4}  # 40 s dips, 20 s back
+
+
+def test_no_flapping_with_the_default_band_and_delay() -> None:
+    default = AutoscalingSettings(max_replicas=8)  # target 0.8, lower target 0.7, 30 s down
+    # 150 and 200 slots asked in turn: above what 3 replicas hold at the lower target (134.4), within 4 at 80% (204.8)
+    assert set(run([load(4, 150), load(4, 200)] * 300, 4, default)) == {4}
+    # 20 s dips, shorter than the delay (without the lead: a return from a dip reads as a growing demand)
+    dips = ([load(4, 60)] * 40 + [load(4, 200)] * 40) * 5
+    assert set(run(dips, 4, replace(default, lead_s=0.0))) == {4}
+    assert run([load(4, 60)] * 200, 4, default)[-1] == 2  # the same dip, lasting: down
+
+
+def test_down_at_once_never_below_min() -> None:
+    floor = AutoscalingSettings(min_replicas=3, max_replicas=8, downscale_delay_s=60.0, lead_s=0.0)
+    counts = run([load(6, 10)] * 400, 6, floor)
+    assert min(counts) == 3 and counts[-1] == 3
 
 
 def test_never_down_while_a_replica_is_starting() -> None:
