@@ -139,7 +139,10 @@ class ServePool:
         if self.membership is None:
             return UP
         if self._following is None or self._following.done():
-            self._following = asyncio.get_running_loop().create_task(self.membership.run())
+            try:  # followed from the gateway's event loop, once it asks
+                self._following = asyncio.get_running_loop().create_task(self.membership.run())
+            except RuntimeError:  # asked from outside it: the phases as last read
+                pass
         return self.membership.phase(replica_id)
 
     def _serving(self, replica_id: str, may_be_joining: bool = False) -> None:
@@ -196,6 +199,9 @@ class ServePool:
         self.channels.fail_all(WorkerFailed("the gateway is stopping"))
         for stream in self._streams.values():
             stream.cancel()
+        for task in (self._following, *self._waking.values()):
+            if task is not None:
+                task.cancel()
 
     def is_reachable(self, replica_id: str) -> bool:
         return self.phase(replica_id) == UP and self.channels.is_reachable(replica_id)

@@ -119,3 +119,68 @@ def test_a_stopping_gateway_cancels_every_channel_and_fails_the_requests_still_o
         assert handles["a-1"].streams == []  # never opened: nothing to end
 
     asyncio.run(scenario())
+
+
+class CountingHandle(FakeHandle):
+    """A FakeHandle that counts the calls of each method (health, sync, metrics answered at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+        handle = self
+
+        class Counted:
+            def __init__(self, name: str, inner=None) -> None:
+                self.name, self.inner = name, inner
+
+            def remote(self, *args):
+                handle.calls.append(self.name)
+                if self.inner is not None:
+                    return self.inner.remote(*args)
+
+                async def answer():
+                    return {"held": [], "version": 0} if self.name == "sync" else {}
+
+                return answer()
+
+        self.channel, self.start = Counted("channel", self.channel), Counted("start", self.start)
+        self.health, self.sync, self.metrics = Counted("health"), Counted("sync"), Counted("metrics")
+
+
+def test_an_autoscaled_shards_replicas_are_called_only_while_up_and_one_asleep_is_woken_once() -> None:
+    scaled = config(autoscaling={"min_replicas": 0, "max_replicas": 2})
+    status = {"a-0": ("HEALTHY", {}), "a-1": ("HEALTHY", {})}
+
+    async def scenario() -> None:
+        handles = {"a-0": CountingHandle(), "a-1": CountingHandle(), "b-0": CountingHandle()}
+        pool = ServePool(scaled, handles, read_status=lambda: status)
+        assert pool.phase("b-0") == "up" and pool.is_reachable("b-0")  # a fixed shard is followed by its channel alone
+        await pool.membership.update(status)
+        assert (pool.phase("a-0"), pool.is_reachable("a-0")) == ("asleep", False)
+        for call in (pool.health("a-0"), pool.sync("a-0", 1, {}), pool.metrics("a-1")):
+            with pytest.raises(ConnectionError, match="asleep"):
+                await call
+        with pytest.raises(WorkerFailed, match="asleep"):
+            await pool.stream("a-0", WorkerCall("r1", (1, 2), SamplingParams(max_tokens=2))).__anext__()
+        assert handles["a-0"].calls == handles["a-1"].calls == []  # nothing reached a replica asleep
+        assert pool.wake(["a-0", "a-1"]) == pytest.approx(120.0) and pool.wake(["a-0"]) == pytest.approx(120.0)
+        await asyncio.sleep(0.05)
+        assert handles["a-0"].calls == ["health"] and handles["a-1"].calls == []  # its first replica, once
+        assert pool.wake(["b-0"]) is None  # not autoscaled: the usual wait
+        joined = []
+
+        async def join(replica_id: str) -> None:
+            joined.append(replica_id)
+            await pool.sync(replica_id, 1, {})  # Serve runs it: it may take its pins before it is up
+
+        pool.membership.joined = join
+        status["a-0"] = ("UPSCALING", {"RUNNING": 1})
+        await pool.membership.update(status)
+        assert pool.phase("a-0") == "up" and joined == ["a-0"] and handles["a-0"].calls == ["health", "sync"]
+        await pool.health("a-0")
+        status["a-0"] = ("DOWNSCALING", {"STOPPING": 1})
+        await pool.membership.update(status)
+        assert pool.phase("a-0") == "draining" and not pool.is_reachable("a-0")
+        pool.close()
+
+    asyncio.run(scenario())
