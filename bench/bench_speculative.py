@@ -11,6 +11,10 @@ generated tokens over the time of the steps that only decode (prompts cost the s
 way); beside them, tokens per CPU second of the process (what the steps cost on a machine
 shared with other work). It prints the acceptance rate and whether both ways gave the same
 tokens (they must).
+
+`python -m bench.bench_speculative` runs it alone, with `--clock cpu`: the engines time their
+steps (and so learn their costs) by the process's CPU time, and the tokens/s are per CPU
+second; with `--threads 1` that is what a step costs even on a machine busy with other work.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable, Sequence
 
-from bench.engine_common import timed_step
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig, SpeculativeConfig
 from worker.engine.engine import Engine, EngineRequest
@@ -65,11 +69,15 @@ def prompts(workload: str, count: int) -> list[str]:
     return out
 
 
+WORKLOADS = ("json", "copy", "chat")
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 def run_streams(runner: ModelRunner, requests: list[EngineRequest], streams: int,
-                config: EngineConfig) -> tuple[float, float, int, Engine, list]:
-    """The requests, `streams` at a time, in one engine: (seconds and CPU seconds of decode-only steps,
-    tokens they gave, the engine, outputs)."""
-    engine = Engine(runner, None, config)
+                config: EngineConfig, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float, int, Engine, list]:
+    """The requests, `streams` at a time, in one engine timing its steps on `clock`: (seconds on
+    `clock` and CPU seconds of decode-only steps, tokens they gave, the engine, outputs)."""
+    engine = Engine(runner, None, config, clock=clock)
     seconds, cpu_s, tokens, outputs = 0.0, 0.0, 0, []
     for first in range(0, len(requests), streams):
         batch = requests[first : first + streams]
@@ -78,8 +86,9 @@ def run_streams(runner: ModelRunner, requests: list[EngineRequest], streams: int
         results = [engine.result(r.request_id) for r in batch]
         while engine.has_work():
             is_decode = not any(seq.is_prefilling for seq in engine.scheduler.running) and not engine.scheduler.num_waiting
-            cpu_started = time.process_time()
-            step_s, deltas = timed_step(engine)
+            cpu_started, started = time.process_time(), clock()
+            deltas = engine.step()
+            step_s = clock() - started
             if is_decode:
                 seconds += step_s
                 cpu_s += time.process_time() - cpu_started
@@ -88,7 +97,7 @@ def run_streams(runner: ModelRunner, requests: list[EngineRequest], streams: int
     return seconds, cpu_s, tokens, engine, outputs
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, clock: str = "wall", workloads: Sequence[str] = WORKLOADS) -> int:
     device = DeviceConfig.of(args.device_settings)
     device.apply_to_process()
     started = time.perf_counter()
@@ -100,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     print(f"model {resolve_model_path(args.model).name} on {device.device} ({device.dtype}, weights {device.weights}), "
           f"{runner.max_threads} threads, loaded in {load_s:.1f} s; speculative {args.speculative} max_draft {args.max_draft}, "
-          f"{args.max_tokens} new tokens, greedy")
+          f"{args.max_tokens} new tokens, greedy; steps timed on the {clock} clock")
     rows = []
-    for workload in ("json", "copy", "chat"):
+    for workload in workloads:
         for streams in (1, args.streams):
             count = args.one_stream_requests if streams == 1 else streams
             texts = prompts(workload, count)
@@ -119,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
                 for mode in ("off", "on"):
                     config = EngineConfig(num_seq_slots=streams, slot_len=slot_len,
                                           speculative=speculative if mode == "on" else SpeculativeConfig())
-                    seconds, cpu_s, tokens, engine, outs[mode] = run_streams(runner, requests, streams, config)
+                    seconds, cpu_s, tokens, engine, outs[mode] = run_streams(runner, requests, streams, config, CLOCKS[clock])
                     totals[mode][0] += seconds
                     totals[mode][1] += cpu_s
                     totals[mode][2] += tokens
@@ -141,3 +150,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"{workload:8s} {streams:7d} {off:10.1f} {on:10.1f} {on / off:7.2f}x {cpu_ratio:8.2f}x {rate:9.2f} {drafted:7d} "
               f"{num_passes:>9s} {'yes' if same else 'NO'}")
     return 0 if all(row[-1] for row in rows) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from gateway.cli.flags import device_flags, device_settings
+
+    p = argparse.ArgumentParser(prog="python -m bench.bench_speculative", description=__doc__.split("\n\n")[0])
+    p.add_argument("--speculative", choices=["ngram"], default="ngram")
+    p.add_argument("--model", metavar="BASE.gguf", help="base model (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--max-tokens", type=int, default=32, metavar="G")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of both ways, interleaved")
+    p.add_argument("--max-draft", type=int, default=4, metavar="K")
+    p.add_argument("--streams", type=int, default=16, metavar="S")
+    p.add_argument("--one-stream-requests", type=int, default=1, metavar="R")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="what the engines time their steps by: wall seconds, or the process's CPU seconds (a busy machine)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"some of {','.join(WORKLOADS)}")
+    device_flags(p)
+    args = p.parse_args(argv)
+    args.device_settings = device_settings(args)
+    workloads = [w for w in args.workloads.split(",") if w]
+    if not set(workloads) <= set(WORKLOADS):
+        p.error(f"--workloads: some of {','.join(WORKLOADS)}")
+    return run(args, args.clock, workloads)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

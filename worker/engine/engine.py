@@ -218,7 +218,7 @@ class Engine:
         seconds = self.clock() - started
         self.costs.observe(num_decode, prompt_tokens, seconds)  # drafts are not decoded tokens: they do not count
         if self.speculator is not None and prompt_tokens == 0:
-            self.speculator.costs.observe(sum(span.length + len(span.drafts) for span in spans), seconds)
+            self.speculator.costs.observe(num_decode, sum(len(span.drafts) for span in spans), seconds)
         if threads is not None:
             self.threads.observe(threads, num_decode, prompt_tokens, seconds)
         self.counters.step(prompt_tokens, seconds)

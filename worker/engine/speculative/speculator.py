@@ -13,7 +13,7 @@ from worker.engine.request import Choice
 from worker.engine.outputs import StepTokens
 from worker.engine.scheduler import Scheduler, Span
 from worker.engine.speculative.ngram import NgramIndex
-from worker.engine.speculative.policy import Acceptance, RowCosts, plan_drafts
+from worker.engine.speculative.policy import Acceptance, DraftCosts
 from worker.engine.speculative.verify import DraftedSpan, grammar_masks, replay_draws
 from worker.model.sampler import SampleSpec
 
@@ -30,7 +30,7 @@ class Drafter(Protocol):
 class Speculator:
     def __init__(self, config: SpeculativeConfig, new_drafter: Callable[[Key], Drafter] | None = None) -> None:
         self.config = config
-        self.costs = RowCosts()  # of the steps that only decode, against their rows (drafts included)
+        self.costs = DraftCosts()  # of the steps that only decode, with drafts and without
         self._new_drafter = new_drafter or (lambda key: NgramIndex(config.ngram_min, config.ngram_max))
         self._drafters: dict[Key, Drafter] = {}
         self._acceptance: dict[Key, Acceptance] = {}
@@ -38,7 +38,7 @@ class Speculator:
     def draft(self, spans: list[Span], choices: Mapping[Key, Choice], drafted: dict[Key, DraftedSpan]) -> list[Span]:
         """The step's spans, decoding ones with the drafts they verify; `drafted` gets each one's."""
         drafted.clear()
-        candidates: list[tuple[int, Choice, list[int]]] = []
+        eligible: list[tuple[int, Choice, int]] = []  # (span, choice, drafts it may verify)
         for i, span in enumerate(spans):
             seq = span.seq
             if span.length != 1 or span.fork_of is not None or seq.is_prefilling or not span.samples:
@@ -47,21 +47,25 @@ class Speculator:
             params = choice.request.params
             wanted = self.config.max_draft if params.max_draft_tokens is None else min(params.max_draft_tokens, self.config.max_draft)
             limit = min(wanted, seq.max_len - len(seq.token_ids) - 1)  # the tokens kept stay within max_tokens
-            acceptance = self._acceptance.setdefault(seq.key, Acceptance())
-            if limit <= 0 or not acceptance.may_draft():
-                continue
-            drafter = self._drafters.get(seq.key)
+            if limit > 0 and self._acceptance.setdefault(seq.key, Acceptance()).may_draft():
+                eligible.append((i, choice, limit))
+        num_rows = sum(span.length - span.prompt_tokens for span in spans)  # the step's decoding rows: its tokens
+        if not eligible or (self.config.is_adaptive and not self.costs.may_draft(
+                num_rows, max(self._acceptance[choice.key].rate for _, choice, _ in eligible))):
+            return spans  # no draft can pay: none is looked up
+        candidates: list[tuple[int, Choice, list[int]]] = []
+        for i, choice, limit in eligible:
+            drafter = self._drafters.get(choice.key)
             if drafter is None:
-                drafter = self._drafters[seq.key] = self._new_drafter(seq.key)
-            tokens = drafter.draft(seq.token_ids, limit)
-            if tokens and len(tokens) >= params.min_draft_tokens:
+                drafter = self._drafters[choice.key] = self._new_drafter(choice.key)
+            tokens = drafter.draft(choice.seq.token_ids, limit)
+            if tokens and len(tokens) >= choice.request.params.min_draft_tokens:
                 candidates.append((i, choice, tokens))
         if not candidates:
             return spans
-        available = [len(tokens) for _, _, tokens in candidates]
-        lengths = available
+        lengths = [len(tokens) for _, _, tokens in candidates]
         if self.config.is_adaptive:
-            lengths = plan_drafts(available, [self._acceptance[c.key].rate for _, c, _ in candidates], self.costs)
+            lengths = self.costs.plan(num_rows, lengths, [self._acceptance[c.key].rate for _, c, _ in candidates])
         spans = list(spans)
         for (i, choice, tokens), n in zip(candidates, lengths):
             params, masks = choice.request.params, None
