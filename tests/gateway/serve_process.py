@@ -22,7 +22,11 @@ def running_serve(config: dict, directory: Path, start_timeout_s: float = 240) -
         server = Server(config, directory, port, start_timeout_s)
     except ServeFailed as e:
         pytest.fail(str(e))
-    yield server.url
+    try:
+        yield server.url
+    except BaseException:  # the test failed: the server goes all the same (its Ray would outlive the run)
+        server.stop(60)  # as Ctrl-C does, or killed with everything it started
+        raise
     if not server.stop(60):
         pytest.fail("loraplex serve did not stop on SIGINT")
     assert "shutting down" in "".join(server.output) and server.process.returncode == 0
