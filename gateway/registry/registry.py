@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +36,7 @@ from gateway.config import ServeConfig
 from gateway.errors import GatewayError
 from gateway.policy.placement import PlacementError, place_new, rebalance
 from gateway.policy.routing import Residents
+from gateway.registry.garbage import StoredFiles
 from gateway.registry.limits import check_limits, describe
 from gateway.registry.records import (
     PENDING,
@@ -78,8 +78,7 @@ class AdapterRegistry:
         }
         self.resident: dict[str, frozenset[Fingerprint]] = dict(self.held)  # held or draining: files still in use
         self.failed: dict[str, dict[Fingerprint, str]] = {}  # replica -> the adapters it could not load, and why
-        self._staging: Counter[Fingerprint] = Counter()  # adapters being registered here: their files are kept
-        self._collecting = asyncio.Lock()
+        self.files = StoredFiles(store, self.settings.garbage_age_s)  # what collect_garbage deletes
         self.tiers: dict[str, Residents] = {}  # replica -> where it has its adapters (workers with tiers)
         self._visible: dict[tuple[str, frozenset[str] | None], dict[str, AdapterInfo]] = {}  # by tenant and its ACL
         self._task: asyncio.Task | None = None
@@ -206,25 +205,23 @@ class AdapterRegistry:
         """Give a replica that has just come up (an autoscaled shard's) its pins before any request is
         routed to it; raise when it did not take them."""
         shard = next(r.shard for r in self.replicas if r.replica_id == replica_id)
-        await self._push_one(replica_id, self.version, self.pins(shard), must_take=True)
+        await self._sync_one(replica_id, self.version, self.pins(shard))
 
-    async def _push_one(self, replica_id: str, version: int, pins: Pins, must_take: bool = False) -> None:
+    async def _push_one(self, replica_id: str, version: int, pins: Pins) -> None:
+        try:
+            await self._sync_one(replica_id, version, pins)
+        except NotServing as e:  # an autoscaled shard's replica not serving now: it gets its pins when it comes up
+            log.debug("replica %s not synced: %s", replica_id, e)
+        except Exception as e:  # noqa: BLE001 - whatever the transport raises
+            # a dead or slow worker keeps its last known set; the health check marks it down
+            log.warning("replica %s did not take its pins (%s)", replica_id, type(e).__name__)
+
+    async def _sync_one(self, replica_id: str, version: int, pins: Pins) -> None:
+        """Send one worker its pins and learn what it holds; raises what the transport raises."""
         if self.sync is None:  # workers without pins to change (tests' fakes): they hold what they are given
             self.held[replica_id] = self.resident[replica_id] = frozenset(pins)
             return
-        try:
-            reply = await asyncio.wait_for(self.sync(replica_id, version, sorted(pins)), self.settings.load_timeout_s)
-        except NotServing as e:  # an autoscaled shard's replica not serving now: it gets its pins when it comes up
-            if must_take:
-                raise
-            log.debug("replica %s not synced: %s", replica_id, e)
-            return
-        except Exception as e:  # noqa: BLE001 - whatever the transport raises
-            if must_take:
-                raise
-            # a dead or slow worker keeps its last known set; the health check marks it down
-            log.warning("replica %s did not take its pins (%s)", replica_id, type(e).__name__)
-            return
+        reply = await asyncio.wait_for(self.sync(replica_id, version, sorted(pins)), self.settings.load_timeout_s)
         if reply.get("version", version) > version:
             return  # it has newer pins from another gateway; this gateway will see them at its next refresh
         self.held[replica_id] = frozenset(reply.get("held", ()))
@@ -243,23 +240,10 @@ class AdapterRegistry:
             tiers.promoted(fingerprints)
 
     async def collect_garbage(self) -> None:
-        """Delete from the store the adapter files no record pins, no worker still holds and this
-        gateway is not registering (old enough that no other gateway's staging is under way: storing a
-        file again makes it new; ages are wall-clock time). A store that cannot be reached is tried
-        again next time."""
-        wanted = {r.fingerprint for r in self.current.values()}
-        wanted.update(fp for pins in self.seed_pins.values() for fp in pins)
-        in_use = set().union(*self.resident.values()) if self.resident else set()
-        try:
-            async with self._collecting:
-                stored = await asyncio.to_thread(self.store.list_blobs)
-                now_s = time.time()
-                for fingerprint, stored_at_s in stored.items():
-                    is_kept = fingerprint in wanted or fingerprint in in_use or fingerprint in self._staging
-                    if not is_kept and now_s - stored_at_s > self.settings.garbage_age_s:
-                        await asyncio.to_thread(self.store.delete, fingerprint)
-        except BlobStoreError as e:
-            log.warning("adapter files not collected: %s", e)
+        """Delete from the store the adapter files no record pins and no worker still holds (gateway/registry/garbage.py)."""
+        kept = {r.fingerprint for r in self.current.values()}
+        kept.update(fp for pins in self.seed_pins.values() for fp in pins)
+        await self.files.collect(kept.union(*self.resident.values()))
 
     # changes
 
@@ -274,14 +258,8 @@ class AdapterRegistry:
                        tenant: Caller | None = None) -> tuple[AdapterRecord, AdapterRecord | None, float]:
         """`_register`, with the adapter's file kept from this gateway's garbage collection while it is
         staged (stored, and no record names it yet)."""
-        async with self._collecting:  # a collection under way ends before the file is stored
-            self._staging[adapter.fingerprint] += 1
-        try:
+        async with self.files.staging(adapter.fingerprint):
             return await self._register(owner, name, adapter, staged, limits, replace_existing, tenant)
-        finally:
-            self._staging[adapter.fingerprint] -= 1
-            if not self._staging[adapter.fingerprint]:
-                del self._staging[adapter.fingerprint]
 
     async def _register(self, owner: str, name: str, adapter: LoRAAdapter, staged: Path, limits: tuple[int, int] | None,
                         replace_existing: bool, tenant: Caller | None) -> tuple[AdapterRecord, AdapterRecord | None, float]:

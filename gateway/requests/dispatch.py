@@ -278,8 +278,7 @@ class Dispatcher:
         views = self.views()
         phase_of = getattr(self.pool, "phase", lambda _: UP)  # an autoscaled shard's replicas: up, starting, draining, asleep
         phases = [phase_of(v.replica_id) for v in views]
-        answers = await self._ask_all(self.pool.health(v.replica_id) for v, phase in zip(views, phases) if phase == UP)
-        answers.reverse()
+        answers = iter(await self._ask_all(self.pool.health(v.replica_id) for v, phase in zip(views, phases) if phase == UP))
         shards: dict[str, dict[str, Any]] = {}
         redis_states = set()
         for view, phase in zip(views, phases):
@@ -289,7 +288,7 @@ class Dispatcher:
                 report.update(healthy=False, phase=phase)
                 entry["replicas"].append(report)
                 continue
-            answer = answers.pop()
+            answer = next(answers)
             if isinstance(answer, BaseException):  # unreachable, dead, or too slow to answer: down
                 report.update(healthy=False, error=type(answer).__name__)
             else:

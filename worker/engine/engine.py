@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable, Mapping
 
 from cache.prefix import PrefixCache
-from worker.contract.calls import Delta, TokenLogprob, Usage
+from worker.contract.calls import Delta, TokenLogprob
 from worker.contract.spec import EngineConfig, slot_length
 from worker.engine.constraint import GrammarRefused, Grammars, allowed_tokens
 from worker.engine.decode_threads import DecodeThreads
@@ -30,8 +30,7 @@ from worker.engine.request import CheckedRequest, Choice, EngineRequest, Request
 from worker.engine.runner import ModelRunner, SpanInput, SpanOutput
 from worker.engine.scheduler import Scheduler, Span
 from worker.engine.sequence import SequenceState
-from worker.engine.speculative.draft_model import DraftModel
-from worker.engine.speculative.speculator import Speculator, draft_samples
+from worker.engine.speculative.speculator import draft_samples, open_speculator
 from worker.engine.speculative.verify import DraftedSpan
 from worker.engine.step_costs import StepCosts
 from worker.engine.stop import StopMatcher
@@ -64,11 +63,7 @@ class Engine:
         self._requests: dict[str, list[Choice]] = {}  # request id -> its choices still running
         self.counters = EngineCounters()
         self.clock = clock
-        speculative = config.speculative
-        self.draft_model = (DraftModel.load(speculative.draft_model, runner, config.num_seq_slots, self.slot_len)
-                            if speculative.method == "draft" else None)  # its drafters replace the n-gram index
-        self.speculator = (Speculator(speculative, self.draft_model.new_drafter if self.draft_model is not None else None)
-                           if speculative.is_on else None)
+        self.speculator = open_speculator(config.speculative, runner, config.num_seq_slots, self.slot_len)
         self._drafted: dict[tuple[str, int], DraftedSpan] = {}  # this step's speculative spans, by sequence key
 
     # requests in
@@ -359,17 +354,8 @@ class Engine:
                 if other is not choice:
                     self._retire(other, "cancelled")
         self._retire(choice, reason, error, status)
-        result = choice.result
-        return Delta(
-            token_ids, text, logprobs, reason, error, status,
-            usage=Usage(len(result.prompt_ids), len(result.token_ids), result.cached_tokens),
-            queue_time_s=result.queue_time_s, prompt_time_s=result.prompt_time_s, decode_time_s=result.decode_time_s,
-            prompt_logprobs=tuple(result.prompt_logprobs) if result.prompt_logprobs is not None else None,
-            alora_activation=result.alora_activation, num_drafted=result.num_drafted, num_draft_accepted=result.num_draft_accepted,
-            stop_word=result.stop_word, stop_logprob=result.stop_logprob,
-            index=choice.seq.index, others_running=len(self._requests.get(choice.seq.request_id, ())),
-            request_id=choice.seq.request_id,
-        )
+        return choice.result.last_delta(token_ids, text, logprobs, index=choice.seq.index, request_id=choice.seq.request_id,
+                                        others_running=len(self._requests.get(choice.seq.request_id, ())))
 
     def _retire(self, choice: Choice, reason: str, error: str | None = None, status: int | None = None) -> None:
         """Record a choice's end and free its slot."""
@@ -380,6 +366,8 @@ class Engine:
         first = now if choice.first_token_s is None else choice.first_token_s
         result.prompt_time_s, result.decode_time_s = first - choice.arrived_s, now - first
         result.queue_time_s = (choice.first_step_s or now) - choice.arrived_s
+        if choice.first_token_s is not None:
+            self.counters.ttfts.append((now, result.prompt_time_s))
         if self.prefix is not None and self.speculator is not None and reason in ("stop", "length") and choice.seq.seq_slot is not None:
             self.prefix.store([Span(choice.seq, choice.seq.num_computed, 0)], self.kv)  # the drafts its last pass accepted
         self.scheduler.finish(choice.seq)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from cache.stats import Histogram
-from worker.contract.calls import TokenLogprob
+from worker.contract.calls import Delta, TokenLogprob, Usage
 
 
 @dataclass
@@ -34,6 +35,19 @@ class GenerationResult:
     num_drafted: int = 0  # speculative drafts verified
     num_draft_accepted: int = 0  # ... of them accepted (each is one of token_ids)
 
+    def last_delta(self, token_ids: tuple[int, ...], text: str, logprobs: tuple[TokenLogprob, ...] | None, *, index: int,
+                   request_id: str, others_running: int) -> Delta:
+        """The ended choice's last delta: its last new tokens, and this summary of it."""
+        return Delta(
+            token_ids, text, logprobs, self.finish_reason, self.error, self.error_status,
+            usage=Usage(len(self.prompt_ids), len(self.token_ids), self.cached_tokens),
+            queue_time_s=self.queue_time_s, prompt_time_s=self.prompt_time_s, decode_time_s=self.decode_time_s,
+            prompt_logprobs=tuple(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            alora_activation=self.alora_activation, num_drafted=self.num_drafted, num_draft_accepted=self.num_draft_accepted,
+            stop_word=self.stop_word, stop_logprob=self.stop_logprob, index=index, others_running=others_running,
+            request_id=request_id,
+        )
+
 
 @dataclass
 class StepTokens:
@@ -50,6 +64,7 @@ class StepTokens:
 
 
 STEP_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+TTFTS_KEPT = 256  # recent times to first token kept (a replica reports their p90 to its shard's autoscaling)
 
 
 @dataclass(eq=False)  # hashable by identity: a registry keys its collectors by hash
@@ -67,6 +82,8 @@ class EngineCounters:
     accepted_draft_tokens: int = 0
     step_s: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
     decode_step_s: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
+    # (ended at, on the engine's clock; time to first token) of the latest choices that had a first token
+    ttfts: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=TTFTS_KEPT), repr=False, compare=False)
     registry: CollectorRegistry = field(init=False, repr=False, compare=False)
 
     HELP = {"steps": "engine steps (forward passes) run",

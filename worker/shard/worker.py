@@ -17,7 +17,6 @@ import logging
 import os
 import time
 import weakref
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -42,7 +41,6 @@ from worker.shard.metrics import adapter_metrics, memory_report, thread_metrics
 log = logging.getLogger(__name__)
 
 TTFT_WINDOW_S = 30.0  # the times to first token `autoscaling_stats` reports: those of requests finished this recently
-TTFT_KEPT = 256  # ... at most this many
 
 
 class ShardWorker:
@@ -64,7 +62,6 @@ class ShardWorker:
                                    spec.residency)
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
         self._channels: dict[str, CallerChannel] = {}
-        self._ttfts: deque[tuple[float, float]] = deque(maxlen=TTFT_KEPT)  # (finished at, time to first token)
 
     def request(self, call: WorkerCall, lease: Lease) -> EngineRequest:
         """The engine's request, its adapters in the slots `lease` holds them in; what it waited for them
@@ -83,7 +80,6 @@ class ShardWorker:
         """Start `call`, its deltas going to `receive` on this event loop: (its subscription,
         None), or (None, the refusal) when the worker does not take it."""
         mailbox = self._mailbox()
-        receive = self._timed(receive)
         if call.traceparent is not None and self.tracing.is_enabled:
             receive = _traced(self.tracing.tracer, call, self.spec.shard, receive, time.time_ns())
         try:  # its adapters onto the device (those not there come up now, off the step loop)
@@ -170,16 +166,6 @@ class ShardWorker:
         scheduler = self.loop.engine.scheduler
         return {"running": len(scheduler.running), "waiting": scheduler.num_waiting}
 
-    def _timed(self, receive: Callable[[Delta], None]) -> Callable[[Delta], None]:
-        """`receive`, keeping the time to first token of each request that finishes (`autoscaling_stats`)."""
-
-        def timed(delta: Delta) -> None:
-            if delta.is_finished and delta.prompt_time_s > 0:
-                self._ttfts.append((time.monotonic(), delta.prompt_time_s))
-            receive(delta)
-
-        return timed
-
     def autoscaling_stats(self) -> dict[str, float]:
         """What the shard's autoscaling policy reads of this replica (gateway/cluster/autoscaling.py): its KV
         slots, requests running and waiting, the prefill time of the prompt tokens queued, and the 90th
@@ -187,8 +173,8 @@ class ShardWorker:
         engine = self.loop.engine
         scheduler = engine.scheduler
         queued_tokens = sum(seq.num_pending for seq in list(scheduler.running) + scheduler.waiting if seq.is_prefilling)
-        now = time.monotonic()
-        recent = sorted(ttft for at, ttft in list(self._ttfts) if now - at <= TTFT_WINDOW_S)
+        now = engine.clock()
+        recent = sorted(ttft for at, ttft in list(engine.counters.ttfts) if now - at <= TTFT_WINDOW_S)
         return {"slots": float(self.spec.engine.num_seq_slots), "running": float(len(scheduler.running)),
                 "waiting": float(scheduler.num_waiting + self.loop.num_queued_adds()),
                 "backlog_s": queued_tokens * (engine.costs.prompt_token_s or 0.0),

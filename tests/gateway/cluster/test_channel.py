@@ -192,3 +192,14 @@ def test_a_request_whose_start_is_unanswered_when_the_replica_drains_goes_elsewh
         assert channel.failure is not None  # nothing else ran on it: closed
 
     asyncio.run(scenario())
+
+
+def test_a_replica_reports_its_slots_requests_and_recent_time_to_first_token_for_autoscaling(worker) -> None:
+    async def scenario() -> None:
+        before = worker.autoscaling_stats()
+        assert before["slots"] == 4 and before["running"] == before["waiting"] == 0
+        await deltas_of(worker, call(7))
+        after = worker.autoscaling_stats()
+        assert after["ttft_p90_s"] > 0 and after["running"] == 0  # the request that ended: its first token's time
+
+    asyncio.run(scenario())

@@ -12,6 +12,8 @@ from worker.contract.spec import SpeculativeConfig
 from worker.engine.request import Choice
 from worker.engine.outputs import StepTokens
 from worker.engine.scheduler import Scheduler, Span
+from worker.engine.runner import ModelRunner
+from worker.engine.speculative.draft_model import DraftModel
 from worker.engine.speculative.ngram import NgramIndex
 from worker.engine.speculative.policy import Acceptance, DraftCosts
 from worker.engine.speculative.verify import DraftedSpan, grammar_masks, replay_draws
@@ -25,6 +27,16 @@ class Drafter(Protocol):
     the tokens accepted so far, which only ever grow)."""
 
     def draft(self, tokens: Sequence[int], max_draft: int) -> list[int]: ...
+
+
+def open_speculator(config: SpeculativeConfig, runner: ModelRunner, num_seq_slots: int, slot_len: int) -> Speculator | None:
+    """An engine's speculator as `config` says (None: off): n-gram lookups, or a draft model's
+    drafters (`method: draft`, loaded beside `runner` with a KV slot per engine slot)."""
+    if not config.is_on:
+        return None
+    if config.method == "draft":
+        return Speculator(config, DraftModel.load(config.draft_model, runner, num_seq_slots, slot_len).new_drafter)
+    return Speculator(config)
 
 
 class Speculator:
