@@ -1,6 +1,6 @@
 """What every API's answer is built from (torch-free): a request's usage over its choices, its
-summary for metrics, llama-server's timings (which the OpenAI answers carry too), its prompt
-progress events, and server-sent event framing."""
+summary for metrics, llama-server's timings (which the OpenAI answers carry too, and on every
+streamed token when asked), its prompt progress events, and server-sent event framing."""
 
 from __future__ import annotations
 
@@ -98,3 +98,35 @@ class PromptProgress:
             cache, time_ms = 0, (self.clock() - self.started_s) * 1e3
         return [{"total": self.total, "cache": cache, "processed": cache, "time_ms": 0.0},
                 {"total": self.total, "cache": cache, "processed": self.total, "time_ms": time_ms}]
+
+
+class TokenTimings:
+    """llama-server's `timings` on every streamed token (`timings_per_token`) as the gateway can
+    tell them. A worker times a choice only on its last delta, so before it the figures are the
+    gateway's own clock: the prompt from the request's admission to the choice's first delta
+    (nothing claimed cached: the last delta's `cache_n` says), decoding from then to this delta,
+    over the tokens so far. The last delta's are the worker's (`llama_timings`)."""
+
+    def __init__(self, num_prompt_tokens: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.num_prompt_tokens, self.clock = num_prompt_tokens, clock
+        self.started_s = clock()
+        self._first_s: dict[int, float] = {}  # per choice: when its first delta came
+        self._tokens: dict[int, int] = {}  # per choice: its tokens so far
+
+    def of(self, delta: Delta) -> dict[str, Any]:
+        """The timings to send with `delta`'s text (call once per delta of each choice)."""
+        now = self.clock()
+        first_s = self._first_s.setdefault(delta.index, now)
+        tokens = self._tokens[delta.index] = self._tokens.get(delta.index, 0) + len(delta.token_ids)
+        if delta.usage is not None:
+            return llama_timings(delta)
+        prompt_s, decode_s = first_s - self.started_s, now - first_s
+        prompt_n = self.num_prompt_tokens
+        return {
+            "cache_n": 0, "prompt_n": prompt_n, "prompt_ms": prompt_s * 1e3,
+            "prompt_per_token_ms": prompt_s * 1e3 / prompt_n if prompt_n else None,
+            "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else None,
+            "predicted_n": tokens, "predicted_ms": decode_s * 1e3,
+            "predicted_per_token_ms": decode_s * 1e3 / tokens if tokens else None,
+            "predicted_per_second": tokens / decode_s if decode_s > 0 else None,
+        }

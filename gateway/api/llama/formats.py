@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from gateway.http.formatting import NO_USAGE, PromptProgress, llama_timings
+from gateway.http.formatting import NO_USAGE, PromptProgress, TokenTimings, llama_timings
 from worker.contract.calls import Delta, TokenLogprob
 from worker.formats.tokenizer import GGUFTokenizer
 
@@ -65,13 +65,14 @@ class LlamaFormatter:
     partial one a token's text, then a last one with the summary and no text, as llama-server
     sends them. `tokens` are listed when streaming or with `return_tokens`, as there. `index` is
     the prompt's place in a batch; `response_fields` keeps only those fields of the summary
-    (llama-server's paths); `progress` opens the stream with `prompt_progress` events."""
+    (llama-server's paths); `progress` opens the stream with `prompt_progress` events, and
+    `timings` puts llama-server's `timings` on each streamed token's event (`timings_per_token`)."""
 
     def __init__(self, tokenizer: GGUFTokenizer, model: str, prompt_ids: Sequence[int], settings: dict[str, Any],
                  return_tokens: bool, index: int = 0, response_fields: Sequence[str] = (),
-                 progress: PromptProgress | None = None) -> None:
+                 progress: PromptProgress | None = None, timings: TokenTimings | None = None) -> None:
         self.tokenizer, self.model, self.settings, self.return_tokens = tokenizer, model, settings, return_tokens
-        self.index, self.response_fields, self.progress = index, list(response_fields), progress
+        self.index, self.response_fields, self.progress, self.timings = index, list(response_fields), progress, timings
         self.num_prompt_tokens = len(prompt_ids)
         self.prompt_text = tokenizer.decode(list(prompt_ids), skip_special=False)
         self.post = bool(settings.get("post_sampling_probs"))
@@ -114,7 +115,8 @@ class LlamaFormatter:
         if delta.token_ids or delta.text:
             self._predicted += len(delta.token_ids)
             self._new_line = self._new_line or "\n" in delta.text
-            out.append({**self._partial(delta.text, delta.token_ids), **self._probabilities([delta])})
+            timings = {"timings": self.timings.of(delta)} if self.timings is not None else {}
+            out.append({**self._partial(delta.text, delta.token_ids), **self._probabilities([delta]), **timings})
         if delta.is_finished:
             last = replace(delta, token_ids=(), text="", logprobs=None)
             out.append(self.whole([last], streamed=True))

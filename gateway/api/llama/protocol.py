@@ -152,6 +152,7 @@ class LlamaCompletionRequest(_Generation):
     # keep only these fields of the answer ("generation_settings/n_predict": a field of a field)
     response_fields: list[str] = Field(default_factory=list, max_length=64)
     return_progress: bool = False  # a stream opens with prompt_progress events
+    timings_per_token: bool = False  # each streamed token's event carries the timings so far
 
     @model_validator(mode="before")
     @classmethod

@@ -25,7 +25,7 @@ from gateway.api.llama.protocol import (
 from gateway.api.llama.sampling import llama_params, settings_of
 from gateway.catalog import Catalog
 from gateway.errors import GatewayError
-from gateway.http.formatting import PromptProgress, token_str
+from gateway.http.formatting import PromptProgress, TokenTimings, token_str
 from gateway.http.incoming import begin, chat_rendering, off_loop
 from gateway.http.parts import AdmissionPart, CatalogPart, ConfigPart, DispatcherPart, ResponderPart
 from gateway.http.reasoning import reasoning_text
@@ -59,10 +59,11 @@ async def llama_complete(request: Request, catalog: CatalogPart, admission: Admi
         params = llama_params(admission, catalog, len(prompt_ids), body, grammar)
         prepared = await admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
                                                    body.cache_prompt, body.timeout_s)
-        settings = {**settings_of(params, is_streamed=body.stream), "lora": lora}
+        settings = {**settings_of(params, is_streamed=body.stream), "lora": lora, "timings_per_token": body.timings_per_token}
         progress = PromptProgress(len(prompt_ids)) if body.return_progress and body.stream else None
+        timings = TokenTimings(len(prompt_ids)) if body.timings_per_token and body.stream else None
         formatter = LlamaFormatter(catalog.tokenizer, catalog.model_name, prompt_ids, settings,
-                                   body.return_tokens, index, body.response_fields, progress)
+                                   body.return_tokens, index, body.response_fields, progress, timings)
         runs.append((prepared, formatter))
     if len(runs) == 1:
         prepared, formatter = runs[0]

@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.http.formatting import PromptProgress, by_choice, llama_timings, summary, token_str, usage
+from gateway.http.formatting import PromptProgress, TokenTimings, by_choice, llama_timings, summary, token_str, usage
 from gateway.reasoning import NO_REASONING, ReasoningCounter, ReasoningPlan
 from gateway.tool_calls import ToolCall, ToolPlan, ToolReader
 from worker.contract.calls import Delta, TokenLogprob
@@ -110,12 +110,14 @@ class ChatFormatter:
     finish_reason and an empty delta, as OpenAI and llama-server stream them; with `progress`,
     choice 0 opens with llama-server's `prompt_progress` chunks instead. With a `reasoning` plan
     that splits, each choice's thinking is its `reasoning_content` (whole, or deltas of their own),
-    and only the answer after it is content and read for tool calls."""
+    and only the answer after it is content and read for tool calls. With `timings`, a chunk of a
+    delta's tokens carries llama-server's `timings` so far (`timings_per_token`)."""
 
     def __init__(self, tokenizer: GGUFTokenizer, model: str, logprobs: int | None,
                  tools: ToolPlan | None = None, progress: PromptProgress | None = None,
-                 reasoning: ReasoningPlan = NO_REASONING) -> None:
+                 reasoning: ReasoningPlan = NO_REASONING, timings: TokenTimings | None = None) -> None:
         self.tokenizer, self.model, self.k, self.tools, self.progress = tokenizer, model, logprobs, tools, progress
+        self.timings = timings
         self.reasoning = reasoning
         self.id, self.created = f"chatcmpl-{time.time_ns():x}", int(time.time())
         self._readers: dict[int, ToolReader] = {}  # per choice, when streaming with tools
@@ -198,7 +200,9 @@ class ChatFormatter:
         logprobs = self._logprobs([delta]) if delta.logprobs else None
         if logprobs is not None and not bodies:
             bodies = [{"content": ""}]  # the tokens' log-probabilities come with a chunk of their own
-        chunks += [self._chunk(delta.index, body, logprobs if i == 0 else None) for i, body in enumerate(bodies)]
+        timings = self.timings.of(delta) if self.timings is not None and delta.token_ids else None
+        chunks += [{**self._chunk(delta.index, body, logprobs if i == 0 else None),
+                    **({"timings": timings} if timings is not None and i == 0 else {})} for i, body in enumerate(bodies)]
         if delta.finish_reason is not None:
             chunks.append(self._chunk(delta.index, {}, None, self._finish_reason(delta, called)))
         return chunks

@@ -368,6 +368,7 @@ class ChatRequest(_Sampling, Continuation, TemplateFields, ReasoningFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # true: an answer may hold several calls (default: one)
     return_progress: bool = False  # llama-server's: a stream opens with prompt_progress chunks
+    timings_per_token: bool = False  # llama-server's: each streamed chunk of tokens carries the timings so far
 
     @model_validator(mode="after")
     def _tools(self) -> ChatRequest:

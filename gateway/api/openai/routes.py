@@ -12,7 +12,7 @@ from fastapi.responses import Response
 
 from gateway.api.openai.formats import ChatFormatter, CompletionFormatter
 from gateway.api.openai.protocol import ChatRequest, CompletionRequest
-from gateway.http.formatting import PromptProgress
+from gateway.http.formatting import PromptProgress, TokenTimings
 from gateway.http.incoming import begin, chat_rendering, tokenized
 from gateway.http.parts import AdmissionPart, CatalogPart, ResponderPart
 from gateway.http.reasoning import answer_grammar, budgeted, reasoning_prompt
@@ -58,8 +58,9 @@ async def chat(request: Request, catalog: CatalogPart, admission: AdmissionPart,
     prepared = await admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
                                                timeout_s=body.timeout_s)
     progress = PromptProgress(len(prompt_ids)) if body.return_progress and body.stream else None
+    timings = TokenTimings(len(prompt_ids)) if body.timings_per_token and body.stream else None
     formatter = ChatFormatter(catalog.tokenizer, body.model or catalog.model_name, num_top_logprobs,
-                              tools, progress, reasoning)
+                              tools, progress, reasoning, timings)
     return await respond(budgeted(responder, catalog, reasoning, grammar), prepared, "chat", formatter, body.stream,
                          _usage_chunk(body, formatter))
 

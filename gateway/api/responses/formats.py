@@ -9,6 +9,11 @@ same items. With tools, the text is read for calls as chat's is (gateway/tool_ca
 between calls are one message item each, every call a `function_call` item. With a reasoning plan
 that splits, the thinking is a `reasoning` item first, its text a `reasoning_text` content part
 (streamed as response.reasoning_text.delta events), and only the answer after it is read.
+
+llama-server's additions, asked for by name: `progress` (`return_progress`) puts
+`response.in_progress` events with a `prompt_progress` after the first two; `timings`
+(`timings_per_token`) puts the timings so far on each text delta's event, and the whole
+request's on the last event, beside its response.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 from gateway.api.responses.protocol import new_id
 from gateway.errors import GatewayError
+from gateway.http.formatting import PromptProgress, TokenTimings, llama_timings
 from gateway.reasoning import NO_REASONING, ReasoningCounter, ReasoningPlan
 from gateway.tool_calls import ToolPlan, ToolReader
 from worker.contract.calls import Delta
@@ -51,8 +57,11 @@ class ResponsesFormatter:
     named_events = True  # each event is framed `event: <its type>`
 
     def __init__(self, model: str, echoed: JSONObject, tools: ToolPlan | None,
-                 clock: Callable[[], float] = time.time, reasoning: ReasoningPlan = NO_REASONING) -> None:
+                 clock: Callable[[], float] = time.time, reasoning: ReasoningPlan = NO_REASONING,
+                 progress: PromptProgress | None = None, timings: TokenTimings | None = None) -> None:
         self.model, self.echoed, self.tools = model, echoed, tools
+        self.progress, self.timings = progress, timings
+        self._delta_timings: JSONObject = {}  # with `timings`: the current delta's, for its text events
         self._counter = ReasoningCounter(reasoning)  # the thinking split off the answer
         self._reasoning: JSONObject | None = None  # the reasoning item receiving text, if one is open
         self._thought: list[str] = []  # its text so far
@@ -94,7 +103,7 @@ class ResponsesFormatter:
         events = self._open_message() if self._message is None else []
         self._pieces.append(text)
         where = {"item_id": self._message["id"], "output_index": len(self._items) - 1, "content_index": 0}
-        return events + [self._event("response.output_text.delta", **where, delta=text, logprobs=[])]
+        return events + [self._event("response.output_text.delta", **where, delta=text, logprobs=[], **self._delta_timings)]
 
     def _message_text(self) -> str:
         return "".join(self._pieces) if self._message is not None else ""
@@ -126,7 +135,7 @@ class ResponsesFormatter:
                        self._event("response.content_part.added", **where, part=_reasoning_part(""))]
         self._thought.append(text)
         where = {"item_id": self._reasoning["id"], "output_index": self._items.index(self._reasoning), "content_index": 0}
-        return events + [self._event("response.reasoning_text.delta", **where, delta=text)]
+        return events + [self._event("response.reasoning_text.delta", **where, delta=text, **self._delta_timings)]
 
     def _close_reasoning(self, status: str) -> list[JSONObject]:
         if self._reasoning is None:
@@ -160,6 +169,11 @@ class ResponsesFormatter:
         if first:
             events += [self._event("response.created", response=self.response("in_progress")),
                        self._event("response.in_progress", response=self.response("in_progress"))]
+            if self.progress is not None:
+                events += [self._event("response.in_progress", response=self.response("in_progress"), prompt_progress=p)
+                           for p in self.progress.events(delta)]
+        if self.timings is not None and delta.token_ids:
+            self._delta_timings = {"timings": self.timings.of(delta)}
         thought, text = self._counter.feed(delta.text, len(delta.token_ids), delta.finish_reason is not None)
         events += self._thinking(thought)
         if self._reader is None:
@@ -177,7 +191,8 @@ class ResponsesFormatter:
                 events += self._open_message()
             events += self._close_message(status)
             self.final = self.response(status, delta)
-            events.append(self._event(f"response.{status}", response=self.final))
+            timings = {"timings": llama_timings(delta)} if self.timings is not None else {}
+            events.append(self._event(f"response.{status}", response=self.final, **timings))
         return events
 
     def whole(self, deltas: list[Delta]) -> JSONObject:

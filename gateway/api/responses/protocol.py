@@ -210,6 +210,8 @@ class ResponsesRequest(_Generation, TemplateFields):
     store: bool = True
     metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA_PAIRS)
     reasoning: ReasoningConfig | None = None
+    return_progress: bool = False  # llama-server's: a stream opens with response.in_progress events of prompt_progress
+    timings_per_token: bool = False  # llama-server's: each streamed delta carries the timings so far
 
     @field_validator("input", mode="before")
     @classmethod

@@ -27,6 +27,7 @@ from gateway.api.openai.protocol import MAX_MESSAGES, ChatRequest
 from gateway.api.responses.formats import ResponsesFormatter
 from gateway.api.responses.protocol import ResponsesRequest
 from gateway.errors import GatewayError
+from gateway.http.formatting import PromptProgress, TokenTimings
 from gateway.http.incoming import begin, chat_rendering
 from gateway.http.json_body import parse
 from gateway.http.parts import AdmissionPart, CatalogPart, ResponderPart, ResponsesPart
@@ -103,7 +104,10 @@ async def create(request: Request, catalog: CatalogPart, admission: AdmissionPar
                            grammar=answer_grammar(catalog, reasoning, grammar))
     prepared = await admission.prepare(tenant, prompt_ids, params, scales_by_name, body.cache_salt,
                                                timeout_s=body.timeout_s)
-    formatter = ResponsesFormatter(body.model or catalog.model_name, body.echoed(), tools, reasoning=reasoning)
+    streamed = body.stream
+    formatter = ResponsesFormatter(body.model or catalog.model_name, body.echoed(), tools, reasoning=reasoning,
+                                   progress=PromptProgress(len(prompt_ids)) if body.return_progress and streamed else None,
+                                   timings=TokenTimings(len(prompt_ids)) if body.timings_per_token and streamed else None)
     answer = await respond(budgeted(responder, catalog, reasoning, grammar), prepared, "responses", formatter, body.stream,
                            done_marker=False)
     if body.store:

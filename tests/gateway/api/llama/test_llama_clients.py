@@ -1,6 +1,6 @@
 """llama-server's clients against a real HTTP server (uvicorn, in-process workers on a tiny model),
 sending what llama-server's own clients and tests send: its route names, chat grammars, prefills,
-prompt batches, response_fields, return_progress, /slots and the chat prompt count."""
+prompt batches, response_fields, return_progress, timings_per_token, /slots and the chat prompt count."""
 
 from __future__ import annotations
 
@@ -261,6 +261,42 @@ def test_return_progress_opens_a_stream_with_the_prompts_progress(url) -> None:
     usage = ok(post(url, "/chat/completions", {"messages": ASK, "max_tokens": 1}))["usage"]
     check_progress([c["prompt_progress"] for c in chunks if "prompt_progress" in c], usage["prompt_tokens"])
     assert all(c["choices"][0]["delta"] == {"role": "assistant", "content": None} for c in chunks[:2])
+
+
+def check_token_timings(timed: list[dict], num_tokens: int) -> None:
+    """Per-token timings: every one has llama-server's fields, the predicted count grows token by
+    token to the answer's, and the decode time never goes back."""
+    assert timed and all({"prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
+                          "predicted_per_second"} <= set(t) for t in timed)
+    counts = [t["predicted_n"] for t in timed]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == num_tokens
+    assert all(a["predicted_ms"] <= b["predicted_ms"] for a, b in zip(timed, timed[1:]))
+
+
+def test_timings_per_token_put_the_timings_so_far_on_each_streamed_token(url) -> None:
+    body = {"prompt": PROMPT, "n_predict": 5, "stream": True, "timings_per_token": True, **GREEDY}
+    streamed = events(post(url, "/completion", body))
+    check_token_timings([e["timings"] for e in streamed[:-1] if e["content"]], 5)
+    assert streamed[-1]["timings"]["predicted_n"] == 5 and streamed[-1]["generation_settings"]["timings_per_token"]
+    assert not any("timings" in e for e in events(post(url, "/completion", {**body, "timings_per_token": False}))[:-1])
+    chat = {"messages": ASK, "max_tokens": 4, "stream": True, "timings_per_token": True, **GREEDY}
+    chunks = events(post(url, "/chat/completions", chat))
+    check_token_timings([c["timings"] for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")], 4)
+
+
+def test_responses_take_llama_servers_progress_and_timings(url) -> None:
+    body = {"input": "hello there", "max_output_tokens": 4, "stream": True, "temperature": 0, "ignore_eos": True,
+            "return_progress": True, "timings_per_token": True}
+    streamed = events(post(url, "/responses", body))
+    progress = [e for e in streamed if "prompt_progress" in e]
+    assert [e["type"] for e in progress] == ["response.in_progress"] * 2
+    completed = streamed[-1]
+    assert completed["type"] == "response.incomplete" and completed["timings"]["predicted_n"] == 4  # max_output_tokens
+    check_progress([e["prompt_progress"] for e in progress], completed["response"]["usage"]["input_tokens"])
+    deltas = [e for e in streamed if e["type"] == "response.output_text.delta"]
+    check_token_timings([e["timings"] for e in deltas], 4)
+    plain = events(post(url, "/responses", {**body, "return_progress": False, "timings_per_token": False}))
+    assert not any("prompt_progress" in e or "timings" in e for e in plain)
 
 
 # 7. /slots and the chat prompt count
