@@ -152,6 +152,10 @@ def summarize(name: str, engine: list[dict], http: list[dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "speculative", None):
+        from bench import serving_speculative
+
+        return serving_speculative.run(args)
     model_path = Path(resolve_model_path(args.model))
     base = GGUFFile(model_path)
     vocab = ModelHParams.from_gguf(base).vocab_size

@@ -111,6 +111,13 @@ def add_serving(sub: Subparsers) -> None:
     p.add_argument("--port", type=int, default=8765, help="the server's port on loopback")
     p.add_argument("--listener", choices=["gateway", "serve-proxy"], default="gateway",
                    help="the server's http.listener (default: gateway)")
+    p.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="instead: chat completions through loraplex serve with and without speculative decoding "
+                        "(the per-request switch), on bench-engine --speculative's three workloads, one stream and "
+                        "--requests streams (bench/serving_speculative.py)")
+    p.add_argument("--max-draft", type=positive_int, default=4, metavar="K", help="drafts per step with --speculative (default 4)")
+    p.add_argument("--one-stream-requests", type=positive_int, default=4, metavar="R",
+                   help="prompts asked one at a time for the one-stream figure with --speculative (default 4)")
     device_flags(p, "the engine-alone run's torch device (the server's comes from its config)")
     p.set_defaults(handler="bench.serving:run")
 
