@@ -30,9 +30,12 @@ ACCEPTANCE_SMOOTHING = 0.3  # weight the older verifications lose at each new on
 PRIOR_ACCEPTANCE = 0.5  # a sequence's rate before its first verification
 PAUSE_STEPS = 16  # steps a sequence below min_acceptance drafts nothing; then it tries again, from the prior
 PROBE_EVERY = 16  # decode steps all drafting (or all plain) before one plain step (or one probing draft span)
+MIN_PLAIN_STEPS = 2  # plain steps seen before drafts are costed against them: one step slowed by other work is no base
 # a draft must add tokens this much faster than the step's rate: its cost and its acceptance are noisy
-# estimates (and a draft row's cost varies with the batch), so one that only just pays by them is as likely a loss
-MIN_GAIN = 1.25
+# estimates (and a draft row's cost varies with the batch), so one that only just pays by them is as likely a loss;
+# the loss is the worse mistake (a busy engine slower than without drafts), so the margin is wide: at 16 streams on
+# 2 cores a draft row costs ~1 ms beside a 30 ms step, and drafts accepted 0.63 of the time measured 0.9x there
+MIN_GAIN = 1.5
 OUTLIER = 1.5  # a step that took longer than this times its prediction (other work on the machine) counts as that long
 
 
@@ -42,6 +45,7 @@ class RowCosts:
     the least-squares seconds a row adds (`row_s`; None until the rows have varied)."""
 
     row_s: float | None = None
+    num_seen: int = 0
     _weight: float = 0.0
     _x: float = 0.0
     _y: float = 0.0
@@ -55,6 +59,7 @@ class RowCosts:
         if predicted is not None:
             seconds = min(seconds, OUTLIER * predicted)
         keep = 1.0 - COST_DECAY
+        self.num_seen += 1
         self._weight = keep * self._weight + 1.0
         self._x = keep * self._x + num_rows
         self._y = keep * self._y + seconds
@@ -108,8 +113,10 @@ class DraftCosts:
             return
         plain_s = self.plain.predict(num_rows)
         if plain_s is not None:
-            if self.drafts.row_s is not None:
-                seconds = min(seconds, OUTLIER * (plain_s + self.drafts.row_s * num_drafts))
+            if self.drafts.row_s is not None:  # a draft row is judged an outlier only past a decoding row's cost: an
+                # estimate too low would otherwise clip the very steps that show it is (and drafts would never stop)
+                row_s = max(self.drafts.row_s, plain_s / max(num_rows, 1))
+                seconds = min(seconds, OUTLIER * (plain_s + row_s * num_drafts))
             self.drafts.observe(num_drafts, seconds - plain_s)
         self.steps_since_plain, self.steps_since_drafted = self.steps_since_plain + 1, 0
 
@@ -117,8 +124,8 @@ class DraftCosts:
         """Whether a step of `num_rows` may verify drafts at all, its sequences' best acceptance
         rate `best_rate` (False: it need not look any up)."""
         step_s, row_s = self.plain.predict(num_rows), self.drafts.row_s
-        if step_s is None or self.steps_since_plain >= PROBE_EVERY:
-            return False  # a plain step first: what drafts add is measured against it
+        if step_s is None or self.plain.num_seen < MIN_PLAIN_STEPS or self.steps_since_plain >= PROBE_EVERY:
+            return False  # plain steps first: what drafts add is measured against them
         if row_s is None or self.steps_since_drafted >= PROBE_EVERY:
             return True
         return best_rate * step_s > MIN_GAIN * num_rows * row_s
@@ -128,7 +135,7 @@ class DraftCosts:
         `num_rows`, given each one's acceptance rate. Unmeasured or long unseen draft costs:
         the best accepted sequence's drafts alone (a probe)."""
         step_s, row_s = self.plain.predict(num_rows), self.drafts.row_s
-        if step_s is None or self.steps_since_plain >= PROBE_EVERY:
+        if step_s is None or self.plain.num_seen < MIN_PLAIN_STEPS or self.steps_since_plain >= PROBE_EVERY:
             return [0] * len(available)
         if row_s is None or self.steps_since_drafted >= PROBE_EVERY:
             best = max(range(len(available)), key=lambda i: acceptance[i], default=None)
