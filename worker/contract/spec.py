@@ -42,6 +42,7 @@ class SpeculativeConfig:
 
     method: str = "none"
     max_draft: int = 4  # drafts per sequence and step at most (a request may ask for fewer)
+    # the token lookup's (SentencePiece models; byte-level BPE ones look up text: worker/engine/speculative/text_lookup.py):
     ngram_max: int = 4  # the longest tail of the sequence looked up in its earlier tokens
     ngram_min: int = 1  # ... and the shortest
     min_acceptance: float = 0.2  # a sequence whose recent drafts are accepted less often pauses drafting

@@ -63,7 +63,7 @@ class Engine:
         self._requests: dict[str, list[Choice]] = {}  # request id -> its choices still running
         self.counters = EngineCounters()
         self.clock = clock
-        self.speculator = open_speculator(config.speculative, runner, config.num_seq_slots, self.slot_len)
+        self.speculator = open_speculator(config.speculative, runner, config.num_seq_slots, self.slot_len, tokenizer)
         self._drafted: dict[tuple[str, int], DraftedSpan] = {}  # this step's speculative spans, by sequence key
 
     # requests in

@@ -3,7 +3,9 @@
 The last n tokens are looked up among the earlier ones, n from `ngram_max` down to
 `ngram_min`; the tokens that followed their latest earlier occurrence are the draft.
 Extraction, JSON and rewrites copy much of their prompt, and that is what this finds;
-it needs no model and knows nothing of adapters.
+it needs no model and knows nothing of adapters. A model whose tokenizer is byte-level BPE
+looks up its text instead (`text_lookup`: a value copied from the prompt is often other
+tokens where it lands); this is the lookup of the others.
 
 An index per sequence keeps, for each n-gram, where its latest occurrence that has a
 continuation starts, updated as tokens are accepted: a lookup is one dict read per n.

@@ -16,7 +16,9 @@ from worker.engine.runner import ModelRunner
 from worker.engine.speculative.draft_model import DraftModel
 from worker.engine.speculative.ngram import NgramIndex
 from worker.engine.speculative.policy import Acceptance, DraftCosts
+from worker.engine.speculative.text_lookup import TextIndex, text_tokenizer
 from worker.engine.speculative.verify import DraftedSpan, grammar_masks, replay_draws
+from worker.formats.tokenizer import GGUFTokenizer
 from worker.model.sampler import SampleSpec
 
 Key = tuple[str, int]  # a sequence's key: request id and choice
@@ -29,14 +31,18 @@ class Drafter(Protocol):
     def draft(self, tokens: Sequence[int], max_draft: int) -> list[int]: ...
 
 
-def open_speculator(config: SpeculativeConfig, runner: ModelRunner, num_seq_slots: int, slot_len: int) -> Speculator | None:
-    """An engine's speculator as `config` says (None: off): n-gram lookups, or a draft model's
-    drafters (`method: draft`, loaded beside `runner` with a KV slot per engine slot)."""
+def open_speculator(config: SpeculativeConfig, runner: ModelRunner, num_seq_slots: int, slot_len: int,
+                    tokenizer: GGUFTokenizer | None = None) -> Speculator | None:
+    """An engine's speculator as `config` says (None: off): a draft model's drafters (`method:
+    draft`, loaded beside `runner` with a KV slot per engine slot), or lookups in each sequence's
+    text with the model's `tokenizer` (built from `runner`'s GGUF when not given), in its tokens
+    where that tokenizer is not byte-level BPE (`method: ngram`)."""
     if not config.is_on:
         return None
     if config.method == "draft":
         return Speculator(config, DraftModel.load(config.draft_model, runner, num_seq_slots, slot_len).new_drafter)
-    return Speculator(config)
+    tokenizer = text_tokenizer(runner.base, tokenizer)
+    return Speculator(config, None if tokenizer is None else lambda key: TextIndex(tokenizer))
 
 
 class Speculator:
