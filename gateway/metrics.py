@@ -7,6 +7,10 @@ collide; `/metrics` renders it with the workers' cache metrics appended.
 requests it answers (`finished`), the HTTP edge (gateway/http/observed.py) the rest (`answered`:
 refused before they reached a worker, and every other route), each within its request's
 `answering()`, whichever comes first (a llama-server batch of prompts is one answer).
+
+A worker knows adapters by fingerprint only (names never cross the wire), so what is counted per
+adapter set is counted here, from each choice's last delta: its speculative drafts too
+(`loraplex_gateway_drafted_tokens_total`), beside each replica's totals (`loraplex_engine_*`).
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ class GatewayMetrics:
         self.ttft = Histogram("loraplex_gateway_ttft_seconds", "arrival to first token", labels, buckets=LATENCY_BUCKETS_S, registry=r)
         self.itl = Histogram("loraplex_gateway_itl_seconds", "a choice's mean time between tokens: its decode time / (tokens - 1)",
                              ("tenant", "adapter"), buckets=ITL_BUCKETS_S, registry=r)
+        self.drafted = Counter("loraplex_gateway_drafted_tokens", "speculative draft tokens verified for the choices that "
+                               "finished (their timings' draft_n)", ("tenant", "adapter"), registry=r)
+        self.accepted_drafts = Counter("loraplex_gateway_accepted_draft_tokens", "of those, the drafts accepted "
+                                       "(draft_n_accepted; the acceptance rate: over drafted_tokens)", ("tenant", "adapter"), registry=r)
         self.queued = Histogram("loraplex_gateway_queue_seconds", "time a request waited in its worker's queue before its first step",
                                 labels, buckets=LATENCY_BUCKETS_S, registry=r)
         self.tokens_in = Counter("loraplex_gateway_prompt_tokens", "prompt tokens", labels, registry=r)
@@ -97,10 +105,14 @@ class GatewayMetrics:
         return is_new
 
     def choice_finished(self, tenant: str, adapter: str, final: Delta) -> None:
-        """A choice's last delta (its own timings: the worker's clock)."""
+        """A choice's last delta (its own timings: the worker's clock), and the speculative drafts
+        its worker verified for it (a choice that drafted nothing adds no series)."""
         usage = final.usage
         if usage is not None and usage.completion_tokens > 1 and final.finish_reason in ("stop", "length"):
             self.itl.labels(tenant, adapter).observe(final.decode_time_s / (usage.completion_tokens - 1))
+        if final.num_drafted:
+            self.drafted.labels(tenant, adapter).inc(final.num_drafted)
+            self.accepted_drafts.labels(tenant, adapter).inc(final.num_draft_accepted)
 
     def finished(self, tenant: str, adapter: str, endpoint: str, status: int, latency_s: float, ttft_s: float | None,
                  final: Delta | None) -> None:

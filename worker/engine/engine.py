@@ -184,7 +184,7 @@ class Engine:
         if not spans:
             return []
         if self.speculator is not None:
-            spans = self.speculator.draft(spans, self._choices, self._drafted)
+            spans = self.speculator.draft(spans, self._choices, self._drafted, self.config.max_step_tokens)
         try:
             outputs = self._run(spans)
         except Exception as e:  # the whole pass failed: fail its requests, keep serving

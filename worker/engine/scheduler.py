@@ -9,6 +9,9 @@ most `prefill_while_decoding` prompt tokens: on a CPU a pass costs about what
 its tokens do, and a burst of prompts in 256-token chunks made the decoding
 sequences wait 5x their step time between tokens; with nothing decoding,
 prompts take the whole budget (Sarathi-Serve's stall-free batching, in tokens).
+Speculative drafts are not scheduled here: the speculator adds them to decoding
+spans within what the scheduled tokens leave of the budget
+(worker/engine/speculative/speculator.py), so a step's rows never exceed it.
 That bound is per decoding sequence: when more sequences wait for their first
 token than decode, it is multiplied by their ratio. A step's prompt tokens
 delay every decoding stream once, and every step a waiting stream is not

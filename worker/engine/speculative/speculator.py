@@ -53,9 +53,17 @@ class Speculator:
         self._drafters: dict[Key, Drafter] = {}
         self._acceptance: dict[Key, Acceptance] = {}
 
-    def draft(self, spans: list[Span], choices: Mapping[Key, Choice], drafted: dict[Key, DraftedSpan]) -> list[Span]:
-        """The step's spans, decoding ones with the drafts they verify; `drafted` gets each one's."""
+    def draft(self, spans: list[Span], choices: Mapping[Key, Choice], drafted: dict[Key, DraftedSpan],
+              max_step_tokens: int) -> list[Span]:
+        """The step's spans, decoding ones with the drafts they verify; `drafted` gets each one's.
+
+        Draft rows count in the step's `max_step_tokens`: they take only what the scheduled
+        tokens leave of it (`fit_drafts`). The scheduler fills the budget with sure work (each
+        decoding token, then prompt chunks) before any drafter is asked; a draft is a guess,
+        so it rides on the rows left rather than the scheduler reserving rows for drafts it
+        cannot know of, which would hold back prompts even in steps that draft nothing."""
         drafted.clear()
+        room = max_step_tokens - sum(span.length for span in spans)  # rows the step's tokens leave
         eligible: list[tuple[int, Choice, int]] = []  # (span, choice, drafts it may verify)
         for i, span in enumerate(spans):
             seq = span.seq
@@ -68,9 +76,9 @@ class Speculator:
             if limit > 0 and self._acceptance.setdefault(seq.key, Acceptance()).may_draft():
                 eligible.append((i, choice, limit))
         num_rows = sum(span.length - span.prompt_tokens for span in spans)  # the step's decoding rows: its tokens
-        if not eligible or (self.config.is_adaptive and not self.costs.may_draft(
+        if room <= 0 or not eligible or (self.config.is_adaptive and not self.costs.may_draft(
                 num_rows, max(self._acceptance[choice.key].rate for _, choice, _ in eligible))):
-            return spans  # no draft can pay: none is looked up
+            return spans  # no room, or no draft can pay: none is looked up
         candidates: list[tuple[int, Choice, list[int]]] = []
         for i, choice, limit in eligible:
             drafter = self._drafters.get(choice.key)
@@ -84,6 +92,7 @@ class Speculator:
         lengths = [len(tokens) for _, _, tokens in candidates]
         if self.config.is_adaptive:
             lengths = self.costs.plan(num_rows, lengths, [self._acceptance[c.key].rate for _, c, _ in candidates])
+        lengths = fit_drafts(lengths, room)
         spans = list(spans)
         for (i, choice, tokens), n in zip(candidates, lengths):
             params, masks = choice.request.params, None
@@ -123,3 +132,18 @@ def draft_samples(first: SampleSpec, token_ids: list[int], num_prompt_tokens: in
         mask = drafted.masks[j] if drafted.masks is not None else first.allowed
         specs.append(replace(first, penalized=window, allowed=mask))
     return specs
+
+
+def fit_drafts(lengths: Sequence[int], room: int) -> list[int]:
+    """Each candidate's drafts (`lengths` planned) within `room` rows, depth by depth: every
+    sequence's first draft, then every second one, and so on. A draft counts only when those
+    before it are accepted, so a shallower draft is the likelier token."""
+    fitted = [0] * len(lengths)
+    for depth in range(max(lengths, default=0)):
+        for i, n in enumerate(lengths):
+            if room <= 0:
+                return fitted
+            if n > depth:
+                fitted[i] += 1
+                room -= 1
+    return fitted
