@@ -24,6 +24,9 @@ after their own formulas:
 Every peer aims at the same share of the replicas' KV slots as ours (`target_utilization`), so that
 what differs is what each reads and how it damps, not the target; each is bounded by the shard's
 min and max.
+
+Beside them, bench/sim/oracle.py's `Oracle` is told the scenario's rate, which no policy knows: the
+bound a per-shard policy can reach, run through `run_scaled` with a builder in place of a name.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.policy.autoscale import AutoscalingSettings, ScalingState, ShardLoad, decide
 
@@ -202,6 +206,7 @@ class QueueDepth:
         return math.ceil(total / target - 1e-9)
 
 
+Policy = Callable[[AutoscalingSettings], Any]  # builds one shard's policy: an object with decide(sample, now_s) -> replicas
 SCALERS: dict[str, Callable[[AutoscalingSettings], Fixed | Ours | ServeDefault | Knative | QueueDepth]] = {
     cls.name: cls for cls in (Ours, Fixed, ServeDefault, Knative, QueueDepth)
 }

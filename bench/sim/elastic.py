@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from bench.sim.autoscalers import Policy
 from bench.sim.fleet import Fleet, Placement, place
 from bench.sim.profile import CostProfile
 from bench.sim.report import SLO, figures
@@ -64,9 +65,10 @@ def _row(name: str, record_figures: dict[str, Any], replica_s: float, peak: int,
             "failed": record_figures["failed"], "tenants": record_figures["tenants"]}
 
 
-def run_scaled(fleet: FleetScenario, policy: str, profile: CostProfile, slo: SLO,
-               routing: RoutingSettings = RoutingSettings()) -> tuple[dict[str, Any], Scaler]:
-    """One run with every shard scaled by `policy`: its row, and the Scaler (its timeline)."""
+def run_scaled(fleet: FleetScenario, policy: str | Policy, profile: CostProfile, slo: SLO,
+               routing: RoutingSettings = RoutingSettings(), name: str | None = None) -> tuple[dict[str, Any], Scaler]:
+    """One run with every shard scaled by `policy` (a name in SCALERS, or what builds a shard's policy; `name`:
+    its row's, the policy's name by default): its row, and the Scaler (its timeline)."""
     scenario, scaling = fleet.scenario, fleet.sim.autoscaling
     placement, shards, initial = scaled_placement(fleet)
 
@@ -78,7 +80,8 @@ def run_scaled(fleet: FleetScenario, policy: str, profile: CostProfile, slo: SLO
     measured_s = scenario.duration_s - scenario.warmup_s
     assert run.scaler is not None
     done = run.scaler.figures
-    return _row(policy, figures(record, slo, measured_s), done.replica_s, done.peak, measured_s), run.scaler
+    row_name = name or (policy if isinstance(policy, str) else "custom")
+    return _row(row_name, figures(record, slo, measured_s), done.replica_s, done.peak, measured_s), run.scaler
 
 
 def run_fixed(fleet: FleetScenario, num_replicas: int, profile: CostProfile, slo: SLO,

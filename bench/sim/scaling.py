@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from bench.sim.autoscalers import SCALERS, ShardSample
+from bench.sim.autoscalers import SCALERS, Policy, ShardSample
 from bench.sim.report import percentile
 from gateway.policy.autoscale import AutoscalingSettings, ShardLoad
 
@@ -51,11 +51,13 @@ class ScalingFigures:
 
 
 class Scaler:
-    def __init__(self, fleet: Fleet, shards: dict[str, list[int]], settings: AutoscalingSettings, policy: str,
+    def __init__(self, fleet: Fleet, shards: dict[str, list[int]], settings: AutoscalingSettings, policy: str | Policy,
                  initial: dict[str, int], tick_s: float = 0.5) -> None:
-        """`shards`: each shard's replicas (their indices); `initial[shard]` of them serve from the start."""
+        """`shards`: each shard's replicas (their indices); `initial[shard]` of them serve from the start;
+        `policy`: a name in SCALERS, or what builds each shard's policy from the settings."""
         self.fleet, self.settings, self.tick_s = fleet, settings, tick_s
-        self.shards = [ShardReplicas(name, indices, SCALERS[policy](settings)) for name, indices in shards.items()]
+        build = SCALERS[policy] if isinstance(policy, str) else policy
+        self.shards = [ShardReplicas(name, indices, build(settings)) for name, indices in shards.items()]
         self.state = [OFF] * len(fleet.replicas)
         self.on_s = [0.0] * len(fleet.replicas)  # since when each replica costs
         self.epoch = [0] * len(fleet.replicas)  # a start cancelled: its ready event is stale

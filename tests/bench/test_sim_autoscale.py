@@ -13,10 +13,12 @@ import yaml
 import bench.sim.autoscalers as autoscalers
 import gateway.policy.autoscale as autoscale
 from bench.sim.elastic import fewest, run_fixed, run_scaled, scaled_placement
+from bench.sim.oracle import Oracle, rate_at, run_oracle
 from bench.sim.profile import CostProfile
 from bench.sim.report import SLO
 from bench.sim.workload import FleetScenario, parse_fleet_scenario
 from gateway.cli import main as cli_main
+from gateway.policy.autoscale import AutoscalingSettings
 from worker.contract.spec import EngineConfig
 
 PROFILE = CostProfile("test", False, step_overhead_s=0.01, prompt_token_s=0.0005, decode_seq_s=0.001,
@@ -134,3 +136,27 @@ def test_queue_depth_asks_for_the_larger_of_its_metrics_and_keeps_its_highest_as
     assert policy.decide(sample(6, 300, 0), 15.0) == 6  # 300 running at 51.2 a replica: within the tolerance of 6
     counts = {t: policy.decide(sample(6, 30, 0), t) for t in range(30, 331, 15)}  # 30 running asks for 1
     assert set(counts[t] for t in range(30, 301, 15)) == {6} and counts[315] == counts[330] == 1
+
+
+def test_the_oracles_rate_is_the_scenarios() -> None:
+    rate = rate_at(fleet().scenario)  # 4 req/s, 30 from 30 s to 60 s
+    assert [rate(t) for t in (0.0, 29.9, 30.0, 59.9, 60.0)] == [4, 4, 30, 30, 4]
+    own = parse_fleet_scenario({**SCENARIO, "tenants": [{"name": "a", "weight": 1}, {"name": "b", "rate_rps": 2}],
+                                "phases": [{"at_s": 10, "rate_rps": 8, "tenant": "b"}]}).scenario
+    assert [rate_at(own)(t) for t in (0.0, 10.0)] == [6, 12]  # a tenant's own rate beside the shared one
+
+
+def test_the_oracle_asks_a_start_ahead_and_lets_go_when_the_rate_has_gone() -> None:
+    settings = AutoscalingSettings(min_replicas=1, max_replicas=4)
+    oracle = Oracle(settings, rate_at(fleet().scenario), num_shards=3, capacity_rps=2.0, lead_s=5.0)
+    sample = autoscalers.ShardSample(autoscale.ShardLoad(1, 0, 4, 0, 0), current=1, slots_per_replica=4)
+    counts = {t: oracle.decide(sample, t) for t in (0.0, 24.9, 25.0, 59.9, 60.0)}
+    assert counts == {0.0: 1, 24.9: 1, 25.0: 4, 59.9: 4, 60.0: 1}  # 30 req/s / 3 shards / 2 = 5: max 4; 4 / 6: min 1
+    with pytest.raises(ValueError, match="capacity_rps"):
+        Oracle(settings, lambda t: 1.0, 3, 0.0, 5.0)
+
+
+def test_the_oracle_runs_within_the_bounds() -> None:
+    row, scaler = run_oracle(fleet(), 2.0, PROFILE, SLO_)
+    assert row["policy"].startswith("oracle") and row["failed"] == 0
+    assert all(3 <= n <= 18 for _, n in scaler.figures.timeline) and max(n for _, n in scaler.figures.timeline) > 3
