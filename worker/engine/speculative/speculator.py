@@ -1,6 +1,6 @@
-"""One engine's speculation: which decoding sequences draft in a step and how many tokens,
-the drafts' sampling specs, and what each sequence's verifications taught (its acceptance,
-the step costs)."""
+"""One engine's speculation: which decoding sequences draft in a step and how many tokens (a
+grammar's forced tokens where it forces some, else the drafter's lookup), the drafts' sampling
+specs, and what each sequence's verifications taught (its acceptance, the step costs)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from worker.formats.tokenizer import GGUFTokenizer
 from worker.model.sampler import SampleSpec
 
 Key = tuple[str, int]  # a sequence's key: request id and choice
+# a grammar's forced token is the target's pick unless the grammar allows another spelling of the same text
+FORCED_RATE = 0.95
 
 
 class Drafter(Protocol):
@@ -77,24 +79,21 @@ class Speculator:
                 eligible.append((i, choice, limit))
         num_rows = sum(span.length - span.prompt_tokens for span in spans)  # the step's decoding rows: its tokens
         if room <= 0 or not eligible or (self.config.is_adaptive and not self.costs.may_draft(
-                num_rows, max(self._acceptance[choice.key].rate for _, choice, _ in eligible))):
+                num_rows, max(self._best_rate(choice) for _, choice, _ in eligible))):
             return spans  # no room, or no draft can pay: none is looked up
-        candidates: list[tuple[int, Choice, list[int]]] = []
+        candidates: list[tuple[int, Choice, list[int], float]] = []
         for i, choice, limit in eligible:
-            drafter = self._drafters.get(choice.key)
-            if drafter is None:
-                drafter = self._drafters[choice.key] = self._new_drafter(choice.key)
-            tokens = drafter.draft(choice.seq.token_ids, limit)
+            tokens, rate = self._lookup(choice, limit)
             if tokens and len(tokens) >= choice.request.params.min_draft_tokens:
-                candidates.append((i, choice, tokens))
+                candidates.append((i, choice, tokens, rate))
         if not candidates:
             return spans
-        lengths = [len(tokens) for _, _, tokens in candidates]
+        lengths = [len(tokens) for _, _, tokens, _ in candidates]
         if self.config.is_adaptive:
-            lengths = self.costs.plan(num_rows, lengths, [self._acceptance[c.key].rate for _, c, _ in candidates])
+            lengths = self.costs.plan(num_rows, lengths, [rate for _, _, _, rate in candidates])
         lengths = fit_drafts(lengths, room)
         spans = list(spans)
-        for (i, choice, tokens), n in zip(candidates, lengths):
+        for (i, choice, tokens, _), n in zip(candidates, lengths):
             params, masks = choice.request.params, None
             tokens = tokens[:n]
             if choice.matcher is not None and tokens:
@@ -106,6 +105,25 @@ class Speculator:
                                               None if is_greedy else choice.generator.get_state())
             spans[i] = replace(spans[i], drafts=tuple(tokens))
         return spans
+
+    def _best_rate(self, choice: Choice) -> float:
+        """The likeliest acceptance a choice's drafts may have this step (a grammar may force them)."""
+        rate = self._acceptance[choice.key].rate
+        return max(rate, FORCED_RATE) if choice.matcher is not None else rate
+
+    def _lookup(self, choice: Choice, limit: int) -> tuple[list[int], float]:
+        """Up to `limit` drafts of a choice, and the rate they are accepted at: under a grammar,
+        the tokens it forces next when it forces some (llguidance's fast-forward tokens: the
+        only text the grammar allows, a JSON schema's keys and punctuation), else its drafter's
+        lookup at the sequence's recent acceptance."""
+        if choice.matcher is not None:
+            forced = choice.matcher.compute_ff_tokens()[:limit]
+            if forced:
+                return forced, FORCED_RATE
+        drafter = self._drafters.get(choice.key)
+        if drafter is None:
+            drafter = self._drafters[choice.key] = self._new_drafter(choice.key)
+        return drafter.draft(choice.seq.token_ids, limit), self._acceptance[choice.key].rate
 
     def verified(self, choice: Choice, drafted: DraftedSpan, taken: StepTokens, scheduler: Scheduler) -> None:
         """After a choice's speculative span (it goes on): its generator stands after the draws of

@@ -149,6 +149,27 @@ def test_a_grammar_checks_each_draft_against_its_mask(runner, tokenizer) -> None
     assert_identical(expected, got, spec)
 
 
+class DraftsNothing:
+    def draft(self, tokens, max_draft):
+        return []
+
+
+def test_a_grammars_forced_tokens_are_drafts_of_their_own(runner, tokenizer) -> None:
+    # a JSON schema forces its keys and punctuation: they are drafted though the lookup finds nothing
+    schema = {"type": "object", "properties": {"name": {"enum": ["ada", "bob"]}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    grammar = json_schema_grammar(schema)
+    reqs = [EngineRequest(f"j{i}", [5, 77 + i], SamplingParams(max_tokens=40, temperature=t, seed=i, grammar=grammar))
+            for i, t in enumerate((0, 0.8))]
+    plain = Engine(runner, tokenizer, EngineConfig(num_seq_slots=4, slot_len=96))
+    expected = plain.run_all(reqs)
+    spec = Engine(runner, tokenizer, EngineConfig(num_seq_slots=4, slot_len=96, speculative=NGRAM))
+    spec.speculator = Speculator(NGRAM, lambda key: DraftsNothing())
+    got = spec.run_all(reqs)
+    assert {k: r.token_ids for k, r in got.items()} == {k: r.token_ids for k, r in expected.items()}
+    assert spec.counters.accepted_draft_tokens > 0 and spec.counters.steps < plain.counters.steps
+
+
 def test_the_prefix_cache_stores_what_decoding_stores_and_nothing_rejected(runner, tokenizer) -> None:
     """Chunks of 4 tokens: a generated chunk is stored once its tokens are accepted, never with a rejected draft's KV."""
     stored: dict[str, list] = {"plain": [], "spec": []}
