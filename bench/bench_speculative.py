@@ -2,6 +2,8 @@
 decoding, side by side in one process, on the real model and three workloads:
 
 - json: extraction prompts answered as JSON (the values are copied from the prompt);
+- schema: the same prompts answered under a JSON schema (structured output: the grammar forces
+  the keys and punctuation, which are drafts of their own);
 - copy: a rewrite that copies most of its prompt (fix the typos of a paragraph);
 - chat: free answers to open questions (little to copy).
 
@@ -24,11 +26,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from dataclasses import replace
+
 from worker.contract.params import SamplingParams
 from worker.contract.spec import EngineConfig, SpeculativeConfig
 from worker.engine.engine import Engine, EngineRequest
 from worker.engine.runner import ModelRunner
 from worker.formats.chat_template import compiled
+from worker.formats.grammar import json_schema_grammar
 from worker.formats.default_model import resolve_model_path
 from worker.formats.tokenizer import GGUFTokenizer
 from worker.model.device import DeviceConfig
@@ -56,7 +61,7 @@ QUESTIONS = ["Why is the sky blue?", "Tell me a short story about a dragon who l
 def prompts(workload: str, count: int) -> list[str]:
     out = []
     for i in range(count):
-        if workload == "json":
+        if workload in ("json", "schema"):
             name, city, age, email = PEOPLE[i % len(PEOPLE)]
             out.append(f"Extract the person's name, city, age and email from this text as a JSON object with the keys "
                        f"name, city, age and email.\n\nText: My name is {name}, I am {age} years old and I live in {city}. "
@@ -69,15 +74,26 @@ def prompts(workload: str, count: int) -> list[str]:
     return out
 
 
-WORKLOADS = ("json", "copy", "chat")
+WORKLOADS = ("json", "schema", "copy", "chat")
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                                                  "age": {"type": "integer"}, "email": {"type": "string"}},
+                 "required": ["name", "city", "age", "email"], "additionalProperties": False}
+
+
+def response_format(workload: str) -> dict:
+    """What a chat body adds for `workload`: the schema workload's JSON schema (OpenAI's shape)."""
+    if workload != "schema":
+        return {}
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}}
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def run_streams(runner: ModelRunner, requests: list[EngineRequest], streams: int,
-                config: EngineConfig, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float, int, Engine, list]:
+def run_streams(runner: ModelRunner, requests: list[EngineRequest], streams: int, config: EngineConfig,
+                clock: Callable[[], float] = time.perf_counter, tokenizer: GGUFTokenizer | None = None,
+                ) -> tuple[float, float, int, Engine, list]:
     """The requests, `streams` at a time, in one engine timing its steps on `clock`: (seconds on
     `clock` and CPU seconds of decode-only steps, tokens they gave, the engine, outputs)."""
-    engine = Engine(runner, None, config, clock=clock)
+    engine = Engine(runner, tokenizer, config, clock=clock)
     seconds, cpu_s, tokens, outputs = 0.0, 0.0, 0, []
     for first in range(0, len(requests), streams):
         batch = requests[first : first + streams]
@@ -106,7 +122,8 @@ def run(args: argparse.Namespace, clock: str = "wall", workloads: Sequence[str] 
     template = compiled(tokenizer.chat_template or "", tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else "")
     load_s = time.perf_counter() - started
     speculative = SpeculativeConfig(method=args.speculative, max_draft=args.max_draft)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    plain = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    schema = replace(plain, grammar=json_schema_grammar(PERSON_SCHEMA))
     print(f"model {resolve_model_path(args.model).name} on {device.device} ({device.dtype}, weights {device.weights}), "
           f"{runner.max_threads} threads, loaded in {load_s:.1f} s; speculative {args.speculative} max_draft {args.max_draft}, "
           f"{args.max_tokens} new tokens, greedy; steps timed on the {clock} clock")
@@ -116,7 +133,8 @@ def run(args: argparse.Namespace, clock: str = "wall", workloads: Sequence[str] 
             count = args.one_stream_requests if streams == 1 else streams
             texts = prompts(workload, count)
             requests = [EngineRequest(f"{workload}{i}", tokenizer.encode(template.render([{"role": "user", "content": t}]),
-                                                                         add_special=False, parse_special=True), params)
+                                                                         add_special=False, parse_special=True),
+                                      schema if workload == "schema" else plain)
                         for i, t in enumerate(texts)]
             slot_len = max(len(r.prompt_ids) for r in requests) + args.max_tokens
             totals = {"off": [0.0, 0.0, 0], "on": [0.0, 0.0, 0]}
@@ -128,7 +146,8 @@ def run(args: argparse.Namespace, clock: str = "wall", workloads: Sequence[str] 
                 for mode in ("off", "on"):
                     config = EngineConfig(num_seq_slots=streams, slot_len=slot_len,
                                           speculative=speculative if mode == "on" else SpeculativeConfig())
-                    seconds, cpu_s, tokens, engine, outs[mode] = run_streams(runner, requests, streams, config, CLOCKS[clock])
+                    seconds, cpu_s, tokens, engine, outs[mode] = run_streams(runner, requests, streams, config, CLOCKS[clock],
+                                                                             tokenizer)
                     totals[mode][0] += seconds
                     totals[mode][1] += cpu_s
                     totals[mode][2] += tokens

@@ -4,7 +4,8 @@ client sees it, with and without, side by side in one run.
 One server runs with `speculative: {method: ngram}`; a request that says `"speculative": 0` drafts
 nothing (the per-request switch), so both ways share the server, its warm caches and the
 machine's noise. The workloads are the engine bench's (bench/bench_speculative.py: JSON
-extraction, a rewrite copying its prompt, free chat), greedy, as chat completions:
+extraction, free and under a JSON schema, a rewrite copying its prompt, free chat), greedy, as chat
+completions:
 
 - one stream: each prompt asked both ways in turn (the order alternating by round), and
 - `--requests` streams: that many requests at once, all one way, then all the other.
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.bench_speculative import WORKLOADS, prompts
+from bench.bench_speculative import WORKLOADS, prompts, response_format
 from bench.cluster import free_port
 from bench.server import Server
 from worker.formats.default_model import resolve_model_path
@@ -63,29 +64,29 @@ class Tally:
         return self.tokens / (self.decode_ms / 1e3) if self.decode_ms else 0.0
 
 
-async def ask(client: httpx.AsyncClient, prompt: str, max_tokens: int, mode: str) -> dict:
+async def ask(client: httpx.AsyncClient, prompt: str, max_tokens: int, mode: str, workload: str = "chat") -> dict:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, **(OFF if mode == "off" else {})}
+            "temperature": 0, **response_format(workload), **(OFF if mode == "off" else {})}
     answer = await client.post("/v1/chat/completions", json=body)
     answer.raise_for_status()
     return answer.json()
 
 
-async def one_stream(client: httpx.AsyncClient, texts: list[str], args: argparse.Namespace, rnd: int,
+async def one_stream(client: httpx.AsyncClient, workload: str, texts: list[str], args: argparse.Namespace, rnd: int,
                      tallies: dict[str, Tally]) -> None:
     for prompt in texts:
         for mode in (MODES if rnd % 2 == 0 else MODES[::-1]):
             sent = time.perf_counter()
-            answer = await ask(client, prompt, args.max_tokens, mode)
+            answer = await ask(client, prompt, args.max_tokens, mode, workload)
             tallies[mode].seconds += time.perf_counter() - sent
             tallies[mode].add_answer(answer)
 
 
-async def many_streams(client: httpx.AsyncClient, texts: list[str], args: argparse.Namespace, rnd: int,
+async def many_streams(client: httpx.AsyncClient, workload: str, texts: list[str], args: argparse.Namespace, rnd: int,
                        tallies: dict[str, Tally]) -> None:
     for mode in (MODES if rnd % 2 == 0 else MODES[::-1]):
         sent = time.perf_counter()
-        answers = await asyncio.gather(*(ask(client, prompt, args.max_tokens, mode) for prompt in texts))
+        answers = await asyncio.gather(*(ask(client, prompt, args.max_tokens, mode, workload) for prompt in texts))
         tallies[mode].seconds += time.perf_counter() - sent
         for answer in answers:
             tallies[mode].add_answer(answer)
@@ -102,7 +103,7 @@ async def measure(url: str, args: argparse.Namespace) -> list[tuple[str, int, di
                 tallies = {mode: Tally() for mode in MODES}
                 for rnd in range(args.rounds):
                     run = one_stream if streams == 1 else many_streams
-                    await run(client, texts, args, rnd, tallies)
+                    await run(client, workload, texts, args, rnd, tallies)
                 rows.append((workload, streams, tallies))
                 off, on = tallies["off"], tallies["on"]
                 print(f"{workload:5s} {streams:3d} streams: {off.rate:7.1f} -> {on.rate:7.1f} tokens/s "

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.bench_speculative import WORKLOADS, prompts
+from bench.bench_speculative import WORKLOADS, prompts, response_format
 from bench.server import Server
 from bench.cluster import free_port
 from worker.formats.default_model import default_model_path
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         for workload in WORKLOADS:
             for prompt in prompts(workload, args.count):
                 for side, (url, extra) in sides.items():
-                    t = ask(url, prompt, args.max_tokens, extra)
+                    t = ask(url, prompt, args.max_tokens, {**extra, **response_format(workload)})
                     total = totals[(workload, side)]
                     total[0] += t["predicted_n"]
                     total[1] += t["predicted_ms"]

@@ -52,7 +52,8 @@ def add_engine(sub: Subparsers) -> None:
     p.add_argument("--warmup", type=positive_int, default=256, metavar="W", help="warm-up requests (default 256)")
     p.add_argument("--speculative", choices=["ngram"], default=None,
                    help="instead: decode tokens/s with and without speculative decoding on the default model, on JSON "
-                        "extraction, a rewrite copying its prompt and free chat, one stream and --streams (bench/bench_speculative.py)")
+                        "extraction (free, and under a JSON schema), a rewrite copying its prompt and free chat, one stream and "
+                        "--streams (bench/bench_speculative.py)")
     p.add_argument("--max-draft", type=positive_int, default=4, metavar="K", help="drafts per step with --speculative (default 4)")
     p.add_argument("--streams", type=positive_int, default=16, metavar="S", help="concurrent streams with --speculative (default 16)")
     p.add_argument("--one-stream-requests", type=positive_int, default=4, metavar="R",
