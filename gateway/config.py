@@ -10,8 +10,8 @@ config errors (the dataclasses take this model's `extra="forbid"`: pydantic's ru
 stdlib dataclasses without their own config). The file's shape:
 
     engine:   EngineConfig (worker/contract/spec.py)
-    speculative: SpeculativeConfig (same file): method (none, ngram, draft), max_draft, draft_model, ...; the
-              engine's, off by default
+    speculative: SpeculativeConfig (same file): method (none, ngram, draft), max_draft, draft_model, draft_adapters
+              (keyed by adapter name or fingerprint), ...; the engine's, off by default
     device:   DeviceSettings (same file): dtype, weights, threads, decode_threads; the device itself
               is chosen per shard (worker_spec)
     residency: ResidencySettings (same file): device_bytes, device_adapters, host_bytes, disk_bytes
@@ -49,8 +49,9 @@ from gateway.state import StateSettings
 from gateway.state import config_error as state_config_error
 from gateway.state import state_redis as _state_redis
 from worker.contract.spec import (DEFAULT_FINGERPRINT_DIR, DeviceSettings, EngineConfig, ResidencySettings, SpeculativeConfig,
-                                  WorkerSpec, check_draft_model)
+                                  WorkerSpec, check_draft_adapters, check_draft_model)
 from worker.contract.tracing import TracingSettings  # gateway/requests/tracing.py's; defined with the workers', who get it too
+from worker.formats.adapter import load_adapter
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "serve.yaml"
@@ -237,18 +238,20 @@ class ServeConfig(_Strict):
         return self
 
     def _check_draft_model(self) -> None:
-        """speculative.draft_model is a file of the model's vocabulary (worker/contract/spec.py), where the
-        model is here to compare with; a worker checks it again when it loads the draft model."""
+        """speculative's files: a draft model of the model's vocabulary, draft LoRAs of known adapters that fit it."""
         if self.speculative.draft_model is None:
             return
         draft = self.resolve(self.speculative.draft_model)
         try:
-            model = self.model_path()
+            check_draft_model(self.model_path(), draft)
         except FileNotFoundError:  # no model on this node (nor the default one): the file alone
             if not draft.is_file():
                 raise ValueError(f"speculative.draft_model: no such file: {draft}") from None
-            return
-        check_draft_model(model, draft)
+        names = {a.name for a in self.adapters}
+        for target in self.speculative.draft_adapters:
+            if target not in names and not re.fullmatch(r"[0-9a-f]{64}", target):  # a run-time adapter is named by fingerprint
+                raise ValueError(f"speculative.draft_adapters: unknown adapter {target!r} (known: {', '.join(sorted(names)) or 'none'})")
+        check_draft_adapters(draft, {target: self.resolve(path) for target, path in self.speculative.draft_adapters.items()})
 
     def exposure_error(self) -> str | None:
         """Why this config may not listen where it says (gateway/exposure.py); None: it may."""
@@ -294,10 +297,13 @@ class ServeConfig(_Strict):
         )
 
     def speculative_settings(self) -> SpeculativeConfig:
-        """The `speculative` section as a worker takes it: its draft_model resolved against the config's directory."""
+        """The `speculative` section as a worker takes it: paths resolved, draft LoRAs keyed by their target's fingerprint."""
         if self.speculative.draft_model is None:
             return self.speculative
-        return replace(self.speculative, draft_model=str(self.resolve(self.speculative.draft_model)))
+        names = {a.name for a in self.adapters}
+        loras = {load_adapter(self.adapter_path(t)).fingerprint if t in names else t: str(self.resolve(p))
+                 for t, p in self.speculative.draft_adapters.items()}
+        return replace(self.speculative, draft_model=str(self.resolve(self.speculative.draft_model)), draft_adapters=loras)
 
     def blob_store(self) -> BlobStoreConfig:
         """The adapter store, with this node's cache in store_dir (the gateway's and each worker's): a

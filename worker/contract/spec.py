@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from cache.blobs import BlobStoreConfig
 from cache.prefix import PrefixCacheConfig
 from worker.contract.params import MAX_DRAFT_TOKENS
 from worker.contract.tracing import TracingSettings
+from worker.formats.adapter import AdapterError, LoRAAdapter, load_adapter
 from worker.formats.gguf_file import GGUFFile, GGUFFormatError
 
 DTYPES = ("float32", "float16", "bfloat16")  # compute (and KV) dtypes
@@ -50,6 +52,10 @@ class SpeculativeConfig:
     # method draft: the draft model's GGUF, of the model's vocabulary (check_draft_model; the serve config's paths are
     # relative to its file)
     draft_model: str | None = None
+    # method draft: a draft LoRA per target adapter, for the sequences on it (worker/engine/speculative/draft_model.py):
+    # target adapter -> the LoRA's GGUF, which fits the draft model (check_draft_adapters). The serve config names the
+    # target by its name in `adapters:` or by its fingerprint; a worker's are keyed by fingerprint only
+    draft_adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -59,6 +65,8 @@ class SpeculativeConfig:
                              "model's vocabulary")
         if self.method != "draft" and self.draft_model is not None:
             raise ValueError(f"speculative.draft_model is only used with method draft, got method {self.method!r}")
+        if self.method != "draft" and self.draft_adapters:
+            raise ValueError(f"speculative.draft_adapters is only used with method draft, got method {self.method!r}")
         if not 1 <= self.max_draft <= MAX_DRAFT_TOKENS:
             raise ValueError(f"speculative.max_draft must be between 1 and {MAX_DRAFT_TOKENS}, got {self.max_draft}")
         if not 1 <= self.ngram_min <= self.ngram_max <= 16:
@@ -92,6 +100,24 @@ def check_draft_model(model_path: str | os.PathLike[str], draft_path: str | os.P
         first = next((i for i, (a, b) in enumerate(zip(draft_tokens, model_tokens)) if a != b), min(len(draft_tokens), len(model_tokens)))
         raise ValueError(f"speculative.draft_model: {draft_path}'s tokens differ from the model's {model_path} "
                          f"(first at id {first}): a draft model must share the model's vocabulary")
+
+
+def check_draft_adapters(draft_path: str | os.PathLike[str],
+                         draft_adapters: Mapping[str, str | os.PathLike[str]]) -> dict[str, LoRAAdapter]:
+    """Each draft LoRA (target adapter -> file) parsed and checked against the draft model at `draft_path` by
+    llama.cpp's adapter rules (worker/formats/adapter.py); ValueError naming speculative.draft_adapters and the
+    target when one is missing or does not fit."""
+    draft = GGUFFile(draft_path) if draft_adapters else None
+    loaded = {}
+    for target, path in draft_adapters.items():
+        if not os.path.isfile(path):
+            raise ValueError(f"speculative.draft_adapters[{target}]: no such file: {path}")
+        try:
+            loaded[target] = load_adapter(path, draft)
+        except (AdapterError, GGUFFormatError) as e:
+            raise ValueError(f"speculative.draft_adapters[{target}]: {path} does not fit the draft model {draft_path}: "
+                             f"{e}") from e
+    return loaded
 
 
 @dataclass(frozen=True)

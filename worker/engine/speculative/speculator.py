@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
+from worker.contract.identity import Fingerprint
 from worker.contract.spec import SpeculativeConfig
 from worker.engine.request import Choice
 from worker.engine.outputs import StepTokens
@@ -19,6 +20,7 @@ from worker.engine.speculative.policy import Acceptance, DraftCosts
 from worker.engine.speculative.text_lookup import TextIndex, text_tokenizer
 from worker.engine.speculative.verify import DraftedSpan, grammar_masks, replay_draws
 from worker.formats.tokenizer import GGUFTokenizer
+from worker.lora.mapping import RequestAdapters
 from worker.model.sampler import SampleSpec
 
 Key = tuple[str, int]  # a sequence's key: request id and choice
@@ -33,25 +35,31 @@ class Drafter(Protocol):
     def draft(self, tokens: Sequence[int], max_draft: int) -> list[int]: ...
 
 
+# a sequence's drafter, from its key and its adapters (the target's mapping: a draft model may follow them)
+NewDrafter = Callable[[Key, RequestAdapters], Drafter]
+
+
 def open_speculator(config: SpeculativeConfig, runner: ModelRunner, num_seq_slots: int, slot_len: int,
                     tokenizer: GGUFTokenizer | None = None) -> Speculator | None:
     """An engine's speculator as `config` says (None: off): a draft model's drafters (`method:
-    draft`, loaded beside `runner` with a KV slot per engine slot), or lookups in each sequence's
-    text with the model's `tokenizer` (built from `runner`'s GGUF when not given), in its tokens
-    where that tokenizer is not byte-level BPE (`method: ngram`)."""
+    draft`, loaded beside `runner` with a KV slot per engine slot and its draft LoRAs, each sequence's
+    chosen by its adapters), or lookups in each sequence's text with the model's `tokenizer` (built
+    from `runner`'s GGUF when not given), in its tokens where that tokenizer is not byte-level BPE
+    (`method: ngram`)."""
     if not config.is_on:
         return None
     if config.method == "draft":
-        return Speculator(config, DraftModel.load(config.draft_model, runner, num_seq_slots, slot_len).new_drafter)
+        draft_adapters = {Fingerprint(target): path for target, path in config.draft_adapters.items()}
+        return Speculator(config, DraftModel.load(config.draft_model, runner, num_seq_slots, slot_len, draft_adapters).new_drafter)
     tokenizer = text_tokenizer(runner.base, tokenizer)
-    return Speculator(config, None if tokenizer is None else lambda key: TextIndex(tokenizer))
+    return Speculator(config, None if tokenizer is None else lambda key, adapters: TextIndex(tokenizer))
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, new_drafter: Callable[[Key], Drafter] | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, new_drafter: NewDrafter | None = None) -> None:
         self.config = config
         self.costs = DraftCosts()  # of the steps that only decode, with drafts and without
-        self._new_drafter = new_drafter or (lambda key: NgramIndex(config.ngram_min, config.ngram_max))
+        self._new_drafter = new_drafter or (lambda key, adapters: NgramIndex(config.ngram_min, config.ngram_max))
         self._drafters: dict[Key, Drafter] = {}
         self._acceptance: dict[Key, Acceptance] = {}
 
@@ -122,7 +130,7 @@ class Speculator:
                 return forced, FORCED_RATE
         drafter = self._drafters.get(choice.key)
         if drafter is None:
-            drafter = self._drafters[choice.key] = self._new_drafter(choice.key)
+            drafter = self._drafters[choice.key] = self._new_drafter(choice.key, choice.adapters)
         return drafter.draft(choice.seq.token_ids, limit), self._acceptance[choice.key].rate
 
     def verified(self, choice: Choice, drafted: DraftedSpan, taken: StepTokens, scheduler: Scheduler) -> None:

@@ -72,7 +72,7 @@ def test_a_drafter_keeps_its_kv_and_writes_over_rejected_positions(runner, small
     model = DraftModel.load(small_draft, runner, num_seq_slots=2, slot_len=64)
     next_token = model.next_token
     passes: list[tuple[int, int]] = []  # (start, tokens) of each draft model pass
-    model.next_token = lambda slot, start, token_ids: passes.append((start, len(token_ids))) or next_token(slot, start, token_ids)
+    model.next_token = lambda slot, start, ids, *rest: passes.append((start, len(ids))) or next_token(slot, start, ids, *rest)
     drafter, rng = model.new_drafter(("r", 0)), random.Random(0)
     tokens = [5, 77, 140, 3, 200]
     for i in range(8):

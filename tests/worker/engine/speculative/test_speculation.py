@@ -28,7 +28,7 @@ class Oracle:
         self.expected, self.vocab_size = expected, vocab_size
         self.num_drafts = 0
 
-    def drafter(self, key):
+    def drafter(self, key, adapters=None):
         full = self.expected.get(key, [])
 
         class Draft:
@@ -164,7 +164,7 @@ def test_a_grammars_forced_tokens_are_drafts_of_their_own(runner, tokenizer) -> 
     plain = Engine(runner, tokenizer, EngineConfig(num_seq_slots=4, slot_len=96))
     expected = plain.run_all(reqs)
     spec = Engine(runner, tokenizer, EngineConfig(num_seq_slots=4, slot_len=96, speculative=NGRAM))
-    spec.speculator = Speculator(NGRAM, lambda key: DraftsNothing())
+    spec.speculator = Speculator(NGRAM, lambda key, adapters: DraftsNothing())
     got = spec.run_all(reqs)
     assert {k: r.token_ids for k, r in got.items()} == {k: r.token_ids for k, r in expected.items()}
     assert spec.counters.accepted_draft_tokens > 0 and spec.counters.steps < plain.counters.steps

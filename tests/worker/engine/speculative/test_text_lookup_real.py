@@ -8,6 +8,7 @@ from worker.contract.spec import EngineConfig, SpeculativeConfig
 from worker.engine.engine import Engine, EngineRequest
 from worker.engine.speculative.text_lookup import TextIndex
 from worker.formats.chat_template import compiled
+from worker.lora.mapping import RequestAdapters
 
 NGRAM = SpeculativeConfig(method="ngram", max_draft=4, is_adaptive=False)
 PROMPT = ("Extract the person's name, city, age and email from this text as a JSON object with the keys name, city, age "
@@ -22,7 +23,7 @@ def test_a_json_answer_is_drafted_from_its_prompts_text_and_exact(real_runner, r
     decoding = Engine(real_runner, real_tokenizer, EngineConfig(num_seq_slots=1, slot_len=160))
     plain = decoding.run_all([request])["json"]
     engine = Engine(real_runner, real_tokenizer, EngineConfig(num_seq_slots=1, slot_len=160, speculative=NGRAM))
-    assert isinstance(engine.speculator._new_drafter(("json", 0)), TextIndex)
+    assert isinstance(engine.speculator._new_drafter(("json", 0), RequestAdapters()), TextIndex)
     spec = engine.run_all([request])["json"]
     assert spec.token_ids == plain.token_ids
     assert '"name": "Ada Lovelace"' in spec.text
