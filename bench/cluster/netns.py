@@ -5,12 +5,15 @@ link that can be cut (`ip link set ... down`). Needs root and iproute2 (CI runs 
 Processes started on a host run in its namespace (`ip netns exec`), with their own HOME and
 temp dirs (nothing of one host's is on another's paths); `kill` ends every process in a
 namespace by pid, as losing the machine would. Everything is named with a token of its own and
-removed by `close`, whatever state the test left it in.
+removed by `close`, whatever state the test left it in. A run that was killed cannot close: a
+network it left on the same subnet, with no process left in its namespaces, is removed by the
+next one (it would answer for the new hosts' addresses); one still in use is an error that says so.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -34,6 +37,25 @@ def _ip(*args: str, namespace: str | None = None, check: bool = True) -> subproc
     return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=30)
 
 
+def _clear_stale(address: str) -> None:
+    """Remove the network a killed run left holding `address` (its bridge and namespaces), or raise
+    when something else holds it, or a process still runs in one of its namespaces."""
+    holders = [line.split()[1] for line in _ip("-o", "-4", "addr", "show").stdout.splitlines()
+               if f" {address}/" in line]
+    for device in holders:
+        ours = re.fullmatch(r"lpx([0-9a-f]{4})br", device)
+        namespaces = [line.split()[0] for line in _ip("netns", "list").stdout.splitlines()]
+        mine = [ns for ns in namespaces if ours and ns.startswith(f"lpx{ours.group(1)}")]
+        busy = [ns for ns in mine if _ip("netns", "pids", ns, check=False).stdout.split()]
+        if not ours or busy:
+            why = f"processes run in {', '.join(busy)}" if busy else "not a test network"
+            raise RuntimeError(f"{address} is already on {device} ({why}): another network on this subnet is in use; "
+                               "give this one another subnet")
+        for ns in mine:
+            _ip("netns", "del", ns, check=False)
+        _ip("link", "del", device, check=False)
+
+
 @dataclass
 class Host:
     name: str  # the namespace
@@ -50,6 +72,7 @@ class Network:
         self.bridge = f"lpx{self.token}br"
         self.address = f"{subnet}.1"  # the root namespace's own address on the network
         self.hosts: dict[str, Host] = {}
+        _clear_stale(self.address)
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.address}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
