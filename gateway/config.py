@@ -10,8 +10,7 @@ config errors (the dataclasses take this model's `extra="forbid"`: pydantic's ru
 stdlib dataclasses without their own config). The file's shape:
 
     engine:   EngineConfig (worker/contract/spec.py)
-    speculative: SpeculativeConfig (same file): method (none, ngram, draft), max_draft, draft_model, draft_adapters
-              (keyed by adapter name or fingerprint), ...; the engine's, off by default
+    speculative: SpeculativeConfig (same file): method (none, ngram, draft), max_draft, draft_model, draft_adapters, ...; off by default
     device:   DeviceSettings (same file): dtype, weights, threads, decode_threads; the device itself
               is chosen per shard (worker_spec)
     residency: ResidencySettings (same file): device_bytes, device_adapters, host_bytes, disk_bytes
@@ -27,6 +26,7 @@ stdlib dataclasses without their own config). The file's shape:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Callable
@@ -287,7 +287,7 @@ class ServeConfig(_Strict):
             adapter_paths=tuple(str(self.adapter_path(name)) for name in spec.adapters),
             # an operator key may make more tenants at run time (gateway/tenancy/accounts.py)
             engine=replace(self.engine, is_multi_tenant=len(self.tenants) > 1 or bool(self.operator_key_sha256),
-                           speculative=self.speculative_settings()),
+                           speculative=self.speculative_settings),
             device=replace(self.device, device=device, threads=self.device.threads or threads),
             cache=self.cache,
             fingerprint_dir=None if self.fingerprint_path() is None else str(self.fingerprint_path()),
@@ -296,11 +296,12 @@ class ServeConfig(_Strict):
             tracing=self.tracing,
         )
 
+    @functools.cached_property
     def speculative_settings(self) -> SpeculativeConfig:
-        """The `speculative` section as a worker takes it: paths resolved, draft LoRAs keyed by their target's fingerprint."""
+        """The `speculative` section as workers take it (once, not per shard): paths resolved, draft LoRAs by target fingerprint."""
         if self.speculative.draft_model is None:
             return self.speculative
-        names = {a.name for a in self.adapters}
+        names = {a.name for a in self.adapters}  # the others are fingerprints already (run-time adapters)
         loras = {load_adapter(self.adapter_path(t)).fingerprint if t in names else t: str(self.resolve(p))
                  for t, p in self.speculative.draft_adapters.items()}
         return replace(self.speculative, draft_model=str(self.resolve(self.speculative.draft_model)), draft_adapters=loras)

@@ -86,7 +86,7 @@ class DraftModel:
             adapter = held.get(slot) if slot is not None else None
             return None if adapter is None else self.lora_slots.get(Fingerprint(adapter.fingerprint))
 
-        scaled = [(lora(slot), scale) for slot, scale in adapters.scales.items() if lora(slot) is not None]
+        scaled = [(draft, scale) for slot, scale in adapters.scales.items() if (draft := lora(slot)) is not None]
         alora = lora(adapters.alora_slot)
         if len(scaled) + (alora is not None) != 1:
             return RequestAdapters()
