@@ -128,14 +128,17 @@ class LocalRedisCluster:
         raise RuntimeError(f"no redis-server started in {num_tries} tries; the last one's log ends: {log_tail}")
 
     def is_ok(self) -> bool:
-        """Every live node says cluster_state:ok, every live replica is in sync with its master, and every
-        slot's master is alive."""
+        """Every live node says cluster_state:ok, every live replica is in sync with its master and online in
+        its master's eyes, and every slot's master is alive."""
         for node in self.live_nodes():
             if b"cluster_state:ok" not in node.ask("CLUSTER", "INFO"):
                 return False
             replication = node.ask("INFO", "replication")
             if replication["role"] == "slave" and replication["master_link_status"] != "up":
                 return False
+            replicas = [v for k, v in replication.items() if k.startswith("slave") and isinstance(v, dict)]
+            if any(r.get("state") != "online" for r in replicas):  # after a diskless sync a master puts its replica online
+                return False  # at the replica's first ACK (up to 1 s after the replica's link is up): WAIT skips it until then
         live = {n.port for n in self.live_nodes()}
         return all(port in live for port in self.masters_by_slots().values())
 
