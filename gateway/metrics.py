@@ -57,6 +57,9 @@ class GatewayMetrics:
         self.requests = Counter("loraplex_gateway_requests", "requests answered, by status", (*labels, "status"), registry=r)
         self.latency = Histogram("loraplex_gateway_request_seconds", "arrival to last byte", labels, buckets=LATENCY_BUCKETS_S, registry=r)
         self.ttft = Histogram("loraplex_gateway_ttft_seconds", "arrival to first token", labels, buckets=LATENCY_BUCKETS_S, registry=r)
+        self.worker_ttft = Histogram("loraplex_gateway_worker_ttft_seconds", "arrival at its worker to first token, on the "
+                                     "worker's clock (prefix lookup, queue, prefill): the TTFT less this is the way there and back",
+                                     labels, buckets=LATENCY_BUCKETS_S, registry=r)
         self.itl = Histogram("loraplex_gateway_itl_seconds", "a choice's mean time between tokens: its decode time / (tokens - 1)",
                              ("tenant", "adapter"), buckets=ITL_BUCKETS_S, registry=r)
         self.drafted = Counter("loraplex_gateway_drafted_tokens", "speculative draft tokens verified for the choices that "
@@ -124,6 +127,8 @@ class GatewayMetrics:
         usage = final.usage if final is not None else None
         if usage:
             self.queued.labels(tenant, adapter, endpoint).observe(final.queue_time_s)
+            if ttft_s is not None:
+                self.worker_ttft.labels(tenant, adapter, endpoint).observe(final.prompt_time_s)
             self.tokens_in.labels(tenant, adapter, endpoint).inc(usage.prompt_tokens)
             self.tokens_out.labels(tenant, adapter, endpoint).inc(usage.completion_tokens)
             self.cached.labels(tenant, adapter, endpoint).inc(usage.cached_tokens)

@@ -208,7 +208,7 @@ class Engine:
         if threads is not None:
             self.runner.use_threads(threads)
         position = {span.seq: i for i, span in enumerate(spans)}
-        started = self.clock()
+        started, cpu_started = self.clock(), time.thread_time()
         outputs = self.runner.run([self._span_input(span, position) for span in spans], self.kv)
         seconds = self.clock() - started
         self.costs.observe(num_decode, prompt_tokens, seconds)  # drafts are not decoded tokens: they do not count
@@ -216,7 +216,7 @@ class Engine:
             self.speculator.costs.observe(num_decode, sum(len(span.drafts) for span in spans), seconds)
         if threads is not None:
             self.threads.observe(threads, num_decode, prompt_tokens, seconds)
-        self.counters.step(prompt_tokens, seconds)
+        self.counters.step(prompt_tokens, seconds, time.thread_time() - cpu_started)
         for span in spans:
             seq = span.seq
             seq.num_computed += span.length

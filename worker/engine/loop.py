@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -221,11 +222,15 @@ class EngineLoop:
                     if self._closed:
                         break
                     commands, self._inbox = self._inbox, []
+                started, counters = time.perf_counter(), self.engine.counters
+                num_steps = counters.steps
                 self._apply(commands)
                 outputs = [*self.engine.expire(), *self.engine.step()]
                 with self.delivering:
                     for out in outputs:
                         self._deliver(out)
+                if counters.steps != num_steps:
+                    counters.iteration(time.perf_counter() - started, len(outputs))
         except Exception as e:  # a bug, not a request: stop taking work, end every subscription
             log.exception("engine loop failed")
             reason, error = "error", f"internal error: {e}"

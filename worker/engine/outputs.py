@@ -80,6 +80,11 @@ class EngineCounters:
     forked_prompt_tokens: int = 0  # prompt positions copied to a request's other choices instead of computed
     drafted_tokens: int = 0  # speculative drafts verified (not generated tokens: those accepted are counted there too)
     accepted_draft_tokens: int = 0
+    # the engine loop's iterations that ran a pass, whole: the pass, and around it the schedule, prefix loads and stores,
+    # postprocessing and the deltas' delivery (what a stream waits for beyond the pass), and the deltas they delivered
+    loop_s: float = 0.0
+    loop_deltas: int = 0
+    pass_cpu_s: float = 0.0  # the CPU time of the thread that ran the passes, during them (with 1 torch thread: theirs)
     step_s: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
     decode_step_s: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS_S))
     # (ended at, on the engine's clock; time to first token) of the latest choices that had a first token
@@ -97,18 +102,30 @@ class EngineCounters:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
-    def step(self, prompt_tokens: int, seconds: float) -> None:
-        """One forward pass ran: its prompt tokens and how long it took."""
+    def step(self, prompt_tokens: int, seconds: float, cpu_s: float = 0.0) -> None:
+        """One forward pass ran: its prompt tokens, how long it took, and the CPU time of the thread that ran it."""
         self.steps += 1
+        self.pass_cpu_s += cpu_s
         self.prompt_tokens += prompt_tokens
         self.step_s.observe(seconds)
         if prompt_tokens == 0:
             self.decode_step_s.observe(seconds)
 
+    def iteration(self, seconds: float, num_deltas: int) -> None:
+        """One iteration of the engine loop that ran a pass took `seconds` and delivered `num_deltas`."""
+        self.loop_s += seconds
+        self.loop_deltas += num_deltas
+
     def collect(self) -> Iterator[Metric]:
         """The `loraplex_engine_*_total` counters and the step-time histograms, as they stand now."""
         for name, help_text in self.HELP.items():
             yield CounterMetricFamily(f"loraplex_engine_{name}_total", help_text, getattr(self, name))
+        yield CounterMetricFamily("loraplex_engine_loop_seconds_total", "time of the engine loop's iterations that ran a "
+                                  "pass: the pass, and the schedule, prefix loads and stores, postprocessing and delivery "
+                                  "around it", self.loop_s)
+        yield CounterMetricFamily("loraplex_engine_loop_deltas_total", "deltas those iterations delivered", self.loop_deltas)
+        yield CounterMetricFamily("loraplex_engine_pass_cpu_seconds_total", "CPU time of the thread that ran the passes, "
+                                  "during them (torch's other threads not counted)", self.pass_cpu_s)
         yield self.step_s.add_to(HistogramMetricFamily("loraplex_engine_step_seconds",
                                                        "time of a forward pass (prefill, decode or both)"))
         yield self.decode_step_s.add_to(HistogramMetricFamily("loraplex_engine_decode_step_seconds",

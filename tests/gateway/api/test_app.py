@@ -248,6 +248,12 @@ def test_metrics_count_requests_tokens_routes_and_the_cache(client) -> None:
     assert 'loraplex_gateway_requests_total{adapter="b",endpoint="completions",status="200",tenant="t1"}' in text
     assert "loraplex_gateway_route_decisions_total" in text and "loraplex_gateway_ttft_seconds_bucket" in text
     assert 'loraplex_cache_lookups_total{replica="s2-0"}' in text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.endswith("ttft_seconds_sum") and s.labels.get("adapter") == "b"}
+    # the worker's part of the first token's wait (its clock) is within the gateway's, which adds the way there and back
+    assert 0 < sums["loraplex_gateway_worker_ttft_seconds_sum"] <= sums["loraplex_gateway_ttft_seconds_sum"]
 
 
 def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event(served) -> None:

@@ -227,11 +227,15 @@ def test_stream_ends_with_the_whole_result_and_a_stale_cancel_is_ignored(runner,
     try:
         echo = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, echo=True, logprobs=1)
         first = loop.submit(EngineRequest("same-id", [5, 6, 7, 8], echo))
-        last = list(first)[-1]
+        *_, last = firsts = list(first)
         assert last.finish_reason == "length" and len(last.prompt_logprobs) == 4
         second = loop.submit(EngineRequest("same-id", [5, 6, 7], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
         first.cancel()  # the first request is over: this must not cancel the second
-        assert list(second)[-1].finish_reason == "length"
+        deltas = list(second)
+        assert deltas[-1].finish_reason == "length"
+        counters = loop.engine.counters  # every pass ran in an iteration of the loop, which took longer, and its deltas
+        assert counters.loop_deltas == len(firsts) + len(deltas) and counters.loop_s > counters.step_s.total > 0
+        assert "loraplex_engine_loop_seconds_total" in counters.prometheus()
     finally:
         loop.close()
 
