@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.sim.churn import Churn
+from bench.sim.contention import SharedCores
 from bench.sim.profile import CostProfile
 from bench.sim.record import OUTCOMES, RunRecord
 from bench.sim.replica import PrefixCache, ReplicaModel, Seq
@@ -107,6 +108,9 @@ class Fleet:
         self.replicas = [ReplicaModel(i, profile, PrefixCache(scenario.chunk_tokens, False, profile.l1_chunks) if has_l1
                                       else shared, pins, shared if has_l1 else None)
                          for i, pins in enumerate(placement.pins)]
+        self.cores = SharedCores(profile.shared_cores, profile.serving_cpu_request_s, self.replicas) if profile.shared_cores else None
+        for replica in self.replicas:
+            replica.contention = self.cores
         self.redis_latency_s = 0.0  # a redis_slow fault's, while it lasts
         if any(f.kind == "redis_slow" for f in fleet.sim.faults) and (shared is None or profile.l2_fetch_token_s is None):
             raise ValueError("a redis_slow fault needs a shared tier and a profile with its costs (l2_fetch_token_s)")
@@ -204,6 +208,8 @@ class Fleet:
             return
         if request.at_s >= self.scenario.warmup_s:
             self.record.num_measured += 1
+        if self.cores is not None:
+            self.cores.arrived(self.now_s)
         request = self.churn.current(request)
         if request.num_prompt_tokens + request.max_tokens > self.profile.slot_len:
             self._end(request, "failed_too_long")

@@ -42,6 +42,14 @@ class CostProfile:
     l2_fetch_token_s: float | None = None
     l2_lookup_s: float = 0.0
     hop_s: float = 0.0  # a request's way to its replica and its first token's back (HTTP, gateway, Ray): added to TTFT
+    # the engine loop's time around each pass (the schedule, prefix loads and stores, postprocessing, handing each
+    # delta to its stream): a part per pass and a part per delta (a token, or a prompt's first), beyond the pass's
+    loop_step_s: float = 0.0
+    loop_delta_s: float = 0.0
+    # the replicas share this many cores with the serving path (0: each its own), which takes this much CPU a request
+    # (bench/sim/contention.py); the costs above are then those of every replica's engine busy on them, nothing else
+    shared_cores: int = 0
+    serving_cpu_request_s: float = 0.0
     # a replica asked for serves after replica_start_s (its process and engine started, the base model fetched and
     # loaded) plus adapter_fetch_s for each adapter it pins (fetched from the store first): bench/sim/scaling.py
     replica_start_s: float = 0.0
@@ -58,15 +66,22 @@ class CostProfile:
             raise ValueError(f"profile {self.name!r}: host_adapters needs device_adapters, and at least as many")
         if self.adapter_load_lower_s < 0:
             raise ValueError(f"profile {self.name!r}: adapter_load_lower_s must be >= 0")
-        if (self.l2_fetch_token_s or 0) < 0 or self.l2_lookup_s < 0 or self.hop_s < 0:
-            raise ValueError(f"profile {self.name!r}: l2_fetch_token_s, l2_lookup_s and hop_s must be >= 0")
+        if min(self.l2_fetch_token_s or 0, self.l2_lookup_s, self.hop_s, self.loop_step_s, self.loop_delta_s) < 0:
+            raise ValueError(f"profile {self.name!r}: l2_fetch_token_s, l2_lookup_s, hop_s and loop_*_s must be >= 0")
+        if self.shared_cores < 0 or self.serving_cpu_request_s < 0:
+            raise ValueError(f"profile {self.name!r}: shared_cores and serving_cpu_request_s must be >= 0")
         if self.replica_start_s < 0 or self.adapter_fetch_s < 0:
             raise ValueError(f"profile {self.name!r}: replica_start_s and adapter_fetch_s must be >= 0")
         if self.max_loaded_adapters < 0 or self.l1_chunks < 0:
             raise ValueError(f"profile {self.name!r}: max_loaded_adapters and l1_chunks must be >= 0")
 
     def step_s(self, prompt_tokens: int, num_decode: int) -> float:
+        """A forward pass's time."""
         return self.step_overhead_s + self.prompt_token_s * prompt_tokens + self.decode_seq_s * num_decode
+
+    def loop_s(self, num_deltas: int) -> float:
+        """The engine loop's time around a pass that hands out `num_deltas` deltas."""
+        return self.loop_step_s + self.loop_delta_s * num_deltas
 
     @property
     def slot_len(self) -> int:

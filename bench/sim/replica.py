@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from bench.sim.contention import SharedCores
 from bench.sim.profile import CostProfile
 from bench.sim.workload import SimRequest
 from worker.engine.step_costs import StepCosts
@@ -89,7 +90,9 @@ class PrefixCache:
 
 @dataclass
 class StepStats:
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # stepping: passes and the loop around them
+    pass_s: float = 0.0  # in passes alone
+    profile_pass_s: float = 0.0  # what the profile says those passes take (less than pass_s: their cores were shared)
     slot_s: float = 0.0  # KV slots held, integrated over time (occupancy)
     num_steps: int = 0
     gaps: dict[int, int] = field(default_factory=dict)  # inter-token gaps: log bucket -> count
@@ -127,7 +130,8 @@ class ReplicaModel:
         self.epoch = 0  # restarts: a load begun before one never completes
         self.stats = StepStats()
         self.version = 0  # of the step under way: a cut one's end event is stale
-        self.step_start_s = self.step_s = 0.0
+        self.step_start_s = self.step_s = self.pass_s = self.profile_pass_s = 0.0  # a step: its pass and the loop around it
+        self.contention: SharedCores | None = None  # the machine's cores, shared with other replicas and the serving path
         self.num_steps = 0  # steps of the run under way (0: idle)
         self._spans: list[tuple[Seq, int]] = []
         self._num_decode = self._num_prompt_tokens = 0
@@ -237,7 +241,10 @@ class ReplicaModel:
             self.num_steps = 0
             return None
         self._spans, self._num_decode, self._num_prompt_tokens = spans, len(decoding), num_prompt_tokens
-        self.step_s = self.profile.step_s(num_prompt_tokens, len(decoding))
+        num_firsts = sum(1 for seq, length in spans if seq.is_prefilling and seq.num_computed + length == seq.num_prompt)
+        self.profile_pass_s = self.profile.step_s(num_prompt_tokens, len(decoding))
+        self.pass_s = self.profile_pass_s * (self.contention.factor(now_s) if self.contention is not None else 1.0)
+        self.step_s = self.pass_s + self.profile.loop_s(len(decoding) + num_firsts)
         self.step_start_s = now_s
         self.num_steps = 1
         if num_prompt_tokens == 0 and not (free and any(self._may_take_slot(t, free) for t in self.queues)):
@@ -333,10 +340,12 @@ class ReplicaModel:
         """The step (or run) under way has ended at `now_s`: the sequences it finished."""
         steps, step_s = self.num_steps, self.step_s
         self.stats.busy_s += steps * step_s
+        self.stats.pass_s += steps * self.pass_s
+        self.stats.profile_pass_s += steps * self.profile_pass_s
         self.stats.slot_s += steps * step_s * len(self.running)
         self.stats.num_steps += steps
         for _ in range(min(steps, FF_OBSERVATIONS)):
-            self.costs.observe(self._num_decode, self._num_prompt_tokens, step_s)
+            self.costs.observe(self._num_decode, self._num_prompt_tokens, self.pass_s)  # the engine times its passes alone
         if self._num_decode:
             bucket = round(step_s * 1e4)  # 0.1 ms
             self.stats.gaps[bucket] = self.stats.gaps.get(bucket, 0) + steps * self._num_decode

@@ -2,8 +2,10 @@
 2 CPU replicas of one shard, three adapters and the base, a few requests/s) served for real by
 `loraplex serve` under the load tester, and simulated with a profile that `loraplex calibrate`
 measures just before, on a replica's share of this machine's cores beside the other replica's
-engine (`--concurrent 2`); then a table of TTFT, ITL
-and throughput, real against simulated, with the relative error.
+engine (`--concurrent 2`); then tables of TTFT, ITL and throughput, real against simulated, with the
+relative error: with the bare profile, with the model (the profile on cores shared with the serving path,
+and the serving path's own terms, all measured on the server before the measured run:
+bench/sim/served_costs.py), and with one factor in place of the shared cores.
 
     python -m bench.sim.validate [--rate-rps R] [--duration-s T] [--profile FILE.yaml] [--out DIR]
 
@@ -17,6 +19,7 @@ own, `loraplex serve`) it stops by pid.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -34,9 +37,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cluster import free_port
 from bench.server import ROOT, Server, base_config, loadtest
-from bench.sim.machine import OTHERS_SHARE, CPUShare, PrivateRedis
+from bench.sim.machine import OTHERS_SHARE, CPUShare, PrivateRedis, machine_busy_s
 from bench.sim.profile import CostProfile, load_profile
 from bench.sim.record import RunRecord
+from bench.sim.served_costs import Measured, on_shared_cores, pass_ratio, under_load
 from bench.sim.validate_figures import (
     NUM_REPLICAS,
     TOLERANCE,
@@ -58,6 +62,7 @@ SCENARIO = Path(__file__).parent / "scenarios" / "validate-2replicas.yaml"
 ADAPTERS = ["caps", "json", "signature"]  # deploy/serve.yaml's, all on both replicas
 OPERATOR_KEY = "sk-loraplex-operator"  # deploy/serve.yaml's
 WARM_UP_S = 15.0  # load before the measured run (another seed: other prefixes), for the replicas' one-time costs
+MEASURED_WARM_UP_S = 30.0  # then load of a third seed, over which the serving path's costs are measured (served_costs)
 LONE_PROMPT_TOKENS, LONE_NEW_TOKENS = 64, 32
 LONE = {"name": "one-at-a-time", "seed": 1, "warmup_s": 0, "duration_s": 300, "max_requests": 12,
         "load": {"mode": "closed", "users": 1}, "adapters": {"names": ["caps"], "weights": {"caps": 1.0}},
@@ -92,39 +97,26 @@ def engine_totals(url: str) -> Counter:
     text = urllib.request.urlopen(request, timeout=30).read().decode()
     wanted = {"loraplex_engine_steps_total", "loraplex_engine_prompt_tokens_total", "loraplex_engine_generated_tokens_total",
               "loraplex_engine_step_seconds_sum", "loraplex_engine_step_seconds_count",
-              "loraplex_engine_decode_step_seconds_sum", "loraplex_engine_decode_step_seconds_count"}
+              "loraplex_engine_decode_step_seconds_sum", "loraplex_engine_decode_step_seconds_count",
+              "loraplex_engine_loop_seconds_total", "loraplex_engine_loop_deltas_total",
+              "loraplex_gateway_worker_ttft_seconds_sum", "loraplex_gateway_worker_ttft_seconds_count",
+              "loraplex_cache_lookup_seconds_sum", "loraplex_cache_lookup_seconds_count",
+              "loraplex_engine_pass_cpu_seconds_total"}
     totals: Counter = Counter()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in wanted:
                 totals[sample.name] += sample.value
+            elif sample.name == "loraplex_cache_hit_chunks_total" and sample.labels.get("tier") == "l2":
+                totals["loraplex_cache_hit_chunks_l2"] += sample.value
     return totals
 
 
-def pass_ratio(profile: CostProfile, passes: Counter) -> float | None:
-    """The served replicas' time in their passes over what `profile` predicts for the same passes
-    (their count, prompt tokens and generated tokens, each of those a sequence decoding in some pass)."""
-    predicted = (passes["loraplex_engine_steps_total"] * profile.step_overhead_s
-                 + passes["loraplex_engine_prompt_tokens_total"] * profile.prompt_token_s
-                 + passes["loraplex_engine_generated_tokens_total"] * profile.decode_seq_s)
-    return passes["loraplex_engine_step_seconds_sum"] / predicted if predicted > 0 else None
-
-
-def under_load(profile: CostProfile, warm_up: Counter, lone_ttft_s: float | None = None) -> tuple[CostProfile, float]:
-    """The profile with every cost scaled by how much slower the served replicas' passes were under
-    the warm-up's load (another seed's requests, before the measured run) than it predicts: what the
-    gateway, Ray, Redis and the load tester on the same cores, and a replica's own work beside its
-    engine (prefix chunks written to Redis, streaming), cost its passes, which calibrating a bare
-    engine leaves out. (The metrics count passes alone, the profile whole steps; on the idle server
-    the two differed by less than their noise, 0.95-1.20 in three runs, so the ratio is not divided
-    by an idle one, which only added that noise.) `lone_ttft_s`: the idle server's median TTFT for
-    LONE_PROMPT_TOKENS, whose excess over the profile's pass is the request's hops (HTTP, gateway,
-    Ray), `hop_s`."""
-    factor = pass_ratio(profile, warm_up) or 1.0
-    hop_s = max(0.0, lone_ttft_s - profile.step_s(LONE_PROMPT_TOKENS, 0)) if lone_ttft_s is not None else profile.hop_s
-    return replace(profile, name=f"{profile.name} under load", step_overhead_s=profile.step_overhead_s * factor,
-                   prompt_token_s=profile.prompt_token_s * factor, decode_seq_s=profile.decode_seq_s * factor,
-                   hop_s=hop_s), factor
+def client_ttft(report_path: Path) -> tuple[float, int, int]:
+    """The TTFTs the load tester measured: their sum and count; and how many requests it sent."""
+    sent = json.loads(report_path.read_text())["requests"]
+    ttfts = [r["ttft_s"] for r in sent if r["status"] == 200 and r["ttft_s"] is not None]
+    return sum(ttfts), len(ttfts), len(sent)
 
 
 def parse_args() -> argparse.Namespace:
@@ -160,6 +152,8 @@ class RealRun:
     lone_passes: Counter  # over the requests sent one at a time
     passes: Counter  # over the measured run
     lone: tuple[float | None, float | None]  # one at a time: median TTFT and median mean gap
+    warm_up_ttft: tuple[float, int]  # the load tester's TTFTs over the warm-up: sum, count
+    warm_up_cpu: tuple[float, int, int]  # over the warm-up: the machine's busy CPU s, its cores, requests sent
 
 
 def run_server(raw: dict, out: Path, threads: int, scenario: Scenario, scenario_path: Path, redis_pids: list[int]) -> RealRun:
@@ -168,9 +162,11 @@ def run_server(raw: dict, out: Path, threads: int, scenario: Scenario, scenario_
     print(f"serving {NUM_REPLICAS} replicas ({threads} thread(s) each) on port {port}...", flush=True)
     server = Server(raw, out, port)
     try:
-        first = engine_totals(server.url)
         loadtest(scenario_path, server.url, out / "warm-up", seed=scenario.seed + 1000, duration_s=WARM_UP_S)
-        warmed = engine_totals(server.url)
+        first, busy_s = engine_totals(server.url), machine_busy_s()  # the serving path's costs: over a second warm-up
+        *warm_up_ttft, num_sent = client_ttft(loadtest(scenario_path, server.url, out / "warm-up-measured", seed=scenario.seed + 2000,
+                                            duration_s=MEASURED_WARM_UP_S))
+        warmed, warm_up_cpu = engine_totals(server.url), (machine_busy_s() - busy_s, os.cpu_count() or 1, num_sent)
         lone_path = out / "one-at-a-time.yaml"
         lone_path.write_text(yaml.safe_dump({**LONE, "tenants": [t.model_dump() for t in scenario.tenants[:1]]}))
         lone = lone_figures(loadtest(lone_path, server.url, out / "one-at-a-time"))
@@ -183,7 +179,7 @@ def run_server(raw: dict, out: Path, threads: int, scenario: Scenario, scenario_
         stopped = server.stop()
     if not stopped:
         print("loraplex serve did not stop within its timeout: killed with everything it started", file=sys.stderr)
-    return RealRun(report, wall_s, cpu_real, warmed - first, before - warmed, passes, lone)
+    return RealRun(report, wall_s, cpu_real, warmed - first, before - warmed, passes, lone, tuple(warm_up_ttft), warm_up_cpu)
 
 
 def serve_for_real(args: argparse.Namespace, out: Path, scenario: Scenario, scenario_path: Path) -> tuple[Served, RealRun]:
@@ -225,6 +221,7 @@ class Comparison:
     off: list[str]  # its target figures outside TOLERANCE
     loaded_text: str  # the table with the loaded profile
     loaded_off: list[str]
+    shared: tuple[CostProfile, str, list[str], float] | None = None  # on shared cores: its profile, table, misses, mean factor
 
 
 def compare(fleet: FleetScenario, served: Served, real_run: RealRun) -> Comparison:
@@ -237,11 +234,19 @@ def compare(fleet: FleetScenario, served: Served, real_run: RealRun) -> Comparis
     sim_wall_s = time.perf_counter() - started
     real, sim = real_figures(real_run.report, scenario), sim_figures(record, requests, scenario)
     text, off = table(real, sim)
-    loaded_profile, factor = under_load(profile, real_run.warm_up_passes, real_run.lone[0])
+    chunk_tokens = served.config.cache.chunk_tokens if served.config.cache.redis is not None else None
+    measured = Measured(real_run.warm_up_passes, real_run.lone_passes, real_run.warm_up_ttft, chunk_tokens, real_run.warm_up_cpu)
+    loaded_profile, factor = under_load(profile, measured)
     loaded_record, _ = simulated(fleet, loaded_profile, served.config, requests)
     loaded_text, loaded_off = table(real, sim_figures(loaded_record, requests, scenario))
+    shared_profile, shared = on_shared_cores(profile, measured), None
+    if shared_profile is not None:
+        shared_record, shared_run = simulated(fleet, shared_profile, served.config, requests)
+        mean_factor = (sum(r.stats.pass_s for r in shared_run.replicas)
+                       / max(1e-9, sum(r.stats.profile_pass_s for r in shared_run.replicas)))
+        shared = (shared_profile, *table(real, sim_figures(shared_record, requests, scenario)), mean_factor)
     return Comparison(profile, loaded_profile, factor, requests, record, run, sim_wall_s, real, sim, text, off, loaded_text,
-                      loaded_off)
+                      loaded_off, shared)
 
 
 def print_tables(scenario: Scenario, served: Served, real_run: RealRun, c: Comparison) -> None:
@@ -258,11 +263,22 @@ def print_tables(scenario: Scenario, served: Served, real_run: RealRun, c: Compa
             print(f"WARNING: other processes took more than {OTHERS_SHARE:.0%} of the busy CPU during {what}: "
                   "these figures are not this code's alone; run it again on a quiet machine")
     print(c.text)
+    loaded = c.loaded_profile
+    lookup = (f"a prefix lookup {1e3 * loaded.l2_lookup_s:.2f} ms + {1e6 * loaded.l2_fetch_token_s:.1f} us a token fetched from "
+              "Redis" if loaded.l2_fetch_token_s is not None else "no prefix lookups measured")
     print(f"\nunder load: the profile's costs x{c.factor:.2f}, the served passes' time under the warm-up's load over the "
-          f"profile's prediction for them (one request at a time: x{pass_ratio(profile, real_run.lone_passes) or 0:.2f}), and "
-          f"{1e3 * c.loaded_profile.hop_s:.1f} ms of hops added to each TTFT (the idle server's TTFT over the profile's pass); "
-          f"both measured before the measured run, not fitted to it\n")
+          f"profile's prediction for them (one request at a time: x{pass_ratio(profile, real_run.lone_passes) or 0:.2f}); "
+          f"{1e3 * loaded.hop_s:.1f} ms of hops added to each TTFT (the warm-up's TTFT less its workers' part); the engine "
+          f"loop's time around a pass {1e3 * loaded.loop_step_s:.2f} ms + {1e3 * loaded.loop_delta_s:.2f} ms a delta; {lookup}; "
+          "all measured before the measured run, not fitted to it\n")
     print(c.loaded_text)
+    if c.shared is not None:
+        shared_profile, shared_text, _, mean_factor = c.shared
+        print(f"\non shared cores: the profile's passes slowed as the {shared_profile.shared_cores} cores are shared at each "
+              f"moment by the engines and {1e3 * shared_profile.serving_cpu_request_s:.0f} ms of the serving path's CPU a "
+              f"request (the machine's busy CPU over the warm-up less its passes' threads', over its requests), the same "
+              f"terms beside them; its passes x{mean_factor:.2f} on average (the warm-up's measured x{c.factor:.2f})\n")
+        print(shared_text)
 
 
 def print_passes(real_run: RealRun, c: Comparison) -> None:
@@ -271,10 +287,18 @@ def print_passes(real_run: RealRun, c: Comparison) -> None:
     real_busy_s = passes["loraplex_engine_step_seconds_sum"]
     sim_busy_s = sum(c.record.busy_s)
     sim_steps = sum(r.stats.num_steps for r in c.run.replicas)
-    print(f"\npasses, both replicas, the whole run: real {passes['loraplex_engine_steps_total']:.0f} passes, "
+    print(f"\nthe measured run's own passes over the profile's prediction for them: x{pass_ratio(profile, passes) or 0:.2f} "
+          f"(the profile under load took x{c.factor:.2f} from the warm-up)")
+    print(f"passes, both replicas, the whole run: real {passes['loraplex_engine_steps_total']:.0f} passes, "
           f"{real_busy_s:.1f} s in the model runner (from /metrics; the engine's schedule and postprocess not counted), "
           f"{passes['loraplex_engine_prompt_tokens_total']:.0f} prompt tokens computed; simulated {sim_steps} steps, "
           f"{sim_busy_s:.1f} s ({sim_busy_s / real_busy_s - 1:+.0%})" if real_busy_s else "no passes in /metrics")
+    if passes["loraplex_engine_loop_seconds_total"]:
+        steps, deltas = passes["loraplex_engine_steps_total"], passes["loraplex_engine_loop_deltas_total"]
+        outside_s = passes["loraplex_engine_loop_seconds_total"] - real_busy_s
+        modelled_s = c.loaded_profile.loop_step_s * steps + c.loaded_profile.loop_delta_s * deltas
+        print(f"the engine loops' time around those passes: {outside_s:.1f} s, {1e3 * outside_s / steps:.2f} ms a pass, "
+              f"for {deltas:.0f} deltas; the model under load: {modelled_s:.1f} s for the same passes and deltas")
     if passes["loraplex_engine_decode_step_seconds_count"]:
         decode_s = passes["loraplex_engine_decode_step_seconds_sum"] / passes["loraplex_engine_decode_step_seconds_count"]
         slots = profile.engine.num_seq_slots
@@ -288,19 +312,15 @@ def print_passes(real_run: RealRun, c: Comparison) -> None:
 
 
 def print_verdict(c: Comparison, out: Path) -> None:
-    if c.loaded_off:
-        print(f"\nunder load, outside {TOLERANCE:.0%}: {', '.join(c.loaded_off)}")
+    """The verdict of the model (on shared cores, with the serving path's terms), then of the two it improves on."""
+    if c.shared is not None:
+        print(f"\nTHE MODEL (on shared cores), outside {TOLERANCE:.0%}: {', '.join(c.shared[2])}" if c.shared[2] else
+              f"\nTHE MODEL (on shared cores): every target figure within {TOLERANCE:.0%}")
     else:
-        print(f"\nunder load, every target figure within {TOLERANCE:.0%}")
-    if c.off:
-        print(f"\nthe bare engine's profile, outside {TOLERANCE:.0%}: {', '.join(c.off)}. What the simulator leaves out: "
-              "the HTTP, gateway and Ray hops (in every real TTFT and gap, not in a simulated one); the load tester, "
-              "gateway, Ray and Redis (every new prefix chunk's KV is written to it) on the replicas' cores (calibration "
-              "had only the other replica's engine beside it); loading cached prefixes from Redis (free in the model); "
-              "pass times that grow with the context (linear in tokens and sequences in the model). The pass totals "
-              "above say how much of the difference is inside the passes.")
-    else:
-        print(f"\nthe bare engine's profile: every target figure within {TOLERANCE:.0%}")
+        print("\nno serving CPU measured (a server without loraplex_engine_pass_cpu_seconds_total): no model on shared cores")
+    print(f"one factor from the warm-up instead, outside {TOLERANCE:.0%}: {', '.join(c.loaded_off) or 'none'}")
+    print(f"the bare engine's profile, outside {TOLERANCE:.0%}: {', '.join(c.off) or 'none'} (what it leaves out: the "
+          "serving path's hops, its CPU on the engines' cores, the engine loop around each pass, prefix lookups)")
     print(f"(config, profile and reports in {out})")
 
 

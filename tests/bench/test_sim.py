@@ -246,7 +246,7 @@ def test_chat_turns_find_their_conversation_and_alora_calls_the_base_kv(profile:
 def test_validation_scales_the_profile_by_how_much_slower_passes_ran_under_load() -> None:
     from collections import Counter
 
-    from bench.sim.validate import LONE_PROMPT_TOKENS, pass_ratio, under_load
+    from bench.sim.served_costs import Measured, pass_ratio, under_load
 
     def passes(steps: int, prompt: int, generated: int, times: float) -> Counter:
         predicted = steps * PROFILE.step_overhead_s + prompt * PROFILE.prompt_token_s + generated * PROFILE.decode_seq_s
@@ -255,13 +255,82 @@ def test_validation_scales_the_profile_by_how_much_slower_passes_ran_under_load(
 
     loaded = passes(300, 30_000, 5_000, 1.35)
     assert pass_ratio(PROFILE, loaded) == pytest.approx(1.35)
-    scaled_profile, factor = under_load(PROFILE, loaded)
+    scaled_profile, factor = under_load(PROFILE, Measured(loaded, Counter()))
     assert factor == pytest.approx(1.35)
     assert scaled_profile.step_s(100, 3) == pytest.approx(1.35 * PROFILE.step_s(100, 3))
-    assert under_load(PROFILE, Counter())[1] == 1.0  # nothing measured: unchanged
-    hopped, _ = under_load(PROFILE, loaded, PROFILE.step_s(LONE_PROMPT_TOKENS, 0) + 0.02)
-    assert hopped.hop_s == pytest.approx(0.02)  # the idle server's TTFT past the profile's pass
+    assert (scaled_profile.hop_s, scaled_profile.l2_fetch_token_s) == (0.0, None)  # not measured: not modelled
+    assert under_load(PROFILE, Measured(Counter(), Counter()))[1] == 1.0  # nothing measured: unchanged
+    # the workers' part of 40 first tokens took 12 s, the load tester saw 14 s: 50 ms each on the way there and back
+    workers = Counter({"loraplex_gateway_worker_ttft_seconds_sum": 12.0, "loraplex_gateway_worker_ttft_seconds_count": 40,
+                       "loraplex_cache_lookup_seconds_sum": 0.4 + 1_000 * 32 * 20e-6, "loraplex_cache_lookup_seconds_count": 40,
+                       "loraplex_cache_hit_chunks_l2": 1_000})
+    lone = Counter({"loraplex_cache_lookup_seconds_sum": 0.12, "loraplex_cache_lookup_seconds_count": 12})  # 10 ms a miss
+    hopped, _ = under_load(PROFILE, Measured(loaded + workers, lone, (14.0, 40), chunk_tokens=32))
+    assert hopped.hop_s == pytest.approx(0.05)
+    assert (hopped.l2_lookup_s, hopped.l2_fetch_token_s) == pytest.approx((0.01, 20e-6))  # a round trip, a token fetched
     fleet = scenario()
     plain = Fleet(fleet, fleet.scenario, PROFILE, fleet_module.place(fleet, 4), "ours").run()
     late = Fleet(fleet, fleet.scenario, replace(PROFILE, hop_s=0.02), fleet_module.place(fleet, 4), "ours").run()
     assert late.ttft_s == pytest.approx([t + 0.02 for t in plain.ttft_s])  # every TTFT, and nothing else
+
+
+def test_validation_models_the_engine_loops_time_around_its_passes() -> None:
+    from collections import Counter
+
+    from bench.sim.served_costs import loop_terms
+
+    def counted(steps: int, deltas: int, around_s: float) -> Counter:
+        return Counter({"loraplex_engine_steps_total": steps, "loraplex_engine_loop_deltas_total": deltas,
+                        "loraplex_engine_step_seconds_sum": 2.0, "loraplex_engine_loop_seconds_total": 2.0 + around_s})
+
+    warm_up, lone = counted(300, 900, 300 * 0.002 + 900 * 0.004), counted(30, 30, 30 * 0.006)
+    assert loop_terms(warm_up, lone) == pytest.approx((0.002, 0.004))  # a part per pass, a part per delta
+    assert loop_terms(warm_up, counted(30, 30, 1.0)) == pytest.approx((0.0, 4.2 / 900))  # a part < 0: all per delta
+    assert loop_terms(Counter(), Counter()) == (0.0, 0.0)
+
+    # in the replica model each step takes its pass and the loop's time around it: a part, and a part per delta
+    looped = replace(PROFILE, loop_step_s=0.003, loop_delta_s=0.002)
+    replica = ReplicaModel(0, looped, PrefixCache(32, True, 0), frozenset())
+    seqs = [Seq(SimRequest(i, 0.0, "t", "base", -1, 0, 20, 3), 0.0) for i in range(2)]
+    assert all(replica.offer(seq) for seq in seqs)
+    end_s = replica.start(0.0)  # both prompts in one pass: two first tokens, two deltas
+    assert end_s == pytest.approx(PROFILE.step_s(40, 0) + 0.003 + 2 * 0.002)
+    replica.finish_steps(end_s)
+    after = replica.start(end_s)  # two decoding sequences, to their end
+    assert after - end_s == pytest.approx(2 * (PROFILE.step_s(0, 2) + 0.003 + 2 * 0.002))
+    replica.finish_steps(after)
+    assert replica.stats.pass_s == pytest.approx(PROFILE.step_s(40, 0) + 2 * PROFILE.step_s(0, 2))
+    assert replica.stats.busy_s == pytest.approx(after)
+
+
+def test_replicas_on_shared_cores_slow_down_with_the_engines_and_the_serving_work_beside_them() -> None:
+    from collections import Counter
+
+    from bench.sim.contention import WINDOW_S, SharedCores
+    from bench.sim.served_costs import Measured, on_shared_cores, serving_cpu_request_s
+
+    class Replica:
+        num_steps = 0
+
+    one, other = Replica(), Replica()
+    cores = SharedCores(2, 0.25, [one, other])
+    assert cores.factor(0.0) == 1.0  # one engine on two cores: as calibrated
+    other.num_steps = 3
+    assert cores.factor(0.0) == 1.0  # both engines, as calibrated, and no serving work
+    for at_s in (0.1, 0.2, 0.3, 0.4):
+        cores.arrived(at_s)
+    assert cores.factor(1.0) == pytest.approx((2 + 4 * 0.25 / WINDOW_S) / 2)  # 0.5 of a core serving four requests
+    assert cores.factor(0.35 + WINDOW_S) == pytest.approx((2 + 0.25 / WINDOW_S) / 2)  # the first three are past the window
+    # measured: 150 CPU s busy over the warm-up, 120 of them in passes, 60 requests: 0.5 s a request
+    measured = Measured(Counter({"loraplex_engine_pass_cpu_seconds_total": 120.0}), Counter(), warm_up_cpu=(150.0, 2, 60))
+    assert serving_cpu_request_s(measured) == pytest.approx(0.5)
+    shared = on_shared_cores(PROFILE, measured)
+    assert (shared.shared_cores, shared.serving_cpu_request_s, shared.step_s(10, 2)) == (2, pytest.approx(0.5), PROFILE.step_s(10, 2))
+    assert on_shared_cores(PROFILE, Measured(Counter(), Counter())) is None  # not measured
+    # in the fleet, more serving work a request: slower passes, later first tokens
+    fleet = scenario()
+    plain = Fleet(fleet, fleet.scenario, replace(PROFILE, shared_cores=2), fleet_module.place(fleet, 2), "ours").run()
+    busy = Fleet(fleet, fleet.scenario, replace(PROFILE, shared_cores=2, serving_cpu_request_s=0.2),
+                 fleet_module.place(fleet, 2), "ours").run()
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    assert sum(busy.busy_s) > sum(plain.busy_s) and median(busy.ttft_s) > median(plain.ttft_s)
