@@ -17,6 +17,9 @@ from dataclasses import asdict, dataclass, replace
 FAST_HALF_LIFE_S = 5.0
 SLOW_HALF_LIFE_S = 30.0
 _LAG_S = (SLOW_HALF_LIFE_S - FAST_HALF_LIFE_S) / math.log(2)  # how far the slow one trails the fast on a steady ramp
+# a replica just ready drains the queue its start let grow: so long (the fast average forgets 7/8 of that queue), its
+# queue and late first tokens ask for no more, as while it started
+SETTLE_S = 3 * FAST_HALF_LIFE_S
 
 
 TIMES = ("ttft_slo_s", "upscale_delay_s", "downscale_delay_s", "idle_s", "lead_s", "backlog_s")
@@ -32,9 +35,9 @@ class AutoscalingSettings:
     target_utilization: float = 0.8
     ttft_slo_s: float = 1.0  # time to first token: a recent p90 above it asks for more replicas
     upscale_delay_s: float = 2.0  # demand above the target this long: every replica it asks for, at once
-    # demand below the lower target this long: down to the most replicas it fit in meanwhile (about a replica's start)
+    # the way down reads the demand averaged over about this long (half-life: half of it); about a replica's start
     downscale_delay_s: float = 30.0
-    downscale_margin: float = 0.1  # the lower target: target_utilization - margin (no flapping around one line)
+    downscale_margin: float = 0.0  # down to what that average fits at target_utilization - margin
     idle_s: float = 300.0  # with min_replicas 0: no request this long, and the last replica goes
     lead_s: float = 20.0  # how far ahead a growing demand is followed: about a new replica's start, fetches included
     backlog_s: float = 0.5  # queued prompt work (seconds of prefill) per replica beyond which it counts as full
@@ -90,17 +93,19 @@ class ShardLoad:
 
 @dataclass(frozen=True)
 class ScalingState:
-    """What `decide` remembers between calls: since when it has wanted more or fewer replicas
-    (None: not now), and meanwhile the most replicas the demand fit in, the demand's moving average
-    and trend, and when the shard was last busy."""
+    """What `decide` remembers between calls: since when it has wanted more replicas (None: not now),
+    the demand's moving averages (its trend, and the longer one the way down reads), when the shard
+    was last busy and when its ready replicas last grew."""
 
     up_since_s: float | None = None
-    down_since_s: float | None = None
     busy_s: float | None = None  # the last call that saw a request
     demand: float | None = None  # KV slots asked for, averaged (FAST_HALF_LIFE_S)
     demand_slow: float | None = None  # the same over SLOW_HALF_LIFE_S
     seen_s: float | None = None  # the last call
-    down_to: int | None = None  # since down_since_s, the most replicas the demand fit in: the count it goes down to
+    demand_down: float | None = None  # the same with half-life downscale_delay_s / 2: what the way down reads
+    ready: int | None = None  # the ready replicas at the last call
+    ready_s: float | None = None  # when their count last grew
+    since_s: float | None = None  # the first call: the way down waits until its average has seen downscale_delay_s
 
     def as_dict(self) -> dict[str, float | None]:
         """Plain data (a Serve policy's `policy_state`)."""
@@ -143,32 +148,47 @@ def _sane(load: ShardLoad) -> ShardLoad:
                      seconds(load.ttft_p90_s), _count(load.num_queued))
 
 
-def _averaged(state: ScalingState, demand: float, now_s: float) -> ScalingState:
-    """The demand's moving averages, moved to `now_s`."""
+def _averaged(state: ScalingState, demand: float, now_s: float, down_half_life_s: float, held: float) -> ScalingState:
+    """The demand's moving averages, moved to `now_s`; the way down's starts from `held` (what the replicas
+    there are hold at the target: a fresh state takes the count it finds for what the demand asked for)."""
     if state.demand is None or state.demand_slow is None or state.seen_s is None:
-        return replace(state, demand=demand, demand_slow=demand, seen_s=now_s)
+        return replace(state, demand=demand, demand_slow=demand, demand_down=max(demand, held), seen_s=now_s, since_s=now_s)
     dt = max(0.0, now_s - state.seen_s)
     fast, slow = 0.5 ** (dt / FAST_HALF_LIFE_S), 0.5 ** (dt / SLOW_HALF_LIFE_S)
+    down = 0.5 ** (dt / down_half_life_s) if down_half_life_s > 0 else 0.0
+    before = demand if state.demand_down is None else state.demand_down
     return replace(state, demand=fast * state.demand + (1 - fast) * demand,
-                   demand_slow=slow * state.demand_slow + (1 - slow) * demand, seen_s=now_s)
+                   demand_slow=slow * state.demand_slow + (1 - slow) * demand,
+                   demand_down=down * before + (1 - down) * demand, seen_s=now_s)
 
 
-def wanted(load: ShardLoad, settings: AutoscalingSettings, state: ScalingState) -> tuple[int, int]:
-    """(replicas the demand asks for now, replicas it still fits in at the lower target)."""
+def _settling(state: ScalingState, load: ShardLoad, now_s: float) -> tuple[bool, ScalingState]:
+    """Whether a replica became ready less than SETTLE_S ago (its count grew), and the state that remembers it."""
+    if state.ready is not None and load.num_ready > state.ready:
+        state = replace(state, ready_s=now_s)
+    state = replace(state, ready=load.num_ready)
+    return state.ready_s is not None and now_s - state.ready_s < SETTLE_S, state
+
+
+def wanted(load: ShardLoad, settings: AutoscalingSettings, state: ScalingState, settling: bool = False) -> tuple[int, int]:
+    """(replicas the demand asks for now, replicas its longer average fits in at the lower target);
+    `settling`: a replica just ready drains the queue, which asks for no more meanwhile."""
     slots_each = load.num_slots / load.num_ready if load.num_ready else 0
     if not slots_each:  # nothing serves (or reports slots yet): one replica per request asked for is too many, one
         # is enough to learn; while requests wait, the ones there stay
         return (1 if load.num_requests else 0), (load.num_ready if load.num_requests else 0)
     fast, slow = state.demand or 0.0, state.demand_slow or 0.0
-    now = max(fast, load.slots_asked) if load.num_waiting else fast  # requests queued are no noise: at once
+    now = max(fast, load.slots_asked) if load.num_waiting and not settling else fast  # a queue is no noise: at once
     trend_per_s = max(0.0, fast - slow) / _LAG_S
     ahead = min(now + trend_per_s * settings.lead_s, 1.5 * now)  # a trend, not a queue's growth
     up = math.ceil(ahead / (slots_each * settings.target_utilization) - 1e-9)
     is_late = load.ttft_p90_s is not None and load.ttft_p90_s > settings.ttft_slo_s and load.num_waiting > 0
-    if (is_late or load.backlog_s > settings.backlog_s) and not load.num_starting:  # the outcome itself, or its cause queued
+    if (is_late or load.backlog_s > settings.backlog_s) and not load.num_starting and not settling:  # the outcome, or its cause
         up = max(up, load.num_ready + 1)
     lower = settings.target_utilization - settings.downscale_margin
-    fits = math.ceil(now / (slots_each * lower) - 1e-9)
+    average = state.demand_down or 0.0
+    down = max(average, load.slots_asked) if load.num_waiting else average
+    fits = math.ceil(down / (slots_each * lower) - 1e-9)
     return up, fits
 
 
@@ -192,41 +212,41 @@ def decide(load: ShardLoad, current: int, settings: AutoscalingSettings, state: 
     - requests waiting for a shard that has no replica: its only signal, acted on at once.
 
     Up fast: every replica asked for at once, after `upscale_delay_s` of asking (none from zero when
-    a request waits); while replicas start, more only if twice the count is asked for (the queue
-    their start lets grow would ask again for what is already coming). Down damped, but the whole
-    way: once the demand has fit fewer replicas at the lower target (target - margin: no flapping
-    around one line) for `downscale_delay_s`, to the most it fit in over that time, several at once
-    (a demand that fell by half lets half go, as Serve's default policy and Knative's do after
-    their delays); the delay is about a replica's start, as one let go and wanted back within its
-    start cost more than it saved; never while a replica is starting (the count it is about to
-    have is not measured yet); those let go drain what they hold (the caller's part); to zero only
-    with `min_replicas` 0 after `idle_s` without a request.
+    a request waits); while replicas start, and for SETTLE_S after one became ready, more only if
+    twice the count is asked for (the queue their start let grow would ask again for what is already
+    coming, or has just come, and drains). Down from a longer average, as Knative's KPA does (its
+    stable window, no band): the demand averaged with half-life `downscale_delay_s` / 2 (a fresh
+    state's starting from what the replicas there are hold at the target), at once to what it fits
+    at `target_utilization - downscale_margin`, at most half the replicas a decision (a demand that
+    fell by half lets half go); a queue counts at once there too; never while a replica is starting
+    (the count it is about to have is not measured yet), nor before the average has seen
+    `downscale_delay_s` of demand; those let go drain what they hold (the caller's part); to zero
+    only with `min_replicas` 0 after `idle_s` without a request.
     Never below min or above max: a count out of bounds is brought back at once."""
     load = _sane(load)
-    state = _averaged(state, float(load.slots_asked), now_s)
+    held = load.num_slots * settings.target_utilization
+    state = _averaged(state, float(load.slots_asked), now_s, settings.downscale_delay_s / 2, held)
+    settling, state = _settling(state, load, now_s)
     if load.num_requests or state.busy_s is None:
         state = replace(state, busy_s=now_s)
     low, high = settings.min_replicas, settings.max_replicas
     if current < low or current > high:
-        return min(max(current, low), high), replace(state, up_since_s=None, down_since_s=None)
+        return min(max(current, low), high), replace(state, up_since_s=None)
     if current == 0:
         wake = load.num_queued > 0 or load.num_requests > 0
-        return (max(1, low) if wake else 0), replace(state, up_since_s=None, down_since_s=None)
-    up, fits = wanted(load, settings, state)
-    if load.num_starting and up <= 2 * current:  # what starts was asked for; the queue its start lets grow asks again
+        return (max(1, low) if wake else 0), replace(state, up_since_s=None)
+    up, fits = wanted(load, settings, state, settling)
+    if (load.num_starting or settling) and up <= 2 * current:  # what starts (or just started) was asked for
         up = current
     if up > current:
         since = now_s if state.up_since_s is None else state.up_since_s
         if now_s - since >= settings.upscale_delay_s:
-            return min(up, high), replace(state, up_since_s=None, down_since_s=None)
-        return current, replace(state, up_since_s=since, down_since_s=None)
+            return min(up, high), replace(state, up_since_s=None)
+        return current, replace(state, up_since_s=since)
     state = replace(state, up_since_s=None)
     if low == 0 and current == 1 and not load.num_requests and now_s - (state.busy_s or now_s) >= settings.idle_s:
-        return (0 if not load.num_starting else current), replace(state, down_since_s=None)
-    if fits >= current or current - 1 < max(low, 1) or load.num_starting:
-        return current, replace(state, down_since_s=None)
-    since, most = (now_s, 0) if state.down_since_s is None else (state.down_since_s, state.down_to or 0)
-    down_to = max(fits, most, low, 1)
-    if now_s - since >= settings.downscale_delay_s:
-        return down_to, replace(state, down_since_s=None, down_to=None)
-    return current, replace(state, down_since_s=since, down_to=down_to)
+        return (0 if not load.num_starting else current), state
+    young = now_s - (state.since_s if state.since_s is not None else now_s) < settings.downscale_delay_s
+    if fits >= current or current - 1 < max(low, 1) or load.num_starting or young:
+        return current, state
+    return max(fits, low, 1, math.ceil(current / 2)), state  # at most half at once, as Knative's KPA
