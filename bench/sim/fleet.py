@@ -108,7 +108,8 @@ class Fleet:
         self.replicas = [ReplicaModel(i, profile, PrefixCache(scenario.chunk_tokens, False, profile.l1_chunks) if has_l1
                                       else shared, pins, shared if has_l1 else None)
                          for i, pins in enumerate(placement.pins)]
-        self.cores = SharedCores(profile.shared_cores, profile.serving_cpu_request_s, self.replicas) if profile.shared_cores else None
+        self.cores = (SharedCores(profile.shared_cores, profile.serving_cpu_request_s, self.replicas, profile.replica_cpu_request_s)
+                      if profile.shared_cores else None)
         for replica in self.replicas:
             replica.contention = self.cores
         self.redis_latency_s = 0.0  # a redis_slow fault's, while it lasts
@@ -279,6 +280,8 @@ class Fleet:
 
     def _deliver(self, seq: Seq, replica: ReplicaModel) -> None:
         seq.arrived_s = self.now_s
+        if self.cores is not None:
+            self.cores.reached(self.now_s, replica.index)
         fetch_token_s = self.profile.l2_fetch_token_s
         if fetch_token_s is not None and self.shared is not None:  # looked up on arrival, off the step loop
             request = seq.request

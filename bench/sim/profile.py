@@ -50,6 +50,7 @@ class CostProfile:
     # (bench/sim/contention.py); the costs above are then those of every replica's engine busy on them, nothing else
     shared_cores: int = 0
     serving_cpu_request_s: float = 0.0
+    replica_cpu_request_s: float = 0.0  # of that, what its replica's process spends beside the engine's passes
     # a replica asked for serves after replica_start_s (its process and engine started, the base model fetched and
     # loaded) plus adapter_fetch_s for each adapter it pins (fetched from the store first): bench/sim/scaling.py
     replica_start_s: float = 0.0
@@ -68,7 +69,7 @@ class CostProfile:
             raise ValueError(f"profile {self.name!r}: adapter_load_lower_s must be >= 0")
         if min(self.l2_fetch_token_s or 0, self.l2_lookup_s, self.hop_s, self.loop_step_s, self.loop_delta_s) < 0:
             raise ValueError(f"profile {self.name!r}: l2_fetch_token_s, l2_lookup_s, hop_s and loop_*_s must be >= 0")
-        if self.shared_cores < 0 or self.serving_cpu_request_s < 0:
+        if self.shared_cores < 0 or self.serving_cpu_request_s < 0 or self.replica_cpu_request_s < 0:
             raise ValueError(f"profile {self.name!r}: shared_cores and serving_cpu_request_s must be >= 0")
         if self.replica_start_s < 0 or self.adapter_fetch_s < 0:
             raise ValueError(f"profile {self.name!r}: replica_start_s and adapter_fetch_s must be >= 0")

@@ -243,7 +243,7 @@ class ReplicaModel:
         self._spans, self._num_decode, self._num_prompt_tokens = spans, len(decoding), num_prompt_tokens
         num_firsts = sum(1 for seq, length in spans if seq.is_prefilling and seq.num_computed + length == seq.num_prompt)
         self.profile_pass_s = self.profile.step_s(num_prompt_tokens, len(decoding))
-        self.pass_s = self.profile_pass_s * (self.contention.factor(now_s) if self.contention is not None else 1.0)
+        self.pass_s = self.profile_pass_s * (self.contention.factor(now_s, self.index) if self.contention is not None else 1.0)
         self.step_s = self.pass_s + self.profile.loop_s(len(decoding) + num_firsts)
         self.step_start_s = now_s
         self.num_steps = 1

@@ -71,6 +71,7 @@ class Measured:
     warm_up_ttft: tuple[float, int] = (0.0, 0)  # the load tester's TTFTs over the warm-up: sum, count
     chunk_tokens: int | None = None  # the prefix cache's chunk (None: no Redis tier)
     warm_up_cpu: tuple[float, int, int] = (0.0, 0, 0)  # over the warm-up: the machine's busy CPU s, its cores, requests sent
+    warm_up_replicas_cpu_s: float = 0.0  # over the warm-up: the replicas' processes' CPU s (their passes' threads' included)
 
 
 def serving_cpu_request_s(measured: Measured) -> float | None:
@@ -84,17 +85,29 @@ def serving_cpu_request_s(measured: Measured) -> float | None:
     return max(0.0, busy_s - pass_cpu_s) / num_requests
 
 
+def replica_cpu_request_s(measured: Measured) -> float:
+    """Of the serving CPU a request, what the replicas' processes spend beside their passes' threads (their Ray calls
+    and streams, prefix lookups and stores): their CPU over the warm-up less the passes', over the requests sent."""
+    _, _, num_requests = measured.warm_up_cpu
+    pass_cpu_s = measured.warm_up["loraplex_engine_pass_cpu_seconds_total"]
+    if not num_requests or not measured.warm_up_replicas_cpu_s:
+        return 0.0
+    return max(0.0, measured.warm_up_replicas_cpu_s - pass_cpu_s) / num_requests
+
+
 def on_shared_cores(profile: CostProfile, measured: Measured) -> CostProfile | None:
     """`under_load`'s profile with its passes at the profile's cost, slowed instead as the machine's cores are shared
     at each moment (bench/sim/contention.py) by the engines and the serving path's CPU a request
-    (`serving_cpu_request_s`). None: not measured."""
+    (`serving_cpu_request_s`), and by the share of it in the replica's own process (`replica_cpu_request_s`), which
+    holds the interpreter lock its engine needs. None: not measured."""
     per_request_s = serving_cpu_request_s(measured)
     if per_request_s is None:
         return None
     loaded, _ = under_load(profile, measured)
     return replace(loaded, name=f"{profile.name} on shared cores", step_overhead_s=profile.step_overhead_s,
                    prompt_token_s=profile.prompt_token_s, decode_seq_s=profile.decode_seq_s,
-                   shared_cores=measured.warm_up_cpu[1], serving_cpu_request_s=per_request_s)
+                   shared_cores=measured.warm_up_cpu[1], serving_cpu_request_s=per_request_s,
+                   replica_cpu_request_s=min(per_request_s, replica_cpu_request_s(measured)))
 
 
 def under_load(profile: CostProfile, measured: Measured) -> tuple[CostProfile, float]:

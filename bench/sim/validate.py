@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cluster import free_port
 from bench.server import ROOT, Server, base_config, loadtest
-from bench.sim.machine import OTHERS_SHARE, CPUShare, PrivateRedis, machine_busy_s
+from bench.sim.machine import OTHERS_SHARE, CPUShare, PrivateRedis, machine_busy_s, own_cpu_s
 from bench.sim.profile import CostProfile, load_profile
 from bench.sim.record import RunRecord
 from bench.sim.served_costs import Measured, on_shared_cores, pass_ratio, under_load
@@ -154,6 +154,7 @@ class RealRun:
     lone: tuple[float | None, float | None]  # one at a time: median TTFT and median mean gap
     warm_up_ttft: tuple[float, int]  # the load tester's TTFTs over the warm-up: sum, count
     warm_up_cpu: tuple[float, int, int]  # over the warm-up: the machine's busy CPU s, its cores, requests sent
+    warm_up_replicas_cpu_s: float  # over the warm-up: the replicas' processes' CPU s
 
 
 def run_server(raw: dict, out: Path, threads: int, scenario: Scenario, scenario_path: Path, redis_pids: list[int]) -> RealRun:
@@ -163,10 +164,11 @@ def run_server(raw: dict, out: Path, threads: int, scenario: Scenario, scenario_
     server = Server(raw, out, port)
     try:
         loadtest(scenario_path, server.url, out / "warm-up", seed=scenario.seed + 1000, duration_s=WARM_UP_S)
-        first, busy_s = engine_totals(server.url), machine_busy_s()  # the serving path's costs: over a second warm-up
+        first, busy_s, (_, replicas_s) = engine_totals(server.url), machine_busy_s(), own_cpu_s([server.process.pid])
         *warm_up_ttft, num_sent = client_ttft(loadtest(scenario_path, server.url, out / "warm-up-measured", seed=scenario.seed + 2000,
                                             duration_s=MEASURED_WARM_UP_S))
         warmed, warm_up_cpu = engine_totals(server.url), (machine_busy_s() - busy_s, os.cpu_count() or 1, num_sent)
+        replicas_s = own_cpu_s([server.process.pid])[1] - replicas_s  # the serving path's costs: over that second warm-up
         lone_path = out / "one-at-a-time.yaml"
         lone_path.write_text(yaml.safe_dump({**LONE, "tenants": [t.model_dump() for t in scenario.tenants[:1]]}))
         lone = lone_figures(loadtest(lone_path, server.url, out / "one-at-a-time"))
@@ -179,7 +181,8 @@ def run_server(raw: dict, out: Path, threads: int, scenario: Scenario, scenario_
         stopped = server.stop()
     if not stopped:
         print("loraplex serve did not stop within its timeout: killed with everything it started", file=sys.stderr)
-    return RealRun(report, wall_s, cpu_real, warmed - first, before - warmed, passes, lone, tuple(warm_up_ttft), warm_up_cpu)
+    return RealRun(report, wall_s, cpu_real, warmed - first, before - warmed, passes, lone, tuple(warm_up_ttft), warm_up_cpu,
+                   replicas_s)
 
 
 def serve_for_real(args: argparse.Namespace, out: Path, scenario: Scenario, scenario_path: Path) -> tuple[Served, RealRun]:
@@ -235,7 +238,8 @@ def compare(fleet: FleetScenario, served: Served, real_run: RealRun) -> Comparis
     real, sim = real_figures(real_run.report, scenario), sim_figures(record, requests, scenario)
     text, off = table(real, sim)
     chunk_tokens = served.config.cache.chunk_tokens if served.config.cache.redis is not None else None
-    measured = Measured(real_run.warm_up_passes, real_run.lone_passes, real_run.warm_up_ttft, chunk_tokens, real_run.warm_up_cpu)
+    measured = Measured(real_run.warm_up_passes, real_run.lone_passes, real_run.warm_up_ttft, chunk_tokens, real_run.warm_up_cpu,
+                        real_run.warm_up_replicas_cpu_s)
     loaded_profile, factor = under_load(profile, measured)
     loaded_record, _ = simulated(fleet, loaded_profile, served.config, requests)
     loaded_text, loaded_off = table(real, sim_figures(loaded_record, requests, scenario))
@@ -276,7 +280,8 @@ def print_tables(scenario: Scenario, served: Served, real_run: RealRun, c: Compa
         shared_profile, shared_text, _, mean_factor = c.shared
         print(f"\non shared cores: the profile's passes slowed as the {shared_profile.shared_cores} cores are shared at each "
               f"moment by the engines and {1e3 * shared_profile.serving_cpu_request_s:.0f} ms of the serving path's CPU a "
-              f"request (the machine's busy CPU over the warm-up less its passes' threads', over its requests), the same "
+              f"request (the machine's busy CPU over the warm-up less its passes' threads', over its requests; "
+              f"{1e3 * shared_profile.replica_cpu_request_s:.0f} ms of it in the replica's process, beside its engine), the same "
               f"terms beside them; its passes x{mean_factor:.2f} on average (the warm-up's measured x{c.factor:.2f})\n")
         print(shared_text)
 

@@ -321,11 +321,22 @@ def test_replicas_on_shared_cores_slow_down_with_the_engines_and_the_serving_wor
         cores.arrived(at_s)
     assert cores.factor(1.0) == pytest.approx((2 + 4 * 0.25 / WINDOW_S) / 2)  # 0.5 of a core serving four requests
     assert cores.factor(0.35 + WINDOW_S) == pytest.approx((2 + 0.25 / WINDOW_S) / 2)  # the first three are past the window
-    # measured: 150 CPU s busy over the warm-up, 120 of them in passes, 60 requests: 0.5 s a request
-    measured = Measured(Counter({"loraplex_engine_pass_cpu_seconds_total": 120.0}), Counter(), warm_up_cpu=(150.0, 2, 60))
+    # a replica's own process serving its requests holds the interpreter lock its engine needs: 0.5 of its time here
+    gil = SharedCores(2, 0.25, [one, other], replica_cpu_request_s=0.25)
+    for at_s in (0.1, 0.2, 0.3, 0.4):
+        gil.arrived(at_s)
+        gil.reached(at_s, 0)
+    on_cores = (2 + 4 * 0.25 / WINDOW_S) / 2
+    assert gil.factor(1.0, 0) == pytest.approx(on_cores / (1 - 4 * 0.25 / WINDOW_S))
+    assert gil.factor(1.0, 1) == pytest.approx(on_cores)  # the other replica's process serves none of them
+    # measured: 150 CPU s busy over the warm-up, 120 of them in passes, 60 requests: 0.5 s a request; the replicas'
+    # processes 132 CPU s, 12 of them beside their passes: 0.2 s a request
+    measured = Measured(Counter({"loraplex_engine_pass_cpu_seconds_total": 120.0}), Counter(), warm_up_cpu=(150.0, 2, 60),
+                        warm_up_replicas_cpu_s=132.0)
     assert serving_cpu_request_s(measured) == pytest.approx(0.5)
     shared = on_shared_cores(PROFILE, measured)
     assert (shared.shared_cores, shared.serving_cpu_request_s, shared.step_s(10, 2)) == (2, pytest.approx(0.5), PROFILE.step_s(10, 2))
+    assert shared.replica_cpu_request_s == pytest.approx(0.2)
     assert on_shared_cores(PROFILE, Measured(Counter(), Counter())) is None  # not measured
     # in the fleet, more serving work a request: slower passes, later first tokens
     fleet = scenario()
