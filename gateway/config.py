@@ -119,9 +119,14 @@ class TenantConfig(_Strict):
         return hex_digests(values)
 
 
+def is_hex_digest(value: str) -> bool:
+    """A hex SHA-256 digest: a key's, or an adapter's fingerprint."""
+    return re.fullmatch(r"[0-9a-f]{64}", value) is not None
+
+
 def hex_digests(values: list[str]) -> list[str]:
     for value in values:
-        if not re.fullmatch(r"[0-9a-f]{64}", value):
+        if not is_hex_digest(value):
             raise ValueError(f"{value!r} is not a hex SHA-256 digest "
                              "(python -c \"import hashlib;print(hashlib.sha256(b'KEY').hexdigest())\")")
     return values
@@ -249,7 +254,7 @@ class ServeConfig(_Strict):
                 raise ValueError(f"speculative.draft_model: no such file: {draft}") from None
         names = {a.name for a in self.adapters}
         for target in self.speculative.draft_adapters:
-            if target not in names and not re.fullmatch(r"[0-9a-f]{64}", target):  # a run-time adapter is named by fingerprint
+            if target not in names and not is_hex_digest(target):  # a run-time adapter is named by fingerprint
                 raise ValueError(f"speculative.draft_adapters: unknown adapter {target!r} (known: {', '.join(sorted(names)) or 'none'})")
         check_draft_adapters(draft, {target: self.resolve(path) for target, path in self.speculative.draft_adapters.items()})
 

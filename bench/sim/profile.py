@@ -70,7 +70,7 @@ class CostProfile:
         if min(self.l2_fetch_token_s or 0, self.l2_lookup_s, self.hop_s, self.loop_step_s, self.loop_delta_s) < 0:
             raise ValueError(f"profile {self.name!r}: l2_fetch_token_s, l2_lookup_s, hop_s and loop_*_s must be >= 0")
         if self.shared_cores < 0 or self.serving_cpu_request_s < 0 or self.replica_cpu_request_s < 0:
-            raise ValueError(f"profile {self.name!r}: shared_cores and serving_cpu_request_s must be >= 0")
+            raise ValueError(f"profile {self.name!r}: shared_cores, serving_cpu_request_s and replica_cpu_request_s must be >= 0")
         if self.replica_start_s < 0 or self.adapter_fetch_s < 0:
             raise ValueError(f"profile {self.name!r}: replica_start_s and adapter_fetch_s must be >= 0")
         if self.max_loaded_adapters < 0 or self.l1_chunks < 0:

@@ -12,6 +12,21 @@ from dataclasses import dataclass, replace
 from bench.sim.profile import CostProfile
 
 
+@dataclass(frozen=True)
+class Measured:
+    """What the real server measured before the measured run, that the profiles under load are made of."""
+
+    warm_up: Counter  # the replicas' and the gateway's counters over the warm-up's load (another seed's requests)
+    lone: Counter  # the same over requests sent one at a time
+    ttft_s: float = 0.0  # the load tester's TTFTs over the warm-up, summed
+    num_ttfts: int = 0
+    num_sent: int = 0  # requests the load tester sent over the warm-up
+    busy_cpu_s: float = 0.0  # over the warm-up: the machine's busy CPU
+    replicas_cpu_s: float = 0.0  # over the warm-up: the replicas' processes' CPU (their passes' threads' included)
+    cores: int = 0  # the machine's
+    chunk_tokens: int | None = None  # the prefix cache's chunk (None: no Redis tier)
+
+
 def pass_ratio(profile: CostProfile, passes: Counter) -> float | None:
     """The served replicas' time in their passes over what `profile` predicts for the same passes
     (their count, prompt tokens and generated tokens, each of those a sequence decoding in some pass)."""
@@ -40,14 +55,15 @@ def loop_terms(warm_up: Counter, lone: Counter) -> tuple[float, float]:
     return 0.0, outside_s / deltas
 
 
-def hop_under_load(warm_up: Counter, warm_up_ttft: tuple[float, int]) -> float | None:
+def hop_under_load(measured: Measured) -> float | None:
     """A request's way to its worker and its first token's back under load (HTTP, the gateway, Ray): the load
     tester's mean TTFT over the warm-up less its workers' mean (`loraplex_gateway_worker_ttft_seconds`: from the
     request's arrival there, its prefix lookup, queue and prefill). None: not measured."""
-    count, (total_s, num) = warm_up["loraplex_gateway_worker_ttft_seconds_count"], warm_up_ttft
-    if not count or not num:
+    warm_up = measured.warm_up
+    count = warm_up["loraplex_gateway_worker_ttft_seconds_count"]
+    if not count or not measured.num_ttfts:
         return None
-    return max(0.0, total_s / num - warm_up["loraplex_gateway_worker_ttft_seconds_sum"] / count)
+    return max(0.0, measured.ttft_s / measured.num_ttfts - warm_up["loraplex_gateway_worker_ttft_seconds_sum"] / count)
 
 
 def lookup_terms(warm_up: Counter, lone: Counter, chunk_tokens: int) -> tuple[float, float] | None:
@@ -62,52 +78,30 @@ def lookup_terms(warm_up: Counter, lone: Counter, chunk_tokens: int) -> tuple[fl
     return round_trip_s, max(0.0, rest_s) / fetched if fetched else 0.0
 
 
-@dataclass(frozen=True)
-class Measured:
-    """What the real server measured before the measured run, that the profile under load is made of."""
-
-    warm_up: Counter  # the replicas' and the gateway's counters over the warm-up's load (another seed's requests)
-    lone: Counter  # the same over requests sent one at a time
-    warm_up_ttft: tuple[float, int] = (0.0, 0)  # the load tester's TTFTs over the warm-up: sum, count
-    chunk_tokens: int | None = None  # the prefix cache's chunk (None: no Redis tier)
-    warm_up_cpu: tuple[float, int, int] = (0.0, 0, 0)  # over the warm-up: the machine's busy CPU s, its cores, requests sent
-    warm_up_replicas_cpu_s: float = 0.0  # over the warm-up: the replicas' processes' CPU s (their passes' threads' included)
-
-
-def serving_cpu_request_s(measured: Measured) -> float | None:
-    """The serving path's CPU time a request (HTTP, the gateway, Ray, streaming, Redis, the load tester, the engine
-    loop's own work around its passes): the machine's busy CPU over the warm-up less what the threads running the
-    passes spent in them (`loraplex_engine_pass_cpu_seconds_total`), over the requests sent. None: not measured."""
-    busy_s, _, num_requests = measured.warm_up_cpu
+def beyond_passes(cpu_s: float, measured: Measured) -> float | None:
+    """`cpu_s` of the warm-up less what the threads running the passes spent in them
+    (`loraplex_engine_pass_cpu_seconds_total`), a request sent. None: not measured."""
     pass_cpu_s = measured.warm_up["loraplex_engine_pass_cpu_seconds_total"]
-    if not num_requests or not pass_cpu_s:
+    if not measured.num_sent or not pass_cpu_s or not cpu_s:
         return None
-    return max(0.0, busy_s - pass_cpu_s) / num_requests
-
-
-def replica_cpu_request_s(measured: Measured) -> float:
-    """Of the serving CPU a request, what the replicas' processes spend beside their passes' threads (their Ray calls
-    and streams, prefix lookups and stores): their CPU over the warm-up less the passes', over the requests sent."""
-    _, _, num_requests = measured.warm_up_cpu
-    pass_cpu_s = measured.warm_up["loraplex_engine_pass_cpu_seconds_total"]
-    if not num_requests or not measured.warm_up_replicas_cpu_s:
-        return 0.0
-    return max(0.0, measured.warm_up_replicas_cpu_s - pass_cpu_s) / num_requests
+    return max(0.0, cpu_s - pass_cpu_s) / measured.num_sent
 
 
 def on_shared_cores(profile: CostProfile, measured: Measured) -> CostProfile | None:
     """`under_load`'s profile with its passes at the profile's cost, slowed instead as the machine's cores are shared
     at each moment (bench/sim/contention.py) by the engines and the serving path's CPU a request
-    (`serving_cpu_request_s`), and by the share of it in the replica's own process (`replica_cpu_request_s`), which
-    holds the interpreter lock its engine needs. None: not measured."""
-    per_request_s = serving_cpu_request_s(measured)
+    (the machine's busy CPU beyond the passes, `beyond_passes`), and by the share of it in the replica's own process
+    (the replicas' processes' CPU beyond the passes), which holds the interpreter lock its engine needs. None: not
+    measured."""
+    per_request_s = beyond_passes(measured.busy_cpu_s, measured)  # the serving path's CPU a request
     if per_request_s is None:
         return None
+    in_replica_s = beyond_passes(measured.replicas_cpu_s, measured) or 0.0  # of it, the replicas' processes'
     loaded, _ = under_load(profile, measured)
     return replace(loaded, name=f"{profile.name} on shared cores", step_overhead_s=profile.step_overhead_s,
                    prompt_token_s=profile.prompt_token_s, decode_seq_s=profile.decode_seq_s,
-                   shared_cores=measured.warm_up_cpu[1], serving_cpu_request_s=per_request_s,
-                   replica_cpu_request_s=min(per_request_s, replica_cpu_request_s(measured)))
+                   shared_cores=measured.cores, serving_cpu_request_s=per_request_s,
+                   replica_cpu_request_s=min(per_request_s, in_replica_s))
 
 
 def under_load(profile: CostProfile, measured: Measured) -> tuple[CostProfile, float]:
@@ -120,7 +114,7 @@ def under_load(profile: CostProfile, measured: Measured) -> tuple[CostProfile, f
     time around a pass and each delta (`loop_terms`), a request's way to its worker and back (`hop_under_load`), and
     its prefix lookup, a round trip and each token fetched from Redis (`lookup_terms`)."""
     factor = pass_ratio(profile, measured.warm_up) or 1.0
-    hop_s = hop_under_load(measured.warm_up, measured.warm_up_ttft)
+    hop_s = hop_under_load(measured)
     loop_step_s, loop_delta_s = loop_terms(measured.warm_up, measured.lone)
     changes: dict = {"loop_step_s": loop_step_s, "loop_delta_s": loop_delta_s}
     if hop_s is not None:

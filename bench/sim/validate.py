@@ -148,13 +148,9 @@ class RealRun:
     report: Path  # the load tester's report of the measured run
     wall_s: float
     cpu: tuple[str, bool]  # CPUShare.done() during the measured run
-    warm_up_passes: Counter  # the replicas' engine counters over the warm-up's load
-    lone_passes: Counter  # over the requests sent one at a time
-    passes: Counter  # over the measured run
+    passes: Counter  # the replicas' engine counters over the measured run
     lone: tuple[float | None, float | None]  # one at a time: median TTFT and median mean gap
-    warm_up_ttft: tuple[float, int]  # the load tester's TTFTs over the warm-up: sum, count
-    warm_up_cpu: tuple[float, int, int]  # over the warm-up: the machine's busy CPU s, its cores, requests sent
-    warm_up_replicas_cpu_s: float  # over the warm-up: the replicas' processes' CPU s
+    measured: Measured  # over the (second) warm-up and the requests sent one at a time: the serving path's costs
 
 
 def run_server(raw: dict, out: Path, threads: int, scenario: Scenario, scenario_path: Path, redis_pids: list[int]) -> RealRun:
@@ -165,10 +161,11 @@ def run_server(raw: dict, out: Path, threads: int, scenario: Scenario, scenario_
     try:
         loadtest(scenario_path, server.url, out / "warm-up", seed=scenario.seed + 1000, duration_s=WARM_UP_S)
         first, busy_s, (_, replicas_s) = engine_totals(server.url), machine_busy_s(), own_cpu_s([server.process.pid])
-        *warm_up_ttft, num_sent = client_ttft(loadtest(scenario_path, server.url, out / "warm-up-measured", seed=scenario.seed + 2000,
-                                            duration_s=MEASURED_WARM_UP_S))
-        warmed, warm_up_cpu = engine_totals(server.url), (machine_busy_s() - busy_s, os.cpu_count() or 1, num_sent)
-        replicas_s = own_cpu_s([server.process.pid])[1] - replicas_s  # the serving path's costs: over that second warm-up
+        warm_up_report = loadtest(scenario_path, server.url, out / "warm-up-measured", seed=scenario.seed + 2000,
+                                  duration_s=MEASURED_WARM_UP_S)  # the serving path's costs: over this second warm-up
+        warmed = engine_totals(server.url)
+        warm_up = Measured(warmed - first, Counter(), *client_ttft(warm_up_report), busy_cpu_s=machine_busy_s() - busy_s,
+                           replicas_cpu_s=own_cpu_s([server.process.pid])[1] - replicas_s, cores=os.cpu_count() or 1)
         lone_path = out / "one-at-a-time.yaml"
         lone_path.write_text(yaml.safe_dump({**LONE, "tenants": [t.model_dump() for t in scenario.tenants[:1]]}))
         lone = lone_figures(loadtest(lone_path, server.url, out / "one-at-a-time"))
@@ -181,8 +178,7 @@ def run_server(raw: dict, out: Path, threads: int, scenario: Scenario, scenario_
         stopped = server.stop()
     if not stopped:
         print("loraplex serve did not stop within its timeout: killed with everything it started", file=sys.stderr)
-    return RealRun(report, wall_s, cpu_real, warmed - first, before - warmed, passes, lone, tuple(warm_up_ttft), warm_up_cpu,
-                   replicas_s)
+    return RealRun(report, wall_s, cpu_real, passes, lone, replace(warm_up, lone=before - warmed))
 
 
 def serve_for_real(args: argparse.Namespace, out: Path, scenario: Scenario, scenario_path: Path) -> tuple[Served, RealRun]:
@@ -238,8 +234,7 @@ def compare(fleet: FleetScenario, served: Served, real_run: RealRun) -> Comparis
     real, sim = real_figures(real_run.report, scenario), sim_figures(record, requests, scenario)
     text, off = table(real, sim)
     chunk_tokens = served.config.cache.chunk_tokens if served.config.cache.redis is not None else None
-    measured = Measured(real_run.warm_up_passes, real_run.lone_passes, real_run.warm_up_ttft, chunk_tokens, real_run.warm_up_cpu,
-                        real_run.warm_up_replicas_cpu_s)
+    measured = replace(real_run.measured, chunk_tokens=chunk_tokens)
     loaded_profile, factor = under_load(profile, measured)
     loaded_record, _ = simulated(fleet, loaded_profile, served.config, requests)
     loaded_text, loaded_off = table(real, sim_figures(loaded_record, requests, scenario))
@@ -271,7 +266,7 @@ def print_tables(scenario: Scenario, served: Served, real_run: RealRun, c: Compa
     lookup = (f"a prefix lookup {1e3 * loaded.l2_lookup_s:.2f} ms + {1e6 * loaded.l2_fetch_token_s:.1f} us a token fetched from "
               "Redis" if loaded.l2_fetch_token_s is not None else "no prefix lookups measured")
     print(f"\nunder load: the profile's costs x{c.factor:.2f}, the served passes' time under the warm-up's load over the "
-          f"profile's prediction for them (one request at a time: x{pass_ratio(profile, real_run.lone_passes) or 0:.2f}); "
+          f"profile's prediction for them (one request at a time: x{pass_ratio(profile, real_run.measured.lone) or 0:.2f}); "
           f"{1e3 * loaded.hop_s:.1f} ms of hops added to each TTFT (the warm-up's TTFT less its workers' part); the engine "
           f"loop's time around a pass {1e3 * loaded.loop_step_s:.2f} ms + {1e3 * loaded.loop_delta_s:.2f} ms a delta; {lookup}; "
           "all measured before the measured run, not fitted to it\n")

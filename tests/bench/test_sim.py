@@ -265,7 +265,7 @@ def test_validation_scales_the_profile_by_how_much_slower_passes_ran_under_load(
                        "loraplex_cache_lookup_seconds_sum": 0.4 + 1_000 * 32 * 20e-6, "loraplex_cache_lookup_seconds_count": 40,
                        "loraplex_cache_hit_chunks_l2": 1_000})
     lone = Counter({"loraplex_cache_lookup_seconds_sum": 0.12, "loraplex_cache_lookup_seconds_count": 12})  # 10 ms a miss
-    hopped, _ = under_load(PROFILE, Measured(loaded + workers, lone, (14.0, 40), chunk_tokens=32))
+    hopped, _ = under_load(PROFILE, Measured(loaded + workers, lone, ttft_s=14.0, num_ttfts=40, chunk_tokens=32))
     assert hopped.hop_s == pytest.approx(0.05)
     assert (hopped.l2_lookup_s, hopped.l2_fetch_token_s) == pytest.approx((0.01, 20e-6))  # a round trip, a token fetched
     fleet = scenario()
@@ -307,7 +307,7 @@ def test_replicas_on_shared_cores_slow_down_with_the_engines_and_the_serving_wor
     from collections import Counter
 
     from bench.sim.contention import WINDOW_S, SharedCores
-    from bench.sim.served_costs import Measured, on_shared_cores, serving_cpu_request_s
+    from bench.sim.served_costs import Measured, beyond_passes, on_shared_cores
 
     class Replica:
         num_steps = 0
@@ -331,9 +331,9 @@ def test_replicas_on_shared_cores_slow_down_with_the_engines_and_the_serving_wor
     assert gil.factor(1.0, 1) == pytest.approx(on_cores)  # the other replica's process serves none of them
     # measured: 150 CPU s busy over the warm-up, 120 of them in passes, 60 requests: 0.5 s a request; the replicas'
     # processes 132 CPU s, 12 of them beside their passes: 0.2 s a request
-    measured = Measured(Counter({"loraplex_engine_pass_cpu_seconds_total": 120.0}), Counter(), warm_up_cpu=(150.0, 2, 60),
-                        warm_up_replicas_cpu_s=132.0)
-    assert serving_cpu_request_s(measured) == pytest.approx(0.5)
+    measured = Measured(Counter({"loraplex_engine_pass_cpu_seconds_total": 120.0}), Counter(), num_sent=60, busy_cpu_s=150.0,
+                        replicas_cpu_s=132.0, cores=2)
+    assert beyond_passes(measured.busy_cpu_s, measured) == pytest.approx(0.5)
     shared = on_shared_cores(PROFILE, measured)
     assert (shared.shared_cores, shared.serving_cpu_request_s, shared.step_s(10, 2)) == (2, pytest.approx(0.5), PROFILE.step_s(10, 2))
     assert shared.replica_cpu_request_s == pytest.approx(0.2)
