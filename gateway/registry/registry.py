@@ -31,13 +31,15 @@ from typing import Any
 
 from cache.blobs import BlobStore, BlobStoreError, open_blob_store
 from gateway.catalog import AdapterInfo, Catalog
+from gateway.cluster.membership import UP
 from gateway.cluster.pool import NotServing, ReplicaInfo, ShardPool
 from gateway.config import ServeConfig
 from gateway.errors import GatewayError
-from gateway.policy.placement import PlacementError, place_new, rebalance
+from gateway.policy.placement import PlacementError
 from gateway.policy.routing import Residents
 from gateway.registry.garbage import StoredFiles
 from gateway.registry.limits import check_limits, describe
+from gateway.registry.placing import Placing, Serving
 from gateway.registry.records import (
     PENDING,
     SHARED,
@@ -57,16 +59,19 @@ from worker.formats.adapter import LoRAAdapter
 log = logging.getLogger(__name__)
 Pins = frozenset[Fingerprint]  # what a worker should hold (it has the config's adapters; the others it fetches from the store)
 Sync = Callable[[str, int, list[Fingerprint]], Awaitable[dict[str, Any]]]
+Wake = Callable[[list[str]], float | None]  # replicas of a shard asleep to start; how long a start may take (the pool's)
 
 
 class AdapterRegistry:
     def __init__(self, config: ServeConfig, catalog: Catalog, records: RecordStore, store: BlobStore,
                  replicas: list[ReplicaInfo], sync: Sync | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, serving: Serving | None = None,
+                 wake: Wake | None = None) -> None:
         self.config, self.catalog, self.records, self.store = config, catalog, records, store
         self.settings = config.registry
         self.replicas = replicas
-        self.sync = sync
+        self.sync, self.wake = sync, wake
+        self.placing = Placing(config, replicas, serving)  # over the replicas that serve now
         self._clock = clock
         self.seed = dict(catalog.adapters)  # the config's adapters, shared: the registry's seed
         self.seed_pins: dict[str, Pins] = {  # shard -> its config adapters
@@ -134,10 +139,7 @@ class AdapterRegistry:
         placed: dict[Fingerprint, tuple[str, ...]] = {}
         for r in self.current.values():
             placed[r.fingerprint] = tuple(sorted(set(placed.get(r.fingerprint, ())) | set(r.shards)))
-        replicas = {s.name: s.replicas for s in self.config.shards}
-        seed_counts = {s: len(pins) for s, pins in self.seed_pins.items()}
-        capacity = self.settings.max_adapters_per_worker
-        changes = rebalance(placed, self.traffic, replicas, self.settings.copies, capacity, seed_counts)
+        changes = self.placing.moves(placed, self.traffic, {s: len(pins) for s, pins in self.seed_pins.items()})
         self.traffic = {fp: n / 2 for fp, n in self.traffic.items() if n >= 1.0}
         if not changes:
             return {}
@@ -316,7 +318,10 @@ class AdapterRegistry:
         this is for workers that did not answer in time."""
         shards = tuple(shards)
         targets = [r for r in self.replicas if r.shard in shards]
-        deadline_s = self._clock() + self.settings.load_timeout_s
+        timeout_s = self.settings.load_timeout_s
+        if self.wake is not None and not any(self.placing.serves(r.replica_id) for r in targets):
+            timeout_s += self.wake([r.replica_id for r in targets]) or 0.0  # its shards asleep: their start first
+        deadline_s = self._clock() + timeout_s
         while (not self.is_held(fingerprint, shards) and self._clock() < deadline_s
                and not all(fingerprint in self.failed.get(r.replica_id, {}) for r in targets)):
             await asyncio.sleep(0.25)
@@ -344,8 +349,7 @@ class AdapterRegistry:
             return old.shards
         pinned = {s.name: len(self.pins(s.name, records)) for s in self.config.shards}
         try:
-            replicas = {s.name: s.replicas for s in self.config.shards}
-            return place_new(pinned, replicas, self.settings.copies, self.settings.max_adapters_per_worker)
+            return self.placing.for_new(pinned)
         except PlacementError as e:
             raise GatewayError(507, str(e), "no_worker_room") from e
 
@@ -381,6 +385,9 @@ def open_registry(config: ServeConfig, catalog: Catalog, pool: ShardPool,
                                             ack_timeout_s=redis_config.replica_ack_timeout_s)
     else:
         records = FileRecords(store.directory, scope)
-    return AdapterRegistry(config, catalog, records, store, pool.replicas, getattr(pool, "sync", None), clock)
+    phase = getattr(pool, "phase", None)  # an autoscaled shard's replicas: up, starting, draining or asleep
+    serving = None if phase is None else (lambda replica_id: phase(replica_id) == UP)
+    return AdapterRegistry(config, catalog, records, store, pool.replicas, getattr(pool, "sync", None), clock,
+                           serving, getattr(pool, "wake", None))
 
 

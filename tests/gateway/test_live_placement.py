@@ -30,6 +30,10 @@ def test_a_hot_adapter_gains_a_shard_and_a_cold_one_gives_back_its_extra() -> No
     assert "cold" not in again
     roomy = rebalance(placed, traffic, replicas, copies=2, capacity=8)
     assert len(roomy["hot"]) == 3 and "cold" not in roomy  # with room a spare copy stays: it absorbs the next shift
+    cooled = {"was_hot": ("a", "b", "c"), "busy": ("a", "b", "c")}  # was_hot no longer asked for
+    gives_back = rebalance(cooled, {"busy": 9.0}, dict.fromkeys("abc", 1), copies=2, capacity=8)
+    assert gives_back == {"was_hot": ("a", "b")}  # back to its redundancy, never below
+    assert rebalance({**cooled, **gives_back}, {"busy": 9.0}, dict.fromkeys("abc", 1), copies=2, capacity=8) == {}
     assert rebalance(placed, {}, replicas, copies=2, capacity=8) == {}  # no traffic: nothing moves
     assert rebalance(placed, {"hot": 90.0}, replicas, copies=2, capacity=1).get("hot") is None  # no room: nothing moves
 
