@@ -12,6 +12,11 @@ the fleet simulator runs) for the count of replicas; the deployments with an ind
 keep or get their replica, the others are scaled to zero. Scaling down takes the highest index
 first; the gateway drains it (gateway/cluster/membership.py) before Serve stops it.
 
+Serve's cold start does not ask the policy: a deployment with no running replica whose handles hold
+requests for it is given one at once; the policy is called again once that replica runs, or the
+requests are gone. The scaler then adopts the replica (the gateway woke the shard: gateway/serve.py
+`wake`), unless it stopped that deployment moments before (`ShardScaler.is_stray`).
+
 Serve applies its own delays, factors and bounds to a policy's answer: each deployment is
 configured (`deployment_autoscaling`) with no delay and a factor of 1, so the timers of `decide`
 are the only ones, and with bounds 0..1 (1..1 for an index below `min_replicas`).
@@ -35,6 +40,17 @@ from gateway.policy.autoscale import AutoscalingSettings, ScalingState, ShardLoa
 TICK_S = 0.05  # the deployments' policies of one controller tick share one decision (ticks are 0.1-0.5 s apart)
 METRICS_PUSH_S = 1.0  # how often a replica sends its records to the controller
 LOOK_BACK_S = 2.0  # Serve's own aggregates (its cold start's request count) look back this far
+# A call the gateway routed to a replica before it read that the replica was scaled down waits at Serve's
+# router (it does not route to a stopping replica) until the gateway's next reading (every 0.5 s) withdraws
+# it; a cancel sent for it is withdrawn within 2 s (gateway/serve.py); Serve's controller sees the queue
+# empty with the handle's next report (within 2 s) and our policy is called on the next tick. Serve's cold
+# start may have started the deployment again for such a call meanwhile: within this long of the scaler
+# stopping a deployment, Serve starting it again is not taken as demand (the deployment goes back to zero).
+RESTART_GUARD_S = 10.0
+# A fresh scaler (the deployment is new, or Serve's controller restarted, with replicas running) decides first
+# once it has heard from every deployment of its shard, or this long after the first: from fewer it would take
+# the shard for smaller than it is and stop replicas that serve. Until then each deployment keeps Serve's target.
+FIRST_HEARD_S = 2.0
 METRICS = ("slots", "running", "waiting", "backlog_s", "ttft_p90_s")  # what a replica records (worker/shard/worker.py)
 
 
@@ -78,24 +94,48 @@ class ShardScaler:
         self.wanted: int | None = None
         self.decided_s: float | None = None
         self.answered: dict[int, int] = {}  # what it last answered for each deployment
+        self.stopped_s: dict[int, float] = {}  # when it last answered 0 for each deployment after another answer
+        self.first_heard_s: float | None = None
 
     def replicas_for(self, report: ReplicaReport, now_s: float) -> int:
         """The replicas (0 or 1) of the deployment `report` is about. The shard's current count is
         what it last decided (the other deployments' reports are a tick old: their targets may not
-        show it yet); at first, the targets Serve has. A deployment Serve gave a replica that this
+        show it yet); at first, once it has heard from them all, the targets Serve has. A deployment Serve gave a replica that this
         scaler had answered 0 for was started by Serve itself (its cold start: a request queued at a
-        handle for a deployment with none): the shard has it now, and was busy."""
+        handle for a deployment with none): the shard has it now, and was busy, unless `is_stray`."""
         self.reports[report.index] = report
+        if self.wanted is None and not self._heard_all(now_s):
+            self.answered[report.index] = int(report.is_wanted)
+            return int(report.is_wanted)
         if (self.wanted is not None and report.index >= self.wanted and report.is_wanted
-                and self.answered.get(report.index) == 0):
+                and self.answered.get(report.index) == 0 and not self.is_stray(report.index, now_s)):
             self.wanted = report.index + 1
             self.state = replace(self.state, busy_s=now_s)
         if self.wanted is None or self.decided_s is None or now_s - self.decided_s >= TICK_S:
             current = self.wanted if self.wanted is not None else sum(r.is_wanted for r in self.reports.values())
             self.wanted, self.state = decide(shard_load(self.reports, current), current, self.settings, self.state, now_s)
             self.decided_s = now_s
-        self.answered[report.index] = answer = 1 if report.index < self.wanted else 0
+        answer = 1 if report.index < self.wanted else 0
+        if answer == 0 and self.answered.get(report.index) != 0:
+            self.stopped_s[report.index] = now_s
+        self.answered[report.index] = answer
         return answer
+
+    def _heard_all(self, now_s: float) -> bool:
+        """Whether a fresh scaler knows its shard (FIRST_HEARD_S)."""
+        if self.first_heard_s is None:
+            self.first_heard_s = now_s
+        return len(self.reports) >= self.settings.max_replicas or now_s - self.first_heard_s >= FIRST_HEARD_S
+
+    def is_stray(self, index: int, now_s: float) -> bool:
+        """Whether Serve's start of deployment `index`, which this scaler stopped, is for calls the gateway
+        routed to it before it read the stop (RESTART_GUARD_S): the gateway withdraws those and sends them
+        elsewhere. A shard asleep is woken only through its first deployment (gateway/serve.py `wake`):
+        a start of it while the shard has none is always taken."""
+        if index == 0 and self.wanted == 0:
+            return False
+        stopped_s = self.stopped_s.get(index)
+        return stopped_s is not None and now_s - stopped_s < RESTART_GUARD_S
 
 
 _SCALERS: dict[tuple[str, str], ShardScaler] = {}  # by (application, shard), in the controller's process

@@ -2,7 +2,7 @@
 requests scales a shard up through Serve's autoscaling with our policy (gateway/cluster/autoscaling.py),
 the new replica serves, the end of the burst scales it down again, and no request fails throughout;
 a shard with `min_replicas: 0` sleeps, its first request wakes it (and says how long it waited),
-and it sleeps again once idle.
+and it sleeps again once idle; an adapter registered then goes to a shard that serves, not to it.
 
 Only what must hold is asserted, never a phase at an instant: the replicas' phases are polled
 until they reach what is awaited, within generous bounds (a loaded 2-core machine)."""
@@ -80,17 +80,20 @@ class Load:
 
 
 def test_a_burst_scales_a_shard_up_and_its_end_down_and_a_shard_asleep_wakes_on_its_first_request(tiny_llama, tmp_path) -> None:
-    write_adapter(tmp_path / "z.gguf", random_lora(tiny_llama, ATTN, 4, seed=5))
-    config = {"model": str(tiny_llama.path), "model_name": "tiny", "adapters": [{"name": "z", "path": "z.gguf"}],
-              "shards": [{"name": "s", "adapters": [], "autoscaling": {
+    for name, seed in (("z", 5), ("y", 6), ("fresh", 7)):
+        write_adapter(tmp_path / f"{name}.gguf", random_lora(tiny_llama, ATTN, 4, seed=seed))
+    config = {"model": str(tiny_llama.path), "model_name": "tiny",
+              "adapters": [{"name": "z", "path": "z.gguf"}, {"name": "y", "path": "y.gguf"}],
+              "shards": [{"name": "s", "adapters": ["y"], "autoscaling": {
                   "min_replicas": 1, "max_replicas": 2, "target_utilization": 0.5, "upscale_delay_s": 1.0,
                   "downscale_delay_s": 4.0, "lead_s": 0.0}},
-                  {"name": "z", "adapters": ["z"], "autoscaling": {"min_replicas": 0, "max_replicas": 1, "idle_s": 5.0}}],
+                  {"name": "a", "adapters": ["z"], "autoscaling": {"min_replicas": 0, "max_replicas": 1, "idle_s": 5.0}}],
+              "registry": {"copies": 1, "store_dir": str(tmp_path / "store")},
               "engine": {"num_seq_slots": 4}, "cache": {"redis_url": None}, "state": {"ephemeral": True}, "auth": "none",
               "operator_key_sha256": [digest(OPERATOR_KEY)]}
     seen: list[dict[str, str]] = []
     with running_serve(config, tmp_path) as url:
-        wait_for(url, {"s-0": UP, "s-1": ASLEEP, "z-0": ASLEEP}, seen)  # min_replicas: one, and none for z
+        wait_for(url, {"s-0": UP, "s-1": ASLEEP, "a-0": ASLEEP}, seen)  # min_replicas: one, and none for a
         load = Load(url, clients=4)
         try:
             up_s = wait_for(url, {"s-0": UP, "s-1": UP}, seen)
@@ -108,11 +111,19 @@ def test_a_burst_scales_a_shard_up_and_its_end_down_and_a_shard_asleep_wakes_on_
         woken = httpx.post(f"{url}/v1/completions", timeout=200,
                            json={"model": "z", "prompt": "wake up", "max_tokens": 4, "temperature": 0})
         assert woken.status_code == 200, woken.text
-        assert woken.headers["x-loraplex-replica"] == "z-0" and int(woken.headers["x-loraplex-cold-start-ms"]) > 0
+        assert woken.headers["x-loraplex-replica"] == "a-0" and int(woken.headers["x-loraplex-cold-start-ms"]) > 0
         assert woken.json()["timings"]["prompt_ms"] >= int(woken.headers["x-loraplex-cold-start-ms"])  # its wait is in its timings
         again = httpx.post(f"{url}/v1/completions", timeout=60, json={"model": "z", "prompt": "still up", "max_tokens": 4})
         assert again.status_code == 200 and "x-loraplex-cold-start-ms" not in again.headers
-        asleep_s = wait_for(url, {"z-0": ASLEEP}, seen)  # idle_s without a request: it sleeps again
+        asleep_s = wait_for(url, {"a-0": ASLEEP}, seen)  # idle_s without a request: it sleeps again
+        # a and s pin one adapter each, a first by name, but a sleeps: a new adapter goes where a replica serves
+        with open(tmp_path / "fresh.gguf", "rb") as f:
+            added = httpx.post(f"{url}/v1/adapters", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=120,
+                               data={"name": "fresh"}, files={"file": ("fresh.gguf", f, "application/octet-stream")})
+        assert added.status_code in (200, 201), added.text
+        served = httpx.post(f"{url}/v1/completions", timeout=60, json={"model": "fresh", "prompt": "new", "max_tokens": 4})
+        assert served.status_code == 200 and served.headers["x-loraplex-replica"].startswith("s-"), served.text
+        assert phases(url)["a-0"] == ASLEEP  # nothing woke it
     print(f"scaled up {up_s:.1f} s after the burst began; down {down_s:.1f} s after it ended; "
           f"{len(load.statuses)} requests during the burst, {len(after.statuses)} after; a cold start waited "
           f"{woken.headers['x-loraplex-cold-start-ms']} ms; asleep again {asleep_s:.1f} s after")

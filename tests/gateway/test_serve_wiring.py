@@ -10,6 +10,7 @@ import pytest
 
 from gateway.cluster.pool import WorkerFailed
 from gateway.config import ConfigError, parse_config
+from gateway import serve as serve_module
 from gateway.policy.nodes import Node, node_options
 from gateway.serve import GATEWAY_STOP_TIMEOUT_S, SHARD_STOP_TIMEOUT_S, STOP_POLL_S, ServePool, build
 from worker.contract.calls import WorkerCall
@@ -181,6 +182,61 @@ def test_an_autoscaled_shards_replicas_are_called_only_while_up_and_one_asleep_i
         status["a-0"] = ("DOWNSCALING", {"STOPPING": 1})
         await pool.membership.update(status)
         assert pool.phase("a-0") == "draining" and not pool.is_reachable("a-0")
+        pool.close()
+
+    asyncio.run(scenario())
+
+
+class HeldHandle(FakeHandle):
+    """A FakeHandle of a deployment whose replica Serve stopped: its router holds each start and cancel (no
+    replica takes them) until the caller withdraws it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.withdrawn: dict[str, list[bool]] = {"start": [], "cancel": []}  # each call held: withdrawn since
+        handle = self
+
+        class Held:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            def remote(self, *args):
+                calls = handle.withdrawn[self.name]
+                calls.append(False)
+
+                async def held(i: int = len(calls) - 1) -> None:
+                    try:
+                        await asyncio.Event().wait()
+                    except asyncio.CancelledError:
+                        calls[i] = True
+                        raise
+
+                return held()
+
+        self.start, self.cancel = Held("start"), Held("cancel")
+
+
+def test_no_call_routed_before_the_gateway_read_a_scale_down_stays_held_for_the_replica(monkeypatch) -> None:
+    """Serve would start the replica again for a call its router holds (its cold start): the drain withdraws
+    the request's start, and the cancel it then sends is withdrawn too."""
+    monkeypatch.setattr(serve_module, "CANCEL_TIMEOUT_S", 0.1)
+    status = {"a-0": ("HEALTHY", {"RUNNING": 1}), "a-1": ("HEALTHY", {"RUNNING": 1})}
+
+    async def scenario() -> None:
+        handles = {"a-0": FakeHandle(), "a-1": HeldHandle(), "b-0": FakeHandle()}
+        pool = ServePool(config(autoscaling={"min_replicas": 1, "max_replicas": 2}), handles, read_status=lambda: status)
+        await pool.membership.update(status)
+        # Serve scaled a-1 down and its router holds what comes for it; the gateway has not read it yet
+        waiting = asyncio.ensure_future(pool.stream("a-1", WorkerCall("r1", (1, 2), SamplingParams(max_tokens=2))).__anext__())
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and handles["a-1"].withdrawn == {"start": [False], "cancel": []}
+        status["a-1"] = ("DOWNSCALING", {"STOPPING": 1})
+        await pool.membership.update(status)  # the next reading: it drains
+        with pytest.raises(WorkerFailed, match="scaled down"):  # before any delta: another replica takes it
+            await asyncio.wait_for(waiting, 5)
+        assert handles["a-1"].withdrawn["start"] == [True]
+        await asyncio.sleep(0.3)
+        assert handles["a-1"].withdrawn == {"start": [True], "cancel": [True]}
         pool.close()
 
     asyncio.run(scenario())

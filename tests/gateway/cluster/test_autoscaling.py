@@ -9,7 +9,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.cluster.autoscaling import ReplicaReport, ShardPolicy, ShardScaler, deployment_autoscaling, report_of, shard_load
+from gateway.cluster.autoscaling import (
+    FIRST_HEARD_S,
+    RESTART_GUARD_S,
+    ReplicaReport,
+    ShardPolicy,
+    ShardScaler,
+    deployment_autoscaling,
+    report_of,
+    scaler,
+    shard_load,
+)
 from gateway.cluster.membership import ASLEEP, DRAINING, STARTING, UP, Membership, phase_of
 from gateway.policy.autoscale import AutoscalingSettings
 from gateway.requests.health import _shard_state
@@ -91,6 +101,7 @@ def test_one_decision_per_tick_for_all_of_a_shards_deployments() -> None:
     settings = AutoscalingSettings(min_replicas=1, max_replicas=3, upscale_delay_s=0.0, target_utilization=0.5)
     scaler = ShardScaler(settings)
     busy = {"running": 4.0, "waiting": 4.0}
+    assert [scaler.replicas_for(report(i, i == 0, i == 0), 9.5 + i * 0.01) for i in range(3)] == [1, 0, 0]  # as Serve has
     answers = [scaler.replicas_for(report(0, **busy), 10.0), scaler.replicas_for(report(1, False, False), 10.01),
                scaler.replicas_for(report(2, False, False), 10.02)]
     assert answers == [1, 1, 1] and scaler.wanted == 3  # all of the tick's answers follow its one decision
@@ -149,3 +160,102 @@ def test_a_replica_serve_started_itself_for_a_request_queued_is_the_shards_and_i
     assert scaler.replicas_for(ReplicaReport(0, True, True, {}), 203.0) == 1  # not idle yet: it was woken for a request
     assert scaler.replicas_for(report(0), 207.0) == 0  # idle_s without a request: asleep again
     assert scaler.replicas_for(report(0, False, True), 207.5) == 0  # draining: not taken back
+
+
+class Deployment:
+    """One autoscaled shard's deployment as Serve's controller keeps it: its target, whether its replica runs,
+    the requests its handles hold for it; `tick` asks its policy as Serve 2.60 does."""
+
+    def __init__(self, app: str, index: int, settings: AutoscalingSettings, target: int) -> None:
+        from ray.serve.autoscaling_policy import _apply_autoscaling_config
+
+        self.app, self.config = app, deployment_autoscaling("s", index, settings)
+        self.policy = _apply_autoscaling_config(ShardPolicy("s", index, vars(settings)))  # what Serve calls
+        self.target, self.is_running, self.queued, self.policy_state = target, bool(target), 0.0, {}
+        self.busy = False
+
+    def tick(self, now_s: float) -> int:
+        """Serve's cold start first (no replica running, requests held: one, the policy not asked), then the bounds."""
+        load = {"slots": 4.0, "running": 4.0 if self.busy else 0.0, "waiting": 4.0 if self.busy else 0.0}
+        ctx = Ctx(app_name=self.app, current_num_replicas=int(self.is_running), running_replicas=["r"] if self.is_running else [],
+                  target_num_replicas=self.target, total_num_requests=self.queued, total_queued_requests=self.queued,
+                  current_time=now_s, config=self.config, policy_state=self.policy_state,
+                  raw_metrics={k: {"r": [SimpleNamespace(timestamp=now_s, value=v)]} for k, v in load.items()} if self.is_running else {})
+        decision, self.policy_state = self.policy(ctx)
+        self.target = min(max(decision, self.config.min_replicas), self.config.max_replicas)
+        return self.target
+
+
+def serve_ticks(deployments: list[Deployment], start_s: float, until) -> float:
+    """Serve's controller ticks (0.5 s apart) over `deployments` from `start_s` until `until()`; when it stopped.
+    A deployment Serve scales to zero stops (it drains: no replica counted as running)."""
+    now = start_s
+    while not until():
+        for d in deployments:
+            d.tick(now)
+            d.is_running = d.is_running and d.target == 1
+        now += 0.5
+        assert now < start_s + 3600, "never happened"
+    return now
+
+
+def test_a_call_routed_to_a_replica_just_scaled_down_does_not_start_it_again_for_good() -> None:
+    settings = AutoscalingSettings(min_replicas=1, max_replicas=2, upscale_delay_s=0.0, downscale_delay_s=1.0)
+    app = "app-test-stray-call"
+    first, second = Deployment(app, 0, settings, 1), Deployment(app, 1, settings, 0)
+    first.busy = True
+    now = serve_ticks([first, second], 100.0, lambda: second.target == 1)
+    second.is_running, second.busy, first.busy = True, True, True
+    now = serve_ticks([first, second], now, lambda: True) + 1.0
+    first.busy = second.busy = False  # quiet: the highest index goes
+    stopped_s = serve_ticks([first, second], now, lambda: second.target == 0)
+    shard = scaler(app, "s", settings)
+    # a call the gateway routed to it before its next reading waits at Serve's router: Serve's cold start gives
+    # the deployment a replica, without asking the policy
+    second.queued = 1.0
+    assert second.tick(stopped_s + 0.5) == 1 and shard.answered[1] == 0
+    second.queued = 0.0  # the gateway's drain withdrew it; the replica still starts: the policy is asked again
+    assert second.tick(stopped_s + 2.0) == 0 and shard.wanted == 1  # not the shard's: it goes back to zero
+    second.queued = 1.0  # another one, and the replica ran before it was withdrawn (it took the call)
+    assert second.tick(stopped_s + 2.5) == 1
+    second.is_running, second.queued = True, 0.0
+    assert second.tick(stopped_s + 4.0) == 0 and first.tick(stopped_s + 4.0) == 1 and shard.wanted == 1
+    assert shard.state.busy_s < stopped_s  # nor did they count as demand
+    # long after the stop, a replica Serve starts is taken as before: the shard's, and it was busy
+    second.is_running, second.queued = False, 1.0
+    later = stopped_s + RESTART_GUARD_S + 1.0
+    assert second.tick(later) == 1
+    second.is_running, second.queued = True, 0.0
+    second.tick(later + 0.5)
+    assert shard.state.busy_s == later + 0.5
+
+
+def test_a_shard_asleep_is_woken_by_its_first_request_even_just_after_it_fell_asleep() -> None:
+    settings = AutoscalingSettings(min_replicas=0, max_replicas=2, idle_s=5.0)
+    app = "app-test-wake"
+    first, second = Deployment(app, 0, settings, 0), Deployment(app, 1, settings, 0)
+    first.is_running = True
+    first.target = 1
+    asleep_s = serve_ticks([first, second], 100.0, lambda: first.target == 0)
+    shard = scaler(app, "s", settings)
+    assert shard.wanted == 0
+    first.queued = 1.0  # the gateway's wake: a call to the shard's first deployment
+    assert first.tick(asleep_s + 0.5) == 1 and first.tick(asleep_s + 1.0) == 1  # Serve's cold start
+    first.is_running, first.queued = True, 0.0
+    assert first.tick(asleep_s + 3.0) == 1 and second.tick(asleep_s + 3.0) == 0 and shard.wanted == 1
+    assert first.tick(asleep_s + 6.0) == 1  # the shard was busy from its wake: not asleep again before idle_s
+
+
+def test_a_fresh_scaler_keeps_the_replicas_serve_runs_until_it_has_heard_from_its_whole_shard() -> None:
+    """Serve's controller restarted with three replicas running: deciding from the first report alone
+    took the shard for one replica and stopped the other two."""
+    settings = AutoscalingSettings(min_replicas=1, max_replicas=3, upscale_delay_s=0.0, target_utilization=0.5)
+    scaler = ShardScaler(settings)
+    light = {"slots": 4.0, "running": 1.0}
+    answers = [scaler.replicas_for(report(i, **light), 50.0 + i * 0.01) for i in range(3)]
+    assert answers == [1, 1, 1] and scaler.wanted == 3  # decided once all three were heard, from three
+    for now in (50.5, 51.0):  # and not lowered at once: no way down in the shard's first downscale_delay_s
+        assert [scaler.replicas_for(report(i, **light), now + i * 0.001) for i in range(3)] == [1, 1, 1]
+    alone = ShardScaler(settings)  # a deployment that never reports does not hold the decision for longer
+    assert alone.replicas_for(report(0, **light), 60.0) == 1 and alone.wanted is None
+    assert alone.replicas_for(report(0, **light), 60.0 + FIRST_HEARD_S) == 1 and alone.wanted == 1
