@@ -68,8 +68,14 @@ def llama_timings(final: Delta) -> dict[str, Any]:
     return timings
 
 
+# Characters a JSON string may hold raw that Python's str.splitlines (httpx's `aiter_lines`, many SSE
+# clients) takes for line breaks: escaped, so an event is one line for them too (SSE breaks only at CR, LF).
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: dict[str, Any] | str) -> bytes:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS)
+    return f"data: {text}\n\n".encode()
 
 
 def named_sse(data: dict[str, Any] | str) -> bytes:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -62,6 +64,19 @@ class Progress:
             print(file=sys.stderr)
 
 
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """A stream's lines, broken only where SSE breaks them (CR, LF): httpx's `aiter_lines` also breaks at
+    U+0085, U+2028 and U+2029, which a JSON string in an event may hold raw (another server's, or a
+    token of a model's that decodes to one)."""
+    pending = b""
+    async for chunk in response.aiter_bytes():
+        *lines, pending = re.split(rb"\r\n|\r|\n", pending + chunk)
+        for line in lines:
+            yield line.decode(errors="replace")
+    if pending:
+        yield pending.decode(errors="replace")
+
 async def send(client: httpx.AsyncClient, base_model: str, keys: dict[str, str], request: PlannedRequest, t0: float) -> Result:
     result = Result(request.tenant, request.adapter, request.kind, time.perf_counter() - t0, ideal_cached=request.ideal_cached)
     body = {"model": base_model if request.adapter == "base" else request.adapter, "prompt": request.prompt_ids,
@@ -78,7 +93,7 @@ async def send(client: httpx.AsyncClient, base_model: str, keys: dict[str, str],
                 text = (await response.aread()).decode(errors="replace")
                 result.error = text[:300]
                 return result
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[6:])

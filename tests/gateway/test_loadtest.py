@@ -196,3 +196,35 @@ def test_cache_share_over_time_covers_the_requests_that_ended_in_the_window() ->
     assert times == [1.0, 3.0, 12.0]  # in end order, answered requests only
     assert achieved == [0.0, 0.4, 0.0]  # at 12 s the first two are out of the window
     assert ideal == [0.0, 0.4, 0.5]
+
+
+def test_a_stream_event_holding_a_unicode_line_separator_stays_one_event() -> None:
+    """A token may decode to U+2028, U+2029 or U+0085: the gateway's events escape them (httpx's
+    `aiter_lines` breaks lines there), and the load tester breaks lines only where SSE does."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from gateway.http.formatting import sse
+    from gateway.loadtest.runner import sse_lines
+
+    text = "a\u2028b\u2029c\x85d é"
+    ours = sse({"choices": [{"text": text}]})
+    raw = f'data: {json.dumps({"choices": [{"text": text}]}, ensure_ascii=False)}\r\n\r\n'.encode()  # another server's
+    body = ours + raw + b"data: [DONE]\n\n"
+
+    async def chunks():  # cut anywhere, a CR LF across two chunks too
+        for i in range(0, len(body), 7):
+            yield body[i:i + 7]
+
+    async def read(lines_of) -> list[str]:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=chunks()))
+        async with httpx.AsyncClient(transport=transport) as client:
+            async with client.stream("GET", "http://test/") as response:
+                return [line async for line in lines_of(response) if line]
+
+    events = asyncio.run(read(sse_lines))
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:2]] == [text, text] and events[2] == "data: [DONE]"
+    plain = asyncio.run(read(lambda response: response.aiter_lines()))
+    assert json.loads(plain[0][6:])["choices"][0]["text"] == text  # ours is one line even for aiter_lines
