@@ -47,9 +47,6 @@ DRAIN_TIMEOUT_S = 300.0
 # a request for a shard asleep (autoscaling with min_replicas 0) wakes it and waits this long at most for a
 # replica to start (the model and the shard's adapters loaded), within its own deadline
 COLD_START_TIMEOUT_S = 120.0
-# a request's cancel that Serve's router has not handed to the replica in this long is withdrawn: the deployment
-# has no running replica (it stops), and a call left waiting there would make Serve start it again
-CANCEL_TIMEOUT_S = 2.0
 
 # Ray Serve's settings for throughput (what its RAY_SERVE_THROUGHPUT_OPTIMIZED turns on, less direct
 # ingress, which moves the HTTP port): user code and the handles' router on each replica's own event
@@ -192,17 +189,9 @@ class ServePool:
         return ReplicaChannel(
             open_stream,
             lambda channel_id, call: handle.start.remote(channel_id, call),
-            lambda channel_id, request_id: self._cancel(handle, channel_id, request_id),
+            lambda channel_id, request_id: handle.cancel.remote(channel_id, request_id),
             self._unresponsive_after_s,
         )
-
-    def _cancel(self, handle: Any, channel_id: str, request_id: str) -> None:
-        """Free the slot of a request whose caller left. Serve's router holds a call while the deployment has no
-        running replica: it stops (scaled down, and this gateway had not read it yet, or it drains), and the call
-        would wait for its next replica and make Serve's cold start give it one (gateway/cluster/autoscaling.py
-        RESTART_GUARD_S); so it is withdrawn after CANCEL_TIMEOUT_S. A stopping replica's requests end with its channel."""
-        call = asyncio.ensure_future(asyncio.wait_for(handle.cancel.remote(channel_id, request_id), CANCEL_TIMEOUT_S))
-        call.add_done_callback(_log_cancel_failure)
 
     def close(self) -> None:
         """End every channel (the gateway stops): their requests fail here, and each stream is
@@ -233,11 +222,6 @@ class ServePool:
     async def metrics(self, replica_id: str) -> str:
         self._serving(replica_id)
         return await self.handles[replica_id].metrics.remote()
-
-
-def _log_cancel_failure(call: asyncio.Future[Any]) -> None:
-    if not call.cancelled() and call.exception() is not None:
-        log.debug("a cancel did not reach its replica (%s)", type(call.exception()).__name__)
 
 
 @serve.deployment(max_ongoing_requests=1000)

@@ -42,7 +42,7 @@ METRICS_PUSH_S = 1.0  # how often a replica sends its records to the controller
 LOOK_BACK_S = 2.0  # Serve's own aggregates (its cold start's request count) look back this far
 # A call the gateway routed to a replica before it read that the replica was scaled down waits at Serve's
 # router (it does not route to a stopping replica) until the gateway's next reading (every 0.5 s) withdraws
-# it; a cancel sent for it is withdrawn within 2 s (gateway/serve.py); Serve's controller sees the queue
+# it, with the cancels sent to that replica (gateway/cluster/channel.py); Serve's controller sees the queue
 # empty with the handle's next report (within 2 s) and our policy is called on the next tick. Serve's cold
 # start may have started the deployment again for such a call meanwhile: within this long of the scaler
 # stopping a deployment, Serve starting it again is not taken as demand (the deployment goes back to zero).

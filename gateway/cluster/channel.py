@@ -16,6 +16,7 @@ counts as reachable once that new channel hears from it.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -46,6 +47,7 @@ class ReplicaChannel:
         self.failure: WorkerFailed | None = None
         self.is_draining = False  # the replica is being scaled down (`drain`)
         self._starting: dict[str, asyncio.Future[Delta | None]] = {}  # requests whose start the replica has not answered
+        self._cancels: set[asyncio.Future[Any]] = set()  # cancels sent that the replica has not answered
         self._reader = asyncio.create_task(self._read(open_stream(self.id)))
 
     @property
@@ -90,6 +92,7 @@ class ReplicaChannel:
             self._opened.set_exception(failure)
         for queue in self._queues.values():
             queue.put_nowait(failure)
+        self._withdraw_cancels()
         if asyncio.current_task() is not self._reader:
             self._reader.cancel()
 
@@ -100,6 +103,7 @@ class ReplicaChannel:
         self.is_draining = True
         for starting in self._starting.values():
             starting.cancel()
+        self._withdraw_cancels()
         if not self._queues:
             self.fail(WorkerFailed("the replica was scaled down"))
 
@@ -122,6 +126,26 @@ class ReplicaChannel:
             self.fail(failure_of(e))
             raise self.failure from e
         return task.result()
+
+    def _send_cancel(self, request_id: str) -> None:
+        """Cancel a request on the replica, kept until it is answered: Serve's router holds a call while
+        the deployment has no running replica, and one left there would make Serve start it again."""
+        sent = self._cancel(self.id, request_id)
+        if inspect.isawaitable(sent):
+            task = asyncio.ensure_future(sent)
+            self._cancels.add(task)
+            task.add_done_callback(self._cancel_answered)
+
+    def _cancel_answered(self, task: asyncio.Future[Any]) -> None:
+        self._cancels.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("channel %s: a cancel failed (%s)", self.id, type(task.exception()).__name__)
+
+    def _withdraw_cancels(self) -> None:
+        """The replica leaves (scaled down) or is gone: the cancels it has not taken cannot reach it;
+        its channel's end ends their requests."""
+        for task in list(self._cancels):
+            task.cancel()
 
     async def stream(self, call: WorkerCall) -> AsyncIterator[Delta]:
         """`call`'s deltas, as the replica's `generate` would give them; WorkerFailed when the
@@ -148,8 +172,8 @@ class ReplicaChannel:
                 yield item
         finally:
             del self._queues[call.request_id]
-            if not finished and self.failure is None:  # the client left or the gateway gave up: free the worker's slot
-                self._cancel(self.id, call.request_id)
+            if not finished and self.failure is None and not self.is_draining:  # the client left: free the worker's slot
+                self._send_cancel(call.request_id)
             if self.is_draining and not self._queues:  # the last request on a replica scaled down
                 self.fail(WorkerFailed("the replica was scaled down"))
 

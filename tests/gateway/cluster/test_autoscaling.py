@@ -247,8 +247,8 @@ def test_a_shard_asleep_is_woken_by_its_first_request_even_just_after_it_fell_as
 
 
 def test_a_fresh_scaler_keeps_the_replicas_serve_runs_until_it_has_heard_from_its_whole_shard() -> None:
-    """Serve's controller restarted with three replicas running: deciding from the first report alone
-    took the shard for one replica and stopped the other two."""
+    """Serve's controller restarted with three replicas running: the shard is taken for three, not for the
+    one whose report came first (which would stop the other two)."""
     settings = AutoscalingSettings(min_replicas=1, max_replicas=3, upscale_delay_s=0.0, target_utilization=0.5)
     scaler = ShardScaler(settings)
     light = {"slots": 4.0, "running": 1.0}
