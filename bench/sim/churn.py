@@ -17,7 +17,8 @@ from bench.sim.record import RunRecord
 from bench.sim.replica import ReplicaModel
 from bench.sim.workload import SimRequest, SimSection
 from gateway.loadtest.scenario import Scenario
-from gateway.policy.placement import PlacementError, place_new, rebalance, zipf_shares
+from gateway.policy.placement import PlacementError, zipf_shares
+from gateway.policy.replan import place_new, rebalance
 
 CallAt = Callable[..., None]  # call_at(at_s, call, *args): call(*args) at virtual time at_s, on the fleet's event heap
 

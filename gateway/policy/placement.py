@@ -15,7 +15,8 @@ traffic shares, worker count and per-worker capacity to shards and replicas (tor
 
 A request for an adapter is spread evenly over the replicas that hold it, so a
 worker's expected load is the sum over its adapters of share / copies.
-Deterministic: ties break by adapter name and worker index.
+Deterministic: ties break by adapter name and worker index. Placement while running (a new
+adapter's shards, the re-plan) is gateway/policy/replan.py's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from worker.contract.identity import Fingerprint
 
 
 class PlacementError(ValueError):
@@ -290,91 +290,3 @@ def zipf_shares(names: Sequence[str], s: float) -> dict[str, float]:
     weights = {n: 1.0 / (k + 1) ** s for k, n in enumerate(names)}
     total = sum(weights.values())
     return {n: w / total for n, w in weights.items()}
-
-
-def place_new(pinned: Mapping[str, int], replicas: Mapping[str, int], copies: int, capacity: int) -> tuple[str, ...]:
-    """Shards for an adapter registered while running: the ones pinning the fewest adapters
-    (ties by name) among those with room, until `copies` replicas hold it (so one replica's
-    failure leaves it servable) or every shard with room does. Shards with replicas come first:
-    one with none now (an autoscaled shard asleep) only where they do not reach `copies`."""
-    room = sorted((s for s in pinned if pinned[s] < capacity), key=lambda s: (replicas[s] == 0, pinned[s], s))
-    if not room:
-        raise PlacementError(f"every worker already holds its limit of {capacity} adapters")
-    chosen: list[str] = []
-    for shard in room:
-        chosen.append(shard)
-        if sum(replicas[s] for s in chosen) >= copies:
-            break
-    return tuple(chosen)
-
-
-BALANCE_SLACK = 0.25  # a re-plan keeps each shard's expected load per replica within (1 + this) x the mean
-
-
-def rebalance(placed: Mapping[Fingerprint, tuple[str, ...]], traffic: Mapping[Fingerprint, float],
-              replicas: Mapping[str, int], copies: int, capacity: int,
-              fixed: Mapping[str, int] | None = None) -> dict[Fingerprint, tuple[str, ...]]:
-    """Pins to move while running, from recent traffic (fingerprint -> requests), hottest adapter
-    first: one whose share of the traffic is more than its share of the replicas holding it, or
-    held by a shard whose expected load per replica is past (1 + BALANCE_SLACK) x the mean, gets
-    one more shard (the least loaded with room; for the bound, when that shard stays within it and
-    the copy takes at least 5% of it off the others); one held by more replicas than its traffic and
-    the redundancy need loses its most loaded shard when that shard is at its capacity (elsewhere a
-    spare copy costs nothing and absorbs the next shift) or when nothing asked for it lately (it
-    cooled: the copies its traffic won go back), unless its traffic would then push another
-    of its shards past that bound. (Dropping copies by traffic alone packed hot adapters together:
-    the fleet simulator showed TTFT p99 going from 0.25 s to 14 s.) At most one change per adapter per call, so pins move
-    gradually; returns only the adapters that change. `fixed`: adapters per shard that do not move
-    (the config's), counted against its capacity. `replicas`: each shard's replicas now; one with
-    none (an autoscaled shard asleep) takes no requests and no new copy, so an adapter held only
-    there and still asked for gets a copy on a shard that serves."""
-    total_traffic = sum(traffic.get(a, 0.0) for a in placed)
-    total_replicas = sum(replicas.values())
-    if total_traffic <= 0 or total_replicas <= 1:
-        return {}
-    bound = (1 + BALANCE_SLACK) * total_traffic / total_replicas
-    pinned = {s: sum(s in shards for shards in placed.values()) + (fixed or {}).get(s, 0) for s in replicas}
-    load = dict.fromkeys(replicas, 0.0)  # expected requests per replica of each shard
-    for a, shards in placed.items():
-        per_replica = traffic.get(a, 0.0) / max(sum(replicas[s] for s in shards), 1)
-        for s in shards:
-            load[s] += per_replica if replicas[s] else 0.0
-    changes: dict[Fingerprint, tuple[str, ...]] = {}
-    for fingerprint in sorted(placed, key=lambda a: (-traffic.get(a, 0.0), a)):
-        shards, share = placed[fingerprint], traffic.get(fingerprint, 0.0)
-        holding = sum(replicas[s] for s in shards)
-        per_replica = share / max(holding, 1)
-        wanted = share / total_traffic * total_replicas  # the replicas its share of the traffic deserves
-        hottest = max((load[s] for s in shards), default=0.0)
-        if share > 0 and (wanted > holding + 0.5 or hottest > bound or holding == 0):
-            room = sorted((s for s in replicas if s not in shards and pinned[s] < capacity and replicas[s]),
-                          key=lambda s: (load[s], s))
-            if room:
-                new = room[0]
-                spread = share / (holding + replicas[new])
-                # for an overloaded shard: a copy that takes a real part of its load off and stays in bound itself
-                relieves = per_replica - spread >= 0.05 * bound and load[new] + spread <= bound
-                if wanted > holding + 0.5 or relieves or holding == 0:
-                    changes[fingerprint] = (*shards, new)
-                    pinned[new] += 1
-                    _shift(load, replicas, shards, spread - per_replica)
-                    load[new] += spread
-        elif len(shards) > 1:
-            drop = max(shards, key=lambda s: (load[s], s))
-            left = holding - replicas[drop]
-            # a spare copy stays where it costs nothing, until its adapter is asked for no more (cooled)
-            if (pinned[drop] >= capacity or share == 0) and left >= max(copies, wanted + 0.5):
-                spread = share / left
-                if all(load[s] + spread - per_replica <= bound for s in shards if s != drop):
-                    changes[fingerprint] = tuple(s for s in shards if s != drop)
-                    pinned[drop] -= 1
-                    _shift(load, replicas, (drop,), -per_replica)
-                    _shift(load, replicas, changes[fingerprint], spread - per_replica)
-    return changes
-
-
-def _shift(load: dict[str, float], replicas: Mapping[str, int], shards: Sequence[str], delta: float) -> None:
-    """Add `delta` to the expected load per replica of those of `shards` that have replicas."""
-    for s in shards:
-        if replicas[s]:
-            load[s] += delta

@@ -31,7 +31,7 @@ from typing import Any
 
 from cache.blobs import BlobStore, BlobStoreError, open_blob_store
 from gateway.catalog import AdapterInfo, Catalog
-from gateway.cluster.membership import UP
+from gateway.cluster.membership import STARTING, UP
 from gateway.cluster.pool import NotServing, ReplicaInfo, ShardPool
 from gateway.config import ServeConfig
 from gateway.errors import GatewayError
@@ -39,7 +39,7 @@ from gateway.policy.placement import PlacementError
 from gateway.policy.routing import Residents
 from gateway.registry.garbage import StoredFiles
 from gateway.registry.limits import check_limits, describe
-from gateway.registry.placing import Placing, Serving
+from gateway.registry.live_placement import LivePlacement, Serving
 from gateway.registry.records import (
     PENDING,
     SHARED,
@@ -71,7 +71,7 @@ class AdapterRegistry:
         self.settings = config.registry
         self.replicas = replicas
         self.sync, self.wake = sync, wake
-        self.placing = Placing(config, replicas, serving)  # over the replicas that serve now
+        self.placement = LivePlacement(config, replicas, serving)  # over the replicas each shard has now
         self._clock = clock
         self.seed = dict(catalog.adapters)  # the config's adapters, shared: the registry's seed
         self.seed_pins: dict[str, Pins] = {  # shard -> its config adapters
@@ -139,7 +139,7 @@ class AdapterRegistry:
         placed: dict[Fingerprint, tuple[str, ...]] = {}
         for r in self.current.values():
             placed[r.fingerprint] = tuple(sorted(set(placed.get(r.fingerprint, ())) | set(r.shards)))
-        changes = self.placing.moves(placed, self.traffic, {s: len(pins) for s, pins in self.seed_pins.items()})
+        changes = self.placement.moves(placed, self.traffic, {s: len(pins) for s, pins in self.seed_pins.items()})
         self.traffic = {fp: n / 2 for fp, n in self.traffic.items() if n >= 1.0}
         if not changes:
             return {}
@@ -315,11 +315,12 @@ class AdapterRegistry:
     async def _until_loaded(self, fingerprint: Fingerprint, shards: Iterable[str]) -> None:
         """Until the workers of `shards` hold the adapter, every one of them failed to load it (a failed
         load is final), or `load_timeout_s` passed. The registry's push already waited for the loads;
-        this is for workers that did not answer in time."""
+        this is for workers that did not answer in time, and for shards all asleep: they are woken,
+        and the wait is longer by their start."""
         shards = tuple(shards)
         targets = [r for r in self.replicas if r.shard in shards]
         timeout_s = self.settings.load_timeout_s
-        if self.wake is not None and not any(self.placing.serves(r.replica_id) for r in targets):
+        if self.wake is not None and not any(self.placement.serves(r.replica_id) for r in targets):
             timeout_s += self.wake([r.replica_id for r in targets]) or 0.0  # its shards asleep: their start first
         deadline_s = self._clock() + timeout_s
         while (not self.is_held(fingerprint, shards) and self._clock() < deadline_s
@@ -349,7 +350,7 @@ class AdapterRegistry:
             return old.shards
         pinned = {s.name: len(self.pins(s.name, records)) for s in self.config.shards}
         try:
-            return self.placing.for_new(pinned)
+            return self.placement.for_new(pinned)
         except PlacementError as e:
             raise GatewayError(507, str(e), "no_worker_room") from e
 
@@ -386,7 +387,7 @@ def open_registry(config: ServeConfig, catalog: Catalog, pool: ShardPool,
     else:
         records = FileRecords(store.directory, scope)
     phase = getattr(pool, "phase", None)  # an autoscaled shard's replicas: up, starting, draining or asleep
-    serving = None if phase is None else (lambda replica_id: phase(replica_id) == UP)
+    serving = None if phase is None else (lambda replica_id: phase(replica_id) in (UP, STARTING))
     return AdapterRegistry(config, catalog, records, store, pool.replicas, getattr(pool, "sync", None), clock,
                            serving, getattr(pool, "wake", None))
 

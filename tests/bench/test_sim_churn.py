@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import bench.sim.churn as churn_module
-import gateway.policy.placement as placement_module
+import gateway.policy.replan as replan_module
 from bench.sim.fleet import OUTCOMES, Fleet, place
 from bench.sim.routers import ROUTERS
 from bench.sim.workload import requests
@@ -20,8 +20,8 @@ def run(router: str = "ours", num_replicas: int = 20, **churn: object):
 
 
 def test_the_registry_placement_functions_are_the_production_ones() -> None:
-    assert churn_module.rebalance is placement_module.rebalance
-    assert churn_module.place_new is placement_module.place_new
+    assert churn_module.rebalance is replan_module.rebalance
+    assert churn_module.place_new is replan_module.place_new
 
 
 def test_replans_follow_the_traffic() -> None:

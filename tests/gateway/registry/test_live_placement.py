@@ -45,10 +45,10 @@ async def _seeded(registry: AdapterRegistry, made: dict[str, AdapterRecord]) -> 
 
 def test_a_hot_adapters_shard_scaled_up_holds_its_copies_and_scaled_down_it_gets_one_elsewhere(tiny_llama, tmp_path) -> None:
     three_up = registry_with(tiny_llama, tmp_path / "3", {})
-    assert three_up.placing.live_replicas() == {"hot": 3, "warm": 1, "cool": 1}
+    assert three_up.placement.num_replicas_now() == {"hot": 3, "warm": 1, "cool": 1}
     assert asyncio.run(three_up.replan()) == {}  # 60% of the traffic on 3 of 5 replicas: its share
     one_up = registry_with(tiny_llama, tmp_path / "1", {"hot-1": False, "hot-2": False})
-    assert one_up.placing.live_replicas()["hot"] == 1
+    assert one_up.placement.num_replicas_now()["hot"] == 1
     changes = asyncio.run(one_up.replan())  # the same traffic on 1 of 3: a copy on another shard
     assert changes[X][0] == "hot" and changes[X][1] in ("warm", "cool") and len(changes[X]) == 2
     assert one_up.current[record_key(SHARED, "x")].shards == changes[X]
@@ -59,8 +59,8 @@ def test_an_adapter_asked_for_while_its_shard_sleeps_gets_a_copy_on_one_that_ser
     asleep.traffic = {X: 1.0, Y: 50.0, Z: 50.0}  # one request: a copy where a replica serves spares its cold starts
     changes = asyncio.run(asleep.replan())
     assert list(changes) == [X] and changes[X][0] == "hot" and changes[X][1] in ("warm", "cool")
-    asleep.traffic = {Y: 50.0, Z: 50.0, "w" * 64: 0.0}
-    assert "hot" not in asyncio.run(asleep.replan()).get(Y, ())  # a shard asleep is given no copy
+    asleep.traffic = {Y: 90.0, Z: 10.0}  # y's share asks for a copy: on cool, the one other shard with replicas
+    assert asyncio.run(asleep.replan())[Y] == ("warm", "cool")  # a shard asleep is given none
 
 
 def test_a_new_adapter_goes_where_replicas_serve_and_wakes_its_shards_when_all_sleep(tiny_llama, tmp_path) -> None:
@@ -68,7 +68,7 @@ def test_a_new_adapter_goes_where_replicas_serve_and_wakes_its_shards_when_all_s
     woken: list[list[str]] = []
     registry = registry_with(tiny_llama, tmp_path, up, woken)
     # hot pins the fewest (its config's one and x) but sleeps: the new adapter goes to warm and cool
-    assert registry.placing.for_new({"hot": 2, "warm": 2, "cool": 3}) == ("warm", "cool")
+    assert registry.placement.for_new({"hot": 2, "warm": 2, "cool": 3}) == ("warm", "cool")
     asyncio.run(registry._until_loaded(Y, ("warm",)))
     assert woken == []  # warm serves: nothing to wake
     asyncio.run(registry._until_loaded(X, ("hot",)))
