@@ -18,7 +18,9 @@ min_replicas, and a while after. Printed, from that run:
 - seconds from the burst's end (its last request answered) to the shard back at min_replicas;
 - requests that failed while the shard scaled down (must be 0), whole requests that failed
   throughout (must be 0), streams that failed throughout, and why they failed;
-- the replicas' phases over time, one letter each (U up, S starting, D draining, A asleep).
+- the replicas' phases over time, one letter each (U up, S starting, D draining, A asleep);
+- with `--simulate PROFILE`: the same scenario in the simulator (bench/sim/burst.py, the run's flags
+  set in bench/sim/scenarios/autoscale-burst.yaml), its figures beside the real run's.
 
 Every host is on this one machine: its cores are shared by every node, so the timings are
 those of this machine and its load, not a cluster's. Needs root (network namespaces).
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import os
 import random
 import shutil
 import sys
@@ -36,7 +39,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -44,90 +46,20 @@ import httpx
 from bench.cluster import free_port
 from bench.cluster.bench import percentile
 from bench.cluster.topology import Topology
+from bench.sim.burst import BurstFigures, BurstShape, beside
+from bench.sim.burst_readings import Request, Sample, at_min, failed_between, first_after, first_leaving, real_figures, scale_up, timeline
+from bench.sim.machine import machine_busy_s
 from gateway.loadtest.generators import plan_workload
 from gateway.loadtest.runner import Result, run_workload
 from gateway.loadtest.scenario import Scenario, parse_scenario
+from gateway.policy.autoscale import AutoscalingSettings
 
 INGRESS_LABEL = "loraplex.io/ingress"
 KEY, OPERATOR_KEY = "sk-bench-autoscale", "sk-bench-autoscale-operator"
 SHARD = "s"
-LETTERS = {"up": "U", "starting": "S", "draining": "D", "asleep": "A"}
 POLL_S = 0.5
 PROMPT_TOKENS, MAX_TOKENS = 12, 16  # the light client's requests
 DEFAULT_VOCAB = 4096  # prompt ids are drawn below this (and the tiny model's vocabulary)
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One reading of the gateway: each replica's phase and route decisions, by replica index."""
-
-    at_s: float  # time.monotonic()
-    phases: tuple[str, ...]
-    routed: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class Request:
-    started_s: float  # time.monotonic()
-    ended_s: float
-    is_ok: bool
-    is_streamed: bool
-    replica: str
-    ttft_s: float | None = None
-    why: str = ""  # what failed: the status and the body's start, the error event, the transport's error
-
-
-def letters(phases: Sequence[str]) -> str:
-    return "".join(LETTERS.get(p, "?") for p in phases)
-
-
-def at_min(phases: Sequence[str], min_replicas: int) -> bool:
-    return all(p == "up" for p in phases[:min_replicas]) and all(p == "asleep" for p in phases[min_replicas:])
-
-
-def timeline(samples: Sequence[Sample], origin_s: float) -> str:
-    """The phases each time they changed, in seconds from `origin_s`."""
-    out, last = [], None
-    for s in samples:
-        if s.phases != last:
-            out.append(f"{s.at_s - origin_s:+.1f} s {letters(s.phases)}")
-            last = s.phases
-    return " | ".join(out)
-
-
-def first_after(samples: Sequence[Sample], after_s: float, holds) -> float | None:
-    """When the first sample at or after `after_s` for which `holds(sample)` was taken."""
-    return next((s.at_s for s in samples if s.at_s >= after_s and holds(s)), None)
-
-
-def scale_up(samples: Sequence[Sample], requests: Sequence[Request], replica: str, index: int,
-             burst_s: float) -> dict[str, float | None]:
-    """Seconds from the burst's start until replica `index` was starting, up, routed to, and first answered."""
-    before = next((s.routed[index] for s in reversed(samples) if s.at_s <= burst_s), 0.0)
-
-    def since(at: float | None) -> float | None:
-        return None if at is None else at - burst_s
-
-    answers = [r.started_s + (r.ttft_s or r.ended_s - r.started_s) for r in requests
-               if r.replica == replica and r.is_ok and r.started_s >= burst_s]
-    return {"starting": since(first_after(samples, burst_s, lambda s: s.phases[index] in ("starting", "up"))),
-            "up": since(first_after(samples, burst_s, lambda s: s.phases[index] == "up")),
-            "routed": since(first_after(samples, burst_s, lambda s: s.routed[index] > before)),
-            "answered": since(min(answers, default=None))}
-
-
-def first_leaving(samples: Sequence[Sample], after_s: float) -> float | None:
-    """When a replica that was up was first seen draining or asleep, at or after `after_s` (one that
-    drains between two readings is seen asleep at once)."""
-    for before, now in zip(samples, samples[1:]):
-        if now.at_s >= after_s and any(b == "up" and n in ("draining", "asleep") for b, n in zip(before.phases, now.phases)):
-            return now.at_s
-    return None
-
-
-def failed_between(requests: Sequence[Request], from_s: float, to_s: float) -> list[Request]:
-    """Requests that failed and were in flight at some time in [from_s, to_s]."""
-    return [r for r in requests if not r.is_ok and r.started_s <= to_s and r.ended_s >= from_s]
 
 
 def from_result(result: Result, t0_s: float) -> Request:
@@ -257,7 +189,8 @@ def model_for(choice: str, topology: Topology) -> tuple[str | None, str, int]:
     return choice, "base", DEFAULT_VOCAB
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> tuple[int, BurstFigures | None]:
+    """The exit status, and the run's figures (None if the shard never settled)."""
     replicas = [f"{SHARD}-{i}" for i in range(args.max_replicas)]
     print(f"autoscale-burst: one shard, {autoscaling(args)}, {args.slots} KV slots a replica; starting the topology...", flush=True)
     topology = Topology(head_cpus=1, head_labels=f"{INGRESS_LABEL}=yes", subnet=args.subnet)
@@ -294,16 +227,17 @@ def keep_logs(topology: Topology, to: Path) -> None:
     print(f"the head's Ray logs are in {to}")
 
 
-def measure(url: str, model: str, vocab: int, replicas: list[str], args: argparse.Namespace) -> int:
+def measure(url: str, model: str, vocab: int, replicas: list[str], args: argparse.Namespace) -> tuple[int, BurstFigures | None]:
     low = args.min_replicas
     watch = Watch(url, replicas)
     light: LightLoad | None = None
     try:
         if watch.wait(lambda p: at_min(p, low), args.settle_timeout) is None:
             print(f"the shard was not at min_replicas within {args.settle_timeout:g} s: {timeline(watch.samples, time.monotonic())}")
-            return 1
+            return 1, None
         light = LightLoad(url, model, vocab, args.light_gap)
         time.sleep(args.light_before)
+        busy_s = machine_busy_s()
         scenario = burst_scenario(args, vocab)
         planned = plan_workload(scenario, []).requests
         how = f"{args.burst_rps:g} requests/s (open loop)" if args.burst_rps else f"{args.burst_users} users back to back"
@@ -311,18 +245,20 @@ def measure(url: str, model: str, vocab: int, replicas: list[str], args: argpars
         t0 = time.monotonic()
         results = asyncio.run(run_workload(scenario, url, planned, model, {"bench": KEY}, progress=False))
         burst_end = time.monotonic()
+        busy_s = machine_busy_s() - busy_s
         back = watch.wait(lambda p: at_min(p, low), args.down_timeout)
         time.sleep(args.light_after)
     finally:
         if light is not None:
             light.stop()
         watch.stop()
-    return report(watch, light.requests if light else [], results, t0, burst_end, back, replicas, args)
+    return report(watch, light.requests if light else [], results, (t0, burst_end, back), busy_s, replicas, args)
 
 
-def report(watch: Watch, light: list[Request], results: list[Result], t0: float, burst_end: float, back: float | None,
-           replicas: list[str], args: argparse.Namespace) -> int:
-    samples, low = watch.samples, args.min_replicas
+def report(watch: Watch, light: list[Request], results: list[Result], times: tuple[float, float, float | None],
+           busy_s: float, replicas: list[str], args: argparse.Namespace) -> tuple[int, BurstFigures]:
+    """Prints the run's figures; the exit status (0: scaled up and back, nothing failed) and the figures."""
+    (t0, burst_end, back), samples, low = times, watch.samples, args.min_replicas
     burst = [from_result(r, t0) for r in results]
     everything = light + burst
     most = max((sum(p == "up" for p in s.phases) for s in samples if s.at_s >= t0), default=0)
@@ -335,8 +271,11 @@ def report(watch: Watch, light: list[Request], results: list[Result], t0: float,
     print(f"burst: {len(burst)} requests in {burst_end - t0:.1f} s, {sum(not r.is_ok for r in burst)} failed; "
           f"TTFT p50 {1e3 * percentile(ttfts, 0.5):.0f} ms p99 {1e3 * percentile(ttfts, 0.99):.0f} ms; "
           f"replicas up at most: {most} of {args.max_replicas}")
-    for index, replica in enumerate(replicas[low:], start=low):
-        up = scale_up(samples, everything, replica, index, t0)
+    idle = [r.ended_s - r.started_s for r in whole if r.is_ok and r.ended_s < t0]
+    print(f"the light client's whole requests before the burst: p50 {1e3 * percentile(idle, 0.5):.0f} ms ({len(idle)}); "
+          f"the machine's busy CPU in the burst {busy_s:.0f} s, {1e3 * busy_s / max(1, len(burst)):.0f} ms a burst request")
+    ups = [scale_up(samples, everything, replica, index, t0) for index, replica in enumerate(replicas[low:], start=low)]
+    for replica, up in zip(replicas[low:], ups):
         print(f"{replica}: from the burst's start, starting {fmt(up['starting'])}, up {fmt(up['up'])}, "
               f"first routed to {fmt(up['routed'])}, first answer {fmt(up['answered'])}")
     print(f"back at min_replicas ({low}) {fmt(None if back is None else back - burst_end)} after the burst's end "
@@ -350,7 +289,7 @@ def report(watch: Watch, light: list[Request], results: list[Result], t0: float,
           f"burst end {burst_end - t0:+.1f} s):")
     print(f"  {timeline(samples, t0)}")
     is_ok = most > low and back is not None and not cut and all(r.is_ok for r in everything)
-    return 0 if is_ok else 1
+    return (0 if is_ok else 1), real_figures(samples, everything, ups, times, most, percentile(ttfts, 0.5))
 
 
 def fmt(seconds: float | None) -> str:
@@ -381,11 +320,22 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--subnet", default="10.78.0", help="the hosts' /24 (another than a multi-node test's beside it)")
     p.add_argument("--keep-logs", type=Path, metavar="DIR", help="copy the head's Ray logs (Serve's controller, the gateway) here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--simulate", metavar="PROFILE", help="also run the same scenario in the simulator on this profile "
+                   "(bench/sim/profiles: tiny-2core for --model tiny) and print the two side by side")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(parse(argv))
+    args = parse(argv)
+    if args.simulate and args.burst_rps:
+        print("--simulate mirrors a closed-loop burst (--burst-users), not --burst-rps", file=sys.stderr)
+        return 2
+    code, real = run(args)
+    if args.simulate and real is not None:
+        os.nice(19)  # the real run is over: the simulation at the lowest priority
+        shape = BurstShape(args.burst_users, args.burst_s, args.burst_tokens, args.light_gap, args.light_before)
+        print(beside(real, args.simulate, AutoscalingSettings(**autoscaling(args)), args.slots, shape, SHARD))
+    return code
 
 
 if __name__ == "__main__":

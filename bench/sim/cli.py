@@ -62,7 +62,8 @@ def capacity(fleet: FleetScenario, max_replicas: int, router: str, **kwargs) -> 
 
 def describe(scenario: Scenario, profile: CostProfile, slo: SLO) -> str:
     """The line that says what was simulated."""
-    return (f"{scenario.name}: {len(scenario.adapters.names)} adapters, {scenario.load.rate_rps:g} req/s, "
+    load = f"{scenario.load.rate_rps:g} req/s" if scenario.load.mode == "open" else "closed-loop users (sim.users)"
+    return (f"{scenario.name}: {len(scenario.adapters.names)} adapters, {load}, "
             f"{scenario.duration_s:g} s (warm-up {scenario.warmup_s:g} s), profile {profile.name} "
             f"({'measured' if profile.is_measured else 'ASSUMED'}), SLO TTFT {slo.ttft_s:g} s ITL {slo.itl_s:g} s")
 

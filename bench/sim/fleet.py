@@ -13,7 +13,8 @@ takes longer (with the tier's costs in the profile, a request is looked up when 
 replica, off the step loop as a worker does, and waits for what it fetches).
 
 Churn (`sim.churn`, bench/sim/churn.py) changes the pins while requests run. An aLoRA
-pipeline's second call is sent when its first ends.
+pipeline's second call is sent when its first ends; a closed-loop user's next request once its
+last has ended (`sim.users`, bench/sim/users.py).
 
 Scaling (`--autoscale`, bench/sim/scaling.py): a Scaler starts and drains replicas as a policy
 says, adding them to `holders` once started and taking them out when they drain.
@@ -36,6 +37,7 @@ from bench.sim.profile import CostProfile
 from bench.sim.record import OUTCOMES, RunRecord
 from bench.sim.replica import PrefixCache, ReplicaModel, Seq
 from bench.sim.routers import Router, make_router, request_key
+from bench.sim.users import ClosedLoop
 from bench.sim.workload import BASE, Fault, FleetScenario, SimRequest, requests
 from gateway.errors import GatewayError
 from gateway.loadtest.scenario import Scenario
@@ -136,6 +138,7 @@ class Fleet:
             self._push(fault.at_s, _FAULT, 0, (fault, True))
             if fault.at_s + fault.for_s < scenario.duration_s:
                 self._push(fault.at_s + fault.for_s, _FAULT, 0, (fault, False))
+        self.users = ClosedLoop(fleet, scenario, lambda r: self._push(r.at_s, _ARRIVE, 0, r), profile.hop_s)
         self.scaler = scaling(self) if scaling is not None else None
 
     def _push(self, at_s: float, kind: int, replica: int, payload: Any) -> None:
@@ -202,6 +205,7 @@ class Fleet:
             per_tenant = self.record.measured.setdefault(request.tenant, dict.fromkeys(OUTCOMES, 0))
             per_tenant[outcome] += 1
         self._tried.pop(request.index, None)
+        self.users.ended(request, outcome, self.now_s)
 
     def _arrive(self, request: SimRequest) -> None:
         if request.after >= 0 and request.after in self._tried:  # sent once the call it follows has ended

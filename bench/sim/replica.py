@@ -126,7 +126,8 @@ class ReplicaModel:
         self.num_evictions = 0  # adapters it dropped for room
         self.in_flight = 0  # the gateway's view: running, waiting and loading (kept as they change: read per request)
         self.is_down = False  # lost (a fault), until it restarts
-        self.ttft_log: list[float] | None = None  # a list: each first token's TTFT appended (bench/sim/scaling.py reads it)
+        # a list: each first token's (time, TTFT) appended (bench/sim/scaling.py reads it)
+        self.ttft_log: list[tuple[float, float]] | None = None
         self.epoch = 0  # restarts: a load begun before one never completes
         self.stats = StepStats()
         self.version = 0  # of the step under way: a cut one's end event is stale
@@ -365,7 +366,7 @@ class ReplicaModel:
                     seq.num_generated = 1
                     seq.first_token_s = now_s
                     if self.ttft_log is not None:
-                        self.ttft_log.append(now_s - seq.request.at_s)
+                        self.ttft_log.append((now_s, now_s - seq.request.at_s))
                     self.cache.store(seq.request)
                     if self.shared is not None:
                         self.shared.store(seq.request)

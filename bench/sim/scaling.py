@@ -48,6 +48,9 @@ class ScalingFigures:
     num_started: int = 0
     num_drained: int = 0
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (tick, replicas costing: starting, ready or draining)
+    # (when, replica index, what): "starting", "up", "answered" (its first token since up, to the client: hop_s on),
+    # "draining" (out of the routing), "off" (stopped, or a start cancelled)
+    events: list[tuple[float, int, str]] = field(default_factory=list)
 
 
 class Scaler:
@@ -61,6 +64,7 @@ class Scaler:
         self.state = [OFF] * len(fleet.replicas)
         self.on_s = [0.0] * len(fleet.replicas)  # since when each replica costs
         self.epoch = [0] * len(fleet.replicas)  # a start cancelled: its ready event is stale
+        self.is_answered = [True] * len(fleet.replicas)  # its first token since it was last ready logged as an event
         self.figures = ScalingFigures()
         profile = fleet.profile
         self.start_s = [profile.replica_start_s + len(r.pinned) * profile.adapter_fetch_s for r in fleet.replicas]
@@ -94,6 +98,7 @@ class Scaler:
         now_s = self.fleet.now_s
         self.state[i], self.on_s[i] = STARTING, now_s
         self.figures.num_started += 1
+        self.figures.events.append((now_s, i, "starting"))
         self.fleet.call_at(now_s + self.start_s[i], self._ready, i, self.epoch[i])
 
     def _ready(self, i: int, epoch: int) -> None:
@@ -101,6 +106,8 @@ class Scaler:
             return
         self.fleet.replicas[i].restart()  # a new process: empty caches
         self.state[i] = READY
+        self.figures.events.append((self.fleet.now_s, i, "up"))
+        self.is_answered[i] = False
         self._serve(i)
 
     def _stop(self, i: int) -> None:
@@ -112,12 +119,14 @@ class Scaler:
         self._unserve(i)
         self.state[i] = DRAINING
         self.figures.num_drained += 1
+        self.figures.events.append((self.fleet.now_s, i, "draining"))
         if not self.fleet.replicas[i].in_flight:
             self._off(i)
 
     def _off(self, i: int) -> None:
         self.figures.replica_s += self._measured(self.on_s[i], self.fleet.now_s)
         self.state[i] = OFF
+        self.figures.events.append((self.fleet.now_s, i, "off"))
 
     def _measured(self, from_s: float, to_s: float) -> float:
         scenario = self.fleet.scenario
@@ -144,7 +153,10 @@ class Scaler:
         replicas, profile = self.fleet.replicas, self.fleet.profile
         ready = [replicas[i] for i in shard.indices if self.state[i] == READY]
         for r in ready:
-            shard.ttft.extend((now_s, ttft) for ttft in r.ttft_log)
+            if r.ttft_log and not self.is_answered[r.index]:
+                self.is_answered[r.index] = True
+                self.figures.events.append((r.ttft_log[0][0] + profile.hop_s, r.index, "answered"))
+            shard.ttft.extend((now_s, ttft) for _, ttft in r.ttft_log)
             r.ttft_log.clear()
         while shard.ttft and shard.ttft[0][0] <= now_s - TTFT_WINDOW_S:
             shard.ttft.popleft()

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.config import ConfigError, describe_errors, read_yaml
 from gateway.loadtest.generators import WeightedSampler, arrival_times
-from gateway.loadtest.scenario import Scenario, parse_scenario
+from gateway.loadtest.scenario import Range, Scenario, parse_scenario
 from gateway.policy.autoscale import AutoscalingSettings
 
 SIM_KINDS = ("random", "shared_prefix", "rag", "chat", "alora_pipeline")
@@ -77,6 +77,23 @@ class SimScaling(BaseModel):
     policy: AutoscalingSettings = AutoscalingSettings(max_replicas=8)
 
 
+class Users(BaseModel):
+    """Closed-loop users (bench/sim/users.py): each sends a request, waits for its end (answered, refused
+    or failed), pauses the profile's `hop_s` plus `think_s` and sends the next, from `from_s` until
+    `until_s` (default: the run's end). Their prompts are their own tokens (no shared prefix); lengths
+    default to the scenario's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    num_users: int = Field(1, ge=1)
+    tenant: str | None = None  # default: the scenario's first
+    adapter: str = BASE
+    from_s: float = Field(0.0, ge=0)
+    until_s: float | None = Field(None, gt=0)
+    think_s: float = Field(0.0, ge=0)
+    prompt_tokens: Range | None = None  # default: prompts.length
+    output_tokens: Range | None = None  # default: output_tokens
+
+
 class SimSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     num_adapters: int | None = Field(None, ge=1)  # adapters a0000...: replace adapters.names (zipf_s applies)
@@ -93,6 +110,9 @@ class SimSection(BaseModel):
     # registered while running are, their traffic unknown: `redundancy` copies each, spread evenly
     placed_by: Literal["plan", "registry"] = "plan"
     autoscaling: SimScaling = SimScaling()
+    # closed-loop users beside the open-loop arrivals; a scenario of `load: {mode: closed}` has only these (none
+    # given: `load.users` users from start to end, as the load tester runs it)
+    users: list[Users] = Field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -120,9 +140,15 @@ def parse_fleet_scenario(data: object, source: str = "scenario") -> FleetScenari
     if scenario.prompts.kind not in SIM_KINDS:
         raise ConfigError(f"{source}: the simulator takes prompts of kind {', '.join(SIM_KINDS)}, "
                           f"not {scenario.prompts.kind!r}")
-    unknown = sorted(set(sim.tenant_limits) - {t.name for t in scenario.tenants})
+    tenants = {t.name for t in scenario.tenants}
+    unknown = sorted(set(sim.tenant_limits) - tenants)
     if unknown:
         raise ConfigError(f"{source}: sim.tenant_limits names unknown tenants: {', '.join(unknown)}")
+    unknown = sorted({u.tenant for u in sim.users if u.tenant is not None} - tenants)
+    if unknown:
+        raise ConfigError(f"{source}: sim.users names unknown tenants: {', '.join(unknown)}")
+    if scenario.load.mode == "closed" and not sim.users:
+        sim = sim.model_copy(update={"users": [Users(num_users=scenario.load.users)]})
     return FleetScenario(scenario, sim)
 
 
@@ -185,9 +211,10 @@ class _Conversation:
 
 def requests(scenario: Scenario) -> Iterator[SimRequest]:
     """Every request of the open-loop run in arrival order (the load tester's plan_workload,
-    with prompts as prefix + own token counts), at most `max_requests`."""
+    with prompts as prefix + own token counts), at most `max_requests`; none in a closed-loop
+    scenario (its users send theirs as their requests end: bench/sim/users.py)."""
     if scenario.load.mode != "open":
-        raise ConfigError("the simulator runs open-loop scenarios only")
+        return
     rng = random.Random(scenario.seed)
     mix = scenario.adapters
     adapters = (WeightedSampler.zipf(mix.names, mix.zipf_s) if mix.zipf_s is not None
