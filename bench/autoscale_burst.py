@@ -333,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     code, real = run(args)
     if args.simulate and real is not None:
         os.nice(19)  # the real run is over: the simulation at the lowest priority
-        shape = BurstShape(args.burst_users, args.burst_s, args.burst_tokens, args.light_gap, args.light_before)
+        shape = BurstShape(args.burst_users, args.burst_s, args.burst_tokens, args.light_gap, args.light_before, args.light_after)
         print(beside(real, args.simulate, AutoscalingSettings(**autoscaling(args)), args.slots, shape, SHARD))
     return code
 

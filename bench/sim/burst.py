@@ -38,13 +38,14 @@ class BurstFigures:
 @dataclass(frozen=True)
 class BurstShape:
     """The real run's load: the burst's users, length and output tokens, the light user's pause between its
-    requests and how long it runs alone before the burst."""
+    requests, how long it runs alone before the burst and on after the shard is back at min_replicas."""
 
     burst_users: int
     burst_s: float
     burst_tokens: int
     light_gap_s: float
     light_before_s: float
+    light_after_s: float = 10.0  # the light load once back at min_replicas (the real run stops counting then)
 
 
 def replica_seconds(timeline: Sequence[tuple[float, int]], from_s: float, to_s: float) -> float:
@@ -97,8 +98,9 @@ def _walk(events: Sequence[tuple[float, int, str]], low: int, burst_s: float, en
     return peak, back
 
 
-def simulated(fleet: FleetScenario, profile: CostProfile) -> BurstFigures:
-    """The scenario run once with ours, read as the real run is."""
+def simulated(fleet: FleetScenario, profile: CostProfile, light_after_s: float = 10.0) -> BurstFigures:
+    """The scenario run once with ours, read as the real run is: its requests until `light_after_s` after the
+    shard is back at min_replicas, the burst's TTFT over the burst group's (its tenant's) requests."""
     _, scaler = run_scaled(fleet, "ours", profile, SLO(fleet.scenario.slo.ttft_s, fleet.sim.itl_s))
     run, figures = scaler.fleet, scaler.figures
     g, low = burst_group(fleet), fleet.sim.autoscaling.policy.min_replicas
@@ -111,11 +113,15 @@ def simulated(fleet: FleetScenario, profile: CostProfile) -> BurstFigures:
         return next((at_s - start_s for at_s, j, w in events if j == i and w == what and at_s >= start_s), None)
 
     extra = range(low, fleet.sim.autoscaling.policy.max_replicas)
-    outcomes = run.record.outcomes
-    ttfts = [t for t, at_s in zip(run.record.ttft_s, run.record.arrivals) if start_s <= at_s < end_s]
+    outcomes, record = run.record.outcomes, run.record
+    burst_tenant = fleet.sim.users[g].tenant or fleet.scenario.tenants[0].name
+    ttfts = [t for t, at_s, tenant in zip(record.ttft_s, record.arrivals, record.tenants)
+             if start_s <= at_s < end_s and tenant == burst_tenant]
+    until_s = (end_s if back is None else back) + light_after_s
+    num_failed = sum(outcomes.values()) - outcomes["completed"]
     return BurstFigures(tuple(first(i, "starting") for i in extra), tuple(first(i, "answered") for i in extra),
-                        None if back is None else back - end_s, peak, sum(outcomes.values()),
-                        sum(outcomes.values()) - outcomes["completed"],
+                        None if back is None else back - end_s, peak, sum(at_s < until_s for at_s in record.arrivals) + num_failed,
+                        num_failed,
                         replica_seconds(figures.timeline, start_s, end_s if back is None else back),
                         percentile(ttfts, 0.5) if ttfts else float("nan"))
 
@@ -125,7 +131,7 @@ def beside(real: BurstFigures, profile_name: str, settings: AutoscalingSettings,
     """The real run's scenario simulated on a profile (its engine with the run's KV slots), beside the real figures."""
     profile = load_profile(profile_name)
     profile = replace(profile, engine=replace(profile.engine, num_seq_slots=num_seq_slots))
-    sim = simulated(mirrored(load_fleet_scenario(SCENARIO), settings, shape), profile)
+    sim = simulated(mirrored(load_fleet_scenario(SCENARIO), settings, shape), profile, shape.light_after_s)
     names = [f"{shard}-{i}" for i in range(settings.min_replicas, settings.max_replicas)]
     return (f"\nthe same run simulated (bench/sim/scenarios/{SCENARIO.name}, profile {profile.name}, replica_start_s "
             f"{profile.replica_start_s:g} s):\n{side_by_side(real, sim, names)}")
@@ -150,4 +156,3 @@ def side_by_side(real: BurstFigures, sim: BurstFigures, names: Sequence[str]) ->
     lines = [f"{'':50} {'real':>10} {'simulated':>10}"]
     lines += [f"{label:50} {_cell(r, d):>10} {_cell(s, d):>10}" for label, r, s, d in rows]
     return "\n".join(lines)
-

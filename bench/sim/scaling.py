@@ -105,6 +105,8 @@ class Scaler:
         if epoch != self.epoch[i] or self.state[i] != STARTING:
             return
         self.fleet.replicas[i].restart()  # a new process: empty caches
+        if self.fleet.replicas[i].ttft_log is not None:
+            self.fleet.replicas[i].ttft_log.clear()  # first tokens of its last life (while it drained)
         self.state[i] = READY
         self.figures.events.append((self.fleet.now_s, i, "up"))
         self.is_answered[i] = False

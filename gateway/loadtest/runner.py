@@ -64,18 +64,21 @@ class Progress:
             print(file=sys.stderr)
 
 
-
 async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
     """A stream's lines, broken only where SSE breaks them (CR, LF): httpx's `aiter_lines` also breaks at
     U+0085, U+2028 and U+2029, which a JSON string in an event may hold raw (another server's, or a
     token of a model's that decodes to one)."""
     pending = b""
     async for chunk in response.aiter_bytes():
-        *lines, pending = re.split(rb"\r\n|\r|\n", pending + chunk)
+        data = pending + chunk
+        cut = len(data) - data.endswith(b"\r")  # a CR last may be the first half of a CR LF
+        *lines, pending = re.split(rb"\r\n|\r|\n", data[:cut])
+        pending += data[cut:]
         for line in lines:
             yield line.decode(errors="replace")
     if pending:
         yield pending.decode(errors="replace")
+
 
 async def send(client: httpx.AsyncClient, base_model: str, keys: dict[str, str], request: PlannedRequest, t0: float) -> Result:
     result = Result(request.tenant, request.adapter, request.kind, time.perf_counter() - t0, ideal_cached=request.ideal_cached)

@@ -1,6 +1,6 @@
 """Where the registry pins registered adapters, over the replicas each shard has now (torch-free).
 
-The decisions are gateway/policy/placement.py's pure `place_new` and `rebalance`; this module
+The decisions are gateway/policy/replan.py's pure `place_new` and `rebalance`; this module
 gives them the replicas each shard has, two ways:
 
 - its replicas now, for where the traffic goes: a fixed shard's configured count; an autoscaled
@@ -19,20 +19,21 @@ that shard stays within the balance bound: its next requests need no cold start,
 shard serves it again once awake.
 
 A re-plan gives a cooled adapter's extra copies back (down to `registry.copies`) only after
-COOLED_REPLANS re-plans in a row without a request for it: the re-plan sees one gateway's traffic,
-and with several gateway replicas an adapter the others serve may look idle to it.
+COOLED_REPLANS re-plans in a row without a request for it since the one before: the re-plan sees one
+gateway's traffic, and with several gateway replicas an adapter the others serve may look idle to it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
+from gateway.cluster.membership import STARTING, UP
 from gateway.cluster.pool import ReplicaInfo
 from gateway.config import ServeConfig
 from gateway.policy.replan import place_new, rebalance
 from worker.contract.identity import Fingerprint
 
-Serving = Callable[[str], bool]  # replica id -> whether Serve runs it now or starts it (it takes its shard's pins)
+Phase = Callable[[str], str]  # replica id -> up, starting, draining or asleep (the pool's; a fixed shard's: up)
 COOLED_REPLANS = 3
 
 
@@ -40,23 +41,24 @@ class LivePlacement:
     """The registry's placement decisions for the shards as they are now (the config, its replicas, and
     which of them serve)."""
 
-    def __init__(self, config: ServeConfig, replicas: Sequence[ReplicaInfo], serving: Serving | None = None) -> None:
-        self.config, self.replicas, self.serving = config, replicas, serving
+    def __init__(self, config: ServeConfig, replicas: Sequence[ReplicaInfo], phase: Phase | None = None) -> None:
+        self.config, self.replicas, self.phase = config, replicas, phase
         self.settings = config.registry
         self.idle_replans: dict[Fingerprint, int] = {}  # re-plans in a row without a request for the adapter
 
-    def serves(self, replica_id: str) -> bool:
-        return self.serving is None or self.serving(replica_id)
+    def is_up(self, replica_id: str) -> bool:
+        return self.phase is None or self.phase(replica_id) == UP
 
     def num_replicas_now(self) -> dict[str, int]:
         """Replicas per shard now: a fixed shard's configured count; an autoscaled shard's replicas that
         run or start (all it may have where the pool cannot say)."""
         counts: dict[str, int] = {}
         for shard in self.config.shards:
-            if shard.autoscaling is None or self.serving is None:
+            if shard.autoscaling is None or self.phase is None:
                 counts[shard.name] = shard.replicas
-            else:
-                counts[shard.name] = sum(1 for r in self.replicas if r.shard == shard.name and self.serving(r.replica_id))
+            else:  # one starting takes its shard's pins when it comes up
+                counts[shard.name] = sum(1 for r in self.replicas
+                                         if r.shard == shard.name and self.phase(r.replica_id) in (UP, STARTING))
         return counts
 
     def num_replicas_kept(self) -> dict[str, int]:
@@ -70,9 +72,10 @@ class LivePlacement:
                          self.num_replicas_now())
 
     def moves(self, placed: Mapping[Fingerprint, tuple[str, ...]], traffic: Mapping[Fingerprint, float],
-              fixed: Mapping[str, int]) -> dict[Fingerprint, tuple[str, ...]]:
-        """Pins to move for the traffic seen (`fixed`: the config's adapters per shard, which do not move)."""
-        self.idle_replans = {fp: 0 if traffic.get(fp, 0.0) > 0 else self.idle_replans.get(fp, 0) + 1 for fp in placed}
+              fixed: Mapping[str, int], asked: Collection[Fingerprint]) -> dict[Fingerprint, tuple[str, ...]]:
+        """Pins to move for the traffic seen (decayed), `asked`: the adapters requested since the last
+        re-plan (`fixed`: the config's adapters per shard, which do not move)."""
+        self.idle_replans = {fp: 0 if fp in asked else self.idle_replans.get(fp, 0) + 1 for fp in placed}
         cooled = {fp for fp, n in self.idle_replans.items() if n >= COOLED_REPLANS}
         return rebalance(placed, traffic, self.num_replicas_now(), self.settings.copies,
                          self.settings.max_adapters_per_worker, fixed, kept=self.num_replicas_kept(), cooled=cooled)

@@ -31,7 +31,6 @@ from typing import Any
 
 from cache.blobs import BlobStore, BlobStoreError, open_blob_store
 from gateway.catalog import AdapterInfo, Catalog
-from gateway.cluster.membership import STARTING, UP
 from gateway.cluster.pool import NotServing, ReplicaInfo, ShardPool
 from gateway.config import ServeConfig
 from gateway.errors import GatewayError
@@ -39,7 +38,7 @@ from gateway.policy.placement import PlacementError
 from gateway.policy.routing import Residents
 from gateway.registry.garbage import StoredFiles
 from gateway.registry.limits import check_limits, describe
-from gateway.registry.live_placement import LivePlacement, Serving
+from gateway.registry.live_placement import LivePlacement, Phase
 from gateway.registry.records import (
     PENDING,
     SHARED,
@@ -65,13 +64,13 @@ Wake = Callable[[list[str]], float | None]  # replicas of a shard asleep to star
 class AdapterRegistry:
     def __init__(self, config: ServeConfig, catalog: Catalog, records: RecordStore, store: BlobStore,
                  replicas: list[ReplicaInfo], sync: Sync | None = None,
-                 clock: Callable[[], float] = time.monotonic, serving: Serving | None = None,
+                 clock: Callable[[], float] = time.monotonic, phase: Phase | None = None,
                  wake: Wake | None = None) -> None:
         self.config, self.catalog, self.records, self.store = config, catalog, records, store
         self.settings = config.registry
         self.replicas = replicas
         self.sync, self.wake = sync, wake
-        self.placement = LivePlacement(config, replicas, serving)  # over the replicas each shard has now
+        self.placement = LivePlacement(config, replicas, phase)  # over the replicas each shard has now
         self._clock = clock
         self.seed = dict(catalog.adapters)  # the config's adapters, shared: the registry's seed
         self.seed_pins: dict[str, Pins] = {  # shard -> its config adapters
@@ -90,6 +89,7 @@ class AdapterRegistry:
         self._lock = asyncio.Lock()
         self._reads = SharedReads(self.refresh, clock)  # the version checks requests wait on
         self.traffic: dict[Fingerprint, float] = {}  # requests lately (decayed at each re-plan)
+        self.asked: set[Fingerprint] = set()  # adapters requested since the last re-plan
         self._replanned_s = clock()
 
     # what requests see
@@ -130,6 +130,7 @@ class AdapterRegistry:
         """A request routed for these adapters (a `ScalesByFingerprint` will do): the re-plan's traffic."""
         for fingerprint in fingerprints:
             self.traffic[fingerprint] = self.traffic.get(fingerprint, 0.0) + 1.0
+            self.asked.add(fingerprint)
 
     async def replan(self) -> dict[Fingerprint, tuple[str, ...]]:
         """Move registered adapters' pins with the traffic this gateway saw (one gateway at a time,
@@ -139,8 +140,9 @@ class AdapterRegistry:
         placed: dict[Fingerprint, tuple[str, ...]] = {}
         for r in self.current.values():
             placed[r.fingerprint] = tuple(sorted(set(placed.get(r.fingerprint, ())) | set(r.shards)))
-        changes = self.placement.moves(placed, self.traffic, {s: len(pins) for s, pins in self.seed_pins.items()})
+        changes = self.placement.moves(placed, self.traffic, {s: len(pins) for s, pins in self.seed_pins.items()}, self.asked)
         self.traffic = {fp: n / 2 for fp, n in self.traffic.items() if n >= 1.0}
+        self.asked = set()
         if not changes:
             return {}
 
@@ -320,7 +322,7 @@ class AdapterRegistry:
         shards = tuple(shards)
         targets = [r for r in self.replicas if r.shard in shards]
         timeout_s = self.settings.load_timeout_s
-        if self.wake is not None and not any(self.placement.serves(r.replica_id) for r in targets):
+        if self.wake is not None and not any(self.placement.is_up(r.replica_id) for r in targets):
             timeout_s += self.wake([r.replica_id for r in targets]) or 0.0  # its shards asleep: their start first
         deadline_s = self._clock() + timeout_s
         while (not self.is_held(fingerprint, shards) and self._clock() < deadline_s
@@ -386,9 +388,7 @@ def open_registry(config: ServeConfig, catalog: Catalog, pool: ShardPool,
                                             ack_timeout_s=redis_config.replica_ack_timeout_s)
     else:
         records = FileRecords(store.directory, scope)
-    phase = getattr(pool, "phase", None)  # an autoscaled shard's replicas: up, starting, draining or asleep
-    serving = None if phase is None else (lambda replica_id: phase(replica_id) in (UP, STARTING))
     return AdapterRegistry(config, catalog, records, store, pool.replicas, getattr(pool, "sync", None), clock,
-                           serving, getattr(pool, "wake", None))
+                           getattr(pool, "phase", None), getattr(pool, "wake", None))
 
 

@@ -218,13 +218,14 @@ def test_a_stream_event_holding_a_unicode_line_separator_stays_one_event() -> No
         for i in range(0, len(body), 7):
             yield body[i:i + 7]
 
-    async def read(lines_of) -> list[str]:
+    async def read(lines_of, keep_empty: bool = False) -> list[str]:
         transport = httpx.MockTransport(lambda request: httpx.Response(200, content=chunks()))
         async with httpx.AsyncClient(transport=transport) as client:
             async with client.stream("GET", "http://test/") as response:
-                return [line async for line in lines_of(response) if line]
+                return [line async for line in lines_of(response) if line or keep_empty]
 
-    events = asyncio.run(read(sse_lines))
-    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:2]] == [text, text] and events[2] == "data: [DONE]"
+    lines = asyncio.run(read(sse_lines, keep_empty=True))
+    assert lines == [ours.decode().split("\n")[0], "", raw.decode().split("\r\n")[0], "", "data: [DONE]", ""]
+    assert [json.loads(line[6:])["choices"][0]["text"] for line in lines[:3:2]] == [text, text]
     plain = asyncio.run(read(lambda response: response.aiter_lines()))
     assert json.loads(plain[0][6:])["choices"][0]["text"] == text  # ours is one line even for aiter_lines

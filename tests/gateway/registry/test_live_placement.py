@@ -5,9 +5,11 @@ copy, and a new adapter whose shards all sleep wakes them before it must be load
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from cache.blobs import open_blob_store
 from gateway.catalog import Catalog
+from gateway.cluster.membership import ASLEEP, UP
 from gateway.cluster.pool import replica_infos
 from gateway.registry.records import SHARED, AdapterRecord, FileRecords, record_key
 from gateway.registry.registry import AdapterRegistry
@@ -28,7 +30,7 @@ def registry_with(tiny_llama, tmp_path, up: dict[str, bool], woken: list[list[st
         return 30.0
 
     registry = AdapterRegistry(config, Catalog(config), records, open_blob_store(config.blob_store()),
-                               replica_infos(config), serving=lambda replica_id: up.get(replica_id, True),
+                               replica_infos(config), phase=lambda replica_id: UP if up.get(replica_id, True) else ASLEEP,
                                wake=None if woken is None else wake)
 
     made = [AdapterRecord(SHARED, name, fp, 1, 4, ("attn_q",), shards=(shard,))
@@ -73,3 +75,17 @@ def test_a_new_adapter_goes_where_replicas_serve_and_wakes_its_shards_when_all_s
     assert woken == []  # warm serves: nothing to wake
     asyncio.run(registry._until_loaded(X, ("hot",)))
     assert woken == [["hot-0", "hot-1", "hot-2"]]
+
+
+def test_an_adapter_gives_its_extra_copies_back_after_three_re_plans_without_a_request(tiny_llama, tmp_path) -> None:
+    registry = registry_with(tiny_llama, tmp_path, {})
+    key = record_key(SHARED, "x")
+    spread = {key: replace(registry.current[key], shards=("hot", "warm", "cool"))}
+    asyncio.run(_seeded(registry, spread))
+    registry.count([X] * 5)  # asked for once more, then not at all
+    kept = []
+    for _ in range(4):
+        registry.traffic.update({Y: 20.0, Z: 20.0})
+        asyncio.run(registry.replan())
+        kept.append(len(registry.current[key].shards))
+    assert kept == [3, 3, 3, 2]  # three re-plans without a request, then back to registry.copies (2)

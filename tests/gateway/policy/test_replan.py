@@ -1,4 +1,4 @@
-"""Placement while running (pure): new pins, and pins moved by traffic."""
+"""gateway/policy/replan.py (pure): new pins while running, and pins moved by traffic."""
 
 from __future__ import annotations
 
