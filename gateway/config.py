@@ -22,6 +22,7 @@ stdlib dataclasses without their own config). The file's shape:
     reasoning: ReasoningSettings (gateway/reasoning.py): parser (auto, none, qwen3, deepseek_r1)
     auth:     keys (every request needs a key) or none (one anonymous tenant: said, never inferred)
     http:     HTTPSettings (gateway/http_settings.py): host, port, CORS, what an unknown `model` means, ...
+    registry: RegistrySettings (gateway/registry_settings.py): the adapter store, limits, copies, re-plans
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
-from cache.blobs import BlobStoreConfig, parse_store_url
+from cache.blobs import BlobStoreConfig
 from cache.l2 import RedisConfig
 from cache.prefix import PrefixCacheConfig
 from gateway.exposure import auth_error, exposure_error
@@ -45,6 +46,7 @@ from gateway.http_settings import HTTPSettings, NodeLabels
 from gateway.policy.autoscale import AutoscalingSettings, with_replicas
 from gateway.policy.routing import RoutingSettings
 from gateway.reasoning import ReasoningSettings
+from gateway.registry_settings import RegistrySettings
 from gateway.state import StateSettings
 from gateway.state import config_error as state_config_error
 from gateway.state import state_redis as _state_redis
@@ -130,32 +132,6 @@ def hex_digests(values: list[str]) -> list[str]:
             raise ValueError(f"{value!r} is not a hex SHA-256 digest "
                              "(python -c \"import hashlib;print(hashlib.sha256(b'KEY').hexdigest())\")")
     return values
-
-
-class RegistrySettings(_Strict):
-    """Adapters registered at run time (gateway/registry/): where their files are kept and the limits."""
-
-    # the adapter store (cache/blobs.py): s3://bucket/prefix (endpoint and credentials: the AWS variables), file:///path
-    # (one node, or a ReadWriteMany volume); None: store_dir itself (one machine)
-    store_url: str | None = None
-    store_dir: str = "~/.cache/loraplex/adapters"  # this node's copies of the store's adapter files (the store, without store_url)
-    allowed_paths: list[str] = Field(default_factory=list)  # directories load_lora_adapter's lora_path may name
-    max_upload_bytes: int = Field(512 << 20, ge=1024)  # one upload's body (adapters are MBs)
-    max_adapters_per_worker: int = Field(1024, ge=1)
-    copies: int = Field(2, ge=1)  # replicas a new adapter is pinned on (where there are that many)
-    poll_interval_s: float = Field(1.0, gt=0, le=60)  # how soon the other gateway replicas see a change
-    resync_interval_s: float = Field(10.0, gt=0)  # every worker is sent its pins again (a restarted one gets them back)
-    load_timeout_s: float = Field(60.0, gt=0)  # a new adapter must be loaded by a worker within this
-    garbage_age_s: float = Field(300.0, ge=0)  # an unreferenced file is deleted once this old and no worker holds it
-    replan_interval_s: float = Field(60.0, gt=0)  # registered adapters' pins follow the traffic this often
-
-    @field_validator("store_url")
-    @classmethod
-    def _store_url(cls, url: str | None) -> str | None:
-        if not url:
-            return None
-        parse_store_url(url)
-        return url
 
 
 class ServeConfig(_Strict):

@@ -13,7 +13,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.config import RegistrySettings, load_config, parse_config
+from gateway.config import load_config, parse_config
+from gateway.registry_settings import RegistrySettings
 from gateway.requests.tracing import TracingSettings
 
 ROOT = Path(__file__).resolve().parents[2]
