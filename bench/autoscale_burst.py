@@ -47,7 +47,7 @@ from bench.cluster import free_port
 from bench.cluster.bench import percentile
 from bench.cluster.topology import Topology
 from bench.sim.burst import BurstFigures, BurstShape, beside
-from bench.sim.burst_readings import Request, Sample, at_min, failed_between, first_after, first_leaving, real_figures, scale_up, timeline
+from bench.autoscale_readings import Request, Sample, at_min, failed_between, first_after, first_leaving, real_figures, scale_up, timeline
 from bench.sim.machine import machine_busy_s
 from gateway.loadtest.generators import plan_workload
 from gateway.loadtest.runner import Result, run_workload

@@ -95,7 +95,7 @@ class ShardScaler:
         self.decided_s: float | None = None
         self.answered: dict[int, int] = {}  # what it last answered for each deployment
         self.stopped_s: dict[int, float] = {}  # when it last answered 0 for each deployment after another answer
-        self.first_heard_s: float | None = None
+        self.first_heard_s: float | None = None  # its first report (a fresh scaler decides once it has heard them all)
 
     def replicas_for(self, report: ReplicaReport, now_s: float) -> int:
         """The replicas (0 or 1) of the deployment `report` is about. The shard's current count is
@@ -104,6 +104,8 @@ class ShardScaler:
         scaler had answered 0 for was started by Serve itself (its cold start: a request queued at a
         handle for a deployment with none): the shard has it now, and was busy, unless `is_stray`."""
         self.reports[report.index] = report
+        if self.first_heard_s is None:
+            self.first_heard_s = now_s
         if self.wanted is None and not self._heard_all(now_s):
             self.answered[report.index] = int(report.is_wanted)
             return int(report.is_wanted)
@@ -123,8 +125,6 @@ class ShardScaler:
 
     def _heard_all(self, now_s: float) -> bool:
         """Whether a fresh scaler knows its shard (FIRST_HEARD_S)."""
-        if self.first_heard_s is None:
-            self.first_heard_s = now_s
         return len(self.reports) >= self.settings.max_replicas or now_s - self.first_heard_s >= FIRST_HEARD_S
 
     def is_stray(self, index: int, now_s: float) -> bool:

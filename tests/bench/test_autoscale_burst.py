@@ -1,11 +1,11 @@
 """bench/autoscale_burst.py's arithmetic over the gateway's readings and the requests' outcomes
-(bench/sim/burst_readings.py; the run itself: `python -m bench.autoscale_burst`, as root, on the
+(bench/autoscale_readings.py; the run itself: `python -m bench.autoscale_burst`, as root, on the
 multi-node topology of tests/cluster)."""
 
 from __future__ import annotations
 
 from bench.autoscale_burst import parse
-from bench.sim.burst_readings import Request, Sample, at_min, failed_between, first_leaving, scale_up, timeline
+from bench.autoscale_readings import Request, Sample, at_min, failed_between, first_leaving, scale_up, timeline
 
 U, S, D, A = "up", "starting", "draining", "asleep"
 

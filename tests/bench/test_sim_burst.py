@@ -1,6 +1,6 @@
 """The simulator's closed-loop users (bench/sim/users.py), a scaled replica's events (bench/sim/scaling.py),
 and bench/autoscale_burst.py's run in the simulator beside the real one (bench/sim/burst.py,
-bench/sim/burst_readings.py)."""
+bench/autoscale_readings.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from bench.sim.burst import SCENARIO, BurstFigures, BurstShape, beside, mirrored, replica_seconds, side_by_side, simulated
-from bench.sim.burst_readings import Request, Sample, real_figures
+from bench.autoscale_readings import Request, Sample, real_figures
 from bench.sim.fleet import Fleet, place
 from bench.sim.profile import load_profile
 from bench.sim.users import REFUSED_PAUSE_S, ClosedLoop
