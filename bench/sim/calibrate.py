@@ -3,11 +3,13 @@
 The engine (worker/engine: the model runner, the scheduler, detokenizing postprocess) runs
 forward passes whose make-up is known, each timed whole as a simulated step stands for it:
 - a prompt alone: one request of N prompt tokens, nothing decoding;
-- decoding: k sequences, one new token each;
+- decoding: k sequences, one new token each, with short contexts and with long ones (a decoding
+  sequence's pass attends over its whole context: its keys and values are read);
 - beside decoding: k sequences decoding and one prompt of N tokens in the same pass.
 A warm-up round first (a process's first passes of each shape run slower), then `rounds`
 rounds; per shape the median. The CostProfile's coefficients (bench/sim/profile.py) are the
-least-squares fit of `step_s = step_overhead_s + prompt_token_s * N + decode_seq_s * k` over
+least-squares fit of `step_s = step_overhead_s + prompt_token_s * N + decode_seq_s * k +
+decode_context_s * k * C` (C: the decoding sequences' longest context, the keys each of them attends) over
 the shapes' medians, on relative error (a 60 ms decode step counts as much as a 900 ms
 prompt), each coefficient >= 0. kv_bytes_per_token is the engine's own KV cache's. The
 profile YAML says all that in its comments; `loraplex simulate --profile PATH` reads it.
@@ -49,6 +51,7 @@ DECODE_SEQS = (1, 2, 4, 8, 16)  # sequences decoding
 BESIDE = ((2, 64), (4, 256), (8, 32), (8, 128))  # (sequences decoding, prompt tokens) in one pass
 DECODE_STEPS = 4  # decode passes measured per k and round
 DECODER_PROMPT_TOKENS = 8  # the decoding sequences' own prompts
+LONG_PROMPT_TOKENS, LONG_DECODE_SEQS = 256, (1, 4, 8)  # decoders with long prompts (at most what a slot holds): their contexts' cost
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,12 @@ class Sample:
     num_prompt_tokens: int
     num_decode: int
     step_s: float
+    context: int = 0  # the longest context a decoding sequence attends in the pass (its new token's included)
+
+    @property
+    def shape(self) -> tuple[int, int, bool]:
+        """What medians group by: prompt tokens, sequences decoding, and whether their contexts are long."""
+        return self.num_prompt_tokens, self.num_decode, self.context > 2 * (DECODER_PROMPT_TOKENS + DECODE_STEPS + 1)
 
 
 @dataclass(frozen=True)
@@ -63,9 +72,11 @@ class Fit:
     step_overhead_s: float
     prompt_token_s: float
     decode_seq_s: float
+    decode_context_s: float = 0.0
 
-    def step_s(self, num_prompt_tokens: int, num_decode: int) -> float:
-        return self.step_overhead_s + self.prompt_token_s * num_prompt_tokens + self.decode_seq_s * num_decode
+    def step_s(self, num_prompt_tokens: int, num_decode: int, context: float = 0) -> float:
+        return (self.step_overhead_s + self.prompt_token_s * num_prompt_tokens + self.decode_seq_s * num_decode
+                + self.decode_context_s * num_decode * context)
 
 
 class Calibration:
@@ -80,11 +91,16 @@ class Calibration:
             print(f"no tokenizer ({e}); timing passes without detokenizing", file=sys.stderr)
             tokenizer = None
         largest = max(PROMPT_TOKENS) + 1
-        config = EngineConfig(num_seq_slots=max(DECODE_SEQS) + 1, slot_len=largest,
-                              max_step_tokens=largest + max(DECODE_SEQS), prefill_while_decoding=None, decode_stall=None)
+        config = EngineConfig(num_seq_slots=max(DECODE_SEQS) + 1, slot_len=largest,  # long decoders' prompts in one pass:
+                              max_step_tokens=max(largest + max(DECODE_SEQS), LONG_PROMPT_TOKENS * max(LONG_DECODE_SEQS)),
+                              prefill_while_decoding=None, decode_stall=None)
         self.engine = Engine(runner, tokenizer, config)
         fits = [n for n in PROMPT_TOKENS if n + 1 <= self.engine.slot_len]
         self.prompt_tokens = fits
+        self.decoders = [(DECODER_PROMPT_TOKENS, DECODE_SEQS)]  # (their prompts' tokens, how many decoding)
+        long_tokens = min(LONG_PROMPT_TOKENS, self.engine.slot_len - DECODE_STEPS - 1)
+        if long_tokens > 4 * (DECODER_PROMPT_TOKENS + DECODE_STEPS):  # then they decode together
+            self.decoders.append((long_tokens, LONG_DECODE_SEQS))
         self.beside = [(k, n) for k, n in BESIDE if n + 1 <= self.engine.slot_len]
         self._num_requests = 0
 
@@ -104,10 +120,10 @@ class Calibration:
     def _timed(self) -> Sample:
         """The next pass, its make-up read from the engine: sequences decoding before it, prompt tokens it computed."""
         engine = self.engine
-        num_decode = sum(1 for seq in engine.scheduler.running if not seq.is_prefilling)
+        contexts = [seq.num_computed + 1 for seq in engine.scheduler.running if not seq.is_prefilling]
         before = engine.counters.prompt_tokens
         step_s, _ = timed_step(engine)
-        return Sample(engine.counters.prompt_tokens - before, num_decode, step_s)
+        return Sample(engine.counters.prompt_tokens - before, len(contexts), step_s, max(contexts, default=0))
 
     def _drain(self) -> None:
         while self.engine.has_work():
@@ -119,12 +135,13 @@ class Calibration:
             self._add(n, 1)
             samples.append(self._timed())
             self._drain()
-        for k in DECODE_SEQS:
-            for _ in range(k):
-                self._add(DECODER_PROMPT_TOKENS, DECODE_STEPS + 1)
-            self.engine.step()  # their prompts: each its first token
-            while self.engine.has_work():
-                samples.append(self._timed())
+        for prompt_tokens, seqs in self.decoders:
+            for k in seqs:
+                for _ in range(k):
+                    self._add(prompt_tokens, DECODE_STEPS + 1)
+                self.engine.step()  # their prompts: each its first token
+                while self.engine.has_work():
+                    samples.append(self._timed())
         for k, n in self.beside:
             for _ in range(k):
                 self._add(DECODER_PROMPT_TOKENS, 3)
@@ -136,27 +153,31 @@ class Calibration:
         return samples
 
 
-def medians(samples: list[Sample]) -> dict[tuple[int, int], tuple[float, int]]:
-    """(prompt tokens, sequences decoding) -> (median seconds, samples)."""
-    by_shape: dict[tuple[int, int], list[float]] = {}
+def medians(samples: list[Sample]) -> dict[tuple[int, int, int], tuple[float, int]]:
+    """(prompt tokens, sequences decoding, their median context) -> (median seconds, samples), by Sample.shape."""
+    by_shape: dict[tuple[int, int, bool], list[Sample]] = {}
     for s in samples:
-        by_shape.setdefault((s.num_prompt_tokens, s.num_decode), []).append(s.step_s)
-    return {shape: (float(np.median(times)), len(times)) for shape, times in sorted(by_shape.items())}
+        by_shape.setdefault(s.shape, []).append(s)
+    shapes = {}
+    for (p, d, _), group in sorted(by_shape.items()):
+        context = int(np.median([s.context for s in group])) if d else 0
+        shapes[p, d, context] = (float(np.median([s.step_s for s in group])), len(group))
+    return shapes
 
 
-def fit(shapes: dict[tuple[int, int], float]) -> Fit:
+def fit(shapes: dict[tuple[int, int, int], float]) -> Fit:
     """Least squares on relative error with every coefficient >= 0: the best of the plain
-    fits over each subset of the coefficients whose solution is non-negative (exact for 3)."""
-    x = np.array([[1.0, p, d] for p, d in shapes], dtype=np.float64)
+    fits over each subset of the coefficients whose solution is non-negative (exact for 4)."""
+    x = np.array([[1.0, p, d, d * c] for p, d, c in shapes], dtype=np.float64)
     y = np.array(list(shapes.values()), dtype=np.float64)
     xw, ones = x / y[:, None], np.ones(len(y))
     best: tuple[float, np.ndarray] | None = None
-    for size in (3, 2, 1):
-        for kept in map(list, itertools.combinations(range(3), size)):
+    for size in (4, 3, 2, 1):
+        for kept in map(list, itertools.combinations(range(4), size)):
             solution = np.linalg.lstsq(xw[:, kept], ones, rcond=None)[0]
             if (solution < 0).any():
                 continue
-            coef = np.zeros(3)
+            coef = np.zeros(4)
             coef[kept] = solution
             error = float(np.sum((xw @ coef - ones) ** 2))
             if best is None or error < best[0]:
@@ -205,16 +226,17 @@ def _round_sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def profile_yaml(name: str, result: Fit, shapes: dict[tuple[int, int], tuple[float, int]], kv_bytes_per_token: int,
+def profile_yaml(name: str, result: Fit, shapes: dict[tuple[int, int, int], tuple[float, int]], kv_bytes_per_token: int,
                  engine: EngineConfig, how: list[str]) -> str:
     coefficients = {"step_overhead_s": _round_sig(result.step_overhead_s), "prompt_token_s": _round_sig(result.prompt_token_s),
-                    "decode_seq_s": _round_sig(result.decode_seq_s)}
+                    "decode_seq_s": _round_sig(result.decode_seq_s), "decode_context_s": _round_sig(result.decode_context_s)}
     rounded = Fit(**coefficients)
     lines = [f"# {line}" for line in how]
-    lines.append("# shape (prompt tokens + sequences decoding): median ms measured / fitted, (samples)")
-    for (p, d), (seconds, count) in shapes.items():
-        fitted = rounded.step_s(p, d)
-        lines.append(f"#   {p:4d} + {d:2d}: {1e3 * seconds:8.1f} / {1e3 * fitted:8.1f} ({100 * (fitted / seconds - 1):+.0f}%, {count})")
+    lines.append("# shape (prompt tokens + sequences decoding @ their context): median ms measured / fitted, (samples)")
+    for (p, d, c), (seconds, count) in shapes.items():
+        fitted = rounded.step_s(p, d, c)
+        lines.append(f"#   {p:4d} + {d:2d} @ {c:3d}: {1e3 * seconds:8.1f} / {1e3 * fitted:8.1f} ({100 * (fitted / seconds - 1):+.0f}%, "
+                     f"{count})")
     lines.append("# Fit: least squares on relative error over those medians, coefficients >= 0 (bench/sim/calibrate.py).")
     data = {"name": name, "is_measured": True, **coefficients, "kv_bytes_per_token": kv_bytes_per_token, "engine": asdict(engine)}
     lines.append(f"# Not measured (CostProfile's defaults): {', '.join(f.name for f in fields(CostProfile) if f.name not in data)}.")
@@ -260,5 +282,6 @@ def run(args: argparse.Namespace) -> int:
     profile: CostProfile = load_profile(str(out))  # what simulate will read
     print(text, end="")
     print(f"wrote {out}: step_overhead_s={profile.step_overhead_s} prompt_token_s={profile.prompt_token_s} "
-          f"decode_seq_s={profile.decode_seq_s} kv_bytes_per_token={profile.kv_bytes_per_token}")
+          f"decode_seq_s={profile.decode_seq_s} decode_context_s={profile.decode_context_s} "
+          f"kv_bytes_per_token={profile.kv_bytes_per_token}")
     return 0

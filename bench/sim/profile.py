@@ -24,6 +24,9 @@ class CostProfile:
     prompt_token_s: float  # each prompt token it computes
     decode_seq_s: float  # each sequence it decodes one token for
     engine: EngineConfig
+    # each token of context each decoding sequence attends to (its keys and values read): a pass's decoding sequences
+    # attend together, each over the longest one's context (worker/model/attention.py's batched decode)
+    decode_context_s: float = 0.0
     kv_bytes_per_token: int = 0
     adapter_load_s: float = 0.0  # loading an adapter a replica does not pin (routers that ignore residency)
     max_loaded_adapters: int = 8  # adapters held beyond the pins, least recently used evicted
@@ -57,7 +60,7 @@ class CostProfile:
     adapter_fetch_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.step_overhead_s, self.prompt_token_s, self.decode_seq_s, self.adapter_load_s) < 0:
+        if min(self.step_overhead_s, self.prompt_token_s, self.decode_seq_s, self.decode_context_s, self.adapter_load_s) < 0:
             raise ValueError(f"profile {self.name!r}: costs must be >= 0")
         if not self.step_overhead_s + self.prompt_token_s + self.decode_seq_s > 0:
             raise ValueError(f"profile {self.name!r}: a step must cost some time")
@@ -76,9 +79,10 @@ class CostProfile:
         if self.max_loaded_adapters < 0 or self.l1_chunks < 0:
             raise ValueError(f"profile {self.name!r}: max_loaded_adapters and l1_chunks must be >= 0")
 
-    def step_s(self, prompt_tokens: int, num_decode: int) -> float:
-        """A forward pass's time."""
-        return self.step_overhead_s + self.prompt_token_s * prompt_tokens + self.decode_seq_s * num_decode
+    def step_s(self, prompt_tokens: int, num_decode: int, context: float = 0) -> float:
+        """A forward pass's time; `context`: the longest context among its decoding sequences."""
+        return (self.step_overhead_s + self.prompt_token_s * prompt_tokens + self.decode_seq_s * num_decode
+                + self.decode_context_s * num_decode * context)
 
     def loop_s(self, num_deltas: int) -> float:
         """The engine loop's time around a pass that hands out `num_deltas` deltas."""

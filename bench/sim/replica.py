@@ -243,14 +243,17 @@ class ReplicaModel:
             return None
         self._spans, self._num_decode, self._num_prompt_tokens = spans, len(decoding), num_prompt_tokens
         num_firsts = sum(1 for seq, length in spans if seq.is_prefilling and seq.num_computed + length == seq.num_prompt)
-        self.profile_pass_s = self.profile.step_s(num_prompt_tokens, len(decoding))
-        self.pass_s = self.profile_pass_s * (self.contention.factor(now_s, self.index) if self.contention is not None else 1.0)
-        self.step_s = self.pass_s + self.profile.loop_s(len(decoding) + num_firsts)
-        self.step_start_s = now_s
-        self.num_steps = 1
+        num_steps = 1
         if num_prompt_tokens == 0 and not (free and any(self._may_take_slot(t, free) for t in self.queues)):
             # nothing can start until one finishes
-            self.num_steps = min(seq.request.max_tokens - seq.num_generated for seq in decoding)
+            num_steps = min(seq.request.max_tokens - seq.num_generated for seq in decoding)
+        # the decoding sequences' longest context (its new token's included); over a run, its mean (a token longer each
+        # step: the run's time is exact, each of its steps the mean; one cut short keeps that mean)
+        context = max((seq.num_computed + 1 for seq in decoding), default=0) + (num_steps - 1) / 2
+        self.profile_pass_s = self.profile.step_s(num_prompt_tokens, len(decoding), context)
+        self.pass_s = self.profile_pass_s * (self.contention.factor(now_s, self.index) if self.contention is not None else 1.0)
+        self.step_s = self.pass_s + self.profile.loop_s(len(decoding) + num_firsts)
+        self.step_start_s, self.num_steps = now_s, num_steps  # stepping from now (after the cores were shared out without it)
         self.version += 1
         return now_s + self.num_steps * self.step_s
 

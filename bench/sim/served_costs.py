@@ -29,7 +29,8 @@ class Measured:
 
 def pass_ratio(profile: CostProfile, passes: Counter) -> float | None:
     """The served replicas' time in their passes over what `profile` predicts for the same passes
-    (their count, prompt tokens and generated tokens, each of those a sequence decoding in some pass)."""
+    (their count, prompt tokens and generated tokens, each of those a sequence decoding in some pass; the counters
+    do not say the decoding sequences' contexts, so their cost, `decode_context_s`, is left out of the prediction)."""
     predicted = (passes["loraplex_engine_steps_total"] * profile.step_overhead_s
                  + passes["loraplex_engine_prompt_tokens_total"] * profile.prompt_token_s
                  + passes["loraplex_engine_generated_tokens_total"] * profile.decode_seq_s)
@@ -99,7 +100,7 @@ def on_shared_cores(profile: CostProfile, measured: Measured) -> CostProfile | N
     in_replica_s = beyond_passes(measured.replicas_cpu_s, measured) or 0.0  # of it, the replicas' processes'
     loaded, _ = under_load(profile, measured)
     return replace(loaded, name=f"{profile.name} on shared cores", step_overhead_s=profile.step_overhead_s,
-                   prompt_token_s=profile.prompt_token_s, decode_seq_s=profile.decode_seq_s,
+                   prompt_token_s=profile.prompt_token_s, decode_seq_s=profile.decode_seq_s, decode_context_s=profile.decode_context_s,
                    shared_cores=measured.cores, serving_cpu_request_s=per_request_s,
                    replica_cpu_request_s=min(per_request_s, in_replica_s))
 
@@ -124,4 +125,4 @@ def under_load(profile: CostProfile, measured: Measured) -> tuple[CostProfile, f
         changes["l2_lookup_s"], changes["l2_fetch_token_s"] = lookup
     return replace(profile, name=f"{profile.name} under load", step_overhead_s=profile.step_overhead_s * factor,
                    prompt_token_s=profile.prompt_token_s * factor, decode_seq_s=profile.decode_seq_s * factor,
-                   **changes), factor
+                   decode_context_s=0.0, **changes), factor  # the factor takes the contexts' cost in (pass_ratio)

@@ -8,6 +8,7 @@ and the serving path's own terms, all measured on the server before the measured
 bench/sim/served_costs.py), and with one factor in place of the shared cores.
 
     python -m bench.sim.validate [--rate-rps R] [--duration-s T] [--profile FILE.yaml] [--out DIR]
+    python -m bench.sim.validate --replay DIR  # the simulated side again, on what a run left in DIR
 
 The simulation replays the load tester's own requests (its plan_workload: the same arrivals,
 adapters, prompt and output lengths, shared prefixes), not a draw of its own from the seed. ITL
@@ -29,7 +30,7 @@ import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -59,6 +60,7 @@ from gateway.loadtest.generators import plan_workload
 from gateway.loadtest.scenario import Scenario
 
 SCENARIO = Path(__file__).parent / "scenarios" / "validate-2replicas.yaml"
+REAL_RUN = "real-run.json"  # in --out: what the real run measured, for --replay
 ADAPTERS = ["caps", "json", "signature"]  # deploy/serve.yaml's, all on both replicas
 OPERATOR_KEY = "sk-loraplex-operator"  # deploy/serve.yaml's
 WARM_UP_S = 15.0  # load before the measured run (another seed: other prefixes), for the replicas' one-time costs
@@ -128,6 +130,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-redis", action="store_true", help="no Redis tier: each replica's own prefix cache (simulated alike)")
     parser.add_argument("--calibrate-rounds", type=int, default=5)
     parser.add_argument("--out", metavar="DIR", help="where the config, profile and reports go (default: a new temporary directory)")
+    parser.add_argument("--replay", metavar="DIR", help="nothing served: compare again what an earlier run left in DIR "
+                        "(its --out; give its --scenario, --rate-rps and --duration-s again)")
     return parser.parse_args()
 
 
@@ -179,6 +183,27 @@ def run_server(raw: dict, out: Path, threads: int, scenario: Scenario, scenario_
     if not stopped:
         print("loraplex serve did not stop within its timeout: killed with everything it started", file=sys.stderr)
     return RealRun(report, wall_s, cpu_real, passes, lone, replace(warm_up, lone=before - warmed))
+
+
+def save_run(served: Served, real_run: RealRun, out: Path) -> None:
+    """What `replay` reads back: the served config's path and threads, the profile, and what the real run measured."""
+    measured = asdict(real_run.measured)
+    measured["warm_up"], measured["lone"] = dict(real_run.measured.warm_up), dict(real_run.measured.lone)
+    (out / REAL_RUN).write_text(json.dumps({
+        "threads": served.threads, "profile": str(served.profile_path), "cpu_calibrate": served.cpu_calibrate,
+        "report": str(real_run.report), "wall_s": real_run.wall_s, "cpu": real_run.cpu, "passes": dict(real_run.passes),
+        "lone": real_run.lone, "measured": measured}, indent=1))
+
+
+def replay(out: Path) -> tuple[Served, RealRun]:
+    """An earlier run's, from `save_run`'s file in its directory."""
+    saved = json.loads((out / REAL_RUN).read_text())
+    config = parse_config(yaml.safe_load((out / "serve.yaml").read_text()), out, str(out / "serve.yaml"))
+    measured = saved["measured"]
+    measured = Measured(**{**measured, "warm_up": Counter(measured["warm_up"]), "lone": Counter(measured["lone"])})
+    return (Served(config, saved["threads"], Path(saved["profile"]), tuple(saved["cpu_calibrate"])),
+            RealRun(Path(saved["report"]), saved["wall_s"], tuple(saved["cpu"]), Counter(saved["passes"]), tuple(saved["lone"]),
+                    measured))
 
 
 def serve_for_real(args: argparse.Namespace, out: Path, scenario: Scenario, scenario_path: Path) -> tuple[Served, RealRun]:
@@ -254,7 +279,8 @@ def print_tables(scenario: Scenario, served: Served, real_run: RealRun, c: Compa
     print(f"\n{scenario.name}: {len(c.requests)} requests at {scenario.load.rate_rps:g} req/s over {scenario.duration_s:g} s "
           f"(the first {scenario.warmup_s:g} s not measured); {NUM_REPLICAS} replicas of one shard, {served.threads} thread(s) each; "
           f"profile {served.profile_path} (step_overhead_s {profile.step_overhead_s}, prompt_token_s {profile.prompt_token_s}, "
-          f"decode_seq_s {profile.decode_seq_s}); real {real_run.wall_s:.0f} s, simulated in {c.sim_wall_s:.2f} s; "
+          f"decode_seq_s {profile.decode_seq_s}, decode_context_s {profile.decode_context_s}); "
+          f"real {real_run.wall_s:.0f} s, simulated in {c.sim_wall_s:.2f} s; "
           f"CPU during calibration: {served.cpu_calibrate[0]}; during the real run: {real_run.cpu[0]}; measured requests that failed: "
           f"{c.real['failed']} real, {c.sim['failed']} simulated\n")
     for what, (_, is_shared) in (("calibration", served.cpu_calibrate), ("the real run", real_run.cpu)):
@@ -326,13 +352,18 @@ def print_verdict(c: Comparison, out: Path) -> None:
 
 def main() -> int:
     args = parse_args()
-    out = Path(args.out or tempfile.mkdtemp(prefix="loraplex-validate-"))
+    out = Path(args.replay or args.out or tempfile.mkdtemp(prefix="loraplex-validate-"))
     out.mkdir(parents=True, exist_ok=True)
     loaded = load_fleet_scenario(args.scenario)
     fleet = FleetScenario(scaled(loaded.scenario, args.rate_rps, args.duration_s), loaded.sim)
     scenario_path = out / "scenario.yaml"  # the load tester's part
-    scenario_path.write_text(yaml.safe_dump(fleet.scenario.model_dump(mode="json")))
-    served, real_run = serve_for_real(args, out, fleet.scenario, scenario_path)
+    if not args.replay:
+        scenario_path.write_text(yaml.safe_dump(fleet.scenario.model_dump(mode="json")))
+    if args.replay:
+        served, real_run = replay(out)
+    else:
+        served, real_run = serve_for_real(args, out, fleet.scenario, scenario_path)
+        save_run(served, real_run, out)
     comparison = compare(fleet, served, real_run)
     print_tables(fleet.scenario, served, real_run, comparison)
     print_passes(real_run, comparison)

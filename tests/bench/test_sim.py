@@ -5,6 +5,7 @@ batches as the engine's scheduler does."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -190,6 +191,8 @@ def test_calibrate_fits_the_engine_and_writes_a_profile_simulate_reads(tiny_llam
     assert profile.kv_bytes_per_token == hp.num_layers * hp.num_kv_heads * (hp.embed_dim // hp.num_heads) * 2 * 4  # K, V in fp32
     assert profile.engine == EngineConfig()
     assert "# Measured by `loraplex calibrate`" in out.read_text() and "1 other engine(s)" in out.read_text()
+    contexts = {int(c) for c in re.findall(r"^#\s+0 \+\s+\d+ @\s*(\d+):", out.read_text(), re.MULTILINE)}
+    assert min(contexts) < 20 and max(contexts) > 100 and profile.decode_context_s >= 0  # decoders' short and long contexts
 
 
 def test_the_command_prints_json_and_writes_the_report_with_plots(tmp_path, capsys) -> None:
