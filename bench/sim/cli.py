@@ -124,6 +124,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"loraplex simulate: {e}", file=sys.stderr)
         return 2
+    if args.rate_rps is not None and fleet.scenario.load.mode != "open":
+        print(f"loraplex simulate: --rate-rps sets an open loop's rate, and {args.scenario}'s load is closed-loop: its users "
+              "(sim.users) set the rate; change their number or think time in the scenario instead", file=sys.stderr)
+        return 2
     scenario = scaled(fleet.scenario, args.rate_rps, args.duration_s, args.seed)
     if args.max_requests is not None:
         scenario = scenario.model_copy(update={"max_requests": args.max_requests})

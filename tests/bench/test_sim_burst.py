@@ -114,3 +114,11 @@ def test_the_bench_prints_its_run_beside_the_same_run_simulated_with_its_flags()
     rows = {line[:50].strip(): line[50:].split() for line in text.splitlines()[2:]}
     assert set(rows) >= {"s-1 asked for (s from the burst's start)", "replicas up at most"}
     assert rows["replicas up at most"] == ["2", "2"] and "s-2 asked for (s from the burst's start)" not in rows
+
+
+def test_a_closed_loop_scenario_refuses_a_rate_its_users_set(capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main as cli_main
+
+    assert cli_main(["simulate", "--scenario", str(SCENARIO), "--rate-rps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "closed-loop: its users (sim.users) set the rate" in err and "Traceback" not in err
