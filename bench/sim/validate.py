@@ -53,6 +53,7 @@ from bench.sim.validate_figures import (
     simulated,
     table,
     twins,
+    worker_itl,
 )
 from bench.sim.workload import FleetScenario, SimRequest, load_fleet_scenario, scaled
 from gateway.config import ServeConfig, parse_config
@@ -331,6 +332,11 @@ def print_passes(real_run: RealRun, c: Comparison) -> None:
         print(f"a real pass that only decodes: {1e3 * decode_s:.1f} ms on average; the profile's at 1 sequence "
               f"{1e3 * profile.step_s(0, 1):.1f} ms, at {slots} {1e3 * profile.step_s(0, slots):.1f} ms")
     print(twins(real_run.report, c.requests, c.run))
+    at_workers = worker_itl(real_run.report, c.run.scenario)
+    if at_workers[0] is not None:
+        print(f"the real ITL at the workers (their answers' timings, without the way back to the load tester): p50 "
+              f"{1e3 * at_workers[0]:.1f} ms, p99 {1e3 * at_workers[1]:.1f} ms; at the load tester {1e3 * c.real['itl_p50_s']:.1f} "
+              f"and {1e3 * c.real['itl_p99_s']:.1f} ms")
     if lone[0] is not None and lone[1] is not None:
         print(f"one request at a time on the idle server ({LONE_PROMPT_TOKENS} prompt tokens, {LONE_NEW_TOKENS} new; median): "
               f"TTFT real {1e3 * lone[0]:.1f} ms, the profile's pass {1e3 * profile.step_s(LONE_PROMPT_TOKENS, 0):.1f} ms; "

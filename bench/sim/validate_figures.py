@@ -123,6 +123,15 @@ def sim_figures(record: RunRecord, requests: list[SimRequest], scenario: Scenari
     }
 
 
+def worker_itl(report_path: Path, scenario: Scenario) -> tuple[float | None, float | None]:
+    """ITL p50 and p99 of the measured requests at their workers (each answer's timings: the worker's time from its
+    first token to its last), without the way back to the load tester; (None, None) where no answer carried them."""
+    rows = [r for r in json.loads(report_path.read_text())["requests"] if r["start_s"] >= scenario.warmup_s and r["status"] == 200
+            and r["completion_tokens"] > 1 and r.get("worker_decode_s") is not None]
+    gaps = [r["worker_decode_s"] / (r["completion_tokens"] - 1) for r in rows]
+    return (percentile(gaps, 0.5), percentile(gaps, 0.99)) if gaps else (None, None)
+
+
 def lone_figures(report_path: Path) -> tuple[float | None, float | None]:
     """Median TTFT and median mean gap of requests sent one at a time."""
     ok = [r for r in json.loads(report_path.read_text())["requests"] if r["status"] == 200 and r["completion_tokens"] > 1]

@@ -36,6 +36,7 @@ class Result:
     ideal_cached: int = 0
     replica: str = ""
     error: str = ""
+    worker_decode_s: float | None = None  # the worker's time from its first token to its last (its answer's timings), if given
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -115,6 +116,8 @@ async def send(client: httpx.AsyncClient, base_model: str, keys: dict[str, str],
                     u = event["usage"]
                     result.prompt_tokens, result.completion_tokens = u["prompt_tokens"], u["completion_tokens"]
                     result.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                    predicted_ms = (event.get("timings") or {}).get("predicted_ms")  # llama-server's, which loraplex sends too
+                    result.worker_decode_s = predicted_ms / 1e3 if isinstance(predicted_ms, (int, float)) else None
     except httpx.HTTPError as e:
         result.error = f"{type(e).__name__}: {e}"[:300]
     result.e2e_s = time.perf_counter() - started

@@ -4,6 +4,7 @@ run's measurements kept for comparing again without serving."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import replace
 
@@ -66,3 +67,20 @@ def test_a_validation_run_is_kept_and_compared_again_as_it_was(tmp_path) -> None
     assert again_run == real_run
     assert (again_served.threads, again_served.profile_path, again_served.cpu_calibrate) == (1, served.profile_path, ("quiet", False))
     assert again_served.config.shards == served.config.shards
+
+
+def test_the_real_itl_at_the_workers_reads_their_answers_timings(tmp_path) -> None:
+    from bench.sim.validate import SCENARIO
+    from bench.sim.validate_figures import worker_itl
+    from bench.sim.workload import load_fleet_scenario
+
+    row = {"start_s": 20.0, "status": 200, "completion_tokens": 5, "itl_s": [0.03] * 4}
+    rows = [{**row, "worker_decode_s": 0.1}, {**row, "worker_decode_s": 0.1}, {**row, "worker_decode_s": 0.2},
+            {**row, "start_s": 1.0, "worker_decode_s": 9.0},  # in the warm-up: not measured
+            {**row, "completion_tokens": 1, "worker_decode_s": 0.0}, {**row, "worker_decode_s": None}]
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"requests": rows}))
+    scenario = load_fleet_scenario(str(SCENARIO)).scenario  # its first 10 s not measured
+    assert worker_itl(path, scenario) == (pytest.approx(0.025), pytest.approx(0.05, abs=0.0011))
+    path.write_text(json.dumps({"requests": [{**row, "worker_decode_s": None}]}))
+    assert worker_itl(path, scenario) == (None, None)

@@ -155,6 +155,9 @@ def test_a_short_run_writes_the_json_the_markdown_and_the_plots(live_server, tmp
     assert summary["cache"]["ideal_share"] > 0.3 and summary["cache"]["cached_share"] > 0.1
     assert set(summary["replicas"]["requests"]) <= {"s1-0", "s1-1", "s2-0"} and summary["replicas"]["max_over_mean"] >= 1
     assert set(summary["per_tenant"]) == {"t1", "t2"}
+    answered = [r for r in report["requests"] if r["status"] == 200]  # the worker's time from first token to last, read
+    assert all(0 <= r["worker_decode_s"] < r["e2e_s"] for r in answered)  # off the answer's timings
+    assert any(r["worker_decode_s"] > 0 for r in answered if r["completion_tokens"] > 1)
     assert "# Load test: tiny" in (out / "report.md").read_text()
     for name in ("latency_cdf.png", "throughput.png", "ttft_per_adapter.png", "replica_load.png", "cache_hit.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
