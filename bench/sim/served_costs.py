@@ -25,6 +25,7 @@ class Measured:
     replicas_cpu_s: float = 0.0  # over the warm-up: the replicas' processes' CPU (their passes' threads' included)
     cores: int = 0  # the machine's
     chunk_tokens: int | None = None  # the prefix cache's chunk (None: no Redis tier)
+    life_s: float = 0.0  # the warm-up's answered requests' mean time from sending to their last token (0: not measured)
 
 
 def pass_ratio(profile: CostProfile, passes: Counter) -> float | None:
@@ -90,16 +91,17 @@ def beyond_passes(cpu_s: float, measured: Measured) -> float | None:
 
 def on_shared_cores(profile: CostProfile, measured: Measured) -> CostProfile | None:
     """`under_load`'s profile with its passes at the profile's cost, slowed instead as the machine's cores are shared
-    at each moment (bench/sim/contention.py) by the engines and the serving path's CPU a request
-    (the machine's busy CPU beyond the passes, `beyond_passes`), and by the share of it in the replica's own process
-    (the replicas' processes' CPU beyond the passes), which holds the interpreter lock its engine needs. None: not
-    measured."""
+    at each moment (bench/sim/contention.py) by the engines and the serving path's CPU a request (the machine's busy
+    CPU beyond the passes, `beyond_passes`), spent over a request's life (`life_s`), and by the share of it in the
+    replica's own process (the replicas' processes' CPU beyond the passes), which holds the interpreter lock its
+    engine needs. None: not measured."""
     per_request_s = beyond_passes(measured.busy_cpu_s, measured)  # the serving path's CPU a request
     if per_request_s is None:
         return None
     in_replica_s = beyond_passes(measured.replicas_cpu_s, measured) or 0.0  # of it, the replicas' processes'
     loaded, _ = under_load(profile, measured)
     return replace(loaded, name=f"{profile.name} on shared cores", step_overhead_s=profile.step_overhead_s,
+                   serving_window_s=measured.life_s,
                    prompt_token_s=profile.prompt_token_s, decode_seq_s=profile.decode_seq_s, decode_context_s=profile.decode_context_s,
                    shared_cores=measured.cores, serving_cpu_request_s=per_request_s,
                    replica_cpu_request_s=min(per_request_s, in_replica_s))

@@ -38,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cluster import free_port
 from bench.server import ROOT, Server, base_config, loadtest
+from bench.sim.contention import WINDOW_S
 from bench.sim.machine import OTHERS_SHARE, CPUShare, PrivateRedis, machine_busy_s, own_cpu_s
 from bench.sim.profile import CostProfile, load_profile
 from bench.sim.record import RunRecord
@@ -115,11 +116,13 @@ def engine_totals(url: str) -> Counter:
     return totals
 
 
-def client_ttft(report_path: Path) -> tuple[float, int, int]:
-    """The TTFTs the load tester measured: their sum and count; and how many requests it sent."""
+def client_ttft(report_path: Path) -> tuple[float, int, int, float]:
+    """The TTFTs the load tester measured: their sum and count; how many requests it sent; and the answered ones' mean
+    life (from sending to the last token)."""
     sent = json.loads(report_path.read_text())["requests"]
     ttfts = [r["ttft_s"] for r in sent if r["status"] == 200 and r["ttft_s"] is not None]
-    return sum(ttfts), len(ttfts), len(sent)
+    lives = [r["e2e_s"] for r in sent if r["status"] == 200 and r["e2e_s"] is not None]
+    return sum(ttfts), len(ttfts), len(sent), sum(lives) / len(lives) if lives else 0.0
 
 
 def parse_args() -> argparse.Namespace:
@@ -169,8 +172,9 @@ def run_server(raw: dict, out: Path, threads: int, scenario: Scenario, scenario_
         warm_up_report = loadtest(scenario_path, server.url, out / "warm-up-measured", seed=scenario.seed + 2000,
                                   duration_s=MEASURED_WARM_UP_S)  # the serving path's costs: over this second warm-up
         warmed = engine_totals(server.url)
-        warm_up = Measured(warmed - first, Counter(), *client_ttft(warm_up_report), busy_cpu_s=machine_busy_s() - busy_s,
-                           replicas_cpu_s=own_cpu_s([server.process.pid])[1] - replicas_s, cores=os.cpu_count() or 1)
+        ttft_s, num_ttfts, num_sent, life_s = client_ttft(warm_up_report)
+        warm_up = Measured(warmed - first, Counter(), ttft_s, num_ttfts, num_sent, busy_cpu_s=machine_busy_s() - busy_s,
+                           replicas_cpu_s=own_cpu_s([server.process.pid])[1] - replicas_s, cores=os.cpu_count() or 1, life_s=life_s)
         lone_path = out / "one-at-a-time.yaml"
         lone_path.write_text(yaml.safe_dump({**LONE, "tenants": [t.model_dump() for t in scenario.tenants[:1]]}))
         lone = lone_figures(loadtest(lone_path, server.url, out / "one-at-a-time"))
@@ -201,6 +205,9 @@ def replay(out: Path) -> tuple[Served, RealRun]:
     saved = json.loads((out / REAL_RUN).read_text())
     config = parse_config(yaml.safe_load((out / "serve.yaml").read_text()), out, str(out / "serve.yaml"))
     measured = saved["measured"]
+    warm_up_report = out / "warm-up-measured" / "report.json"
+    if "life_s" not in measured and warm_up_report.exists():  # a run from before it was kept: read off its warm-up's report
+        measured["life_s"] = client_ttft(warm_up_report)[3]
     measured = Measured(**{**measured, "warm_up": Counter(measured["warm_up"]), "lone": Counter(measured["lone"])})
     return (Served(config, saved["threads"], Path(saved["profile"]), tuple(saved["cpu_calibrate"])),
             RealRun(Path(saved["report"]), saved["wall_s"], tuple(saved["cpu"]), Counter(saved["passes"]), tuple(saved["lone"]),
@@ -303,8 +310,10 @@ def print_tables(scenario: Scenario, served: Served, real_run: RealRun, c: Compa
         print(f"\non shared cores: the profile's passes slowed as the {shared_profile.shared_cores} cores are shared at each "
               f"moment by the engines and {1e3 * shared_profile.serving_cpu_request_s:.0f} ms of the serving path's CPU a "
               f"request (the machine's busy CPU over the warm-up less its passes' threads', over its requests; "
-              f"{1e3 * shared_profile.replica_cpu_request_s:.0f} ms of it in the replica's process, beside its engine), the same "
-              f"terms beside them; its passes x{mean_factor:.2f} on average (the warm-up's measured x{c.factor:.2f})\n")
+              f"{1e3 * shared_profile.replica_cpu_request_s:.0f} ms of it in the replica's process, beside its engine), spent "
+              f"over a request's life ({shared_profile.serving_window_s or WINDOW_S:.2f} s: the warm-up's mean from sending to the "
+              f"last token); the same terms beside them; its passes x{mean_factor:.2f} on average (the warm-up's measured "
+              f"x{c.factor:.2f})\n")
         print(shared_text)
 
 

@@ -84,3 +84,20 @@ def test_the_real_itl_at_the_workers_reads_their_answers_timings(tmp_path) -> No
     assert worker_itl(path, scenario) == (pytest.approx(0.025), pytest.approx(0.05, abs=0.0011))
     path.write_text(json.dumps({"requests": [{**row, "worker_decode_s": None}]}))
     assert worker_itl(path, scenario) == (None, None)
+
+
+def test_the_serving_work_is_spread_over_a_requests_measured_life() -> None:
+    from bench.sim.contention import SharedCores
+    from bench.sim.served_costs import on_shared_cores
+
+    class Replica:
+        num_steps = 0
+
+    short = SharedCores(2, 0.25, [Replica(), Replica()], window_s=0.5)
+    for at_s in (0.1, 0.2, 0.3, 0.4):
+        short.arrived(at_s)
+    assert short.factor(0.45) == pytest.approx((1 + 4 * 0.25 / 0.5) / 2)  # two cores' worth of serving work, as it arrives
+    assert short.factor(0.95) == pytest.approx(1.0)  # half a second on, their lives are over and their work done
+    measured = Measured(Counter({"loraplex_engine_pass_cpu_seconds_total": 120.0}), Counter(), num_sent=60, busy_cpu_s=150.0,
+                        replicas_cpu_s=132.0, cores=2, life_s=0.8)
+    assert on_shared_cores(PROFILE, measured).serving_window_s == 0.8
