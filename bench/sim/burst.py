@@ -85,10 +85,12 @@ def _walk(events: Sequence[tuple[float, int, str]], low: int, burst_s: float, en
             back = end_s  # at min_replicas already when the burst ended
         if what in ("starting", "up"):
             on.add(i)
-            up |= {i} if what == "up" else set()
+        if what == "up":
+            up.add(i)
         elif what in ("draining", "off"):
             up.discard(i)
-            on -= {i} if what == "off" else set()
+        if what == "off":
+            on.discard(i)
         if at_s >= burst_s:
             peak = max(peak, len(up))
         if back is None and at_s >= end_s and len(on) <= low:

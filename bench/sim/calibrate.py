@@ -52,6 +52,7 @@ BESIDE = ((2, 64), (4, 256), (8, 32), (8, 128))  # (sequences decoding, prompt t
 DECODE_STEPS = 4  # decode passes measured per k and round
 DECODER_PROMPT_TOKENS = 8  # the decoding sequences' own prompts
 LONG_PROMPT_TOKENS, LONG_DECODE_SEQS = 256, (1, 4, 8)  # decoders with long prompts (at most what a slot holds): their contexts' cost
+LONG_CONTEXT = 4 * (DECODER_PROMPT_TOKENS + DECODE_STEPS + 1)  # a long context is past this (the short ones' longest x 4)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Sample:
     @property
     def shape(self) -> tuple[int, int, bool]:
         """What medians group by: prompt tokens, sequences decoding, and whether their contexts are long."""
-        return self.num_prompt_tokens, self.num_decode, self.context > 2 * (DECODER_PROMPT_TOKENS + DECODE_STEPS + 1)
+        return self.num_prompt_tokens, self.num_decode, self.context > LONG_CONTEXT
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class Calibration:
         self.prompt_tokens = fits
         self.decoders = [(DECODER_PROMPT_TOKENS, DECODE_SEQS)]  # (their prompts' tokens, how many decoding)
         long_tokens = min(LONG_PROMPT_TOKENS, self.engine.slot_len - DECODE_STEPS - 1)
-        if long_tokens > 4 * (DECODER_PROMPT_TOKENS + DECODE_STEPS):  # then they decode together
+        if long_tokens >= LONG_CONTEXT:  # where a slot holds them
             self.decoders.append((long_tokens, LONG_DECODE_SEQS))
         self.beside = [(k, n) for k, n in BESIDE if n + 1 <= self.engine.slot_len]
         self._num_requests = 0

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.sim.churn import Churn
-from bench.sim.contention import WINDOW_S, SharedCores
+from bench.sim.contention import SharedCores
 from bench.sim.profile import CostProfile
 from bench.sim.record import OUTCOMES, RunRecord
 from bench.sim.replica import PrefixCache, ReplicaModel, Seq
@@ -111,7 +111,7 @@ class Fleet:
                                       else shared, pins, shared if has_l1 else None)
                          for i, pins in enumerate(placement.pins)]
         self.cores = (SharedCores(profile.shared_cores, profile.serving_cpu_request_s, self.replicas, profile.replica_cpu_request_s,
-                                  profile.serving_window_s or WINDOW_S)
+                                  profile.serving_window_s)
                       if profile.shared_cores else None)
         for replica in self.replicas:
             replica.contention = self.cores

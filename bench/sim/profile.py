@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from bench.sim.contention import WINDOW_S
 from worker.contract.spec import EngineConfig, SpeculativeConfig
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
@@ -54,7 +55,7 @@ class CostProfile:
     shared_cores: int = 0
     serving_cpu_request_s: float = 0.0
     replica_cpu_request_s: float = 0.0  # of that, what its replica's process spends beside the engine's passes
-    serving_window_s: float = 0.0  # over how long a request's serving CPU is spent (its life, measured; 0: contention's default)
+    serving_window_s: float = WINDOW_S  # over how long a request's serving CPU is spent (its life, where measured)
     # a replica asked for serves after replica_start_s (its process and engine started, the base model fetched and
     # loaded) plus adapter_fetch_s for each adapter it pins (fetched from the store first): bench/sim/scaling.py
     replica_start_s: float = 0.0
@@ -73,9 +74,9 @@ class CostProfile:
             raise ValueError(f"profile {self.name!r}: adapter_load_lower_s must be >= 0")
         if min(self.l2_fetch_token_s or 0, self.l2_lookup_s, self.hop_s, self.loop_step_s, self.loop_delta_s) < 0:
             raise ValueError(f"profile {self.name!r}: l2_fetch_token_s, l2_lookup_s, hop_s and loop_*_s must be >= 0")
-        if self.shared_cores < 0 or self.serving_cpu_request_s < 0 or self.replica_cpu_request_s < 0 or self.serving_window_s < 0:
+        if self.shared_cores < 0 or self.serving_cpu_request_s < 0 or self.replica_cpu_request_s < 0 or self.serving_window_s <= 0:
             raise ValueError(f"profile {self.name!r}: shared_cores, serving_cpu_request_s, replica_cpu_request_s and serving_window_s "
-                             "must be >= 0")
+                             "must be >= 0 (serving_window_s > 0)")
         if self.replica_start_s < 0 or self.adapter_fetch_s < 0:
             raise ValueError(f"profile {self.name!r}: replica_start_s and adapter_fetch_s must be >= 0")
         if self.max_loaded_adapters < 0 or self.l1_chunks < 0:

@@ -90,21 +90,19 @@ def beyond_passes(cpu_s: float, measured: Measured) -> float | None:
 
 
 def on_shared_cores(profile: CostProfile, measured: Measured) -> CostProfile | None:
-    """`under_load`'s profile with its passes at the profile's cost, slowed instead as the machine's cores are shared
-    at each moment (bench/sim/contention.py) by the engines and the serving path's CPU a request (the machine's busy
-    CPU beyond the passes, `beyond_passes`), spent over a request's life (`life_s`), and by the share of it in the
-    replica's own process (the replicas' processes' CPU beyond the passes), which holds the interpreter lock its
-    engine needs. None: not measured."""
+    """The profile with its passes at their own cost, slowed as the machine's cores are shared at each moment
+    (bench/sim/contention.py) by the engines and the serving path's CPU a request (the machine's busy CPU beyond the
+    passes, `beyond_passes`), spent over a request's life (`life_s`), and by the share of it in the replica's own
+    process (the replicas' processes' CPU beyond the passes), which holds the interpreter lock its engine needs; and
+    the serving path's own terms (`serving_terms`). None: not measured."""
     per_request_s = beyond_passes(measured.busy_cpu_s, measured)  # the serving path's CPU a request
     if per_request_s is None:
         return None
     in_replica_s = beyond_passes(measured.replicas_cpu_s, measured) or 0.0  # of it, the replicas' processes'
-    loaded, _ = under_load(profile, measured)
-    return replace(loaded, name=f"{profile.name} on shared cores", step_overhead_s=profile.step_overhead_s,
-                   serving_window_s=measured.life_s,
-                   prompt_token_s=profile.prompt_token_s, decode_seq_s=profile.decode_seq_s, decode_context_s=profile.decode_context_s,
-                   shared_cores=measured.cores, serving_cpu_request_s=per_request_s,
-                   replica_cpu_request_s=min(per_request_s, in_replica_s))
+    return replace(profile, name=f"{profile.name} on shared cores", shared_cores=measured.cores, serving_cpu_request_s=per_request_s,
+                   replica_cpu_request_s=min(per_request_s, in_replica_s),
+                   serving_window_s=measured.life_s or profile.serving_window_s,
+                   **serving_terms(measured))
 
 
 def under_load(profile: CostProfile, measured: Measured) -> tuple[CostProfile, float]:
@@ -113,18 +111,23 @@ def under_load(profile: CostProfile, measured: Measured) -> tuple[CostProfile, f
     a replica's own work beside its engine, cost its passes, which calibrating a bare engine leaves out. (The
     metrics count passes alone, the profile whole steps; on the idle server the two differed by less than their
     noise, 0.95-1.20 in three runs, so the ratio is not divided by an idle one, which only added that noise.) Beside
-    the passes, the serving path's own costs, each a term of its own, measured on the real server: the engine loop's
-    time around a pass and each delta (`loop_terms`), a request's way to its worker and back (`hop_under_load`), and
-    its prefix lookup, a round trip and each token fetched from Redis (`lookup_terms`)."""
+    the passes, the serving path's own terms (`serving_terms`)."""
     factor = pass_ratio(profile, measured.warm_up) or 1.0
-    hop_s = hop_under_load(measured)
-    loop_step_s, loop_delta_s = loop_terms(measured.warm_up, measured.lone)
-    changes: dict = {"loop_step_s": loop_step_s, "loop_delta_s": loop_delta_s}
-    if hop_s is not None:
-        changes["hop_s"] = hop_s
-    lookup = lookup_terms(measured.warm_up, measured.lone, measured.chunk_tokens) if measured.chunk_tokens else None
-    if lookup is not None:
-        changes["l2_lookup_s"], changes["l2_fetch_token_s"] = lookup
     return replace(profile, name=f"{profile.name} under load", step_overhead_s=profile.step_overhead_s * factor,
                    prompt_token_s=profile.prompt_token_s * factor, decode_seq_s=profile.decode_seq_s * factor,
-                   decode_context_s=0.0, **changes), factor  # the factor takes the contexts' cost in (pass_ratio)
+                   decode_context_s=0.0, **serving_terms(measured)), factor  # the factor takes the contexts' cost in (pass_ratio)
+
+
+def serving_terms(measured: Measured) -> dict[str, float]:
+    """The serving path's own costs beside the passes, each a term of a profile, measured on the real server: the
+    engine loop's time around a pass and each delta (`loop_terms`), a request's way to its worker and back
+    (`hop_under_load`), and its prefix lookup, a round trip and each token fetched from Redis (`lookup_terms`)."""
+    loop_step_s, loop_delta_s = loop_terms(measured.warm_up, measured.lone)
+    terms = {"loop_step_s": loop_step_s, "loop_delta_s": loop_delta_s}
+    hop_s = hop_under_load(measured)
+    if hop_s is not None:
+        terms["hop_s"] = hop_s
+    lookup = lookup_terms(measured.warm_up, measured.lone, measured.chunk_tokens) if measured.chunk_tokens else None
+    if lookup is not None:
+        terms["l2_lookup_s"], terms["l2_fetch_token_s"] = lookup
+    return terms

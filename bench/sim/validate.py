@@ -38,7 +38,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cluster import free_port
 from bench.server import ROOT, Server, base_config, loadtest
-from bench.sim.contention import WINDOW_S
 from bench.sim.machine import OTHERS_SHARE, CPUShare, PrivateRedis, machine_busy_s, own_cpu_s
 from bench.sim.profile import CostProfile, load_profile
 from bench.sim.record import RunRecord
@@ -54,12 +53,11 @@ from bench.sim.validate_figures import (
     simulated,
     table,
     twins,
-    worker_itl,
 )
 from bench.sim.workload import FleetScenario, SimRequest, load_fleet_scenario, scaled
 from gateway.config import ServeConfig, parse_config
 from gateway.loadtest.generators import plan_workload
-from gateway.loadtest.scenario import Scenario
+from gateway.loadtest.scenario import Scenario, load_scenario
 
 SCENARIO = Path(__file__).parent / "scenarios" / "validate-2replicas.yaml"
 REAL_RUN = "real-run.json"  # in --out: what the real run measured, for --replay
@@ -116,8 +114,8 @@ def engine_totals(url: str) -> Counter:
     return totals
 
 
-def client_ttft(report_path: Path) -> tuple[float, int, int, float]:
-    """The TTFTs the load tester measured: their sum and count; how many requests it sent; and the answered ones' mean
+def client_figures(report_path: Path) -> tuple[float, int, int, float]:
+    """What the load tester measured: its TTFTs' sum and count, how many requests it sent, and the answered ones' mean
     life (from sending to the last token)."""
     sent = json.loads(report_path.read_text())["requests"]
     ttfts = [r["ttft_s"] for r in sent if r["status"] == 200 and r["ttft_s"] is not None]
@@ -135,7 +133,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--calibrate-rounds", type=int, default=5)
     parser.add_argument("--out", metavar="DIR", help="where the config, profile and reports go (default: a new temporary directory)")
     parser.add_argument("--replay", metavar="DIR", help="nothing served: compare again what an earlier run left in DIR "
-                        "(its --out; give its --scenario, --rate-rps and --duration-s again)")
+                        "(its --out: its scenario as served; give its --scenario again for the sim: section)")
     return parser.parse_args()
 
 
@@ -172,7 +170,7 @@ def run_server(raw: dict, out: Path, threads: int, scenario: Scenario, scenario_
         warm_up_report = loadtest(scenario_path, server.url, out / "warm-up-measured", seed=scenario.seed + 2000,
                                   duration_s=MEASURED_WARM_UP_S)  # the serving path's costs: over this second warm-up
         warmed = engine_totals(server.url)
-        ttft_s, num_ttfts, num_sent, life_s = client_ttft(warm_up_report)
+        ttft_s, num_ttfts, num_sent, life_s = client_figures(warm_up_report)
         warm_up = Measured(warmed - first, Counter(), ttft_s, num_ttfts, num_sent, busy_cpu_s=machine_busy_s() - busy_s,
                            replicas_cpu_s=own_cpu_s([server.process.pid])[1] - replicas_s, cores=os.cpu_count() or 1, life_s=life_s)
         lone_path = out / "one-at-a-time.yaml"
@@ -207,7 +205,7 @@ def replay(out: Path) -> tuple[Served, RealRun]:
     measured = saved["measured"]
     warm_up_report = out / "warm-up-measured" / "report.json"
     if "life_s" not in measured and warm_up_report.exists():  # a run from before it was kept: read off its warm-up's report
-        measured["life_s"] = client_ttft(warm_up_report)[3]
+        measured["life_s"] = client_figures(warm_up_report)[3]
     measured = Measured(**{**measured, "warm_up": Counter(measured["warm_up"]), "lone": Counter(measured["lone"])})
     return (Served(config, saved["threads"], Path(saved["profile"]), tuple(saved["cpu_calibrate"])),
             RealRun(Path(saved["report"]), saved["wall_s"], tuple(saved["cpu"]), Counter(saved["passes"]), tuple(saved["lone"]),
@@ -311,7 +309,7 @@ def print_tables(scenario: Scenario, served: Served, real_run: RealRun, c: Compa
               f"moment by the engines and {1e3 * shared_profile.serving_cpu_request_s:.0f} ms of the serving path's CPU a "
               f"request (the machine's busy CPU over the warm-up less its passes' threads', over its requests; "
               f"{1e3 * shared_profile.replica_cpu_request_s:.0f} ms of it in the replica's process, beside its engine), spent "
-              f"over a request's life ({shared_profile.serving_window_s or WINDOW_S:.2f} s: the warm-up's mean from sending to the "
+              f"over a request's life ({shared_profile.serving_window_s:.2f} s: the warm-up's mean from sending to the "
               f"last token); the same terms beside them; its passes x{mean_factor:.2f} on average (the warm-up's measured "
               f"x{c.factor:.2f})\n")
         print(shared_text)
@@ -341,11 +339,10 @@ def print_passes(real_run: RealRun, c: Comparison) -> None:
         print(f"a real pass that only decodes: {1e3 * decode_s:.1f} ms on average; the profile's at 1 sequence "
               f"{1e3 * profile.step_s(0, 1):.1f} ms, at {slots} {1e3 * profile.step_s(0, slots):.1f} ms")
     print(twins(real_run.report, c.requests, c.run))
-    at_workers = worker_itl(real_run.report, c.run.scenario)
-    if at_workers[0] is not None:
+    if c.real["worker_itl_p50_s"] is not None:
         print(f"the real ITL at the workers (their answers' timings, without the way back to the load tester): p50 "
-              f"{1e3 * at_workers[0]:.1f} ms, p99 {1e3 * at_workers[1]:.1f} ms; at the load tester {1e3 * c.real['itl_p50_s']:.1f} "
-              f"and {1e3 * c.real['itl_p99_s']:.1f} ms")
+              f"{1e3 * c.real['worker_itl_p50_s']:.1f} ms, p99 {1e3 * c.real['worker_itl_p99_s']:.1f} ms; at the load tester "
+              f"{1e3 * c.real['itl_p50_s']:.1f} and {1e3 * c.real['itl_p99_s']:.1f} ms")
     if lone[0] is not None and lone[1] is not None:
         print(f"one request at a time on the idle server ({LONE_PROMPT_TOKENS} prompt tokens, {LONE_NEW_TOKENS} new; median): "
               f"TTFT real {1e3 * lone[0]:.1f} ms, the profile's pass {1e3 * profile.step_s(LONE_PROMPT_TOKENS, 0):.1f} ms; "
@@ -370,13 +367,13 @@ def main() -> int:
     out = Path(args.replay or args.out or tempfile.mkdtemp(prefix="loraplex-validate-"))
     out.mkdir(parents=True, exist_ok=True)
     loaded = load_fleet_scenario(args.scenario)
-    fleet = FleetScenario(scaled(loaded.scenario, args.rate_rps, args.duration_s), loaded.sim)
     scenario_path = out / "scenario.yaml"  # the load tester's part
-    if not args.replay:
-        scenario_path.write_text(yaml.safe_dump(fleet.scenario.model_dump(mode="json")))
-    if args.replay:
+    if args.replay:  # the scenario as that run served it
+        fleet = FleetScenario(load_scenario(scenario_path), loaded.sim)
         served, real_run = replay(out)
     else:
+        fleet = FleetScenario(scaled(loaded.scenario, args.rate_rps, args.duration_s), loaded.sim)
+        scenario_path.write_text(yaml.safe_dump(fleet.scenario.model_dump(mode="json")))
         served, real_run = serve_for_real(args, out, fleet.scenario, scenario_path)
         save_run(served, real_run, out)
     comparison = compare(fleet, served, real_run)

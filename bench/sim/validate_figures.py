@@ -96,11 +96,16 @@ def real_figures(report_path: Path, scenario: Scenario) -> dict[str, float | Non
     rows = [r for r in json.loads(report_path.read_text())["requests"] if r["start_s"] >= scenario.warmup_s]
     ok = [r for r in rows if r["status"] == 200 and r["ttft_s"] is not None]
     itl = [sum(r["itl_s"]) / (r["completion_tokens"] - 1) for r in ok if r["completion_tokens"] > 1]
+    # at the workers (each answer's timings: the worker's time from first token to last), without the way back
+    at_workers = [r["worker_decode_s"] / (r["completion_tokens"] - 1) for r in ok
+                  if r["completion_tokens"] > 1 and r.get("worker_decode_s") is not None]
     measured_s = scenario.duration_s - scenario.warmup_s
     prompt = sum(r["prompt_tokens"] for r in ok)
     return {
         "ttft_p50_s": percentile([r["ttft_s"] for r in ok], 0.5), "ttft_p99_s": percentile([r["ttft_s"] for r in ok], 0.99),
         "itl_p50_s": percentile(itl, 0.5), "itl_p99_s": percentile(itl, 0.99),
+        "worker_itl_p50_s": percentile(at_workers, 0.5) if at_workers else None,
+        "worker_itl_p99_s": percentile(at_workers, 0.99) if at_workers else None,
         "gap_p99_s": percentile([g for r in ok for g in r["itl_s"]], 0.99),
         "completed_rps": len(ok) / measured_s, "output_tok_s": sum(r["completion_tokens"] for r in ok) / measured_s,
         "prefix_hit": sum(r["cached_tokens"] for r in ok) / prompt if prompt else None,
@@ -121,15 +126,6 @@ def sim_figures(record: RunRecord, requests: list[SimRequest], scenario: Scenari
         "prefix_hit": record.cached_tokens / record.prompt_tokens if record.prompt_tokens else None,
         "failed": record.num_measured - len(record.ttft_s),
     }
-
-
-def worker_itl(report_path: Path, scenario: Scenario) -> tuple[float | None, float | None]:
-    """ITL p50 and p99 of the measured requests at their workers (each answer's timings: the worker's time from its
-    first token to its last), without the way back to the load tester; (None, None) where no answer carried them."""
-    rows = [r for r in json.loads(report_path.read_text())["requests"] if r["start_s"] >= scenario.warmup_s and r["status"] == 200
-            and r["completion_tokens"] > 1 and r.get("worker_decode_s") is not None]
-    gaps = [r["worker_decode_s"] / (r["completion_tokens"] - 1) for r in rows]
-    return (percentile(gaps, 0.5), percentile(gaps, 0.99)) if gaps else (None, None)
 
 
 def lone_figures(report_path: Path) -> tuple[float | None, float | None]:

@@ -71,10 +71,15 @@ def test_a_validation_run_is_kept_and_compared_again_as_it_was(tmp_path) -> None
 
 def test_the_real_itl_at_the_workers_reads_their_answers_timings(tmp_path) -> None:
     from bench.sim.validate import SCENARIO
-    from bench.sim.validate_figures import worker_itl
+    from bench.sim.validate_figures import real_figures
     from bench.sim.workload import load_fleet_scenario
 
-    row = {"start_s": 20.0, "status": 200, "completion_tokens": 5, "itl_s": [0.03] * 4}
+    def worker_itl(path, scenario):  # noqa: ANN001, ANN202 - the real figures' workers' ITL p50 and p99
+        figures = real_figures(path, scenario)
+        return figures["worker_itl_p50_s"], figures["worker_itl_p99_s"]
+
+    row = {"start_s": 20.0, "status": 200, "completion_tokens": 5, "itl_s": [0.03] * 4, "ttft_s": 0.1, "prompt_tokens": 8,
+           "cached_tokens": 0}
     rows = [{**row, "worker_decode_s": 0.1}, {**row, "worker_decode_s": 0.1}, {**row, "worker_decode_s": 0.2},
             {**row, "start_s": 1.0, "worker_decode_s": 9.0},  # in the warm-up: not measured
             {**row, "completion_tokens": 1, "worker_decode_s": 0.0}, {**row, "worker_decode_s": None}]
